@@ -1,0 +1,2 @@
+//! tailgate's load generator and benchmark scenarios.
+pub mod cli;

@@ -1,0 +1,66 @@
+//! The `tailgate` binary: parse arguments, build, run. Everything else lives in the
+//! `tailgate` (gateway) and `tailgate-bench` (load generator) libraries.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "tailgate", version, about = "A multi-tenant API gateway built for the tail.")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway.
+    Serve {
+        /// The TOML config file.
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Validate a config file; print every error as file:line:col and exit non-zero.
+    Check {
+        /// The TOML config file.
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Run a built-in demo upstream (answers every request itself).
+    DemoUpstream {
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:8081")]
+        listen: String,
+    },
+    /// Load generator and benchmark scenarios (`tailgate bench --help`).
+    #[command(disable_help_flag = true)]
+    Bench {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve { config } => report(tailgate::cli::serve(&config)),
+        Command::Check { config } => report(tailgate::cli::check(&config)),
+        Command::DemoUpstream { listen } => report(tailgate::cli::demo_upstream(&listen)),
+        Command::Bench { args } => {
+            let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("tailgate"));
+            tailgate_bench::cli::main(args, exe)
+        }
+    }
+}
+
+fn report(result: Result<(), tailgate::cli::CliError>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}

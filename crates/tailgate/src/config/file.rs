@@ -1,0 +1,96 @@
+//! The config file's shape, as serde reads it. Fields that validation must point at keep
+//! their byte span (`Spanned`), so an error can say `file:line:col`.
+
+use serde::Deserialize;
+use toml::Spanned;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    #[serde(default)]
+    pub server: RawServer,
+    #[serde(default)]
+    pub log: RawLog,
+    #[serde(default)]
+    pub demo: Vec<RawDemo>,
+    #[serde(default)]
+    pub listener: Vec<RawListener>,
+    #[serde(default)]
+    pub tenant: Vec<RawTenant>,
+    #[serde(default)]
+    pub cluster: Vec<RawCluster>,
+    #[serde(default)]
+    pub route: Vec<RawRoute>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServer {
+    pub workers: Option<Spanned<usize>>,
+    pub shutdown_grace: Option<Spanned<String>>,
+    pub header_read_timeout: Option<Spanned<String>>,
+    pub idle_timeout: Option<Spanned<String>>,
+    pub max_header_bytes: Option<Spanned<usize>>,
+    pub max_body_bytes: Option<u64>,
+    pub request_id_header: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLog {
+    pub level: Option<Spanned<String>>,
+    pub format: Option<Spanned<String>>,
+    pub access_log: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDemo {
+    pub address: Spanned<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawListener {
+    pub name: Option<String>,
+    pub address: Spanned<String>,
+    pub tenant: Option<Spanned<String>>,
+    pub tls: Option<RawTls>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTls {
+    pub cert: Spanned<String>,
+    pub key: Spanned<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTenant {
+    pub name: Spanned<String>,
+    #[serde(default)]
+    pub hosts: Vec<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCluster {
+    pub name: Spanned<String>,
+    pub endpoints: Spanned<Vec<Spanned<String>>>,
+    pub connect_timeout: Option<Spanned<String>>,
+    pub max_idle_per_endpoint: Option<usize>,
+    pub idle_timeout: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRoute {
+    pub tenant: Option<Spanned<String>>,
+    pub host: Option<Spanned<String>>,
+    pub path_prefix: Spanned<String>,
+    pub methods: Option<Spanned<Vec<Spanned<String>>>>,
+    pub cluster: Spanned<String>,
+    pub response_timeout: Option<Spanned<String>>,
+    pub total_timeout: Option<Spanned<String>>,
+}

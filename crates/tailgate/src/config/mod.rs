@@ -1,0 +1,174 @@
+//! The TOML config: the file's shape ([`file`]), its validation into a checked [`Config`]
+//! with `file:line:col` errors ([`validate`]), and duration/size parsing.
+//!
+//! Loading never panics on input: every problem becomes a [`ConfigError`] that names the
+//! place, the field, what is wrong and what to write instead.
+
+mod file;
+mod validate;
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+pub use file::RawConfig;
+pub use validate::host_matches;
+
+/// A validated config, ready to build a gateway from.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub source: PathBuf,
+    pub server: ServerSettings,
+    pub log: LogSettings,
+    pub demos: Vec<SocketAddr>,
+    pub listeners: Vec<Listener>,
+    pub tenants: Vec<Tenant>,
+    pub clusters: Vec<Cluster>,
+    pub routes: Vec<Route>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerSettings {
+    /// Data-plane threads, each with its own current-thread runtime.
+    pub workers: usize,
+    pub shutdown_grace: Duration,
+    pub header_read_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_header_bytes: usize,
+    /// 0 means no limit.
+    pub max_body_bytes: u64,
+    pub request_id_header: http::HeaderName,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone)]
+pub struct LogSettings {
+    pub level: String,
+    pub format: LogFormat,
+    pub access_log: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct Listener {
+    pub name: String,
+    pub address: SocketAddr,
+    /// Index into [`Config::tenants`]: every connection here belongs to this tenant.
+    pub tenant: Option<usize>,
+    pub tls: Option<TlsFiles>,
+}
+
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug, Clone)]
+pub struct Tenant {
+    pub name: String,
+    /// Lower-case host names; a leading `*.` matches any subdomain.
+    pub hosts: Vec<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Cluster {
+    pub name: String,
+    pub endpoints: Vec<SocketAddr>,
+    pub connect_timeout: Duration,
+    pub max_idle_per_endpoint: usize,
+    pub idle_timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct Route {
+    /// Index into [`Config::tenants`].
+    pub tenant: Option<usize>,
+    pub host: Option<String>,
+    pub path_prefix: String,
+    /// Empty means every method.
+    pub methods: Vec<http::Method>,
+    /// Index into [`Config::clusters`].
+    pub cluster: usize,
+    pub response_timeout: Duration,
+    /// `None`: no limit on the whole exchange.
+    pub total_timeout: Option<Duration>,
+}
+
+impl Config {
+    /// Reads, parses and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ConfigErrors(vec![ConfigError {
+                file: path.to_path_buf(),
+                line: 0,
+                col: 0,
+                field: String::new(),
+                message: format!("cannot read the config file: {e}"),
+                hint: None,
+            }])
+        })?;
+        Self::parse(path, &text)
+    }
+
+    /// Parses and validates config text; `path` is used in messages and to resolve
+    /// relative paths (TLS files).
+    pub fn parse(path: &Path, text: &str) -> Result<Config, ConfigErrors> {
+        validate::parse_and_validate(path, text)
+    }
+}
+
+/// One problem in a config file.
+#[derive(Debug, Clone)]
+pub struct ConfigError {
+    pub file: PathBuf,
+    /// 1-based; 0 when the problem has no place in the file.
+    pub line: usize,
+    pub col: usize,
+    /// Dotted path of the field, e.g. `route[2].cluster`.
+    pub field: String,
+    pub message: String,
+    /// What to write instead.
+    pub hint: Option<String>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.line > 0 {
+            write!(f, "{}:{}:{}: ", self.file.display(), self.line, self.col)?;
+        } else {
+            write!(f, "{}: ", self.file.display())?;
+        }
+        if !self.field.is_empty() {
+            write!(f, "{}: ", self.field)?;
+        }
+        write!(f, "{}", self.message)?;
+        if let Some(hint) = &self.hint {
+            write!(f, "\n  help: {hint}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Every problem found in a config file (validation does not stop at the first).
+#[derive(Debug, Clone)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "error: {e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigErrors {}

@@ -1,0 +1,84 @@
+//! The built-in demo upstream, so the example config works with nothing else installed:
+//! it answers every request itself. A request with a body gets the body echoed back
+//! (streamed); one without gets a small JSON document describing what arrived, including
+//! the headers the gateway added.
+
+use std::convert::Infallible;
+
+use bytes::Bytes;
+use http::{Request, Response, header};
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use tokio::sync::watch;
+
+type DemoBody = Either<Full<Bytes>, Incoming>;
+
+async fn answer(req: Request<Incoming>) -> Result<Response<DemoBody>, Infallible> {
+    let has_body = req.headers().contains_key(header::CONTENT_LENGTH) || req.headers().contains_key(header::TRANSFER_ENCODING);
+    if has_body && !req.body().is_end_stream_hint() {
+        let ct = req.headers().get(header::CONTENT_TYPE).cloned();
+        let mut resp = Response::new(Either::Right(req.into_body()));
+        if let Some(ct) = ct {
+            resp.headers_mut().insert(header::CONTENT_TYPE, ct);
+        }
+        return Ok(resp);
+    }
+    let headers: serde_json::Map<String, serde_json::Value> = req
+        .headers()
+        .iter()
+        .map(|(k, v)| (k.as_str().to_owned(), serde_json::Value::from(String::from_utf8_lossy(v.as_bytes()).into_owned())))
+        .collect();
+    let doc = serde_json::json!({
+        "service": "tailgate demo upstream",
+        "method": req.method().as_str(),
+        "path": req.uri().path(),
+        "query": req.uri().query(),
+        "headers": headers,
+    });
+    let mut body = doc.to_string();
+    body.push('\n');
+    let mut resp = Response::new(Either::Left(Full::new(Bytes::from(body))));
+    resp.headers_mut().insert(header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+    Ok(resp)
+}
+
+trait EndHint {
+    fn is_end_stream_hint(&self) -> bool;
+}
+
+impl EndHint for Incoming {
+    fn is_end_stream_hint(&self) -> bool {
+        http_body::Body::is_end_stream(self)
+    }
+}
+
+/// Serves the demo on `socket` until `shutdown` turns true.
+pub async fn serve(socket: tokio::net::TcpListener, mut shutdown: watch::Receiver<bool>) {
+    let builder = auto::Builder::new(TokioExecutor::new());
+    loop {
+        tokio::select! {
+            _ = shutdown.wait_for(|s| *s) => return,
+            accepted = socket.accept() => {
+                let Ok((stream, _)) = accepted else { continue };
+                let _ = stream.set_nodelay(true);
+                let builder = builder.clone();
+                tokio::spawn(async move {
+                    let _ = builder.serve_connection(TokioIo::new(stream), service_fn(answer)).await;
+                });
+            }
+        }
+    }
+}
+
+/// Runs the demo on the current thread with its own runtime.
+pub fn run_blocking(socket: std::net::TcpListener, shutdown: watch::Receiver<bool>) {
+    let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+    rt.block_on(async move {
+        if let Ok(socket) = tokio::net::TcpListener::from_std(socket) {
+            serve(socket, shutdown).await;
+        }
+    });
+}

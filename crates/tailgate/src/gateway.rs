@@ -1,0 +1,168 @@
+//! Starting and stopping a gateway: one OS thread per data-plane worker, each with its own
+//! current-thread runtime, its own listener sockets (SO_REUSEPORT) and its own upstream
+//! pools, so no request ever crosses a thread or takes a lock another worker holds.
+//!
+//! Shutdown is one signal threaded through every accept loop and connection: stop
+//! accepting, let in-flight requests finish for up to `shutdown_grace`, then exit.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use tokio::sync::watch;
+
+use crate::config::Config;
+use crate::listener::{self, BoundListener};
+use crate::observe::access_log::AccessLog;
+use crate::observe::{Observer, Observers};
+use crate::pipeline::headers::RequestIds;
+use crate::pipeline::route::RouteTable;
+use crate::pipeline::{Shared, Worker};
+use crate::server::DrainToken;
+use crate::server::spawner::TenantSpawner;
+use crate::upstream::Upstreams;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot listen on {addr} (listener `{name}`): {source}")]
+    Bind { name: String, addr: SocketAddr, source: std::io::Error },
+    #[error("listener `{name}`: {source}")]
+    Tls { name: String, source: crate::listener::tls::TlsError },
+    #[error("cannot start a worker thread: {0}")]
+    Thread(std::io::Error),
+}
+
+/// A running gateway.
+pub struct Gateway {
+    shutdown: watch::Sender<bool>,
+    threads: Vec<JoinHandle<()>>,
+    listeners: Vec<(String, SocketAddr)>,
+    demos: Vec<SocketAddr>,
+}
+
+impl Gateway {
+    /// Binds every listener and starts the workers; returns once the sockets are bound
+    /// (connections are queued by the kernel from then on).
+    pub fn start(config: Config) -> Result<Gateway, StartError> {
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let mut threads = Vec::new();
+
+        let mut demos = Vec::new();
+        for &addr in &config.demos {
+            let socket = std::net::TcpListener::bind(addr).map_err(|source| StartError::Bind { name: "demo".into(), addr, source })?;
+            let bound = socket.local_addr().unwrap_or(addr);
+            let _ = socket.set_nonblocking(true);
+            demos.push(bound);
+            let rx = shutdown_rx.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name("tailgate-demo".into())
+                    .spawn(move || crate::demo::run_blocking(socket, rx))
+                    .map_err(StartError::Thread)?,
+            );
+        }
+
+        // Every listener bound once per worker; the first bind fixes port 0 to a real port.
+        let workers = config.server.workers;
+        let mut per_worker: Vec<Vec<(std::net::TcpListener, Arc<BoundListener>)>> = (0..workers).map(|_| Vec::new()).collect();
+        let mut listeners = Vec::new();
+        for l in &config.listeners {
+            let tls = match &l.tls {
+                Some(files) => Some(listener::tls::acceptor(files).map_err(|source| StartError::Tls { name: l.name.clone(), source })?),
+                None => None,
+            };
+            let mut addr = l.address;
+            let mut sockets = Vec::new();
+            for _ in 0..workers {
+                let s = listener::bind_reuseport(addr).map_err(|source| StartError::Bind { name: l.name.clone(), addr, source })?;
+                if addr.port() == 0 {
+                    addr = s.local_addr().map_err(|source| StartError::Bind { name: l.name.clone(), addr, source })?;
+                }
+                sockets.push(s);
+            }
+            let bound = Arc::new(BoundListener { name: l.name.clone(), addr, tenant: l.tenant, tls });
+            for (w, s) in sockets.into_iter().enumerate() {
+                per_worker[w].push((s, bound.clone()));
+            }
+            listeners.push((l.name.clone(), addr));
+            tracing::info!(listener.name = %l.name, listener.addr = %addr, tls = l.tls.is_some(), "listening");
+        }
+
+        let mut observers: Vec<Arc<dyn Observer>> = Vec::new();
+        if config.log.access_log {
+            observers.push(Arc::new(AccessLog { tenant_names: config.tenants.iter().map(|t| t.name.clone()).collect() }));
+        }
+        let shared = Arc::new(Shared {
+            settings: config.server.clone(),
+            routes: RouteTable::new(&config),
+            observers: Observers::new(observers),
+            ids: RequestIds::default(),
+        });
+        let config = Arc::new(config);
+
+        for (i, sockets) in per_worker.into_iter().enumerate() {
+            let shared = shared.clone();
+            let config = config.clone();
+            let rx = shutdown_rx.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("tailgate-worker-{i}"))
+                    .spawn(move || run_worker(shared, &config, sockets, rx))
+                    .map_err(StartError::Thread)?,
+            );
+        }
+        Ok(Gateway { shutdown, threads, listeners, demos })
+    }
+
+    /// The bound address of a listener, by name (port 0 in the config resolved).
+    pub fn listener_addr(&self, name: &str) -> Option<SocketAddr> {
+        self.listeners.iter().find(|(n, _)| n == name).map(|&(_, a)| a)
+    }
+
+    /// Bound addresses of all listeners, in config order.
+    pub fn listener_addrs(&self) -> Vec<SocketAddr> {
+        self.listeners.iter().map(|&(_, a)| a).collect()
+    }
+
+    /// Bound addresses of the demo upstreams, in config order.
+    pub fn demo_addrs(&self) -> &[SocketAddr] {
+        &self.demos
+    }
+
+    /// Starts a graceful shutdown: stop accepting, let in-flight requests finish.
+    pub fn shutdown(&self) {
+        let _ = self.shutdown.send(true);
+    }
+
+    /// Waits until every worker has exited (after [`Gateway::shutdown`] and the drain).
+    pub fn join(self) {
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run_worker(shared: Arc<Shared>, config: &Config, sockets: Vec<(std::net::TcpListener, Arc<BoundListener>)>, mut shutdown: watch::Receiver<bool>) {
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot build a worker runtime");
+            return;
+        }
+    };
+    let grace = shared.settings.shutdown_grace;
+    let worker = Arc::new(Worker { upstreams: Upstreams::new(config), shared });
+    let spawner = Arc::new(TenantSpawner::new(config.tenants.len()));
+    rt.block_on(async move {
+        let (drain, mut drained) = DrainToken::new();
+        for (socket, listener) in sockets {
+            tokio::spawn(listener::accept_loop(socket, listener, worker.clone(), spawner.clone(), shutdown.clone(), drain.clone()));
+        }
+        drop(drain);
+        let _ = shutdown.wait_for(|stop| *stop).await;
+        // Every token dropped (accept loops gone, connections closed) ends the wait.
+        if tokio::time::timeout(grace, drained.recv()).await.is_err() {
+            tracing::warn!(grace = ?grace, "shutdown grace passed with requests still in flight; closing them");
+        }
+    });
+}

@@ -1,0 +1,76 @@
+//! Listeners: sockets bound once per worker with SO_REUSEPORT (the kernel spreads new
+//! connections over the workers, and several tailgate processes can share an address),
+//! and the accept loop, which does nothing but accept and hand the connection off.
+
+pub mod tls;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use socket2::{Domain, Protocol, Socket, Type};
+use tokio::sync::watch;
+use tokio_rustls::TlsAcceptor;
+
+use crate::pipeline::Worker;
+use crate::server::spawner::TenantSpawner;
+use crate::server::{ConnCtx, DrainToken, serve_connection};
+
+/// A listener's settings, shared by the workers.
+pub struct BoundListener {
+    pub name: String,
+    pub addr: SocketAddr,
+    pub tenant: Option<usize>,
+    pub tls: Option<TlsAcceptor>,
+}
+
+/// Binds `addr` with SO_REUSEPORT so that each worker can bind its own socket to it.
+pub fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(true)?;
+    }
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(4096)?;
+    Ok(socket.into())
+}
+
+/// Accepts until shutdown. Classifies the connection's tenant by listener (SNI and Host
+/// come later, inside the connection task) and spawns it through the tenant spawner.
+pub async fn accept_loop(
+    socket: std::net::TcpListener,
+    listener: Arc<BoundListener>,
+    worker: Arc<Worker>,
+    spawner: Arc<TenantSpawner>,
+    mut shutdown: watch::Receiver<bool>,
+    drain: DrainToken,
+) {
+    let socket = match tokio::net::TcpListener::from_std(socket) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(listener.name = %listener.name, error = %e, "cannot register listener");
+            return;
+        }
+    };
+    let conn_shutdown = shutdown.clone();
+    loop {
+        tokio::select! {
+            biased;
+            _ = async { let _ = shutdown.wait_for(|stop| *stop).await; } => return,
+            accepted = socket.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let ctx = ConnCtx { worker: worker.clone(), listener: listener.clone(), shutdown: conn_shutdown.clone(), drain: drain.clone() };
+                    spawner.spawn(listener.tenant, serve_connection(ctx, stream, peer));
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: say so, and back off briefly
+                    // instead of spinning on the error.
+                    tracing::warn!(listener.name = %listener.name, error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+}

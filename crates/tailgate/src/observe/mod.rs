@@ -1,0 +1,155 @@
+//! Step 7 of the pipeline: one [`Exchange`] record per request, handed to every observer
+//! when the response ends (or is abandoned). Today the observer is the access log; metrics
+//! and analytics consume the same record.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use http::HeaderValue;
+
+pub mod access_log;
+
+/// Per-stage timings of one request, so a slow request can be explained stage by stage.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StageTimings {
+    /// Matching the route.
+    pub route: Duration,
+    /// Getting an upstream connection: a pool checkout, or a new connect.
+    pub upstream_connect: Duration,
+    /// From sending the request upstream to its response head.
+    pub upstream_ttfb: Duration,
+    /// From the start of the request to the end of the response body.
+    pub total: Duration,
+}
+
+/// Everything known about one request/response exchange.
+#[derive(Debug, Clone)]
+pub struct Exchange {
+    pub request_id: HeaderValue,
+    pub client: IpAddr,
+    pub tenant: Option<usize>,
+    pub route: Option<usize>,
+    pub method: http::Method,
+    pub uri: http::Uri,
+    pub version: http::Version,
+    pub status: u16,
+    pub bytes_out: u64,
+    /// A pooled connection was reused (no connect paid).
+    pub reused_connection: bool,
+    /// Why it went wrong, if it did (a stable code).
+    pub error: Option<&'static str>,
+    pub timings: StageTimings,
+}
+
+/// Consumes finished exchanges. Called on the data-plane worker: must not block or wait.
+pub trait Observer: Send + Sync {
+    fn observe(&self, exchange: &Exchange);
+}
+
+/// The observers of one config version.
+#[derive(Clone, Default)]
+pub struct Observers(Arc<[Arc<dyn Observer>]>);
+
+impl Observers {
+    pub fn new(list: Vec<Arc<dyn Observer>>) -> Observers {
+        Observers(list.into())
+    }
+
+    fn emit(&self, ex: &Exchange) {
+        for o in self.0.iter() {
+            o.observe(ex);
+        }
+    }
+}
+
+/// Per-connection state the server and the pipeline share: in-flight requests (so an idle
+/// timeout never cuts an active exchange) and when the connection was last active.
+#[derive(Debug)]
+pub struct ConnActivity {
+    in_flight: AtomicUsize,
+    epoch: Instant,
+    last_active_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Default for ConnActivity {
+    fn default() -> Self {
+        ConnActivity { in_flight: AtomicUsize::new(0), epoch: Instant::now(), last_active_ms: Default::default() }
+    }
+}
+
+impl ConnActivity {
+    pub fn begin(&self) {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn end(&self) {
+        self.last_active_ms.store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// When the connection may be closed for idleness, or `None` while a request is in flight.
+    pub fn idle_deadline(&self, idle: Duration) -> Option<Instant> {
+        if self.in_flight.load(Ordering::Relaxed) > 0 {
+            return None;
+        }
+        Some(self.epoch + Duration::from_millis(self.last_active_ms.load(Ordering::Relaxed)) + idle)
+    }
+}
+
+/// Builds the [`Exchange`] while the request runs; emits it exactly once, at `finish`,
+/// `fail`, or drop (a client that went away mid-response).
+pub struct ExchangeRecorder {
+    ex: Option<Box<Exchange>>,
+    started: Instant,
+    observers: Observers,
+    activity: Option<Arc<ConnActivity>>,
+}
+
+impl ExchangeRecorder {
+    pub fn new(ex: Exchange, started: Instant, observers: Observers, activity: Arc<ConnActivity>) -> Self {
+        activity.begin();
+        ExchangeRecorder { ex: Some(Box::new(ex)), started, observers, activity: Some(activity) }
+    }
+
+    /// A recorder that records nothing (what is left behind when the real one moves on).
+    pub fn detached() -> Self {
+        ExchangeRecorder { ex: None, started: Instant::now(), observers: Observers::default(), activity: None }
+    }
+
+    pub fn exchange_mut(&mut self) -> Option<&mut Exchange> {
+        self.ex.as_deref_mut()
+    }
+
+    pub fn add_bytes_out(&mut self, n: u64) {
+        if let Some(ex) = self.ex.as_mut() {
+            ex.bytes_out += n;
+        }
+    }
+
+    pub fn fail(&mut self, code: &'static str) {
+        if let Some(ex) = self.ex.as_mut() {
+            ex.error.get_or_insert(code);
+        }
+        self.finish();
+    }
+
+    pub fn finish(&mut self) {
+        if let Some(mut ex) = self.ex.take() {
+            ex.timings.total = self.started.elapsed();
+            self.observers.emit(&ex);
+            if let Some(a) = &self.activity {
+                a.end();
+            }
+        }
+    }
+}
+
+impl Drop for ExchangeRecorder {
+    fn drop(&mut self) {
+        if self.ex.is_some() {
+            self.fail("client_gone");
+        }
+    }
+}

@@ -1,0 +1,174 @@
+//! The two body types of a proxied exchange, both streamed frame by frame (never buffered):
+//! [`ReqBody`] carries the client's body upstream under the size limit; [`RespBody`] carries
+//! the upstream's body back, enforces the route's total deadline, returns the upstream
+//! connection to its pool at end of stream, and finishes the [`Exchange`] record.
+
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use tokio::time::Sleep;
+
+use crate::observe::ExchangeRecorder;
+use crate::upstream::Conn;
+
+/// Why a request body could not be read to the end.
+#[derive(Debug, thiserror::Error)]
+pub enum ReqBodyError {
+    #[error("request body exceeds the limit of {0} bytes")]
+    TooLarge(u64),
+    #[error("reading the client's body failed: {0}")]
+    Client(#[from] hyper::Error),
+}
+
+/// The client's request body on its way upstream, cut off with [`ReqBodyError::TooLarge`]
+/// once it passes the configured limit.
+#[derive(Debug)]
+pub struct ReqBody {
+    inner: Option<Incoming>,
+    limit: u64,
+    seen: u64,
+}
+
+impl ReqBody {
+    /// `limit` 0 means no limit.
+    pub fn new(inner: Incoming, limit: u64) -> ReqBody {
+        ReqBody { inner: Some(inner), limit: if limit == 0 { u64::MAX } else { limit }, seen: 0 }
+    }
+
+    pub fn empty() -> ReqBody {
+        ReqBody { inner: None, limit: u64::MAX, seen: 0 }
+    }
+}
+
+impl Body for ReqBody {
+    type Data = Bytes;
+    type Error = ReqBodyError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, ReqBodyError>>> {
+        let this = &mut *self;
+        let Some(inner) = this.inner.as_mut() else { return Poll::Ready(None) };
+        match ready!(Pin::new(inner).poll_frame(cx)) {
+            Some(Ok(frame)) => {
+                if let Some(data) = frame.data_ref() {
+                    this.seen += data.len() as u64;
+                    if this.seen > this.limit {
+                        this.inner = None;
+                        return Poll::Ready(Some(Err(ReqBodyError::TooLarge(this.limit))));
+                    }
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Some(Err(e)) => Poll::Ready(Some(Err(e.into()))),
+            None => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.as_ref().is_none_or(Body::is_end_stream)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.as_ref().map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
+    }
+}
+
+/// The response body sent to the client.
+pub enum RespBody {
+    /// A response made here (errors, the demo upstream).
+    Full(Option<Bytes>),
+    Upstream(Box<UpstreamBody>),
+}
+
+/// An upstream's response body in flight, with what must happen when it ends.
+pub struct UpstreamBody {
+    pub inner: Incoming,
+    /// Returned to the pool at end of stream; dropped (and so closed) if the body is not
+    /// read to the end.
+    pub conn: Option<Conn>,
+    pub deadline: Option<Pin<Box<Sleep>>>,
+    pub recorder: ExchangeRecorder,
+}
+
+impl RespBody {
+    pub fn full(b: impl Into<Bytes>) -> RespBody {
+        RespBody::Full(Some(b.into()))
+    }
+
+    pub fn empty() -> RespBody {
+        RespBody::Full(None)
+    }
+}
+
+/// The route's total deadline passed while the body was streaming.
+#[derive(Debug, thiserror::Error)]
+#[error("the route's total timeout passed while streaming the response")]
+pub struct TotalTimeout;
+
+impl Body for RespBody {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.get_mut() {
+            RespBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            RespBody::Upstream(up) => {
+                let up = &mut **up;
+                if let Some(d) = up.deadline.as_mut() {
+                    if d.as_mut().poll(cx).is_ready() {
+                        up.conn = None;
+                        up.recorder.fail("total_timeout");
+                        return Poll::Ready(Some(Err(Box::new(TotalTimeout))));
+                    }
+                }
+                match ready!(Pin::new(&mut up.inner).poll_frame(cx)) {
+                    Some(Ok(frame)) => {
+                        if let Some(data) = frame.data_ref() {
+                            up.recorder.add_bytes_out(data.len() as u64);
+                        }
+                        if up.inner.is_end_stream() {
+                            up.finish();
+                        }
+                        Poll::Ready(Some(Ok(frame)))
+                    }
+                    Some(Err(e)) => {
+                        up.conn = None;
+                        up.recorder.fail("upstream_body");
+                        Poll::Ready(Some(Err(Box::new(e))))
+                    }
+                    None => {
+                        up.finish();
+                        Poll::Ready(None)
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            RespBody::Full(b) => b.is_none(),
+            RespBody::Upstream(up) => up.inner.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            RespBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            RespBody::Full(None) => SizeHint::with_exact(0),
+            RespBody::Upstream(up) => up.inner.size_hint(),
+        }
+    }
+}
+
+impl UpstreamBody {
+    fn finish(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            conn.release();
+        }
+        self.deadline = None;
+        self.recorder.finish();
+    }
+}

@@ -1,0 +1,87 @@
+//! Every error a request can meet, classified by source, mapped to a status code and a
+//! JSON body in this one place before it reaches hyper.
+
+use bytes::Bytes;
+use http::{HeaderValue, StatusCode, header};
+
+/// Why a request did not get an upstream response.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("no route matches this request")]
+    NoRoute,
+    #[error("method not allowed on this route")]
+    MethodNotAllowed(Vec<http::Method>),
+    #[error("malformed request: {0}")]
+    BadRequest(&'static str),
+    #[error("request body larger than {0} bytes")]
+    BodyTooLarge(u64),
+    #[error("upstream connect failed: {0}")]
+    UpstreamConnect(std::io::Error),
+    #[error("upstream connect timed out")]
+    ConnectTimeout,
+    #[error("upstream closed or reset the connection: {0}")]
+    UpstreamReset(hyper::Error),
+    #[error("upstream did not answer in time")]
+    UpstreamTimeout,
+    #[error("cluster has no endpoints")]
+    NoEndpoints,
+}
+
+impl ProxyError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::NoRoute => StatusCode::NOT_FOUND,
+            ProxyError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::UpstreamConnect(_) | ProxyError::UpstreamReset(_) | ProxyError::NoEndpoints => StatusCode::BAD_GATEWAY,
+            ProxyError::ConnectTimeout | ProxyError::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// A short, stable code for the JSON body, logs and metric labels.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ProxyError::NoRoute => "no_route",
+            ProxyError::MethodNotAllowed(_) => "method_not_allowed",
+            ProxyError::BadRequest(_) => "bad_request",
+            ProxyError::BodyTooLarge(_) => "body_too_large",
+            ProxyError::UpstreamConnect(_) => "upstream_connect_failed",
+            ProxyError::ConnectTimeout => "upstream_connect_timeout",
+            ProxyError::UpstreamReset(_) => "upstream_reset",
+            ProxyError::UpstreamTimeout => "upstream_timeout",
+            ProxyError::NoEndpoints => "no_endpoints",
+        }
+    }
+
+    /// Is the fault the upstream's (vs. the client's or ours)?
+    pub fn is_upstream(&self) -> bool {
+        matches!(self, ProxyError::UpstreamConnect(_) | ProxyError::ConnectTimeout | ProxyError::UpstreamReset(_) | ProxyError::UpstreamTimeout | ProxyError::NoEndpoints)
+    }
+
+    /// The response for this error: status, JSON body with the request id.
+    pub fn to_response(&self, request_id: &HeaderValue, request_id_header: &http::HeaderName) -> http::Response<Bytes> {
+        let body = serde_json::json!({
+            "error": self.code(),
+            "message": self.to_string(),
+            "request_id": request_id.to_str().unwrap_or(""),
+        });
+        let mut resp = http::Response::new(Bytes::from(body.to_string()));
+        *resp.status_mut() = self.status();
+        let h = resp.headers_mut();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        h.insert(request_id_header.clone(), request_id.clone());
+        if let ProxyError::MethodNotAllowed(methods) = self {
+            let mut allow: Vec<&str> = methods.iter().map(http::Method::as_str).collect();
+            allow.sort_unstable();
+            allow.dedup();
+            if let Ok(v) = HeaderValue::from_str(&allow.join(", ")) {
+                h.insert(header::ALLOW, v);
+            }
+        }
+        if matches!(self, ProxyError::BadRequest(_) | ProxyError::BodyTooLarge(_)) {
+            h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        resp
+    }
+}

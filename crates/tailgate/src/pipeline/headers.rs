@@ -1,0 +1,153 @@
+//! Header rewriting a reverse proxy owes both sides: hop-by-hop headers removed (RFC 9110
+//! §7.6.1), `Via`, `X-Forwarded-*`, and the request id.
+
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use http::{HeaderMap, HeaderName, HeaderValue, header};
+
+static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// Removes hop-by-hop headers: `Connection` and every header it names, `Keep-Alive`, `TE`,
+/// `Trailer`, `Transfer-Encoding`, `Upgrade`, `Proxy-*`. When `keep_upgrade` is set (a
+/// WebSocket handshake being passed through) `Connection: upgrade` and `Upgrade` stay.
+pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+    if headers.contains_key(header::CONNECTION) {
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+            .collect();
+        for n in named {
+            if keep_upgrade && n == header::UPGRADE {
+                continue;
+            }
+            headers.remove(n);
+        }
+        headers.remove(header::CONNECTION);
+    }
+    headers.remove(&KEEP_ALIVE);
+    headers.remove(header::TE);
+    headers.remove(header::TRAILER);
+    headers.remove(header::TRANSFER_ENCODING);
+    headers.remove(header::PROXY_AUTHENTICATE);
+    headers.remove(header::PROXY_AUTHORIZATION);
+    headers.remove(&PROXY_CONNECTION);
+    if keep_upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    } else {
+        headers.remove(header::UPGRADE);
+    }
+}
+
+/// Adds `Via`, and `X-Forwarded-For/-Proto/-Host` the way nginx and Envoy do: the client
+/// address appended to any existing X-Forwarded-For.
+pub fn add_forwarded(headers: &mut HeaderMap, version: http::Version, client: IpAddr, tls: bool, host: Option<&str>) {
+    let via = match version {
+        http::Version::HTTP_2 => "2 tailgate",
+        http::Version::HTTP_10 => "1.0 tailgate",
+        _ => "1.1 tailgate",
+    };
+    headers.append(header::VIA, HeaderValue::from_static(via));
+
+    let ip = client.to_string();
+    let xff = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+        Some(prev) => HeaderValue::from_str(&format!("{prev}, {ip}")),
+        None => HeaderValue::from_str(&ip),
+    };
+    if let Ok(v) = xff {
+        headers.insert(&X_FORWARDED_FOR, v);
+    }
+    headers.insert(&X_FORWARDED_PROTO, HeaderValue::from_static(if tls { "https" } else { "http" }));
+    if let Some(h) = host.and_then(|h| HeaderValue::from_str(h).ok()) {
+        headers.insert(&X_FORWARDED_HOST, h);
+    }
+}
+
+/// Does this request ask for a protocol upgrade (WebSocket)?
+pub fn wants_upgrade(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::UPGRADE)
+        && headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .any(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("upgrade")))
+}
+
+/// Request ids: a random per-process prefix and a counter, 24 hex digits; unique without
+/// coordination between workers or processes.
+pub struct RequestIds {
+    prefix: u64,
+    counter: AtomicU64,
+}
+
+impl Default for RequestIds {
+    fn default() -> Self {
+        RequestIds { prefix: fastrand::u64(..), counter: AtomicU64::new(0) }
+    }
+}
+
+impl RequestIds {
+    pub fn next(&self) -> HeaderValue {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        let mut buf = [0u8; 24];
+        hex(&mut buf[..16], self.prefix ^ (n >> 32).rotate_left(17));
+        hex(&mut buf[16..], n & 0xffff_ffff);
+        // Only hex digits: always a valid header value.
+        HeaderValue::from_bytes(&buf).unwrap_or_else(|_| HeaderValue::from_static("0"))
+    }
+
+    /// The client's id when it sent a usable one (printable, at most 128 bytes), else a new one.
+    pub fn keep_or_new(&self, sent: Option<&HeaderValue>) -> HeaderValue {
+        match sent {
+            Some(v) if !v.is_empty() && v.len() <= 128 && v.as_bytes().iter().all(|b| b.is_ascii_graphic()) => v.clone(),
+            _ => self.next(),
+        }
+    }
+}
+
+fn hex(out: &mut [u8], mut v: u64) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for slot in out.iter_mut().rev() {
+        *slot = DIGITS[(v & 0xf) as usize];
+        v >>= 4;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn removes_connection_named_headers() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("close, x-secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        h.insert("proxy-connection", HeaderValue::from_static("keep-alive"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        remove_hop_by_hop(&mut h, false);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn request_ids_are_unique_and_kept() {
+        let ids = RequestIds::default();
+        let a = ids.next();
+        let b = ids.next();
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 24);
+        let sent = HeaderValue::from_static("abc-123");
+        assert_eq!(ids.keep_or_new(Some(&sent)), sent);
+        let bad = HeaderValue::from_static("has space");
+        assert_ne!(ids.keep_or_new(Some(&bad)), bad);
+    }
+}

@@ -1,0 +1,267 @@
+//! The request pipeline: what happens to every request, in the order of DESIGN.md.
+//! [`handle`] is the one place that order is written down; each step says why it is there.
+//!
+//! 1. request id, start timestamps, size limits
+//! 2. route: host + path + method → route → cluster
+//! 3. authenticate            (a later stage plugs in here)
+//! 4. rate limit              (a later stage plugs in here)
+//! 5. upstream: pick an endpoint, check out a warm connection, send
+//! 6. stream the response back (never buffered)
+//! 7. observe: one Exchange record, emitted when the response ends
+
+pub mod body;
+pub mod error;
+pub mod headers;
+pub mod route;
+
+use std::convert::Infallible;
+use std::error::Error as _;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::{HeaderValue, Request, Response, StatusCode, header};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+
+use self::body::{ReqBody, ReqBodyError, RespBody, UpstreamBody};
+use self::error::ProxyError;
+use self::headers::RequestIds;
+use self::route::{Match, RouteEntry, RouteTable};
+use crate::config::ServerSettings;
+use crate::observe::{ConnActivity, Exchange, ExchangeRecorder, Observers, StageTimings};
+use crate::upstream::Upstreams;
+
+/// What every worker shares for one config version.
+pub struct Shared {
+    pub settings: ServerSettings,
+    pub routes: RouteTable,
+    pub observers: Observers,
+    pub ids: RequestIds,
+}
+
+/// One data-plane worker: the shared config and this worker's own upstream pools.
+pub struct Worker {
+    pub shared: Arc<Shared>,
+    pub upstreams: Upstreams,
+}
+
+/// What the pipeline knows of the client connection a request came on.
+pub struct ConnInfo {
+    pub client: SocketAddr,
+    pub tls: bool,
+    /// The tenant the connection was classified to at accept (listener or SNI).
+    pub tenant: Option<usize>,
+    pub activity: Arc<ConnActivity>,
+    /// Held while the connection (or a tunnel it became) lives; shutdown waits for it.
+    pub drain: crate::server::DrainToken,
+}
+
+/// Runs one request through the pipeline. Never fails: every error becomes a response here.
+pub async fn handle(worker: Arc<Worker>, conn: Arc<ConnInfo>, req: Request<Incoming>) -> Result<Response<RespBody>, Infallible> {
+    let started = Instant::now();
+    let shared = &worker.shared;
+    let settings = &shared.settings;
+
+    // 1. Request id first, so every response and log line from here on can carry it.
+    let request_id = shared.ids.keep_or_new(req.headers().get(&settings.request_id_header));
+    let exchange = Exchange {
+        request_id: request_id.clone(),
+        client: conn.client.ip(),
+        tenant: conn.tenant,
+        route: None,
+        method: req.method().clone(),
+        uri: req.uri().clone(),
+        version: req.version(),
+        status: 0,
+        bytes_out: 0,
+        reused_connection: false,
+        error: None,
+        timings: StageTimings::default(),
+    };
+    let mut rec = ExchangeRecorder::new(exchange, started, shared.observers.clone(), conn.activity.clone());
+    let fail = |rec: &mut ExchangeRecorder, e: ProxyError| -> Result<Response<RespBody>, Infallible> {
+        if let Some(ex) = rec.exchange_mut() {
+            ex.status = e.status().as_u16();
+        }
+        rec.fail(e.code());
+        if e.is_upstream() {
+            tracing::debug!(request.id = request_id.to_str().unwrap_or("-"), error = %e, "upstream error");
+        }
+        let (parts, b) = e.to_response(&request_id, &settings.request_id_header).into_parts();
+        Ok(Response::from_parts(parts, RespBody::full(b)))
+    };
+
+    // Size limit on the declared body: refuse before reading a byte of it (413).
+    if settings.max_body_bytes > 0 {
+        if let Some(len) = declared_length(&req) {
+            if len > settings.max_body_bytes {
+                return fail(&mut rec, ProxyError::BodyTooLarge(settings.max_body_bytes));
+            }
+        }
+    }
+
+    // 2. Route: the host decides the tenant, the path and method the route.
+    let Some(host) = route::request_host(&req) else {
+        return fail(&mut rec, ProxyError::BadRequest("no Host header"));
+    };
+    let lower;
+    let host = if host.bytes().any(|b| b.is_ascii_uppercase()) {
+        lower = host.to_ascii_lowercase();
+        lower.as_str()
+    } else {
+        host
+    };
+    let route = match shared.routes.lookup(host, req.uri().path(), req.method(), conn.tenant) {
+        Match::Found(r) => r.clone(),
+        Match::WrongMethod(allowed) => return fail(&mut rec, ProxyError::MethodNotAllowed(allowed)),
+        Match::NotFound => return fail(&mut rec, ProxyError::NoRoute),
+    };
+    if let Some(ex) = rec.exchange_mut() {
+        ex.route = Some(route.id);
+        ex.tenant = route.tenant.or(conn.tenant);
+        ex.timings.route = started.elapsed();
+    }
+
+    // 3. Authenticate and 4. rate limit: not configured in this version.
+
+    // 5.–6. Upstream, and the response streamed back.
+    match forward(&worker, &conn, &route, req, &request_id, started, &mut rec).await {
+        Ok(resp) => Ok(resp),
+        Err(e) => fail(&mut rec, e),
+    }
+}
+
+fn declared_length(req: &Request<Incoming>) -> Option<u64> {
+    req.headers().get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+}
+
+async fn forward(
+    worker: &Worker,
+    conn: &Arc<ConnInfo>,
+    route: &Arc<RouteEntry>,
+    mut req: Request<Incoming>,
+    request_id: &HeaderValue,
+    started: Instant,
+    rec: &mut ExchangeRecorder,
+) -> Result<Response<RespBody>, ProxyError> {
+    let settings = &worker.shared.settings;
+    let upgrade = headers::wants_upgrade(req.headers());
+    let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+    let total_deadline = route.total_timeout.map(|t| started + t);
+
+    // The upstream request: origin-form URI, the client's Host, hop-by-hop headers gone.
+    let (mut parts, body) = req.into_parts();
+    let host_value = match parts.uri.authority() {
+        Some(a) if !parts.headers.contains_key(header::HOST) => HeaderValue::from_str(a.as_str()).ok(),
+        _ => parts.headers.get(header::HOST).cloned(),
+    };
+    headers::remove_hop_by_hop(&mut parts.headers, upgrade);
+    // 100-continue is answered to the client here (when the body is first read), so the
+    // expectation is not forwarded.
+    parts.headers.remove(header::EXPECT);
+    headers::add_forwarded(&mut parts.headers, parts.version, conn.client.ip(), conn.tls, host_value.as_ref().and_then(|h| h.to_str().ok()));
+    if let Some(h) = host_value {
+        parts.headers.insert(header::HOST, h);
+    }
+    parts.headers.insert(settings.request_id_header.clone(), request_id.clone());
+    parts.uri = match parts.uri.path_and_query() {
+        Some(pq) => http::Uri::from(pq.clone()),
+        None => http::Uri::from_static("/"),
+    };
+    parts.version = http::Version::HTTP_11;
+    let upstream_req = Request::from_parts(parts, ReqBody::new(body, settings.max_body_bytes));
+
+    let cluster = &worker.upstreams.clusters[route.cluster];
+    let pool = cluster.pick()?;
+    let t_connect = Instant::now();
+    let mut up = pool.checkout().await?;
+    let connect_time = t_connect.elapsed();
+    if let Some(ex) = rec.exchange_mut() {
+        ex.timings.upstream_connect = connect_time;
+        ex.reused_connection = up.reused;
+    }
+
+    let response_timeout = remaining(route.response_timeout, total_deadline);
+    let t_send = Instant::now();
+    let sent = tokio::time::timeout(response_timeout, up.sender.try_send_request(upstream_req)).await;
+    let result = match sent {
+        Err(_) => return Err(ProxyError::UpstreamTimeout),
+        Ok(Ok(resp)) => Ok(resp),
+        Ok(Err(mut e)) => match e.take_message() {
+            // The connection closed before the request was written: sending it again on a
+            // fresh connection is always safe, whatever the method.
+            Some(req) if up.reused => {
+                tracing::debug!(upstream.addr = %pool.addr, "pooled connection closed before the request was sent; resending on a new one");
+                up = pool.connect().await?;
+                let left = remaining(route.response_timeout, total_deadline).saturating_sub(t_send.elapsed());
+                match tokio::time::timeout(left, up.sender.send_request(req)).await {
+                    Err(_) => return Err(ProxyError::UpstreamTimeout),
+                    Ok(r) => r,
+                }
+            }
+            _ => Err(e.into_error()),
+        },
+    };
+    let mut resp = result.map_err(classify_send_error)?;
+    if let Some(ex) = rec.exchange_mut() {
+        ex.timings.upstream_ttfb = t_send.elapsed();
+        ex.status = resp.status().as_u16();
+    }
+
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        if let Some(client_upgrade) = client_upgrade {
+            let upstream_upgrade = hyper::upgrade::on(&mut resp);
+            let tunnel_conn = conn.clone();
+            tokio::spawn(async move {
+                let _hold = tunnel_conn;
+                match tokio::try_join!(client_upgrade, upstream_upgrade) {
+                    Ok((c, u)) => {
+                        let (mut c, mut u) = (TokioIo::new(c), TokioIo::new(u));
+                        if let Err(e) = tokio::io::copy_bidirectional(&mut c, &mut u).await {
+                            tracing::debug!(error = %e, "upgraded tunnel ended with an error");
+                        }
+                    }
+                    Err(e) => tracing::debug!(error = %e, "protocol upgrade failed"),
+                }
+            });
+        }
+        let (mut parts, _) = resp.into_parts();
+        headers::remove_hop_by_hop(&mut parts.headers, true);
+        parts.headers.insert(settings.request_id_header.clone(), request_id.clone());
+        rec.finish();
+        return Ok(Response::from_parts(parts, RespBody::empty()));
+    }
+
+    let (mut parts, body) = resp.into_parts();
+    headers::remove_hop_by_hop(&mut parts.headers, false);
+    parts.headers.insert(settings.request_id_header.clone(), request_id.clone());
+    let deadline = total_deadline.map(|d| Box::pin(tokio::time::sleep_until(d.into())));
+    let recorder = std::mem::replace(rec, ExchangeRecorder::detached());
+    let body = RespBody::Upstream(Box::new(UpstreamBody { inner: body, conn: Some(up), deadline, recorder }));
+    Ok(Response::from_parts(parts, body))
+}
+
+/// The response timeout, cut short by the total deadline when that comes first.
+fn remaining(timeout: Duration, total_deadline: Option<Instant>) -> Duration {
+    match total_deadline {
+        Some(d) => timeout.min(d.saturating_duration_since(Instant::now())),
+        None => timeout,
+    }
+}
+
+/// An error from sending upstream: a body too large or a client that went away is the
+/// client's doing; anything else is the upstream's.
+fn classify_send_error(e: hyper::Error) -> ProxyError {
+    let mut source = e.source();
+    while let Some(s) = source {
+        if let Some(b) = s.downcast_ref::<ReqBodyError>() {
+            return match b {
+                ReqBodyError::TooLarge(limit) => ProxyError::BodyTooLarge(*limit),
+                ReqBodyError::Client(_) => ProxyError::BadRequest("the client's body ended early"),
+            };
+        }
+        source = s.source();
+    }
+    ProxyError::UpstreamReset(e)
+}

@@ -1,0 +1,448 @@
+//! A guard in front of hyper's HTTP/1 parser that refuses request-smuggling shapes hyper
+//! would accept, and times the reading of each request head.
+//!
+//! hyper accepts a request carrying both `Content-Length` and `Transfer-Encoding` (it drops
+//! the length and closes the connection afterwards, as RFC 9112 §6.3 permits); tailgate
+//! refuses such a request outright, as nginx and HAProxy do. No crate offers that check on
+//! the bytes before hyper sees them, so this module follows HTTP/1 framing itself: it holds
+//! each request head until it is complete, inspects it with `httparse` (the parser hyper
+//! uses), then passes bytes through, counting `Content-Length` bodies and walking chunked
+//! framing to find where the next head starts.
+//!
+//! When a head is refused, hyper is handed a line it is certain to reject, so hyper answers
+//! `400 Bad Request` in order on the connection and closes it. Anything the guard cannot
+//! follow (an upgrade, a malformed head or chunk) is passed through untouched: hyper's own
+//! strict parser then decides.
+//!
+//! The guard also enforces the header read timeout (slowloris): from the first byte of a
+//! head to its end. Idle time between requests is the idle timeout's business, not this.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::Sleep;
+
+/// What hyper is fed in place of a refused head: a header line with a control byte, which
+/// hyper's parser rejects with 400 (tested in the raw-byte tests).
+const POISON: &[u8] = b"GET / HTTP/1.1\r\nx\x01: refused\r\n\r\n";
+const MAX_HEADERS: usize = 128;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Chunk {
+    Size { n: u64, digits: bool },
+    Ext { n: u64 },
+    SizeLf { n: u64 },
+    Data(u64),
+    DataCr,
+    DataLf,
+    TrailerStart,
+    TrailerLine,
+    TrailerEndLf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Waiting for (the rest of) a request head.
+    Head,
+    /// Inside a Content-Length body: bytes left.
+    Body(u64),
+    Chunked(Chunk),
+    /// Not HTTP/1 framing we follow any more (h2 preface, upgrade, malformed): hands off.
+    Passthrough,
+    /// A head was refused: feed [`POISON`], then end of stream.
+    Refused { fed: bool },
+}
+
+/// Why the guard refused a head (for logs and tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    ContentLengthAndTransferEncoding,
+}
+
+pub struct H1Guard<T> {
+    inner: T,
+    buf: Vec<u8>,
+    /// `buf[start..release]` is checked and may go to hyper; `buf[release..end]` is not yet.
+    start: usize,
+    release: usize,
+    end: usize,
+    state: State,
+    max_head: usize,
+    header_timeout: Duration,
+    deadline: Option<Pin<Box<Sleep>>>,
+    refused: Option<Refusal>,
+}
+
+impl<T> H1Guard<T> {
+    pub fn new(inner: T, max_head: usize, header_timeout: Duration) -> Self {
+        H1Guard {
+            inner,
+            buf: vec![0; 8 * 1024],
+            start: 0,
+            release: 0,
+            end: 0,
+            state: State::Head,
+            max_head,
+            header_timeout,
+            deadline: None,
+            refused: None,
+        }
+    }
+
+    /// Stop inspecting (the connection speaks HTTP/2).
+    pub fn passthrough(&mut self) {
+        self.state = State::Passthrough;
+        self.release = self.end;
+        self.deadline = None;
+    }
+
+    pub fn refusal(&self) -> Option<Refusal> {
+        self.refused
+    }
+
+    /// The bytes read so far and not yet handed on.
+    pub fn buffered(&self) -> &[u8] {
+        &self.buf[self.start..self.end]
+    }
+
+    /// Reads from the connection until at least `want` bytes are buffered (or end of stream)
+    /// without handing any on; returns how many are buffered.
+    pub async fn fill_at_least(&mut self, want: usize) -> io::Result<usize>
+    where
+        T: AsyncRead + Unpin,
+    {
+        while self.end - self.start < want {
+            if self.end == self.buf.len() {
+                self.buf.resize(self.buf.len() * 2, 0);
+            }
+            let end = self.end;
+            let n = {
+                let mut rb = ReadBuf::new(&mut self.buf[end..]);
+                std::future::poll_fn(|cx| Pin::new(&mut self.inner).poll_read(cx, &mut rb)).await?;
+                rb.filled().len()
+            };
+            if n == 0 {
+                break;
+            }
+            if self.deadline.is_none() {
+                self.deadline = Some(Box::pin(tokio::time::sleep(self.header_timeout)));
+            }
+            self.end += n;
+        }
+        Ok(self.end - self.start)
+    }
+
+    /// Moves `release` forward over whatever the current state allows. Returns true when it
+    /// moved or the state changed (so the caller loops), false when more input is needed.
+    fn advance(&mut self) -> bool {
+        match self.state {
+            State::Passthrough => {
+                let moved = self.release < self.end;
+                self.release = self.end;
+                moved
+            }
+            State::Refused { .. } => false,
+            State::Body(left) => {
+                let n = left.min((self.end - self.release) as u64);
+                self.release += n as usize;
+                self.state = if left == n { State::Head } else { State::Body(left - n) };
+                n > 0
+            }
+            State::Chunked(c) => self.advance_chunked(c),
+            State::Head => self.advance_head(),
+        }
+    }
+
+    fn advance_head(&mut self) -> bool {
+        let pending = &self.buf[self.release..self.end];
+        if pending.is_empty() {
+            return false;
+        }
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut req = httparse::Request::new(&mut headers);
+        match req.parse(pending) {
+            Ok(httparse::Status::Partial) => {
+                if pending.len() > self.max_head {
+                    // Too large: let hyper see it and answer 431.
+                    self.passthrough();
+                    return true;
+                }
+                false
+            }
+            // Not a head we can follow (h2 preface, bad bytes, too many headers): hyper decides.
+            Err(_) => {
+                self.passthrough();
+                true
+            }
+            Ok(httparse::Status::Complete(len)) => {
+                let mut content_length: Option<u64> = None;
+                let mut chunked = false;
+                let mut te = false;
+                let mut cl = false;
+                let mut upgrade = req.method == Some("CONNECT");
+                for h in req.headers.iter() {
+                    if h.name.eq_ignore_ascii_case("content-length") {
+                        cl = true;
+                        content_length = std::str::from_utf8(h.value).ok().and_then(|v| v.trim().parse().ok());
+                    } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+                        te = true;
+                        chunked = h.value.rsplit(|&b| b == b',').next().is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+                    } else if h.name.eq_ignore_ascii_case("upgrade") {
+                        upgrade = true;
+                    }
+                }
+                self.deadline = None;
+                if len > self.max_head {
+                    self.passthrough();
+                    return true;
+                }
+                if te && cl {
+                    self.refused = Some(Refusal::ContentLengthAndTransferEncoding);
+                    self.state = State::Refused { fed: false };
+                    return true;
+                }
+                self.release += len;
+                self.state = if upgrade {
+                    State::Passthrough
+                } else if te {
+                    if chunked { State::Chunked(Chunk::Size { n: 0, digits: false }) } else { State::Passthrough }
+                } else if cl {
+                    match content_length {
+                        Some(0) => State::Head,
+                        Some(n) => State::Body(n),
+                        None => State::Passthrough,
+                    }
+                } else {
+                    State::Head
+                };
+                true
+            }
+        }
+    }
+
+    fn advance_chunked(&mut self, mut c: Chunk) -> bool {
+        let begin = self.release;
+        let mut i = self.release;
+        while i < self.end {
+            let b = self.buf[i];
+            c = match c {
+                Chunk::Data(left) => {
+                    let n = left.min((self.end - i) as u64);
+                    i += n as usize;
+                    if left == n { Chunk::DataCr } else { Chunk::Data(left - n) }
+                }
+                _ => {
+                    i += 1;
+                    match step_chunk(c, b) {
+                        Some(Some(next)) => next,
+                        Some(None) => {
+                            self.release = i;
+                            self.state = State::Head;
+                            return true;
+                        }
+                        None => {
+                            self.release = begin;
+                            self.passthrough();
+                            return true;
+                        }
+                    }
+                }
+            };
+        }
+        self.release = i;
+        self.state = State::Chunked(c);
+        i > begin
+    }
+}
+
+/// One byte of chunked framing (outside chunk data). `None`: malformed; `Some(None)`: the
+/// message ended; `Some(Some(state))`: go on.
+fn step_chunk(c: Chunk, b: u8) -> Option<Option<Chunk>> {
+    let after_size = |n: u64| if n == 0 { Chunk::TrailerStart } else { Chunk::Data(n) };
+    Some(Some(match c {
+        Chunk::Size { n, digits } => match b {
+            b'0'..=b'9' | b'a'..=b'f' | b'A'..=b'F' => {
+                let d = (b as char).to_digit(16)? as u64;
+                Chunk::Size { n: n.checked_mul(16)?.checked_add(d)?, digits: true }
+            }
+            b';' | b' ' | b'\t' if digits => Chunk::Ext { n },
+            b'\r' if digits => Chunk::SizeLf { n },
+            b'\n' if digits => after_size(n),
+            _ => return None,
+        },
+        Chunk::Ext { n } => match b {
+            b'\r' => Chunk::SizeLf { n },
+            b'\n' => after_size(n),
+            _ => Chunk::Ext { n },
+        },
+        Chunk::SizeLf { n } => match b {
+            b'\n' => after_size(n),
+            _ => return None,
+        },
+        Chunk::Data(_) => return None,
+        Chunk::DataCr => match b {
+            b'\r' => Chunk::DataLf,
+            b'\n' => Chunk::Size { n: 0, digits: false },
+            _ => return None,
+        },
+        Chunk::DataLf => match b {
+            b'\n' => Chunk::Size { n: 0, digits: false },
+            _ => return None,
+        },
+        Chunk::TrailerStart => match b {
+            b'\r' => Chunk::TrailerEndLf,
+            b'\n' => return Some(None),
+            _ => Chunk::TrailerLine,
+        },
+        Chunk::TrailerLine => match b {
+            b'\n' => Chunk::TrailerStart,
+            _ => Chunk::TrailerLine,
+        },
+        Chunk::TrailerEndLf => match b {
+            b'\n' => return Some(None),
+            _ => return None,
+        },
+    }))
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, out: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        loop {
+            if this.release > this.start {
+                let n = (this.release - this.start).min(out.remaining());
+                out.put_slice(&this.buf[this.start..this.start + n]);
+                this.start += n;
+                if this.start == this.end {
+                    this.start = 0;
+                    this.release = 0;
+                    this.end = 0;
+                }
+                return Poll::Ready(Ok(()));
+            }
+            if let State::Refused { fed } = this.state {
+                if fed {
+                    return Poll::Ready(Ok(()));
+                }
+                out.put_slice(&POISON[..POISON.len().min(out.remaining())]);
+                this.state = State::Refused { fed: true };
+                return Poll::Ready(Ok(()));
+            }
+            if this.state == State::Passthrough && this.start == this.end {
+                return Pin::new(&mut this.inner).poll_read(cx, out);
+            }
+            if this.advance() {
+                continue;
+            }
+            // Need more input. Make room: compact, then grow up to the head limit.
+            if this.start > 0 {
+                this.buf.copy_within(this.start..this.end, 0);
+                this.release -= this.start;
+                this.end -= this.start;
+                this.start = 0;
+            }
+            if this.end == this.buf.len() {
+                let grown = (this.buf.len() * 2).min(this.max_head + 8 * 1024);
+                if grown <= this.buf.len() {
+                    // A head longer than the limit: hyper answers 431.
+                    this.passthrough();
+                    continue;
+                }
+                this.buf.resize(grown, 0);
+            }
+            let mut rb = ReadBuf::new(&mut this.buf[this.end..]);
+            match Pin::new(&mut this.inner).poll_read(cx, &mut rb) {
+                Poll::Ready(Ok(())) => {
+                    let n = rb.filled().len();
+                    if n == 0 {
+                        // End of stream: hand over what is left, then the EOF.
+                        if this.end > this.release {
+                            this.release = this.end;
+                            this.state = State::Passthrough;
+                            continue;
+                        }
+                        return Poll::Ready(Ok(()));
+                    }
+                    if this.state == State::Head && this.release == this.end && this.deadline.is_none() {
+                        this.deadline = Some(Box::pin(tokio::time::sleep(this.header_timeout)));
+                    }
+                    this.end += n;
+                }
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {
+                    if let Some(d) = this.deadline.as_mut() {
+                        if d.as_mut().poll(cx).is_ready() {
+                            return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "request head not received in time")));
+                        }
+                    }
+                    return Poll::Pending;
+                }
+            }
+        }
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for H1Guard<T> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    async fn pass(input: &[u8]) -> (Vec<u8>, Option<Refusal>) {
+        let mut g = H1Guard::new(input, 16 * 1024, Duration::from_secs(5));
+        let mut out = Vec::new();
+        g.read_to_end(&mut out).await.expect("read");
+        (out, g.refusal())
+    }
+
+    #[tokio::test]
+    async fn passes_keepalive_sequences_unchanged() {
+        let input: &[u8] = b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhelloPOST /b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\n0\r\nX-T: 1\r\n\r\nGET /c HTTP/1.1\r\nHost: x\r\n\r\n";
+        let (out, refused) = pass(input).await;
+        assert_eq!(out, input);
+        assert_eq!(refused, None);
+    }
+
+    #[tokio::test]
+    async fn refuses_cl_and_te_on_a_later_request() {
+        let input: &[u8] = b"POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\nPOST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n";
+        let (out, refused) = pass(input).await;
+        assert_eq!(refused, Some(Refusal::ContentLengthAndTransferEncoding));
+        let first_len = input.windows(5).position(|w| w == b"POST ").map(|_| 0).unwrap_or(0);
+        assert_eq!(first_len, 0);
+        assert!(out.ends_with(POISON));
+        assert!(!out.windows(7).any(|w| w == b"POST /b"));
+    }
+
+    #[tokio::test]
+    async fn h2_preface_passes_through() {
+        let input: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00";
+        let (out, refused) = pass(input).await;
+        assert_eq!(out, input);
+        assert_eq!(refused, None);
+    }
+}

@@ -1,0 +1,204 @@
+//! Serving one client connection: TLS handshake when the listener has TLS, protocol choice
+//! (ALPN, or the HTTP/2 preface for h2c prior knowledge), hyper's HTTP/1.1 or HTTP/2 server
+//! with the pipeline as its service, the idle timeout, and graceful shutdown.
+
+pub mod h1_guard;
+pub mod spawner;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::server::conn::{http1, http2};
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use self::h1_guard::H1Guard;
+use crate::listener::BoundListener;
+use crate::observe::ConnActivity;
+use crate::pipeline::{ConnInfo, Worker, handle};
+
+/// Held by everything that must finish before a worker exits (connections, tunnels).
+/// The worker waits until every token is dropped, or the shutdown grace passes.
+#[derive(Clone)]
+pub struct DrainToken(#[allow(dead_code)] tokio::sync::mpsc::Sender<()>);
+
+impl DrainToken {
+    pub fn new() -> (DrainToken, tokio::sync::mpsc::Receiver<()>) {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        (DrainToken(tx), rx)
+    }
+}
+
+/// Everything a connection task needs.
+pub struct ConnCtx {
+    pub worker: Arc<Worker>,
+    pub listener: Arc<BoundListener>,
+    pub shutdown: watch::Receiver<bool>,
+    pub drain: DrainToken,
+}
+
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Serves one accepted TCP connection to its end.
+pub async fn serve_connection(ctx: ConnCtx, stream: TcpStream, peer: SocketAddr) {
+    let _ = stream.set_nodelay(true);
+    let settings = &ctx.worker.shared.settings;
+    let handshake_timeout = settings.header_read_timeout;
+    match &ctx.listener.tls {
+        None => serve_plain(ctx, stream, peer, None).await,
+        Some(acceptor) => {
+            let accepted = tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await;
+            let tls = match accepted {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    tracing::debug!(client.addr = %peer, error = %e, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(client.addr = %peer, "TLS handshake timed out");
+                    return;
+                }
+            };
+            let (_, session) = tls.get_ref();
+            let h2 = session.alpn_protocol() == Some(b"h2");
+            // SNI classifies the connection's tenant when the listener does not.
+            let sni_tenant = session.server_name().and_then(|n| ctx.worker.shared.routes.tenant_of_host(&n.to_ascii_lowercase()));
+            if h2 {
+                let info = conn_info(&ctx, peer, true, sni_tenant);
+                serve_h2(ctx, tls, info).await;
+            } else {
+                serve_plain(ctx, tls, peer, sni_tenant).await;
+            }
+        }
+    }
+}
+
+fn conn_info(ctx: &ConnCtx, peer: SocketAddr, tls: bool, sni_tenant: Option<usize>) -> Arc<ConnInfo> {
+    Arc::new(ConnInfo {
+        client: peer,
+        tls,
+        tenant: ctx.listener.tenant.or(sni_tenant),
+        activity: Arc::new(ConnActivity::default()),
+        drain: ctx.drain.clone(),
+    })
+}
+
+/// No ALPN decision: HTTP/1.1, unless the client opens with the HTTP/2 preface.
+async fn serve_plain<I>(ctx: ConnCtx, io: I, peer: SocketAddr, sni_tenant: Option<usize>)
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let settings = &ctx.worker.shared.settings;
+    let tls = ctx.listener.tls.is_some();
+    let mut guard = H1Guard::new(io, settings.max_header_bytes, settings.header_read_timeout);
+    let info = conn_info(&ctx, peer, tls, sni_tenant);
+    // A client that connects and says nothing is closed after the idle timeout.
+    match tokio::time::timeout(settings.idle_timeout, sniff_h2(&mut guard)).await.unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into())) {
+        Ok(true) => {
+            guard.passthrough();
+            serve_h2(ctx, guard, info).await;
+        }
+        Ok(false) => serve_h1(ctx, guard, info).await,
+        Err(_) => {}
+    }
+}
+
+/// Reads until the first bytes either are or cannot be the HTTP/2 preface. Everything read
+/// stays in the guard's buffer for whichever server comes next.
+async fn sniff_h2<I: AsyncRead + Unpin>(guard: &mut H1Guard<I>) -> std::io::Result<bool> {
+    let mut have = guard.fill_at_least(1).await?;
+    loop {
+        let b = guard.buffered();
+        let k = b.len().min(H2_PREFACE.len());
+        if k == 0 || !H2_PREFACE.starts_with(&b[..k]) {
+            return Ok(false);
+        }
+        if k == H2_PREFACE.len() {
+            return Ok(true);
+        }
+        let now = guard.fill_at_least(have + 1).await?;
+        if now == have {
+            return Ok(false);
+        }
+        have = now;
+    }
+}
+
+async fn serve_h1<I>(ctx: ConnCtx, io: H1Guard<I>, info: Arc<ConnInfo>)
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let settings = &ctx.worker.shared.settings;
+    let worker = ctx.worker.clone();
+    let svc_info = info.clone();
+    let service = service_fn(move |req| handle(worker.clone(), svc_info.clone(), req));
+    let conn = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(None)
+        .max_header_size(settings.max_header_bytes)
+        .keep_alive(true)
+        .serve_connection(TokioIo::new(io), service)
+        .with_upgrades();
+    drive(conn, ctx.shutdown, &info, settings.idle_timeout, |c| c.graceful_shutdown()).await;
+}
+
+async fn serve_h2<I>(ctx: ConnCtx, io: I, info: Arc<ConnInfo>)
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let settings = &ctx.worker.shared.settings;
+    let worker = ctx.worker.clone();
+    let svc_info = info.clone();
+    let service = service_fn(move |req| handle(worker.clone(), svc_info.clone(), req));
+    let conn = http2::Builder::new(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .max_header_list_size(settings.max_header_bytes as u32)
+        .serve_connection(TokioIo::new(io), service);
+    drive(conn, ctx.shutdown, &info, settings.idle_timeout, |c| c.graceful_shutdown()).await;
+}
+
+/// Polls a connection to its end, closing it gracefully at shutdown or after `idle` with no
+/// request in flight.
+async fn drive<C, E>(conn: C, mut shutdown: watch::Receiver<bool>, info: &ConnInfo, idle: Duration, graceful: fn(Pin<&mut C>))
+where
+    C: Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
+    let mut conn = std::pin::pin!(conn);
+    let mut closing = *shutdown.borrow();
+    if closing {
+        graceful(conn.as_mut());
+    }
+    let idle_timer = tokio::time::sleep(idle);
+    let mut idle_timer = std::pin::pin!(idle_timer);
+    loop {
+        tokio::select! {
+            res = conn.as_mut() => {
+                if let Err(e) = res {
+                    tracing::debug!(client.addr = %info.client, error = %e, "client connection ended with an error");
+                }
+                return;
+            }
+            _ = shutdown.changed(), if !closing => {
+                closing = true;
+                graceful(conn.as_mut());
+            }
+            _ = idle_timer.as_mut(), if !closing => {
+                match info.activity.idle_deadline(idle) {
+                    Some(at) if at <= std::time::Instant::now() => {
+                        closing = true;
+                        graceful(conn.as_mut());
+                    }
+                    Some(at) => idle_timer.as_mut().reset(at.into()),
+                    None => idle_timer.as_mut().reset(tokio::time::Instant::now() + idle),
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,180 @@
+//! Test harness: a gateway started in-process from a TOML snippet, upstreams the test
+//! controls (hyper servers with a handler closure, or raw TCP), and raw-byte clients.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tailgate::{Config, Gateway};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+pub type TestBody = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
+
+pub fn full(b: impl Into<Bytes>) -> TestBody {
+    Full::new(b.into()).map_err(|e| match e {}).boxed()
+}
+
+/// Starts a gateway from `toml` (listener addresses may use port 0). The default listener
+/// snippet `[[listener]] name = "main" address = "127.0.0.1:0"` is added unless the toml has
+/// its own listener.
+pub struct TestGateway {
+    pub gw: Option<Gateway>,
+    pub addr: SocketAddr,
+}
+
+impl TestGateway {
+    pub fn start(toml: &str) -> TestGateway {
+        let mut text = String::from("[server]\nworkers = 1\nshutdown_grace = \"5s\"\n");
+        if !toml.contains("[server]") {
+            text.push('\n');
+        } else {
+            text.clear();
+        }
+        text.push_str(toml);
+        if !toml.contains("[[listener]]") {
+            text.push_str("\n[[listener]]\nname = \"main\"\naddress = \"127.0.0.1:0\"\n");
+        }
+        if !toml.contains("[log]") {
+            text.push_str("\n[log]\nlevel = \"warn\"\naccess_log = false\n");
+        }
+        let cfg = Config::parse(Path::new("test.toml"), &text).unwrap_or_else(|e| panic!("bad test config:\n{e}\n---\n{text}"));
+        let gw = Gateway::start(cfg).expect("gateway starts");
+        let addr = gw.listener_addrs()[0];
+        TestGateway { gw: Some(gw), addr }
+    }
+
+    /// Starts a gateway with one catch-all route to `upstream`.
+    pub fn to(upstream: SocketAddr, extra: &str) -> TestGateway {
+        Self::start(&format!(
+            "{extra}\n[[cluster]]\nname = \"up\"\nendpoints = [\"{upstream}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+        ))
+    }
+
+    pub fn shutdown(&mut self) {
+        if let Some(gw) = self.gw.take() {
+            gw.shutdown();
+            gw.join();
+        }
+    }
+}
+
+impl Drop for TestGateway {
+    fn drop(&mut self) {
+        if let Some(gw) = self.gw.take() {
+            gw.shutdown();
+            // Do not wait for the grace period in tests that leave requests hanging.
+            std::thread::spawn(move || gw.join());
+        }
+    }
+}
+
+/// An HTTP/1.1 upstream served by hyper, answering with `handler`.
+pub async fn upstream<F, Fut>(handler: F) -> SocketAddr
+where
+    F: Fn(http::Request<Incoming>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = http::Response<TestBody>> + Send + 'static,
+{
+    upstream_on("127.0.0.1:0", handler).await
+}
+
+pub async fn upstream_on<F, Fut>(bind: &str, handler: F) -> SocketAddr
+where
+    F: Fn(http::Request<Incoming>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = http::Response<TestBody>> + Send + 'static,
+{
+    let listener = TcpListener::bind(bind).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let handler = Arc::new(handler);
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else { return };
+            let handler = handler.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req| {
+                    let handler = handler.clone();
+                    async move { Ok::<_, Infallible>(handler(req).await) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).with_upgrades().await;
+            });
+        }
+    });
+    addr
+}
+
+/// An upstream that answers 200 "ok" to everything.
+pub async fn ok_upstream() -> SocketAddr {
+    upstream(|_req| async { http::Response::new(full("ok")) }).await
+}
+
+/// An upstream that echoes the request: body streamed back, request headers as `x-echo-*`.
+pub async fn echo_upstream() -> SocketAddr {
+    upstream(|req: http::Request<Incoming>| async move {
+        let (parts, body) = req.into_parts();
+        let mut resp = http::Response::new(body.map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>).boxed());
+        for (k, v) in parts.headers.iter() {
+            if let Ok(name) = http::HeaderName::from_bytes(format!("x-echo-{}", k.as_str()).as_bytes()) {
+                resp.headers_mut().append(name, v.clone());
+            }
+        }
+        resp.headers_mut().insert("x-echo-uri", parts.uri.to_string().parse().unwrap());
+        resp.headers_mut().insert("x-echo-method", parts.method.as_str().parse().unwrap());
+        resp
+    })
+    .await
+}
+
+/// Sends raw bytes and reads everything until the server closes (or `wait` passes).
+pub async fn raw(addr: SocketAddr, bytes: &[u8], wait: Duration) -> (String, bool) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    read_until_close(&mut s, wait).await
+}
+
+/// Reads until EOF; returns the text and whether the peer closed within `wait`.
+pub async fn read_until_close(s: &mut TcpStream, wait: Duration) -> (String, bool) {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 8192];
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return (String::from_utf8_lossy(&out).into_owned(), true),
+            Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
+            Err(_) => return (String::from_utf8_lossy(&out).into_owned(), false),
+        }
+    }
+}
+
+/// A plain hyper HTTP/1.1 client connection.
+pub async fn h1_client(addr: SocketAddr) -> hyper::client::conn::http1::SendRequest<TestBody> {
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+    tokio::spawn(async move {
+        let _ = conn.with_upgrades().await;
+    });
+    sender
+}
+
+pub async fn get(addr: SocketAddr, path: &str) -> http::Response<Bytes> {
+    let mut c = h1_client(addr).await;
+    let req = http::Request::get(path).header("host", "test.local").body(full("")).unwrap();
+    let resp = c.send_request(req).await.unwrap();
+    let (parts, body) = resp.into_parts();
+    http::Response::from_parts(parts, body.collect().await.unwrap().to_bytes())
+}
+
+/// A port nothing listens on.
+pub fn dead_port() -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap()
+}

@@ -1,0 +1,307 @@
+//! Proxy semantics: forwarding, streaming both ways, headers, HEAD, 100-continue, h1/h2.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use http_body_util::BodyExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+#[tokio::test]
+async fn forwards_and_adds_proxy_headers() {
+    let up = echo_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let mut c = h1_client(gw.addr).await;
+    let req = http::Request::get("/a/b?x=1")
+        .header("host", "api.test:8080")
+        .header("x-forwarded-for", "10.0.0.1")
+        .header("connection", "x-private")
+        .header("x-private", "secret")
+        .header("keep-alive", "timeout=5")
+        .header("proxy-authorization", "Basic Zm9v")
+        .header("te", "trailers")
+        .body(full(""))
+        .unwrap();
+    let resp = c.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let h = resp.headers();
+    assert_eq!(h["x-echo-uri"], "/a/b?x=1");
+    assert_eq!(h["x-echo-host"], "api.test:8080");
+    assert_eq!(h["x-echo-x-forwarded-for"], "10.0.0.1, 127.0.0.1");
+    assert_eq!(h["x-echo-x-forwarded-proto"], "http");
+    assert_eq!(h["x-echo-x-forwarded-host"], "api.test:8080");
+    assert_eq!(h["x-echo-via"], "1.1 tailgate");
+    for gone in ["x-echo-x-private", "x-echo-keep-alive", "x-echo-proxy-authorization", "x-echo-te"] {
+        assert!(!h.contains_key(gone), "{gone} must not reach the upstream");
+    }
+    let id = h["x-request-id"].to_str().unwrap().to_owned();
+    assert_eq!(h["x-echo-x-request-id"], id.as_str(), "the upstream sees the same request id");
+    assert_eq!(id.len(), 24);
+}
+
+#[tokio::test]
+async fn keeps_the_clients_request_id() {
+    let up = echo_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let mut c = h1_client(gw.addr).await;
+    let req = http::Request::get("/").header("host", "a").header("x-request-id", "client-id-42").body(full("")).unwrap();
+    let resp = c.send_request(req).await.unwrap();
+    assert_eq!(resp.headers()["x-request-id"], "client-id-42");
+    assert_eq!(resp.headers()["x-echo-x-request-id"], "client-id-42");
+}
+
+#[tokio::test]
+async fn removes_hop_by_hop_headers_from_responses() {
+    let up = upstream(|_| async {
+        http::Response::builder()
+            .header("connection", "x-internal")
+            .header("x-internal", "1")
+            .header("keep-alive", "timeout=3")
+            .header("proxy-authenticate", "Basic")
+            .header("x-public", "1")
+            .body(full("hi"))
+            .unwrap()
+    })
+    .await;
+    let gw = TestGateway::to(up, "");
+    let resp = get(gw.addr, "/").await;
+    assert_eq!(resp.status(), 200);
+    let h = resp.headers();
+    assert!(h.contains_key("x-public"));
+    for gone in ["x-internal", "keep-alive", "proxy-authenticate"] {
+        assert!(!h.contains_key(gone), "{gone} must not reach the client");
+    }
+}
+
+#[tokio::test]
+async fn chunked_and_content_length_bodies_pass_both_ways() {
+    let up = echo_upstream().await;
+    let gw = TestGateway::to(up, "");
+    // Content-Length body.
+    let (text, _) = raw(gw.addr, b"POST /cl HTTP/1.1\r\nHost: a\r\nContent-Length: 11\r\nConnection: close\r\n\r\nhello world", Duration::from_secs(5)).await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(text.ends_with("hello world"), "{text}");
+    // Chunked body.
+    let (text, _) = raw(
+        gw.addr,
+        b"POST /ch HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(text.contains("hello") && text.contains(" world"), "{text}");
+}
+
+#[tokio::test]
+async fn large_upload_and_download_stream() {
+    const SIZE: usize = 32 * 1024 * 1024;
+    let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
+        if req.method() == http::Method::POST {
+            // Count the upload without keeping it.
+            let mut body = req.into_body();
+            let mut n = 0usize;
+            while let Some(f) = body.frame().await {
+                if let Ok(d) = f.unwrap().into_data() {
+                    n += d.len();
+                }
+            }
+            return http::Response::new(full(n.to_string()));
+        }
+        let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
+        let stream = futures_stream(chunk, SIZE / (64 * 1024));
+        http::Response::new(stream)
+    })
+    .await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nmax_body_bytes = 0\n");
+    let mut c = h1_client(gw.addr).await;
+    let body = Bytes::from(vec![b'y'; SIZE]);
+    let resp = c.send_request(http::Request::post("/up").header("host", "a").body(full(body)).unwrap()).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), SIZE.to_string());
+    let resp = c.send_request(http::Request::get("/down").header("host", "a").body(full("")).unwrap()).await.unwrap();
+    let mut body = resp.into_body();
+    let mut n = 0;
+    while let Some(f) = body.frame().await {
+        if let Ok(d) = f.unwrap().into_data() {
+            n += d.len();
+        }
+    }
+    assert_eq!(n, SIZE);
+}
+
+fn futures_stream(chunk: Bytes, count: usize) -> TestBody {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(4).into_split_body();
+    tokio::spawn(async move {
+        for _ in 0..count {
+            if tx.send(chunk.clone()).await.is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+trait SplitBody {
+    fn into_split_body(self) -> (tokio::sync::mpsc::Sender<Bytes>, TestBody);
+}
+
+impl SplitBody for (tokio::sync::mpsc::Sender<Bytes>, tokio::sync::mpsc::Receiver<Bytes>) {
+    fn into_split_body(self) -> (tokio::sync::mpsc::Sender<Bytes>, TestBody) {
+        let (tx, mut rx) = self;
+        let body = http_body_util::StreamBody::new(futures_util::stream::poll_fn(move |cx| {
+            rx.poll_recv(cx).map(|o| o.map(|b| Ok::<_, Box<dyn std::error::Error + Send + Sync>>(hyper::body::Frame::data(b))))
+        }));
+        (tx, body.boxed())
+    }
+}
+
+/// The response is not buffered: the client sees the first chunk while the upstream is
+/// still holding back the rest.
+#[tokio::test]
+async fn response_streams_before_upstream_finishes() {
+    let (release_tx, release_rx) = tokio::sync::watch::channel(false);
+    let up = upstream(move |_| {
+        let mut release = release_rx.clone();
+        async move {
+            let (tx, body) = tokio::sync::mpsc::channel::<Bytes>(1).into_split_body();
+            tokio::spawn(async move {
+                tx.send(Bytes::from_static(b"first;")).await.ok();
+                let _ = release.wait_for(|r| *r).await;
+                tx.send(Bytes::from_static(b"second")).await.ok();
+            });
+            http::Response::new(body)
+        }
+    })
+    .await;
+    let gw = TestGateway::to(up, "");
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n").await.unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !String::from_utf8_lossy(&seen).contains("first;") {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.expect("first chunk arrives while upstream holds the rest").unwrap();
+        assert!(n > 0);
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert!(!String::from_utf8_lossy(&seen).contains("second"));
+    release_tx.send(true).unwrap();
+    while !String::from_utf8_lossy(&seen).contains("second") {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.unwrap().unwrap();
+        assert!(n > 0);
+        seen.extend_from_slice(&buf[..n]);
+    }
+}
+
+/// The request body is not buffered: the upstream sees the first part while the client
+/// still holds back the rest.
+#[tokio::test]
+async fn request_body_streams_before_client_finishes() {
+    let (got_tx, mut got_rx) = tokio::sync::mpsc::channel::<Bytes>(8);
+    let up = upstream(move |req: http::Request<hyper::body::Incoming>| {
+        let got = got_tx.clone();
+        async move {
+            let mut body = req.into_body();
+            while let Some(Ok(f)) = body.frame().await {
+                if let Ok(d) = f.into_data() {
+                    got.send(d).await.ok();
+                }
+            }
+            http::Response::new(full("done"))
+        }
+    })
+    .await;
+    let gw = TestGateway::to(up, "");
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n").await.unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(5), got_rx.recv()).await.expect("upstream gets the first chunk before the body ends").unwrap();
+    assert_eq!(first, "first");
+    s.write_all(b"4\r\nlast\r\n0\r\n\r\n").await.unwrap();
+    let (text, _) = read_until_close_or(&mut s, "done").await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+}
+
+async fn read_until_close_or(s: &mut TcpStream, needle: &str) -> (String, bool) {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return (String::from_utf8_lossy(&out).into_owned(), true),
+            Ok(Ok(n)) => {
+                out.extend_from_slice(&buf[..n]);
+                if String::from_utf8_lossy(&out).contains(needle) {
+                    return (String::from_utf8_lossy(&out).into_owned(), false);
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn head_gets_headers_without_body() {
+    let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
+        assert_eq!(req.method(), http::Method::HEAD);
+        http::Response::builder().header("content-length", "1234").body(full("")).unwrap()
+    })
+    .await;
+    let gw = TestGateway::to(up, "");
+    let (text, _) = raw(gw.addr, b"HEAD / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n", Duration::from_secs(5)).await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(text.to_ascii_lowercase().contains("content-length: 1234"), "{text}");
+    assert!(text.ends_with("\r\n\r\n"), "no body after a HEAD response: {text:?}");
+}
+
+#[tokio::test]
+async fn expect_100_continue_is_answered_before_the_body() {
+    let up = echo_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"PUT / HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n").await.unwrap();
+    let mut buf = [0u8; 256];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.expect("100 Continue arrives").unwrap();
+    let interim = String::from_utf8_lossy(&buf[..n]).into_owned();
+    assert!(interim.starts_with("HTTP/1.1 100 Continue"), "{interim}");
+    s.write_all(b"data").await.unwrap();
+    let (text, _) = read_until_close_or(&mut s, "data").await;
+    assert!(text.contains("HTTP/1.1 200"), "{text}");
+    assert!(!text.to_ascii_lowercase().contains("x-echo-expect"), "Expect is not forwarded: {text}");
+}
+
+#[tokio::test]
+async fn h2c_prior_knowledge_to_h1_upstream() {
+    let up = echo_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let stream = TcpStream::connect(gw.addr).await.unwrap();
+    let (mut c, conn) = hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(stream)).await.unwrap();
+    tokio::spawn(conn);
+    for i in 0..3 {
+        let req = http::Request::post(format!("http://api.test/h2/{i}")).body(full(format!("body{i}"))).unwrap();
+        let resp = c.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.version(), http::Version::HTTP_2);
+        assert_eq!(resp.headers()["x-echo-via"], "2 tailgate");
+        assert_eq!(resp.headers()["x-echo-host"], "api.test");
+        assert_eq!(resp.headers()["x-echo-uri"], format!("/h2/{i}").as_str());
+        assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), format!("body{i}"));
+    }
+}
+
+#[tokio::test]
+async fn ipv6_endpoints() {
+    let Ok(probe) = std::net::TcpListener::bind("[::1]:0") else {
+        eprintln!("no IPv6 loopback here; skipping");
+        return;
+    };
+    drop(probe);
+    let up = upstream_on("[::1]:0", |_| async { http::Response::new(full("v6")) }).await;
+    let gw = TestGateway::start(&format!(
+        "[[listener]]\nname = \"v6\"\naddress = \"[::1]:0\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    assert!(gw.addr.is_ipv6());
+    let resp = get(gw.addr, "/").await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.body(), "v6");
+}
