@@ -1,0 +1,167 @@
+//! Errors in one place: status codes and JSON bodies for no route, wrong method, upstream
+//! refused/reset, and every timeout.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+fn json(resp: &http::Response<bytes::Bytes>) -> serde_json::Value {
+    assert_eq!(resp.headers()["content-type"], "application/json");
+    serde_json::from_slice(resp.body()).unwrap()
+}
+
+#[tokio::test]
+async fn no_route_is_404_with_request_id() {
+    let up = ok_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/api/\"\ncluster = \"up\"\n"
+    ));
+    let resp = get(gw.addr, "/other").await;
+    assert_eq!(resp.status(), 404);
+    let body = json(&resp);
+    assert_eq!(body["error"], "no_route");
+    assert_eq!(body["request_id"], resp.headers()["x-request-id"].to_str().unwrap());
+}
+
+#[tokio::test]
+async fn wrong_method_is_405_with_allow() {
+    let up = ok_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\nmethods = [\"GET\", \"HEAD\"]\ncluster = \"up\"\n"
+    ));
+    let mut c = h1_client(gw.addr).await;
+    let resp = c.send_request(http::Request::delete("/x").header("host", "a").body(full("")).unwrap()).await.unwrap();
+    assert_eq!(resp.status(), 405);
+    assert_eq!(resp.headers()["allow"], "GET, HEAD");
+}
+
+#[tokio::test]
+async fn upstream_refused_is_502() {
+    let gw = TestGateway::to(dead_port(), "");
+    let resp = get(gw.addr, "/").await;
+    assert_eq!(resp.status(), 502);
+    assert_eq!(json(&resp)["error"], "upstream_connect_failed");
+}
+
+#[tokio::test]
+async fn upstream_reset_is_502() {
+    // Accepts, reads the request, closes without answering.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else { return };
+            let mut buf = [0u8; 1024];
+            let _ = s.read(&mut buf).await;
+            drop(s);
+        }
+    });
+    let gw = TestGateway::to(up, "");
+    let resp = get(gw.addr, "/").await;
+    assert_eq!(resp.status(), 502);
+    assert_eq!(json(&resp)["error"], "upstream_reset");
+}
+
+#[tokio::test]
+async fn upstream_response_timeout_is_504() {
+    let up = upstream(|_| async {
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        http::Response::new(full("late"))
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"300ms\"\n"
+    ));
+    let resp = get(gw.addr, "/").await;
+    assert_eq!(resp.status(), 504);
+    assert_eq!(json(&resp)["error"], "upstream_timeout");
+}
+
+#[tokio::test]
+async fn upstream_connect_timeout_is_504() {
+    // A listener that never accepts, with its tiny backlog filled: further SYNs go
+    // unanswered, so connecting hangs until the gateway's connect timeout.
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    sock.bind(&"127.0.0.1:0".parse::<std::net::SocketAddr>().unwrap().into()).unwrap();
+    sock.listen(0).unwrap();
+    let up: std::net::SocketAddr = sock.local_addr().unwrap().as_socket().unwrap();
+    let mut fillers = Vec::new();
+    for _ in 0..8 {
+        if let Ok(Ok(s)) = tokio::time::timeout(Duration::from_millis(200), TcpStream::connect(up)).await {
+            fillers.push(s);
+        }
+    }
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nconnect_timeout = \"200ms\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let resp = get(gw.addr, "/").await;
+    assert_eq!(resp.status(), 504, "{:?}", resp.body());
+    assert_eq!(json(&resp)["error"], "upstream_connect_timeout");
+    drop(sock);
+}
+
+#[tokio::test]
+async fn total_timeout_cuts_a_stalled_body() {
+    let up = upstream(|_| async {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<hyper::body::Frame<bytes::Bytes>, Box<dyn std::error::Error + Send + Sync>>>(1);
+        tokio::spawn(async move {
+            tx.send(Ok(hyper::body::Frame::data(bytes::Bytes::from_static(b"start")))).await.ok();
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            drop(tx);
+        });
+        use http_body_util::BodyExt;
+        let body = http_body_util::StreamBody::new(tokio_stream(rx)).boxed();
+        http::Response::new(body)
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\ntotal_timeout = \"400ms\"\n"
+    ));
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n").await.unwrap();
+    let (text, closed) = read_until_close(&mut s, Duration::from_secs(10)).await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(text.contains("start"));
+    assert!(closed, "the stalled response is cut off by the total timeout");
+}
+
+fn tokio_stream<T: Send + 'static>(mut rx: tokio::sync::mpsc::Receiver<T>) -> impl futures_util::Stream<Item = T> {
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+#[tokio::test]
+async fn slow_header_is_cut_off() {
+    let up = ok_upstream().await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nheader_read_timeout = \"300ms\"\nidle_timeout = \"60s\"\n");
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\nX-Slow: ").await.unwrap();
+    let (text, closed) = read_until_close(&mut s, Duration::from_secs(10)).await;
+    assert!(closed, "a head that never completes is cut off by header_read_timeout");
+    assert!(!text.contains("200"));
+}
+
+#[tokio::test]
+async fn idle_connection_is_closed_but_a_slow_response_is_not() {
+    let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
+        if req.uri().path() == "/slow" {
+            tokio::time::sleep(Duration::from_millis(800)).await;
+        }
+        http::Response::new(full("ok"))
+    })
+    .await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"300ms\"\n");
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    // A request longer than the idle timeout is in flight, not idle.
+    s.write_all(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n").await.unwrap();
+    let mut buf = [0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    // Then nothing: the connection is closed for idleness.
+    let (_, closed) = read_until_close(&mut s, Duration::from_secs(5)).await;
+    assert!(closed, "idle connection closed");
+}
