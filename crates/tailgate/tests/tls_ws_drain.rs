@@ -1,0 +1,247 @@
+//! TLS (ALPN h2 and http/1.1, SNI tenants), WebSocket pass-through, tenant classification
+//! and graceful drain.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use http_body_util::BodyExt;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+struct TestCert {
+    dir: std::path::PathBuf,
+    der: rustls::pki_types::CertificateDer<'static>,
+}
+
+fn test_cert(names: &[&str]) -> TestCert {
+    let ck = rcgen::generate_simple_self_signed(names.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
+    let dir = std::env::temp_dir().join(format!("tailgate-tls-{}-{}", std::process::id(), fastrand::u64(..)));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("cert.pem"), ck.cert.pem()).unwrap();
+    std::fs::write(dir.join("key.pem"), ck.signing_key.serialize_pem()).unwrap();
+    TestCert { dir, der: ck.cert.der().clone() }
+}
+
+async fn tls_connect(addr: std::net::SocketAddr, cert: &TestCert, sni: &str, alpn: &[&[u8]]) -> tokio_rustls::client::TlsStream<TcpStream> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(cert.der.clone()).unwrap();
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions().unwrap().with_root_certificates(roots).with_no_client_auth();
+    cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(cfg));
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    connector.connect(rustls::pki_types::ServerName::try_from(sni.to_owned()).unwrap(), tcp).await.unwrap()
+}
+
+fn tls_gateway(cert: &TestCert, up: std::net::SocketAddr) -> TestGateway {
+    TestGateway::start(&format!(
+        r#"
+[[listener]]
+name = "tls"
+address = "127.0.0.1:0"
+[listener.tls]
+cert = "{dir}/cert.pem"
+key = "{dir}/key.pem"
+[[tenant]]
+name = "acme"
+hosts = ["acme.test"]
+[[tenant]]
+name = "globex"
+hosts = ["globex.test"]
+[[cluster]]
+name = "up"
+endpoints = ["{up}"]
+[[route]]
+tenant = "acme"
+path_prefix = "/"
+cluster = "up"
+"#,
+        dir = cert.dir.display()
+    ))
+}
+
+#[tokio::test]
+async fn tls_h2_by_alpn() {
+    let cert = test_cert(&["acme.test"]);
+    let up = echo_upstream().await;
+    let gw = tls_gateway(&cert, up);
+    let tls = tls_connect(gw.addr, &cert, "acme.test", &[b"h2", b"http/1.1"]).await;
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    let (mut c, conn) = hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), TokioIo::new(tls)).await.unwrap();
+    tokio::spawn(conn);
+    let resp = c.send_request(http::Request::get("https://acme.test/x").body(full("")).unwrap()).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.version(), http::Version::HTTP_2);
+    assert_eq!(resp.headers()["x-echo-x-forwarded-proto"], "https");
+}
+
+#[tokio::test]
+async fn tls_http1_by_alpn() {
+    let cert = test_cert(&["acme.test"]);
+    let up = echo_upstream().await;
+    let gw = tls_gateway(&cert, up);
+    let tls = tls_connect(gw.addr, &cert, "acme.test", &[b"http/1.1"]).await;
+    let (mut c, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.unwrap();
+    tokio::spawn(conn);
+    let resp = c.send_request(http::Request::get("/x").header("host", "acme.test").body(full("")).unwrap()).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.version(), http::Version::HTTP_11);
+    assert_eq!(resp.headers()["x-echo-x-forwarded-proto"], "https");
+}
+
+/// The SNI names the tenant even when the Host header names no tenant.
+#[tokio::test]
+async fn sni_classifies_the_tenant() {
+    let cert = test_cert(&["acme.test", "globex.test"]);
+    let up = echo_upstream().await;
+    let gw = tls_gateway(&cert, up);
+    // SNI acme.test, Host unknown: routed by the connection's tenant.
+    let tls = tls_connect(gw.addr, &cert, "acme.test", &[b"http/1.1"]).await;
+    let (mut c, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.unwrap();
+    tokio::spawn(conn);
+    let resp = c.send_request(http::Request::get("/").header("host", "10.1.2.3").body(full("")).unwrap()).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    // SNI globex.test: globex has no routes.
+    let tls = tls_connect(gw.addr, &cert, "globex.test", &[b"http/1.1"]).await;
+    let (mut c, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.unwrap();
+    tokio::spawn(conn);
+    let resp = c.send_request(http::Request::get("/").header("host", "10.1.2.3").body(full("")).unwrap()).await.unwrap();
+    assert_eq!(resp.status(), 404);
+}
+
+#[tokio::test]
+async fn listener_and_host_classify_the_tenant() {
+    let a = upstream(|_| async { http::Response::new(full("acme")) }).await;
+    let g = upstream(|_| async { http::Response::new(full("globex")) }).await;
+    let gw = TestGateway::start(&format!(
+        r#"
+[[listener]]
+name = "shared"
+address = "127.0.0.1:0"
+[[listener]]
+name = "globex-only"
+address = "127.0.0.1:0"
+tenant = "globex"
+[[tenant]]
+name = "acme"
+hosts = ["acme.test", "*.acme.test"]
+[[tenant]]
+name = "globex"
+hosts = ["globex.test"]
+[[cluster]]
+name = "a"
+endpoints = ["{a}"]
+[[cluster]]
+name = "g"
+endpoints = ["{g}"]
+[[route]]
+tenant = "acme"
+path_prefix = "/"
+cluster = "a"
+[[route]]
+tenant = "globex"
+path_prefix = "/"
+cluster = "g"
+"#
+    ));
+    let gwh = gw.gw.as_ref().unwrap();
+    let shared = gwh.listener_addr("shared").unwrap();
+    let globex_only = gwh.listener_addr("globex-only").unwrap();
+    let body = |host: &'static str, addr| async move {
+        let mut c = h1_client(addr).await;
+        let r = c.send_request(http::Request::get("/").header("host", host).body(full("")).unwrap()).await.unwrap();
+        (r.status(), r.into_body().collect().await.unwrap().to_bytes())
+    };
+    assert_eq!(body("eu.acme.test", shared).await.1, "acme");
+    assert_eq!(body("globex.test:80", shared).await.1, "globex");
+    assert_eq!(body("unknown.test", shared).await.0, 404);
+    assert_eq!(body("unknown.test", globex_only).await.1, "globex");
+}
+
+#[tokio::test]
+async fn websocket_upgrade_is_passed_through() {
+    // An upstream that accepts the upgrade and echoes whatever comes after it.
+    let up = upstream(|mut req: http::Request<hyper::body::Incoming>| async move {
+        assert_eq!(req.headers()["upgrade"], "websocket");
+        let on_upgrade = hyper::upgrade::on(&mut req);
+        tokio::spawn(async move {
+            let upgraded = on_upgrade.await.unwrap();
+            let mut io = TokioIo::new(upgraded);
+            let mut buf = [0u8; 1024];
+            loop {
+                match io.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => {
+                        if io.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+        http::Response::builder()
+            .status(101)
+            .header("connection", "upgrade")
+            .header("upgrade", "websocket")
+            .header("sec-websocket-accept", "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=")
+            .body(full(""))
+            .unwrap()
+    })
+    .await;
+    let gw = TestGateway::to(up, "");
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.unwrap().unwrap();
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&got).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 101"), "{head}");
+    assert!(head.contains("upgrade: websocket"), "{head}");
+    assert!(head.contains("sec-websocket-accept"), "{head}");
+    // Frames pass both ways, byte for byte.
+    let frame = b"\x81\x85\x37\xfa\x21\x3d\x7f\x9f\x4d\x51\x58";
+    s.write_all(frame).await.unwrap();
+    let mut echoed = Vec::new();
+    while echoed.len() < frame.len() {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.unwrap().unwrap();
+        assert!(n > 0);
+        echoed.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(echoed, frame);
+}
+
+/// A request in flight when shutdown starts completes; new connections are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_drain_finishes_in_flight_requests() {
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::channel::<()>(1);
+    let up = upstream(move |_| {
+        let started = started_tx.clone();
+        async move {
+            started.send(()).await.ok();
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            http::Response::new(full("finished"))
+        }
+    })
+    .await;
+    let mut gw = TestGateway::to(up, "");
+    let addr = gw.addr;
+    let in_flight = tokio::spawn(async move { get(addr, "/slow").await });
+    started_rx.recv().await.unwrap();
+    let gw_handle = gw.gw.take().unwrap();
+    gw_handle.shutdown();
+    let joined = tokio::task::spawn_blocking(move || gw_handle.join());
+    let resp = in_flight.await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.body(), "finished");
+    tokio::time::timeout(Duration::from_secs(10), joined).await.expect("workers exit after the drain").unwrap();
+    assert!(TcpStream::connect(addr).await.is_err(), "no longer accepting");
+}
