@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The whole test suite, as the README states it: installs what the tests need (Debian
+# packages, when run as root and missing), then formatting, lints, and every test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Benchmark peers and tools the scenario tests start: nginx, HAProxy, wrk.
+missing=()
+for want in nginx:nginx-light haproxy:haproxy wrk:wrk; do
+  cmd=${want%%:*} pkg=${want##*:}
+  command -v "$cmd" >/dev/null 2>&1 || [ -x "/usr/sbin/$cmd" ] || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "installing: ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "warning: missing ${missing[*]}; run as root to install them (scenario peers are skipped without them)" >&2
+  fi
+fi
+
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo test --workspace --locked
