@@ -8,7 +8,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "tailgate", version, about = "A multi-tenant API gateway built for the tail.")]
+#[command(
+    name = "tailgate",
+    version,
+    about = "A multi-tenant API gateway built for the tail."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

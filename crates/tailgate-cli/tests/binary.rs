@@ -11,7 +11,11 @@ use std::time::{Duration, Instant};
 const BIN: &str = env!("CARGO_BIN_EXE_tailgate");
 
 fn tmpdir() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("tailgate-cli-{}-{:x}", std::process::id(), rand_u64()));
+    let d = std::env::temp_dir().join(format!(
+        "tailgate-cli-{}-{:x}",
+        std::process::id(),
+        rand_u64()
+    ));
     std::fs::create_dir_all(&d).unwrap();
     d
 }
@@ -24,15 +28,30 @@ fn rand_u64() -> u64 {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 fn check(text: &str) -> (bool, String) {
     let dir = tmpdir();
     let path = dir.join("gw.toml");
     std::fs::write(&path, text).unwrap();
-    let out = Command::new(BIN).args(["check", "--config"]).arg(&path).output().unwrap();
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    let out = Command::new(BIN)
+        .args(["check", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
 }
 
 const BASE: &str = "[[listener]]\naddress = \"127.0.0.1:8080\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"127.0.0.1:9000\"]\n";
@@ -40,44 +59,78 @@ const BASE: &str = "[[listener]]\naddress = \"127.0.0.1:8080\"\n[[cluster]]\nnam
 #[test]
 fn check_accepts_the_example_config() {
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/tailgate.toml");
-    let out = Command::new(BIN).args(["check", "--config"]).arg(&example).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(BIN)
+        .args(["check", "--config"])
+        .arg(&example)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(String::from_utf8_lossy(&out.stdout).contains("ok"));
 }
 
 #[test]
 fn check_reports_unknown_fields_with_line_and_column() {
-    let (ok, out) = check(&format!("{BASE}[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\ntimeout = \"5s\"\n"));
+    let (ok, out) = check(&format!(
+        "{BASE}[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\ntimeout = \"5s\"\n"
+    ));
     assert!(!ok);
     assert!(out.contains("gw.toml:9:1"), "{out}");
     assert!(out.contains("unknown field `timeout`"), "{out}");
-    assert!(out.contains("response_timeout"), "lists what to write instead: {out}");
+    assert!(
+        out.contains("response_timeout"),
+        "lists what to write instead: {out}"
+    );
 }
 
 #[test]
 fn check_reports_a_route_to_a_missing_cluster() {
-    let (ok, out) = check(&format!("{BASE}[[route]]\npath_prefix = \"/\"\ncluster = \"nope\"\n"));
+    let (ok, out) = check(&format!(
+        "{BASE}[[route]]\npath_prefix = \"/\"\ncluster = \"nope\"\n"
+    ));
     assert!(!ok);
     assert!(out.contains("gw.toml:8:11"), "{out}");
     assert!(out.contains("route[0].cluster"), "{out}");
-    assert!(out.contains("no cluster named `nope`") && out.contains("`up`"), "{out}");
+    assert!(
+        out.contains("no cluster named `nope`") && out.contains("`up`"),
+        "{out}"
+    );
 }
 
 #[test]
 fn check_reports_duplicate_routes() {
-    let (ok, out) = check(&format!("{BASE}[[route]]\npath_prefix = \"/a\"\ncluster = \"up\"\n[[route]]\npath_prefix = \"/a\"\ncluster = \"up\"\n"));
+    let (ok, out) = check(&format!(
+        "{BASE}[[route]]\npath_prefix = \"/a\"\ncluster = \"up\"\n[[route]]\npath_prefix = \"/a\"\ncluster = \"up\"\n"
+    ));
     assert!(!ok);
     assert!(out.contains("gw.toml:10:15"), "{out}");
-    assert!(out.contains("duplicate route") && out.contains("line 7"), "{out}");
+    assert!(
+        out.contains("duplicate route") && out.contains("line 7"),
+        "{out}"
+    );
 }
 
 #[test]
 fn check_reports_bad_addresses_and_every_error() {
-    let (ok, out) = check("[[listener]]\naddress = \"localhost:80\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"127.0.0.1\", \"[::1]:9000\"]\n[server]\nidle_timeout = \"soon\"\n");
+    let (ok, out) = check(
+        "[[listener]]\naddress = \"localhost:80\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"127.0.0.1\", \"[::1]:9000\"]\n[server]\nidle_timeout = \"soon\"\n",
+    );
     assert!(!ok);
-    assert!(out.contains("gw.toml:2:11") && out.contains("listener[0].address"), "{out}");
-    assert!(out.contains("gw.toml:5:14") && out.contains("cluster[0].endpoints[0]"), "{out}");
-    assert!(out.contains("gw.toml:7:16") && out.contains("server.idle_timeout"), "{out}");
+    assert!(
+        out.contains("gw.toml:2:11") && out.contains("listener[0].address"),
+        "{out}"
+    );
+    assert!(
+        out.contains("gw.toml:5:14") && out.contains("cluster[0].endpoints[0]"),
+        "{out}"
+    );
+    assert!(
+        out.contains("gw.toml:7:16") && out.contains("server.idle_timeout"),
+        "{out}"
+    );
     assert!(out.contains("help:"), "{out}");
 }
 
@@ -109,7 +162,11 @@ fn wait_listening(addr: SocketAddr) {
 fn http_get(addr: SocketAddr, path: &str) -> String {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
     out
@@ -120,11 +177,23 @@ fn http_get(addr: SocketAddr, path: &str) -> String {
 #[test]
 fn example_config_serves_through_the_demo_upstream() {
     let (gw_port, demo_port) = (free_port(), free_port());
-    let example = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/tailgate.toml")).unwrap();
-    let text = example.replace("127.0.0.1:8080", &format!("127.0.0.1:{gw_port}")).replace("127.0.0.1:8081", &format!("127.0.0.1:{demo_port}"));
+    let example = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/tailgate.toml"),
+    )
+    .unwrap();
+    let text = example
+        .replace("127.0.0.1:8080", &format!("127.0.0.1:{gw_port}"))
+        .replace("127.0.0.1:8081", &format!("127.0.0.1:{demo_port}"));
     let dir = tmpdir();
     std::fs::write(dir.join("gw.toml"), text).unwrap();
-    let _p = Proc(Command::new(BIN).args(["serve", "--config"]).arg(dir.join("gw.toml")).stderr(Stdio::null()).spawn().unwrap());
+    let _p = Proc(
+        Command::new(BIN)
+            .args(["serve", "--config"])
+            .arg(dir.join("gw.toml"))
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let addr: SocketAddr = format!("127.0.0.1:{gw_port}").parse().unwrap();
     wait_listening(addr);
     let resp = http_get(addr, "/hello");
@@ -175,22 +244,41 @@ fn sigterm_drains_in_flight_requests_and_exits_zero() {
     let port = free_port();
     let dir = tmpdir();
     let cfg = serve_config(&dir, port, up, "[log]\nlevel = \"info\"\n");
-    let mut p = Proc(Command::new(BIN).args(["serve", "--config"]).arg(&cfg).stderr(Stdio::null()).spawn().unwrap());
+    let mut p = Proc(
+        Command::new(BIN)
+            .args(["serve", "--config"])
+            .arg(&cfg)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     wait_listening(addr);
     let req = std::thread::spawn(move || http_get(addr, "/slow"));
     std::thread::sleep(Duration::from_millis(400));
     let pid = p.0.id().to_string();
-    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
     let resp = req.join().unwrap();
-    assert!(resp.starts_with("HTTP/1.1 200"), "the in-flight request completes: {resp}");
+    assert!(
+        resp.starts_with("HTTP/1.1 200"),
+        "the in-flight request completes: {resp}"
+    );
     assert!(resp.ends_with("done"), "{resp}");
     let deadline = Instant::now() + Duration::from_secs(15);
     let status = loop {
         if let Some(s) = p.0.try_wait().unwrap() {
             break s;
         }
-        assert!(Instant::now() < deadline, "gateway did not exit after the drain");
+        assert!(
+            Instant::now() < deadline,
+            "gateway did not exit after the drain"
+        );
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(status.success(), "exit status {status:?}");
@@ -201,8 +289,20 @@ fn json_access_log_has_stage_timings() {
     let up = slow_upstream(Duration::from_millis(0));
     let port = free_port();
     let dir = tmpdir();
-    let cfg = serve_config(&dir, port, up, "[log]\nlevel = \"info\"\nformat = \"json\"\naccess_log = true\n");
-    let mut p = Proc(Command::new(BIN).args(["serve", "--config"]).arg(&cfg).stderr(Stdio::piped()).spawn().unwrap());
+    let cfg = serve_config(
+        &dir,
+        port,
+        up,
+        "[log]\nlevel = \"info\"\nformat = \"json\"\naccess_log = true\n",
+    );
+    let mut p = Proc(
+        Command::new(BIN)
+            .args(["serve", "--config"])
+            .arg(&cfg)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     wait_listening(addr);
     let resp = http_get(addr, "/logged?q=1");
@@ -218,12 +318,21 @@ fn json_access_log_has_stage_timings() {
             }
         }
     });
-    let line = rx.recv_timeout(Duration::from_secs(10)).expect("an access log line");
-    let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+    let line = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("an access log line");
+    let v: serde_json::Value =
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
     assert_eq!(v["http.path"], "/logged");
     assert_eq!(v["http.status"], 200);
     assert_eq!(v["http.method"], "GET");
-    for k in ["time.route_us", "time.upstream_connect_us", "time.ttfb_us", "time.total_us", "request.id"] {
+    for k in [
+        "time.route_us",
+        "time.upstream_connect_us",
+        "time.ttfb_us",
+        "time.total_us",
+        "request.id",
+    ] {
         assert!(v.get(k).is_some(), "missing {k}: {line}");
     }
     assert!(v["time.total_us"].as_u64().unwrap() >= v["time.ttfb_us"].as_u64().unwrap());

@@ -60,7 +60,9 @@ pub fn check(path: &Path) -> Result<(), CliError> {
 
 /// `tailgate demo-upstream`: the demo upstream on its own.
 pub fn demo_upstream(listen: &str) -> Result<(), CliError> {
-    let addr: SocketAddr = listen.parse().map_err(|_| CliError::BadAddress(listen.to_owned()))?;
+    let addr: SocketAddr = listen
+        .parse()
+        .map_err(|_| CliError::BadAddress(listen.to_owned()))?;
     let socket = std::net::TcpListener::bind(addr)?;
     socket.set_nonblocking(true)?;
     eprintln!("demo upstream listening on {}", socket.local_addr()?);
@@ -73,7 +75,9 @@ pub fn demo_upstream(listen: &str) -> Result<(), CliError> {
 }
 
 fn wait_for_signal() -> std::io::Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async {
         use tokio::signal::unix::{SignalKind, signal};
         let mut term = signal(SignalKind::terminate())?;

@@ -17,7 +17,8 @@ use tokio::sync::watch;
 type DemoBody = Either<Full<Bytes>, Incoming>;
 
 async fn answer(req: Request<Incoming>) -> Result<Response<DemoBody>, Infallible> {
-    let has_body = req.headers().contains_key(header::CONTENT_LENGTH) || req.headers().contains_key(header::TRANSFER_ENCODING);
+    let has_body = req.headers().contains_key(header::CONTENT_LENGTH)
+        || req.headers().contains_key(header::TRANSFER_ENCODING);
     if has_body && !req.body().is_end_stream_hint() {
         let ct = req.headers().get(header::CONTENT_TYPE).cloned();
         let mut resp = Response::new(Either::Right(req.into_body()));
@@ -29,7 +30,12 @@ async fn answer(req: Request<Incoming>) -> Result<Response<DemoBody>, Infallible
     let headers: serde_json::Map<String, serde_json::Value> = req
         .headers()
         .iter()
-        .map(|(k, v)| (k.as_str().to_owned(), serde_json::Value::from(String::from_utf8_lossy(v.as_bytes()).into_owned())))
+        .map(|(k, v)| {
+            (
+                k.as_str().to_owned(),
+                serde_json::Value::from(String::from_utf8_lossy(v.as_bytes()).into_owned()),
+            )
+        })
         .collect();
     let doc = serde_json::json!({
         "service": "tailgate demo upstream",
@@ -41,7 +47,10 @@ async fn answer(req: Request<Incoming>) -> Result<Response<DemoBody>, Infallible
     let mut body = doc.to_string();
     body.push('\n');
     let mut resp = Response::new(Either::Left(Full::new(Bytes::from(body))));
-    resp.headers_mut().insert(header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
     Ok(resp)
 }
 
@@ -75,7 +84,12 @@ pub async fn serve(socket: tokio::net::TcpListener, mut shutdown: watch::Receive
 
 /// Runs the demo on the current thread with its own runtime.
 pub fn run_blocking(socket: std::net::TcpListener, shutdown: watch::Receiver<bool>) {
-    let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return;
+    };
     rt.block_on(async move {
         if let Ok(socket) = tokio::net::TcpListener::from_std(socket) {
             serve(socket, shutdown).await;

@@ -25,9 +25,16 @@ use crate::upstream::Upstreams;
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     #[error("cannot listen on {addr} (listener `{name}`): {source}")]
-    Bind { name: String, addr: SocketAddr, source: std::io::Error },
+    Bind {
+        name: String,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("listener `{name}`: {source}")]
-    Tls { name: String, source: crate::listener::tls::TlsError },
+    Tls {
+        name: String,
+        source: crate::listener::tls::TlsError,
+    },
     #[error("cannot start a worker thread: {0}")]
     Thread(std::io::Error),
 }
@@ -49,7 +56,11 @@ impl Gateway {
 
         let mut demos = Vec::new();
         for &addr in &config.demos {
-            let socket = std::net::TcpListener::bind(addr).map_err(|source| StartError::Bind { name: "demo".into(), addr, source })?;
+            let socket = std::net::TcpListener::bind(addr).map_err(|source| StartError::Bind {
+                name: "demo".into(),
+                addr,
+                source,
+            })?;
             let bound = socket.local_addr().unwrap_or(addr);
             let _ = socket.set_nonblocking(true);
             demos.push(bound);
@@ -64,23 +75,44 @@ impl Gateway {
 
         // Every listener bound once per worker; the first bind fixes port 0 to a real port.
         let workers = config.server.workers;
-        let mut per_worker: Vec<Vec<(std::net::TcpListener, Arc<BoundListener>)>> = (0..workers).map(|_| Vec::new()).collect();
+        let mut per_worker: Vec<Vec<(std::net::TcpListener, Arc<BoundListener>)>> =
+            (0..workers).map(|_| Vec::new()).collect();
         let mut listeners = Vec::new();
         for l in &config.listeners {
             let tls = match &l.tls {
-                Some(files) => Some(listener::tls::acceptor(files).map_err(|source| StartError::Tls { name: l.name.clone(), source })?),
+                Some(files) => {
+                    Some(
+                        listener::tls::acceptor(files).map_err(|source| StartError::Tls {
+                            name: l.name.clone(),
+                            source,
+                        })?,
+                    )
+                }
                 None => None,
             };
             let mut addr = l.address;
             let mut sockets = Vec::new();
             for _ in 0..workers {
-                let s = listener::bind_reuseport(addr).map_err(|source| StartError::Bind { name: l.name.clone(), addr, source })?;
+                let s = listener::bind_reuseport(addr).map_err(|source| StartError::Bind {
+                    name: l.name.clone(),
+                    addr,
+                    source,
+                })?;
                 if addr.port() == 0 {
-                    addr = s.local_addr().map_err(|source| StartError::Bind { name: l.name.clone(), addr, source })?;
+                    addr = s.local_addr().map_err(|source| StartError::Bind {
+                        name: l.name.clone(),
+                        addr,
+                        source,
+                    })?;
                 }
                 sockets.push(s);
             }
-            let bound = Arc::new(BoundListener { name: l.name.clone(), addr, tenant: l.tenant, tls });
+            let bound = Arc::new(BoundListener {
+                name: l.name.clone(),
+                addr,
+                tenant: l.tenant,
+                tls,
+            });
             for (w, s) in sockets.into_iter().enumerate() {
                 per_worker[w].push((s, bound.clone()));
             }
@@ -90,7 +122,9 @@ impl Gateway {
 
         let mut observers: Vec<Arc<dyn Observer>> = Vec::new();
         if config.log.access_log {
-            observers.push(Arc::new(AccessLog { tenant_names: config.tenants.iter().map(|t| t.name.clone()).collect() }));
+            observers.push(Arc::new(AccessLog {
+                tenant_names: config.tenants.iter().map(|t| t.name.clone()).collect(),
+            }));
         }
         let shared = Arc::new(Shared {
             settings: config.server.clone(),
@@ -111,12 +145,20 @@ impl Gateway {
                     .map_err(StartError::Thread)?,
             );
         }
-        Ok(Gateway { shutdown, threads, listeners, demos })
+        Ok(Gateway {
+            shutdown,
+            threads,
+            listeners,
+            demos,
+        })
     }
 
     /// The bound address of a listener, by name (port 0 in the config resolved).
     pub fn listener_addr(&self, name: &str) -> Option<SocketAddr> {
-        self.listeners.iter().find(|(n, _)| n == name).map(|&(_, a)| a)
+        self.listeners
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|&(_, a)| a)
     }
 
     /// Bound addresses of all listeners, in config order.
@@ -142,8 +184,16 @@ impl Gateway {
     }
 }
 
-fn run_worker(shared: Arc<Shared>, config: &Config, sockets: Vec<(std::net::TcpListener, Arc<BoundListener>)>, mut shutdown: watch::Receiver<bool>) {
-    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+fn run_worker(
+    shared: Arc<Shared>,
+    config: &Config,
+    sockets: Vec<(std::net::TcpListener, Arc<BoundListener>)>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             tracing::error!(error = %e, "cannot build a worker runtime");
@@ -151,7 +201,10 @@ fn run_worker(shared: Arc<Shared>, config: &Config, sockets: Vec<(std::net::TcpL
         }
     };
     let grace = shared.settings.shutdown_grace;
-    let worker = Arc::new(Worker { upstreams: Upstreams::new(config), shared });
+    let worker = Arc::new(Worker {
+        upstreams: Upstreams::new(config),
+        shared,
+    });
     let spawner = Arc::new(TenantSpawner::new(config.tenants.len()));
     rt.block_on(async move {
         let (drain, mut drained) = DrainToken::new();

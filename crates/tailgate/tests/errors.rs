@@ -25,7 +25,10 @@ async fn no_route_is_404_with_request_id() {
     assert_eq!(resp.status(), 404);
     let body = json(&resp);
     assert_eq!(body["error"], "no_route");
-    assert_eq!(body["request_id"], resp.headers()["x-request-id"].to_str().unwrap());
+    assert_eq!(
+        body["request_id"],
+        resp.headers()["x-request-id"].to_str().unwrap()
+    );
 }
 
 #[tokio::test]
@@ -35,7 +38,15 @@ async fn wrong_method_is_405_with_allow() {
         "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\nmethods = [\"GET\", \"HEAD\"]\ncluster = \"up\"\n"
     ));
     let mut c = h1_client(gw.addr).await;
-    let resp = c.send_request(http::Request::delete("/x").header("host", "a").body(full("")).unwrap()).await.unwrap();
+    let resp = c
+        .send_request(
+            http::Request::delete("/x")
+                .header("host", "a")
+                .body(full(""))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 405);
     assert_eq!(resp.headers()["allow"], "GET, HEAD");
 }
@@ -55,7 +66,9 @@ async fn upstream_reset_is_502() {
     let up = l.local_addr().unwrap();
     tokio::spawn(async move {
         loop {
-            let Ok((mut s, _)) = l.accept().await else { return };
+            let Ok((mut s, _)) = l.accept().await else {
+                return;
+            };
             let mut buf = [0u8; 1024];
             let _ = s.read(&mut buf).await;
             drop(s);
@@ -87,12 +100,20 @@ async fn upstream_connect_timeout_is_504() {
     // A listener that never accepts, with its tiny backlog filled: further SYNs go
     // unanswered, so connecting hangs until the gateway's connect timeout.
     let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    sock.bind(&"127.0.0.1:0".parse::<std::net::SocketAddr>().unwrap().into()).unwrap();
+    sock.bind(
+        &"127.0.0.1:0"
+            .parse::<std::net::SocketAddr>()
+            .unwrap()
+            .into(),
+    )
+    .unwrap();
     sock.listen(0).unwrap();
     let up: std::net::SocketAddr = sock.local_addr().unwrap().as_socket().unwrap();
     let mut fillers = Vec::new();
     for _ in 0..8 {
-        if let Ok(Ok(s)) = tokio::time::timeout(Duration::from_millis(200), TcpStream::connect(up)).await {
+        if let Ok(Ok(s)) =
+            tokio::time::timeout(Duration::from_millis(200), TcpStream::connect(up)).await
+        {
             fillers.push(s);
         }
     }
@@ -108,9 +129,15 @@ async fn upstream_connect_timeout_is_504() {
 #[tokio::test]
 async fn total_timeout_cuts_a_stalled_body() {
     let up = upstream(|_| async {
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<hyper::body::Frame<bytes::Bytes>, Box<dyn std::error::Error + Send + Sync>>>(1);
+        let (tx, rx) = tokio::sync::mpsc::channel::<
+            Result<hyper::body::Frame<bytes::Bytes>, Box<dyn std::error::Error + Send + Sync>>,
+        >(1);
         tokio::spawn(async move {
-            tx.send(Ok(hyper::body::Frame::data(bytes::Bytes::from_static(b"start")))).await.ok();
+            tx.send(Ok(hyper::body::Frame::data(bytes::Bytes::from_static(
+                b"start",
+            ))))
+            .await
+            .ok();
             tokio::time::sleep(Duration::from_secs(30)).await;
             drop(tx);
         });
@@ -123,25 +150,40 @@ async fn total_timeout_cuts_a_stalled_body() {
         "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\ntotal_timeout = \"400ms\"\n"
     ));
     let mut s = TcpStream::connect(gw.addr).await.unwrap();
-    s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n").await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
     let (text, closed) = read_until_close(&mut s, Duration::from_secs(10)).await;
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     assert!(text.contains("start"));
-    assert!(closed, "the stalled response is cut off by the total timeout");
+    assert!(
+        closed,
+        "the stalled response is cut off by the total timeout"
+    );
 }
 
-fn tokio_stream<T: Send + 'static>(mut rx: tokio::sync::mpsc::Receiver<T>) -> impl futures_util::Stream<Item = T> {
+fn tokio_stream<T: Send + 'static>(
+    mut rx: tokio::sync::mpsc::Receiver<T>,
+) -> impl futures_util::Stream<Item = T> {
     futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
 
 #[tokio::test]
 async fn slow_header_is_cut_off() {
     let up = ok_upstream().await;
-    let gw = TestGateway::to(up, "[server]\nworkers = 1\nheader_read_timeout = \"300ms\"\nidle_timeout = \"60s\"\n");
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"300ms\"\nidle_timeout = \"60s\"\n",
+    );
     let mut s = TcpStream::connect(gw.addr).await.unwrap();
-    s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\nX-Slow: ").await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\nX-Slow: ")
+        .await
+        .unwrap();
     let (text, closed) = read_until_close(&mut s, Duration::from_secs(10)).await;
-    assert!(closed, "a head that never completes is cut off by header_read_timeout");
+    assert!(
+        closed,
+        "a head that never completes is cut off by header_read_timeout"
+    );
     assert!(!text.contains("200"));
 }
 
@@ -157,9 +199,14 @@ async fn idle_connection_is_closed_but_a_slow_response_is_not() {
     let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"300ms\"\n");
     let mut s = TcpStream::connect(gw.addr).await.unwrap();
     // A request longer than the idle timeout is in flight, not idle.
-    s.write_all(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n").await.unwrap();
+    s.write_all(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
     let mut buf = [0u8; 1024];
-    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.unwrap().unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
     assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
     // Then nothing: the connection is closed for idleness.
     let (_, closed) = read_until_close(&mut s, Duration::from_secs(5)).await;

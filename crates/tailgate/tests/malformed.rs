@@ -24,11 +24,24 @@ async fn counting_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
 
 async fn refused(bytes: &[u8], status: &str) {
     let (up, hits) = counting_upstream().await;
-    let gw = TestGateway::to(up, "[server]\nworkers = 1\nmax_header_bytes = 8192\nmax_body_bytes = 1000\n");
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nmax_header_bytes = 8192\nmax_body_bytes = 1000\n",
+    );
     let (text, closed) = raw(gw.addr, bytes, Duration::from_secs(5)).await;
-    assert!(text.starts_with(&format!("HTTP/1.1 {status}")), "expected {status}, got: {text:?}");
-    assert!(closed, "the connection must be closed after refusing: {text:?}");
-    assert_eq!(hits.load(Ordering::SeqCst), 0, "a refused request must not reach the upstream");
+    assert!(
+        text.starts_with(&format!("HTTP/1.1 {status}")),
+        "expected {status}, got: {text:?}"
+    );
+    assert!(
+        closed,
+        "the connection must be closed after refusing: {text:?}"
+    );
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        0,
+        "a refused request must not reach the upstream"
+    );
 }
 
 #[tokio::test]
@@ -57,24 +70,40 @@ async fn cl_te_on_a_keepalive_connection_is_refused_after_the_valid_one() {
 
 #[tokio::test]
 async fn conflicting_content_lengths_are_refused() {
-    refused(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!", "400").await;
+    refused(
+        b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!",
+        "400",
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn invalid_header_bytes_are_refused() {
-    refused(b"GET / HTTP/1.1\r\nHost: a\r\nX-Bad\x01Name: v\r\n\r\n", "400").await;
+    refused(
+        b"GET / HTTP/1.1\r\nHost: a\r\nX-Bad\x01Name: v\r\n\r\n",
+        "400",
+    )
+    .await;
     refused(b"GET / HTTP/1.1\r\nHost: a\r\nX-Bad: v\x00v\r\n\r\n", "400").await;
     refused(b"GET / HTTP/1.1\r\nHost: a\r\nBad Header: v\r\n\r\n", "400").await;
 }
 
 #[tokio::test]
 async fn garbage_request_line_is_refused() {
-    refused(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03garbage\r\n\r\n", "400").await;
+    refused(
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03garbage\r\n\r\n",
+        "400",
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn non_chunked_transfer_encoding_is_refused() {
-    refused(b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\nxxxx", "400").await;
+    refused(
+        b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\nxxxx",
+        "400",
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -91,7 +120,12 @@ async fn oversized_headers_get_431() {
 async fn declared_body_over_the_limit_gets_413() {
     let (up, hits) = counting_upstream().await;
     let gw = TestGateway::to(up, "[server]\nworkers = 1\nmax_body_bytes = 1000\n");
-    let (text, closed) = raw(gw.addr, b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5000\r\n\r\n", Duration::from_secs(5)).await;
+    let (text, closed) = raw(
+        gw.addr,
+        b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5000\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
     assert!(text.starts_with("HTTP/1.1 413"), "{text}");
     assert!(text.contains("\"error\":\"body_too_large\""), "{text}");
     assert!(closed);
@@ -128,7 +162,10 @@ async fn missing_host_is_refused() {
     let (up, hits) = counting_upstream().await;
     let gw = TestGateway::to(up, "");
     let (text, _) = raw(gw.addr, b"GET / HTTP/1.0\r\n\r\n", Duration::from_secs(5)).await;
-    assert!(text.starts_with("HTTP/1.0 400") || text.starts_with("HTTP/1.1 400"), "{text}");
+    assert!(
+        text.starts_with("HTTP/1.0 400") || text.starts_with("HTTP/1.1 400"),
+        "{text}"
+    );
     assert_eq!(hits.load(Ordering::SeqCst), 0);
 }
 

@@ -35,11 +35,20 @@ async fn forwards_and_adds_proxy_headers() {
     assert_eq!(h["x-echo-x-forwarded-proto"], "http");
     assert_eq!(h["x-echo-x-forwarded-host"], "api.test:8080");
     assert_eq!(h["x-echo-via"], "1.1 tailgate");
-    for gone in ["x-echo-x-private", "x-echo-keep-alive", "x-echo-proxy-authorization", "x-echo-te"] {
+    for gone in [
+        "x-echo-x-private",
+        "x-echo-keep-alive",
+        "x-echo-proxy-authorization",
+        "x-echo-te",
+    ] {
         assert!(!h.contains_key(gone), "{gone} must not reach the upstream");
     }
     let id = h["x-request-id"].to_str().unwrap().to_owned();
-    assert_eq!(h["x-echo-x-request-id"], id.as_str(), "the upstream sees the same request id");
+    assert_eq!(
+        h["x-echo-x-request-id"],
+        id.as_str(),
+        "the upstream sees the same request id"
+    );
     assert_eq!(id.len(), 24);
 }
 
@@ -48,7 +57,11 @@ async fn keeps_the_clients_request_id() {
     let up = echo_upstream().await;
     let gw = TestGateway::to(up, "");
     let mut c = h1_client(gw.addr).await;
-    let req = http::Request::get("/").header("host", "a").header("x-request-id", "client-id-42").body(full("")).unwrap();
+    let req = http::Request::get("/")
+        .header("host", "a")
+        .header("x-request-id", "client-id-42")
+        .body(full(""))
+        .unwrap();
     let resp = c.send_request(req).await.unwrap();
     assert_eq!(resp.headers()["x-request-id"], "client-id-42");
     assert_eq!(resp.headers()["x-echo-x-request-id"], "client-id-42");
@@ -119,10 +132,29 @@ async fn large_upload_and_download_stream() {
     let gw = TestGateway::to(up, "[server]\nworkers = 1\nmax_body_bytes = 0\n");
     let mut c = h1_client(gw.addr).await;
     let body = Bytes::from(vec![b'y'; SIZE]);
-    let resp = c.send_request(http::Request::post("/up").header("host", "a").body(full(body)).unwrap()).await.unwrap();
+    let resp = c
+        .send_request(
+            http::Request::post("/up")
+                .header("host", "a")
+                .body(full(body))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
-    assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), SIZE.to_string());
-    let resp = c.send_request(http::Request::get("/down").header("host", "a").body(full("")).unwrap()).await.unwrap();
+    assert_eq!(
+        resp.into_body().collect().await.unwrap().to_bytes(),
+        SIZE.to_string()
+    );
+    let resp = c
+        .send_request(
+            http::Request::get("/down")
+                .header("host", "a")
+                .body(full(""))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
     let mut body = resp.into_body();
     let mut n = 0;
     while let Some(f) = body.frame().await {
@@ -149,11 +181,20 @@ trait SplitBody {
     fn into_split_body(self) -> (tokio::sync::mpsc::Sender<Bytes>, TestBody);
 }
 
-impl SplitBody for (tokio::sync::mpsc::Sender<Bytes>, tokio::sync::mpsc::Receiver<Bytes>) {
+impl SplitBody
+    for (
+        tokio::sync::mpsc::Sender<Bytes>,
+        tokio::sync::mpsc::Receiver<Bytes>,
+    )
+{
     fn into_split_body(self) -> (tokio::sync::mpsc::Sender<Bytes>, TestBody) {
         let (tx, mut rx) = self;
         let body = http_body_util::StreamBody::new(futures_util::stream::poll_fn(move |cx| {
-            rx.poll_recv(cx).map(|o| o.map(|b| Ok::<_, Box<dyn std::error::Error + Send + Sync>>(hyper::body::Frame::data(b))))
+            rx.poll_recv(cx).map(|o| {
+                o.map(|b| {
+                    Ok::<_, Box<dyn std::error::Error + Send + Sync>>(hyper::body::Frame::data(b))
+                })
+            })
         }));
         (tx, body.boxed())
     }
@@ -179,18 +220,26 @@ async fn response_streams_before_upstream_finishes() {
     .await;
     let gw = TestGateway::to(up, "");
     let mut s = TcpStream::connect(gw.addr).await.unwrap();
-    s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n").await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
     let mut seen = Vec::new();
     let mut buf = [0u8; 1024];
     while !String::from_utf8_lossy(&seen).contains("first;") {
-        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.expect("first chunk arrives while upstream holds the rest").unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .expect("first chunk arrives while upstream holds the rest")
+            .unwrap();
         assert!(n > 0);
         seen.extend_from_slice(&buf[..n]);
     }
     assert!(!String::from_utf8_lossy(&seen).contains("second"));
     release_tx.send(true).unwrap();
     while !String::from_utf8_lossy(&seen).contains("second") {
-        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.unwrap().unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
         assert!(n > 0);
         seen.extend_from_slice(&buf[..n]);
     }
@@ -216,8 +265,13 @@ async fn request_body_streams_before_client_finishes() {
     .await;
     let gw = TestGateway::to(up, "");
     let mut s = TcpStream::connect(gw.addr).await.unwrap();
-    s.write_all(b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n").await.unwrap();
-    let first = tokio::time::timeout(Duration::from_secs(5), got_rx.recv()).await.expect("upstream gets the first chunk before the body ends").unwrap();
+    s.write_all(b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        .await
+        .unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(5), got_rx.recv())
+        .await
+        .expect("upstream gets the first chunk before the body ends")
+        .unwrap();
     assert_eq!(first, "first");
     s.write_all(b"4\r\nlast\r\n0\r\n\r\n").await.unwrap();
     let (text, _) = read_until_close_or(&mut s, "done").await;
@@ -229,7 +283,9 @@ async fn read_until_close_or(s: &mut TcpStream, needle: &str) -> (String, bool) 
     let mut buf = [0u8; 4096];
     loop {
         match tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await {
-            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return (String::from_utf8_lossy(&out).into_owned(), true),
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => {
+                return (String::from_utf8_lossy(&out).into_owned(), true);
+            }
             Ok(Ok(n)) => {
                 out.extend_from_slice(&buf[..n]);
                 if String::from_utf8_lossy(&out).contains(needle) {
@@ -244,14 +300,28 @@ async fn read_until_close_or(s: &mut TcpStream, needle: &str) -> (String, bool) 
 async fn head_gets_headers_without_body() {
     let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
         assert_eq!(req.method(), http::Method::HEAD);
-        http::Response::builder().header("content-length", "1234").body(full("")).unwrap()
+        http::Response::builder()
+            .header("content-length", "1234")
+            .body(full(""))
+            .unwrap()
     })
     .await;
     let gw = TestGateway::to(up, "");
-    let (text, _) = raw(gw.addr, b"HEAD / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n", Duration::from_secs(5)).await;
+    let (text, _) = raw(
+        gw.addr,
+        b"HEAD / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-    assert!(text.to_ascii_lowercase().contains("content-length: 1234"), "{text}");
-    assert!(text.ends_with("\r\n\r\n"), "no body after a HEAD response: {text:?}");
+    assert!(
+        text.to_ascii_lowercase().contains("content-length: 1234"),
+        "{text}"
+    );
+    assert!(
+        text.ends_with("\r\n\r\n"),
+        "no body after a HEAD response: {text:?}"
+    );
 }
 
 #[tokio::test]
@@ -259,15 +329,23 @@ async fn expect_100_continue_is_answered_before_the_body() {
     let up = echo_upstream().await;
     let gw = TestGateway::to(up, "");
     let mut s = TcpStream::connect(gw.addr).await.unwrap();
-    s.write_all(b"PUT / HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n").await.unwrap();
+    s.write_all(b"PUT / HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n")
+        .await
+        .unwrap();
     let mut buf = [0u8; 256];
-    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.expect("100 Continue arrives").unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .expect("100 Continue arrives")
+        .unwrap();
     let interim = String::from_utf8_lossy(&buf[..n]).into_owned();
     assert!(interim.starts_with("HTTP/1.1 100 Continue"), "{interim}");
     s.write_all(b"data").await.unwrap();
     let (text, _) = read_until_close_or(&mut s, "data").await;
     assert!(text.contains("HTTP/1.1 200"), "{text}");
-    assert!(!text.to_ascii_lowercase().contains("x-echo-expect"), "Expect is not forwarded: {text}");
+    assert!(
+        !text.to_ascii_lowercase().contains("x-echo-expect"),
+        "Expect is not forwarded: {text}"
+    );
 }
 
 #[tokio::test]
@@ -275,17 +353,27 @@ async fn h2c_prior_knowledge_to_h1_upstream() {
     let up = echo_upstream().await;
     let gw = TestGateway::to(up, "");
     let stream = TcpStream::connect(gw.addr).await.unwrap();
-    let (mut c, conn) = hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(stream)).await.unwrap();
+    let (mut c, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
     tokio::spawn(conn);
     for i in 0..3 {
-        let req = http::Request::post(format!("http://api.test/h2/{i}")).body(full(format!("body{i}"))).unwrap();
+        let req = http::Request::post(format!("http://api.test/h2/{i}"))
+            .body(full(format!("body{i}")))
+            .unwrap();
         let resp = c.send_request(req).await.unwrap();
         assert_eq!(resp.status(), 200);
         assert_eq!(resp.version(), http::Version::HTTP_2);
         assert_eq!(resp.headers()["x-echo-via"], "2 tailgate");
         assert_eq!(resp.headers()["x-echo-host"], "api.test");
         assert_eq!(resp.headers()["x-echo-uri"], format!("/h2/{i}").as_str());
-        assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), format!("body{i}"));
+        assert_eq!(
+            resp.into_body().collect().await.unwrap().to_bytes(),
+            format!("body{i}")
+        );
     }
 }
 

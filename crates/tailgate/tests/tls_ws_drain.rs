@@ -19,23 +19,47 @@ struct TestCert {
 }
 
 fn test_cert(names: &[&str]) -> TestCert {
-    let ck = rcgen::generate_simple_self_signed(names.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
-    let dir = std::env::temp_dir().join(format!("tailgate-tls-{}-{}", std::process::id(), fastrand::u64(..)));
+    let ck =
+        rcgen::generate_simple_self_signed(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+            .unwrap();
+    let dir = std::env::temp_dir().join(format!(
+        "tailgate-tls-{}-{}",
+        std::process::id(),
+        fastrand::u64(..)
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("cert.pem"), ck.cert.pem()).unwrap();
     std::fs::write(dir.join("key.pem"), ck.signing_key.serialize_pem()).unwrap();
-    TestCert { dir, der: ck.cert.der().clone() }
+    TestCert {
+        dir,
+        der: ck.cert.der().clone(),
+    }
 }
 
-async fn tls_connect(addr: std::net::SocketAddr, cert: &TestCert, sni: &str, alpn: &[&[u8]]) -> tokio_rustls::client::TlsStream<TcpStream> {
+async fn tls_connect(
+    addr: std::net::SocketAddr,
+    cert: &TestCert,
+    sni: &str,
+    alpn: &[&[u8]],
+) -> tokio_rustls::client::TlsStream<TcpStream> {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(cert.der.clone()).unwrap();
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let mut cfg = rustls::ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions().unwrap().with_root_certificates(roots).with_no_client_auth();
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
     cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     let connector = tokio_rustls::TlsConnector::from(Arc::new(cfg));
     let tcp = TcpStream::connect(addr).await.unwrap();
-    connector.connect(rustls::pki_types::ServerName::try_from(sni.to_owned()).unwrap(), tcp).await.unwrap()
+    connector
+        .connect(
+            rustls::pki_types::ServerName::try_from(sni.to_owned()).unwrap(),
+            tcp,
+        )
+        .await
+        .unwrap()
 }
 
 fn tls_gateway(cert: &TestCert, up: std::net::SocketAddr) -> TestGateway {
@@ -72,9 +96,21 @@ async fn tls_h2_by_alpn() {
     let gw = tls_gateway(&cert, up);
     let tls = tls_connect(gw.addr, &cert, "acme.test", &[b"h2", b"http/1.1"]).await;
     assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
-    let (mut c, conn) = hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), TokioIo::new(tls)).await.unwrap();
+    let (mut c, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(tls),
+    )
+    .await
+    .unwrap();
     tokio::spawn(conn);
-    let resp = c.send_request(http::Request::get("https://acme.test/x").body(full("")).unwrap()).await.unwrap();
+    let resp = c
+        .send_request(
+            http::Request::get("https://acme.test/x")
+                .body(full(""))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.version(), http::Version::HTTP_2);
     assert_eq!(resp.headers()["x-echo-x-forwarded-proto"], "https");
@@ -86,9 +122,19 @@ async fn tls_http1_by_alpn() {
     let up = echo_upstream().await;
     let gw = tls_gateway(&cert, up);
     let tls = tls_connect(gw.addr, &cert, "acme.test", &[b"http/1.1"]).await;
-    let (mut c, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.unwrap();
+    let (mut c, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .unwrap();
     tokio::spawn(conn);
-    let resp = c.send_request(http::Request::get("/x").header("host", "acme.test").body(full("")).unwrap()).await.unwrap();
+    let resp = c
+        .send_request(
+            http::Request::get("/x")
+                .header("host", "acme.test")
+                .body(full(""))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.version(), http::Version::HTTP_11);
     assert_eq!(resp.headers()["x-echo-x-forwarded-proto"], "https");
@@ -102,15 +148,35 @@ async fn sni_classifies_the_tenant() {
     let gw = tls_gateway(&cert, up);
     // SNI acme.test, Host unknown: routed by the connection's tenant.
     let tls = tls_connect(gw.addr, &cert, "acme.test", &[b"http/1.1"]).await;
-    let (mut c, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.unwrap();
+    let (mut c, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .unwrap();
     tokio::spawn(conn);
-    let resp = c.send_request(http::Request::get("/").header("host", "10.1.2.3").body(full("")).unwrap()).await.unwrap();
+    let resp = c
+        .send_request(
+            http::Request::get("/")
+                .header("host", "10.1.2.3")
+                .body(full(""))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
     // SNI globex.test: globex has no routes.
     let tls = tls_connect(gw.addr, &cert, "globex.test", &[b"http/1.1"]).await;
-    let (mut c, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.unwrap();
+    let (mut c, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .unwrap();
     tokio::spawn(conn);
-    let resp = c.send_request(http::Request::get("/").header("host", "10.1.2.3").body(full("")).unwrap()).await.unwrap();
+    let resp = c
+        .send_request(
+            http::Request::get("/")
+                .header("host", "10.1.2.3")
+                .body(full(""))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 404);
 }
 
@@ -154,8 +220,19 @@ cluster = "g"
     let globex_only = gwh.listener_addr("globex-only").unwrap();
     let body = |host: &'static str, addr| async move {
         let mut c = h1_client(addr).await;
-        let r = c.send_request(http::Request::get("/").header("host", host).body(full("")).unwrap()).await.unwrap();
-        (r.status(), r.into_body().collect().await.unwrap().to_bytes())
+        let r = c
+            .send_request(
+                http::Request::get("/")
+                    .header("host", host)
+                    .body(full(""))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        (
+            r.status(),
+            r.into_body().collect().await.unwrap().to_bytes(),
+        )
     };
     assert_eq!(body("eu.acme.test", shared).await.1, "acme");
     assert_eq!(body("globex.test:80", shared).await.1, "globex");
@@ -199,7 +276,10 @@ async fn websocket_upgrade_is_passed_through() {
     let mut buf = vec![0u8; 4096];
     let mut got = Vec::new();
     while !String::from_utf8_lossy(&got).contains("\r\n\r\n") {
-        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.unwrap().unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
         assert!(n > 0);
         got.extend_from_slice(&buf[..n]);
     }
@@ -212,7 +292,10 @@ async fn websocket_upgrade_is_passed_through() {
     s.write_all(frame).await.unwrap();
     let mut echoed = Vec::new();
     while echoed.len() < frame.len() {
-        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.unwrap().unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
         assert!(n > 0);
         echoed.extend_from_slice(&buf[..n]);
     }
@@ -242,6 +325,12 @@ async fn graceful_drain_finishes_in_flight_requests() {
     let resp = in_flight.await.unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.body(), "finished");
-    tokio::time::timeout(Duration::from_secs(10), joined).await.expect("workers exit after the drain").unwrap();
-    assert!(TcpStream::connect(addr).await.is_err(), "no longer accepting");
+    tokio::time::timeout(Duration::from_secs(10), joined)
+        .await
+        .expect("workers exit after the drain")
+        .unwrap();
+    assert!(
+        TcpStream::connect(addr).await.is_err(),
+        "no longer accepting"
+    );
 }

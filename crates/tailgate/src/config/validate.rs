@@ -22,7 +22,13 @@ struct Checker<'a> {
 }
 
 impl Checker<'_> {
-    fn err(&mut self, span: Option<Range<usize>>, field: String, message: String, hint: Option<&str>) {
+    fn err(
+        &mut self,
+        span: Option<Range<usize>>,
+        field: String,
+        message: String,
+        hint: Option<&str>,
+    ) {
         let (line, col) = span.map_or((0, 0), |s| line_col(self.text, s.start));
         self.errors.push(ConfigError {
             file: self.path.to_path_buf(),
@@ -34,7 +40,12 @@ impl Checker<'_> {
         });
     }
 
-    fn duration(&mut self, v: &Option<Spanned<String>>, field: String, default: Duration) -> Duration {
+    fn duration(
+        &mut self,
+        v: &Option<Spanned<String>>,
+        field: String,
+        default: Duration,
+    ) -> Duration {
         let Some(v) = v else { return default };
         match humantime::parse_duration(v.get_ref()) {
             Ok(d) => d,
@@ -99,9 +110,17 @@ pub(super) fn parse_and_validate(path: &Path, text: &str) -> Result<Config, Conf
             }]));
         }
     };
-    let mut c = Checker { path, text, errors: Vec::new() };
+    let mut c = Checker {
+        path,
+        text,
+        errors: Vec::new(),
+    };
     let config = check(&mut c, raw);
-    if c.errors.is_empty() { Ok(config) } else { Err(ConfigErrors(c.errors)) }
+    if c.errors.is_empty() {
+        Ok(config)
+    } else {
+        Err(ConfigErrors(c.errors))
+    }
 }
 
 fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
@@ -111,7 +130,12 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     let s = &raw.server;
     let workers = match &s.workers {
         Some(w) if *w.get_ref() == 0 || *w.get_ref() > 1024 => {
-            c.err(Some(w.span()), "server.workers".into(), "must be between 1 and 1024".into(), Some("remove it to get one worker per core"));
+            c.err(
+                Some(w.span()),
+                "server.workers".into(),
+                "must be between 1 and 1024".into(),
+                Some("remove it to get one worker per core"),
+            );
             1
         }
         Some(w) => *w.get_ref(),
@@ -119,7 +143,12 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     };
     let max_header_bytes = match &s.max_header_bytes {
         Some(m) if *m.get_ref() < 1024 || *m.get_ref() > 1 << 20 => {
-            c.err(Some(m.span()), "server.max_header_bytes".into(), "must be between 1024 and 1048576".into(), Some("16384 is a good default"));
+            c.err(
+                Some(m.span()),
+                "server.max_header_bytes".into(),
+                "must be between 1024 and 1048576".into(),
+                Some("16384 is a good default"),
+            );
             16 * 1024
         }
         Some(m) => *m.get_ref(),
@@ -129,7 +158,12 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         Some(h) => match http::HeaderName::from_bytes(h.get_ref().as_bytes()) {
             Ok(n) => n,
             Err(_) => {
-                c.err(Some(h.span()), "server.request_id_header".into(), format!("`{}` is not a header name", h.get_ref()), Some("write a token such as \"x-request-id\""));
+                c.err(
+                    Some(h.span()),
+                    "server.request_id_header".into(),
+                    format!("`{}` is not a header name", h.get_ref()),
+                    Some("write a token such as \"x-request-id\""),
+                );
                 http::HeaderName::from_static("x-request-id")
             }
         },
@@ -137,9 +171,21 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     };
     let server = ServerSettings {
         workers,
-        shutdown_grace: c.duration(&s.shutdown_grace, "server.shutdown_grace".into(), Duration::from_secs(10)),
-        header_read_timeout: c.duration(&s.header_read_timeout, "server.header_read_timeout".into(), Duration::from_secs(10)),
-        idle_timeout: c.duration(&s.idle_timeout, "server.idle_timeout".into(), Duration::from_secs(60)),
+        shutdown_grace: c.duration(
+            &s.shutdown_grace,
+            "server.shutdown_grace".into(),
+            Duration::from_secs(10),
+        ),
+        header_read_timeout: c.duration(
+            &s.header_read_timeout,
+            "server.header_read_timeout".into(),
+            Duration::from_secs(10),
+        ),
+        idle_timeout: c.duration(
+            &s.idle_timeout,
+            "server.idle_timeout".into(),
+            Duration::from_secs(60),
+        ),
         max_header_bytes,
         max_body_bytes: s.max_body_bytes.unwrap_or(10 * 1024 * 1024),
         request_id_header,
@@ -150,7 +196,14 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         Some(l) => {
             let v = l.get_ref().to_ascii_lowercase();
             if !["error", "warn", "info", "debug", "trace", "off"].contains(&v.as_str()) {
-                c.err(Some(l.span()), "log.level".into(), format!("`{}` is not a log level", l.get_ref()), Some("write one of \"error\", \"warn\", \"info\", \"debug\", \"trace\", \"off\""));
+                c.err(
+                    Some(l.span()),
+                    "log.level".into(),
+                    format!("`{}` is not a log level", l.get_ref()),
+                    Some(
+                        "write one of \"error\", \"warn\", \"info\", \"debug\", \"trace\", \"off\"",
+                    ),
+                );
             }
             v
         }
@@ -161,13 +214,22 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             "text" => LogFormat::Text,
             "json" => LogFormat::Json,
             other => {
-                c.err(Some(f.span()), "log.format".into(), format!("`{other}` is not a log format"), Some("write \"text\" or \"json\""));
+                c.err(
+                    Some(f.span()),
+                    "log.format".into(),
+                    format!("`{other}` is not a log format"),
+                    Some("write \"text\" or \"json\""),
+                );
                 LogFormat::Text
             }
         },
         None => LogFormat::Text,
     };
-    let log = LogSettings { level, format, access_log: raw.log.access_log.unwrap_or(true) };
+    let log = LogSettings {
+        level,
+        format,
+        access_log: raw.log.access_log.unwrap_or(true),
+    };
 
     // [[tenant]]
     let mut tenant_index: HashMap<String, usize> = HashMap::new();
@@ -176,10 +238,20 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     for (i, t) in raw.tenant.iter().enumerate() {
         let name = t.name.get_ref().clone();
         if name.is_empty() {
-            c.err(Some(t.name.span()), format!("tenant[{i}].name"), "must not be empty".into(), None);
+            c.err(
+                Some(t.name.span()),
+                format!("tenant[{i}].name"),
+                "must not be empty".into(),
+                None,
+            );
         }
         if tenant_index.insert(name.clone(), i).is_some() {
-            c.err(Some(t.name.span()), format!("tenant[{i}].name"), format!("tenant `{name}` is defined twice"), Some("give each tenant a unique name"));
+            c.err(
+                Some(t.name.span()),
+                format!("tenant[{i}].name"),
+                format!("tenant `{name}` is defined twice"),
+                Some("give each tenant a unique name"),
+            );
         }
         let mut hosts = Vec::new();
         for (j, h) in t.hosts.iter().enumerate() {
@@ -189,24 +261,42 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 continue;
             }
             if let Some(other) = host_owner.insert(host.clone(), name.clone()) {
-                c.err(Some(h.span()), format!("tenant[{i}].hosts[{j}]"), format!("host `{host}` already belongs to tenant `{other}`"), Some("a host belongs to one tenant only"));
+                c.err(
+                    Some(h.span()),
+                    format!("tenant[{i}].hosts[{j}]"),
+                    format!("host `{host}` already belongs to tenant `{other}`"),
+                    Some("a host belongs to one tenant only"),
+                );
             }
             hosts.push(host);
         }
         tenants.push(Tenant { name, hosts });
     }
 
-    let tenant_ref = |c: &mut Checker<'_>, v: &Option<Spanned<String>>, field: String| -> Option<usize> {
-        let v = v.as_ref()?;
-        match tenant_index.get(v.get_ref()) {
-            Some(&i) => Some(i),
-            None => {
-                let known: Vec<&str> = raw.tenant.iter().map(|t| t.name.get_ref().as_str()).collect();
-                c.err(Some(v.span()), field, format!("no tenant named `{}`", v.get_ref()), Some(&format!("define it in a [[tenant]] table, or use one of: {}", list_or_none(&known))));
-                None
+    let tenant_ref =
+        |c: &mut Checker<'_>, v: &Option<Spanned<String>>, field: String| -> Option<usize> {
+            let v = v.as_ref()?;
+            match tenant_index.get(v.get_ref()) {
+                Some(&i) => Some(i),
+                None => {
+                    let known: Vec<&str> = raw
+                        .tenant
+                        .iter()
+                        .map(|t| t.name.get_ref().as_str())
+                        .collect();
+                    c.err(
+                        Some(v.span()),
+                        field,
+                        format!("no tenant named `{}`", v.get_ref()),
+                        Some(&format!(
+                            "define it in a [[tenant]] table, or use one of: {}",
+                            list_or_none(&known)
+                        )),
+                    );
+                    None
+                }
             }
-        }
-    };
+        };
 
     // [[demo]]
     let mut demos = Vec::new();
@@ -221,10 +311,16 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     let mut seen_addrs: HashSet<SocketAddr> = demos.iter().copied().collect();
     for (i, l) in raw.listener.iter().enumerate() {
         let address = c.address(&l.address, format!("listener[{i}].address"));
-        if let Some(a) = address {
-            if a.port() != 0 && !seen_addrs.insert(a) {
-                c.err(Some(l.address.span()), format!("listener[{i}].address"), format!("address {a} is used twice"), Some("give each listener and demo its own address"));
-            }
+        if let Some(a) = address
+            && a.port() != 0
+            && !seen_addrs.insert(a)
+        {
+            c.err(
+                Some(l.address.span()),
+                format!("listener[{i}].address"),
+                format!("address {a} is used twice"),
+                Some("give each listener and demo its own address"),
+            );
         }
         let tenant = tenant_ref(c, &l.tenant, format!("listener[{i}].tenant"));
         let tls = l.tls.as_ref().map(|t| {
@@ -248,7 +344,12 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         }
     }
     if raw.listener.is_empty() {
-        c.err(None, "listener".into(), "no listener is defined".into(), Some("add [[listener]] with address = \"127.0.0.1:8080\""));
+        c.err(
+            None,
+            "listener".into(),
+            "no listener is defined".into(),
+            Some("add [[listener]] with address = \"127.0.0.1:8080\""),
+        );
     }
 
     // [[cluster]]
@@ -257,11 +358,21 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     for (i, cl) in raw.cluster.iter().enumerate() {
         let name = cl.name.get_ref().clone();
         if cluster_index.insert(name.clone(), i).is_some() {
-            c.err(Some(cl.name.span()), format!("cluster[{i}].name"), format!("cluster `{name}` is defined twice"), Some("give each cluster a unique name"));
+            c.err(
+                Some(cl.name.span()),
+                format!("cluster[{i}].name"),
+                format!("cluster `{name}` is defined twice"),
+                Some("give each cluster a unique name"),
+            );
         }
         let mut endpoints = Vec::new();
         if cl.endpoints.get_ref().is_empty() {
-            c.err(Some(cl.endpoints.span()), format!("cluster[{i}].endpoints"), "no endpoints".into(), Some("list at least one, e.g. endpoints = [\"127.0.0.1:9000\"]"));
+            c.err(
+                Some(cl.endpoints.span()),
+                format!("cluster[{i}].endpoints"),
+                "no endpoints".into(),
+                Some("list at least one, e.g. endpoints = [\"127.0.0.1:9000\"]"),
+            );
         }
         for (j, e) in cl.endpoints.get_ref().iter().enumerate() {
             if let Some(a) = c.address(e, format!("cluster[{i}].endpoints[{j}]")) {
@@ -271,45 +382,103 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         clusters.push(Cluster {
             name,
             endpoints,
-            connect_timeout: c.duration(&cl.connect_timeout, format!("cluster[{i}].connect_timeout"), Duration::from_secs(2)),
+            connect_timeout: c.duration(
+                &cl.connect_timeout,
+                format!("cluster[{i}].connect_timeout"),
+                Duration::from_secs(2),
+            ),
             max_idle_per_endpoint: cl.max_idle_per_endpoint.unwrap_or(256),
-            idle_timeout: c.duration(&cl.idle_timeout, format!("cluster[{i}].idle_timeout"), Duration::from_secs(4)),
+            idle_timeout: c.duration(
+                &cl.idle_timeout,
+                format!("cluster[{i}].idle_timeout"),
+                Duration::from_secs(4),
+            ),
         });
     }
 
     // [[route]]
     let mut routes = Vec::new();
-    let mut seen_routes: Vec<(Option<usize>, Option<String>, String, Vec<http::Method>, Range<usize>)> = Vec::new();
+    // (tenant, host, path_prefix, methods, span) of every route so far.
+    type RouteKey = (
+        Option<usize>,
+        Option<String>,
+        String,
+        Vec<http::Method>,
+        Range<usize>,
+    );
+    let mut seen_routes: Vec<RouteKey> = Vec::new();
     for (i, r) in raw.route.iter().enumerate() {
         let tenant = tenant_ref(c, &r.tenant, format!("route[{i}].tenant"));
         let cluster = match cluster_index.get(r.cluster.get_ref()) {
             Some(&ci) => Some(ci),
             None => {
-                let known: Vec<&str> = raw.cluster.iter().map(|x| x.name.get_ref().as_str()).collect();
-                c.err(Some(r.cluster.span()), format!("route[{i}].cluster"), format!("no cluster named `{}`", r.cluster.get_ref()), Some(&format!("define it in a [[cluster]] table, or use one of: {}", list_or_none(&known))));
+                let known: Vec<&str> = raw
+                    .cluster
+                    .iter()
+                    .map(|x| x.name.get_ref().as_str())
+                    .collect();
+                c.err(
+                    Some(r.cluster.span()),
+                    format!("route[{i}].cluster"),
+                    format!("no cluster named `{}`", r.cluster.get_ref()),
+                    Some(&format!(
+                        "define it in a [[cluster]] table, or use one of: {}",
+                        list_or_none(&known)
+                    )),
+                );
                 None
             }
         };
         let path_prefix = r.path_prefix.get_ref().clone();
         if !path_prefix.starts_with('/') {
-            c.err(Some(r.path_prefix.span()), format!("route[{i}].path_prefix"), format!("`{path_prefix}` does not start with `/`"), Some("write an absolute path prefix such as \"/\" or \"/api/\""));
+            c.err(
+                Some(r.path_prefix.span()),
+                format!("route[{i}].path_prefix"),
+                format!("`{path_prefix}` does not start with `/`"),
+                Some("write an absolute path prefix such as \"/\" or \"/api/\""),
+            );
         }
         let host = route_host(c, r, i, tenant, &tenants);
         let methods = route_methods(c, r, i);
         let span = r.path_prefix.span();
         for (t, h, p, m, prev) in &seen_routes {
-            let overlap = m.is_empty() || methods.is_empty() || m.iter().any(|x| methods.contains(x));
+            let overlap =
+                m.is_empty() || methods.is_empty() || m.iter().any(|x| methods.contains(x));
             if *t == tenant && *h == host && *p == path_prefix && overlap {
                 let (pl, _) = line_col(c.text, prev.start);
                 c.err(Some(span.clone()), format!("route[{i}]"), format!("duplicate route: the same tenant, host, path_prefix `{path_prefix}` and methods as the route at line {pl}"), Some("remove one of them, or make them differ by host, path_prefix or methods"));
                 break;
             }
         }
-        seen_routes.push((tenant, host.clone(), path_prefix.clone(), methods.clone(), span));
-        let response_timeout = c.duration(&r.response_timeout, format!("route[{i}].response_timeout"), Duration::from_secs(30));
-        let total_timeout = r.total_timeout.as_ref().map(|_| c.duration(&r.total_timeout, format!("route[{i}].total_timeout"), Duration::from_secs(60)));
+        seen_routes.push((
+            tenant,
+            host.clone(),
+            path_prefix.clone(),
+            methods.clone(),
+            span,
+        ));
+        let response_timeout = c.duration(
+            &r.response_timeout,
+            format!("route[{i}].response_timeout"),
+            Duration::from_secs(30),
+        );
+        let total_timeout = r.total_timeout.as_ref().map(|_| {
+            c.duration(
+                &r.total_timeout,
+                format!("route[{i}].total_timeout"),
+                Duration::from_secs(60),
+            )
+        });
         if let Some(cluster) = cluster {
-            routes.push(Route { tenant, host, path_prefix, methods, cluster, response_timeout, total_timeout });
+            routes.push(Route {
+                tenant,
+                host,
+                path_prefix,
+                methods,
+                cluster,
+                response_timeout,
+                total_timeout,
+            });
         }
     }
 
@@ -325,33 +494,56 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     }
 }
 
-fn route_host(c: &mut Checker<'_>, r: &RawRoute, i: usize, tenant: Option<usize>, tenants: &[Tenant]) -> Option<String> {
+fn route_host(
+    c: &mut Checker<'_>,
+    r: &RawRoute,
+    i: usize,
+    tenant: Option<usize>,
+    tenants: &[Tenant],
+) -> Option<String> {
     let h = r.host.as_ref()?;
     let host = h.get_ref().to_ascii_lowercase();
     if !valid_host_pattern(&host) || host.starts_with("*.") {
-        c.err(Some(h.span()), format!("route[{i}].host"), format!("`{}` is not a host name", h.get_ref()), Some("write an exact host like \"api.example.com\", without scheme or port"));
+        c.err(
+            Some(h.span()),
+            format!("route[{i}].host"),
+            format!("`{}` is not a host name", h.get_ref()),
+            Some("write an exact host like \"api.example.com\", without scheme or port"),
+        );
         return None;
     }
-    if let Some(t) = tenant.and_then(|t| tenants.get(t)) {
-        if !t.hosts.iter().any(|p| host_matches(p, &host)) {
-            c.err(Some(h.span()), format!("route[{i}].host"), format!("host `{host}` does not belong to tenant `{}`", t.name), Some("add the host to the tenant's hosts, or remove `host` to match all of the tenant's hosts"));
-        }
+    if let Some(t) = tenant.and_then(|t| tenants.get(t))
+        && !t.hosts.iter().any(|p| host_matches(p, &host))
+    {
+        c.err(Some(h.span()), format!("route[{i}].host"), format!("host `{host}` does not belong to tenant `{}`", t.name), Some("add the host to the tenant's hosts, or remove `host` to match all of the tenant's hosts"));
     }
     Some(host)
 }
 
 fn route_methods(c: &mut Checker<'_>, r: &RawRoute, i: usize) -> Vec<http::Method> {
-    let Some(ms) = &r.methods else { return Vec::new() };
+    let Some(ms) = &r.methods else {
+        return Vec::new();
+    };
     let mut out = Vec::new();
     for (j, m) in ms.get_ref().iter().enumerate() {
         let upper = m.get_ref().to_ascii_uppercase();
         match http::Method::from_bytes(upper.as_bytes()) {
             Ok(method) if !upper.is_empty() => out.push(method),
-            _ => c.err(Some(m.span()), format!("route[{i}].methods[{j}]"), format!("`{}` is not an HTTP method", m.get_ref()), Some("write a method such as \"GET\" or \"POST\"")),
+            _ => c.err(
+                Some(m.span()),
+                format!("route[{i}].methods[{j}]"),
+                format!("`{}` is not an HTTP method", m.get_ref()),
+                Some("write a method such as \"GET\" or \"POST\""),
+            ),
         }
     }
     if ms.get_ref().is_empty() {
-        c.err(Some(ms.span()), format!("route[{i}].methods"), "empty list".into(), Some("remove `methods` to match every method"));
+        c.err(
+            Some(ms.span()),
+            format!("route[{i}].methods"),
+            "empty list".into(),
+            Some("remove `methods` to match every method"),
+        );
     }
     out
 }
@@ -361,27 +553,41 @@ fn valid_host_pattern(h: &str) -> bool {
     let name = h.strip_prefix("*.").unwrap_or(h);
     !name.is_empty()
         && name.len() <= 253
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
 }
 
 /// Does the lower-case `host` match the `pattern` (exact, or `*.suffix` for subdomains)?
 pub fn host_matches(pattern: &str, host: &str) -> bool {
     match pattern.strip_prefix("*.") {
-        Some(suffix) => host.len() > suffix.len() + 1 && host.ends_with(suffix) && host.as_bytes()[host.len() - suffix.len() - 1] == b'.',
+        Some(suffix) => {
+            host.len() > suffix.len() + 1
+                && host.ends_with(suffix)
+                && host.as_bytes()[host.len() - suffix.len() - 1] == b'.'
+        }
         None => pattern == host,
     }
 }
 
 fn resolve(base: &Path, p: &str) -> PathBuf {
     let p = Path::new(p);
-    if p.is_absolute() { p.to_path_buf() } else { base.join(p) }
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        base.join(p)
+    }
 }
 
 fn list_or_none(names: &[&str]) -> String {
     if names.is_empty() {
         "(none defined)".to_owned()
     } else {
-        names.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
+        names
+            .iter()
+            .map(|n| format!("`{n}`"))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 }
 

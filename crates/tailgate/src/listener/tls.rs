@@ -13,9 +13,15 @@ use crate::config::TlsFiles;
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
     #[error("cannot read certificates from {path}: {source}")]
-    Cert { path: String, source: rustls_pki_types::pem::Error },
+    Cert {
+        path: String,
+        source: rustls_pki_types::pem::Error,
+    },
     #[error("cannot read the private key from {path}: {source}")]
-    Key { path: String, source: rustls_pki_types::pem::Error },
+    Key {
+        path: String,
+        source: rustls_pki_types::pem::Error,
+    },
     #[error("invalid certificate or key: {0}")]
     Rustls(#[from] rustls::Error),
 }
@@ -23,8 +29,14 @@ pub enum TlsError {
 pub fn acceptor(files: &TlsFiles) -> Result<TlsAcceptor, TlsError> {
     let certs = CertificateDer::pem_file_iter(&files.cert)
         .and_then(|it| it.collect::<Result<Vec<_>, _>>())
-        .map_err(|source| TlsError::Cert { path: files.cert.display().to_string(), source })?;
-    let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|source| TlsError::Key { path: files.key.display().to_string(), source })?;
+        .map_err(|source| TlsError::Cert {
+            path: files.cert.display().to_string(),
+            source,
+        })?;
+    let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|source| TlsError::Key {
+        path: files.key.display().to_string(),
+        source,
+    })?;
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let mut config = ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()?

@@ -10,7 +10,10 @@ pub struct AccessLog {
 
 impl Observer for AccessLog {
     fn observe(&self, ex: &Exchange) {
-        let tenant = ex.tenant.and_then(|t| self.tenant_names.get(t)).map_or("-", String::as_str);
+        let tenant = ex
+            .tenant
+            .and_then(|t| self.tenant_names.get(t))
+            .map_or("-", String::as_str);
         tracing::event!(
             target: "tailgate::access",
             tracing::Level::INFO,

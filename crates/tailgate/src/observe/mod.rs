@@ -75,7 +75,11 @@ pub struct ConnActivity {
 
 impl Default for ConnActivity {
     fn default() -> Self {
-        ConnActivity { in_flight: AtomicUsize::new(0), epoch: Instant::now(), last_active_ms: Default::default() }
+        ConnActivity {
+            in_flight: AtomicUsize::new(0),
+            epoch: Instant::now(),
+            last_active_ms: Default::default(),
+        }
     }
 }
 
@@ -85,7 +89,8 @@ impl ConnActivity {
     }
 
     pub fn end(&self) {
-        self.last_active_ms.store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+        self.last_active_ms
+            .store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 
@@ -108,14 +113,29 @@ pub struct ExchangeRecorder {
 }
 
 impl ExchangeRecorder {
-    pub fn new(ex: Exchange, started: Instant, observers: Observers, activity: Arc<ConnActivity>) -> Self {
+    pub fn new(
+        ex: Exchange,
+        started: Instant,
+        observers: Observers,
+        activity: Arc<ConnActivity>,
+    ) -> Self {
         activity.begin();
-        ExchangeRecorder { ex: Some(Box::new(ex)), started, observers, activity: Some(activity) }
+        ExchangeRecorder {
+            ex: Some(Box::new(ex)),
+            started,
+            observers,
+            activity: Some(activity),
+        }
     }
 
     /// A recorder that records nothing (what is left behind when the real one moves on).
     pub fn detached() -> Self {
-        ExchangeRecorder { ex: None, started: Instant::now(), observers: Observers::default(), activity: None }
+        ExchangeRecorder {
+            ex: None,
+            started: Instant::now(),
+            observers: Observers::default(),
+            activity: None,
+        }
     }
 
     pub fn exchange_mut(&mut self) -> Option<&mut Exchange> {

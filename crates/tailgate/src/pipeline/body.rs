@@ -35,11 +35,19 @@ pub struct ReqBody {
 impl ReqBody {
     /// `limit` 0 means no limit.
     pub fn new(inner: Incoming, limit: u64) -> ReqBody {
-        ReqBody { inner: Some(inner), limit: if limit == 0 { u64::MAX } else { limit }, seen: 0 }
+        ReqBody {
+            inner: Some(inner),
+            limit: if limit == 0 { u64::MAX } else { limit },
+            seen: 0,
+        }
     }
 
     pub fn empty() -> ReqBody {
-        ReqBody { inner: None, limit: u64::MAX, seen: 0 }
+        ReqBody {
+            inner: None,
+            limit: u64::MAX,
+            seen: 0,
+        }
     }
 }
 
@@ -47,9 +55,14 @@ impl Body for ReqBody {
     type Data = Bytes;
     type Error = ReqBodyError;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, ReqBodyError>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, ReqBodyError>>> {
         let this = &mut *self;
-        let Some(inner) = this.inner.as_mut() else { return Poll::Ready(None) };
+        let Some(inner) = this.inner.as_mut() else {
+            return Poll::Ready(None);
+        };
         match ready!(Pin::new(inner).poll_frame(cx)) {
             Some(Ok(frame)) => {
                 if let Some(data) = frame.data_ref() {
@@ -71,7 +84,9 @@ impl Body for ReqBody {
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.as_ref().map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
+        self.inner
+            .as_ref()
+            .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
     }
 }
 
@@ -111,17 +126,20 @@ impl Body for RespBody {
     type Data = Bytes;
     type Error = Box<dyn std::error::Error + Send + Sync>;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match self.get_mut() {
             RespBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
             RespBody::Upstream(up) => {
                 let up = &mut **up;
-                if let Some(d) = up.deadline.as_mut() {
-                    if d.as_mut().poll(cx).is_ready() {
-                        up.conn = None;
-                        up.recorder.fail("total_timeout");
-                        return Poll::Ready(Some(Err(Box::new(TotalTimeout))));
-                    }
+                if let Some(d) = up.deadline.as_mut()
+                    && d.as_mut().poll(cx).is_ready()
+                {
+                    up.conn = None;
+                    up.recorder.fail("total_timeout");
+                    return Poll::Ready(Some(Err(Box::new(TotalTimeout))));
                 }
                 match ready!(Pin::new(&mut up.inner).poll_frame(cx)) {
                     Some(Ok(frame)) => {

@@ -34,7 +34,9 @@ impl ProxyError {
             ProxyError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            ProxyError::UpstreamConnect(_) | ProxyError::UpstreamReset(_) | ProxyError::NoEndpoints => StatusCode::BAD_GATEWAY,
+            ProxyError::UpstreamConnect(_)
+            | ProxyError::UpstreamReset(_)
+            | ProxyError::NoEndpoints => StatusCode::BAD_GATEWAY,
             ProxyError::ConnectTimeout | ProxyError::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
         }
     }
@@ -56,11 +58,22 @@ impl ProxyError {
 
     /// Is the fault the upstream's (vs. the client's or ours)?
     pub fn is_upstream(&self) -> bool {
-        matches!(self, ProxyError::UpstreamConnect(_) | ProxyError::ConnectTimeout | ProxyError::UpstreamReset(_) | ProxyError::UpstreamTimeout | ProxyError::NoEndpoints)
+        matches!(
+            self,
+            ProxyError::UpstreamConnect(_)
+                | ProxyError::ConnectTimeout
+                | ProxyError::UpstreamReset(_)
+                | ProxyError::UpstreamTimeout
+                | ProxyError::NoEndpoints
+        )
     }
 
     /// The response for this error: status, JSON body with the request id.
-    pub fn to_response(&self, request_id: &HeaderValue, request_id_header: &http::HeaderName) -> http::Response<Bytes> {
+    pub fn to_response(
+        &self,
+        request_id: &HeaderValue,
+        request_id_header: &http::HeaderName,
+    ) -> http::Response<Bytes> {
         let body = serde_json::json!({
             "error": self.code(),
             "message": self.to_string(),
@@ -69,7 +82,10 @@ impl ProxyError {
         let mut resp = http::Response::new(Bytes::from(body.to_string()));
         *resp.status_mut() = self.status();
         let h = resp.headers_mut();
-        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
         h.insert(request_id_header.clone(), request_id.clone());
         if let ProxyError::MethodNotAllowed(methods) = self {
             let mut allow: Vec<&str> = methods.iter().map(http::Method::as_str).collect();
@@ -79,7 +95,10 @@ impl ProxyError {
                 h.insert(header::ALLOW, v);
             }
         }
-        if matches!(self, ProxyError::BadRequest(_) | ProxyError::BodyTooLarge(_)) {
+        if matches!(
+            self,
+            ProxyError::BadRequest(_) | ProxyError::BodyTooLarge(_)
+        ) {
             h.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         resp

@@ -48,7 +48,13 @@ pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
 
 /// Adds `Via`, and `X-Forwarded-For/-Proto/-Host` the way nginx and Envoy do: the client
 /// address appended to any existing X-Forwarded-For.
-pub fn add_forwarded(headers: &mut HeaderMap, version: http::Version, client: IpAddr, tls: bool, host: Option<&str>) {
+pub fn add_forwarded(
+    headers: &mut HeaderMap,
+    version: http::Version,
+    client: IpAddr,
+    tls: bool,
+    host: Option<&str>,
+) {
     let via = match version {
         http::Version::HTTP_2 => "2 tailgate",
         http::Version::HTTP_10 => "1.0 tailgate",
@@ -64,7 +70,10 @@ pub fn add_forwarded(headers: &mut HeaderMap, version: http::Version, client: Ip
     if let Ok(v) = xff {
         headers.insert(&X_FORWARDED_FOR, v);
     }
-    headers.insert(&X_FORWARDED_PROTO, HeaderValue::from_static(if tls { "https" } else { "http" }));
+    headers.insert(
+        &X_FORWARDED_PROTO,
+        HeaderValue::from_static(if tls { "https" } else { "http" }),
+    );
     if let Some(h) = host.and_then(|h| HeaderValue::from_str(h).ok()) {
         headers.insert(&X_FORWARDED_HOST, h);
     }
@@ -77,7 +86,10 @@ pub fn wants_upgrade(headers: &HeaderMap) -> bool {
             .get_all(header::CONNECTION)
             .iter()
             .filter_map(|v| v.to_str().ok())
-            .any(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("upgrade")))
+            .any(|v| {
+                v.split(',')
+                    .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+            })
 }
 
 /// Request ids: a random per-process prefix and a counter, 24 hex digits; unique without
@@ -89,7 +101,10 @@ pub struct RequestIds {
 
 impl Default for RequestIds {
     fn default() -> Self {
-        RequestIds { prefix: fastrand::u64(..), counter: AtomicU64::new(0) }
+        RequestIds {
+            prefix: fastrand::u64(..),
+            counter: AtomicU64::new(0),
+        }
     }
 }
 
@@ -106,7 +121,13 @@ impl RequestIds {
     /// The client's id when it sent a usable one (printable, at most 128 bytes), else a new one.
     pub fn keep_or_new(&self, sent: Option<&HeaderValue>) -> HeaderValue {
         match sent {
-            Some(v) if !v.is_empty() && v.len() <= 128 && v.as_bytes().iter().all(|b| b.is_ascii_graphic()) => v.clone(),
+            Some(v)
+                if !v.is_empty()
+                    && v.len() <= 128
+                    && v.as_bytes().iter().all(|b| b.is_ascii_graphic()) =>
+            {
+                v.clone()
+            }
             _ => self.next(),
         }
     }
@@ -127,7 +148,10 @@ mod tests {
     #[test]
     fn removes_connection_named_headers() {
         let mut h = HeaderMap::new();
-        h.insert(header::CONNECTION, HeaderValue::from_static("close, x-secret"));
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("close, x-secret"),
+        );
         h.insert("x-secret", HeaderValue::from_static("1"));
         h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
         h.insert(header::TE, HeaderValue::from_static("trailers"));

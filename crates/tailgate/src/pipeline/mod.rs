@@ -58,13 +58,19 @@ pub struct ConnInfo {
 }
 
 /// Runs one request through the pipeline. Never fails: every error becomes a response here.
-pub async fn handle(worker: Arc<Worker>, conn: Arc<ConnInfo>, req: Request<Incoming>) -> Result<Response<RespBody>, Infallible> {
+pub async fn handle(
+    worker: Arc<Worker>,
+    conn: Arc<ConnInfo>,
+    req: Request<Incoming>,
+) -> Result<Response<RespBody>, Infallible> {
     let started = Instant::now();
     let shared = &worker.shared;
     let settings = &shared.settings;
 
     // 1. Request id first, so every response and log line from here on can carry it.
-    let request_id = shared.ids.keep_or_new(req.headers().get(&settings.request_id_header));
+    let request_id = shared
+        .ids
+        .keep_or_new(req.headers().get(&settings.request_id_header));
     let exchange = Exchange {
         request_id: request_id.clone(),
         client: conn.client.ip(),
@@ -79,8 +85,15 @@ pub async fn handle(worker: Arc<Worker>, conn: Arc<ConnInfo>, req: Request<Incom
         error: None,
         timings: StageTimings::default(),
     };
-    let mut rec = ExchangeRecorder::new(exchange, started, shared.observers.clone(), conn.activity.clone());
-    let fail = |rec: &mut ExchangeRecorder, e: ProxyError| -> Result<Response<RespBody>, Infallible> {
+    let mut rec = ExchangeRecorder::new(
+        exchange,
+        started,
+        shared.observers.clone(),
+        conn.activity.clone(),
+    );
+    let fail = |rec: &mut ExchangeRecorder,
+                e: ProxyError|
+     -> Result<Response<RespBody>, Infallible> {
         if let Some(ex) = rec.exchange_mut() {
             ex.status = e.status().as_u16();
         }
@@ -88,17 +101,18 @@ pub async fn handle(worker: Arc<Worker>, conn: Arc<ConnInfo>, req: Request<Incom
         if e.is_upstream() {
             tracing::debug!(request.id = request_id.to_str().unwrap_or("-"), error = %e, "upstream error");
         }
-        let (parts, b) = e.to_response(&request_id, &settings.request_id_header).into_parts();
+        let (parts, b) = e
+            .to_response(&request_id, &settings.request_id_header)
+            .into_parts();
         Ok(Response::from_parts(parts, RespBody::full(b)))
     };
 
     // Size limit on the declared body: refuse before reading a byte of it (413).
-    if settings.max_body_bytes > 0 {
-        if let Some(len) = declared_length(&req) {
-            if len > settings.max_body_bytes {
-                return fail(&mut rec, ProxyError::BodyTooLarge(settings.max_body_bytes));
-            }
-        }
+    if settings.max_body_bytes > 0
+        && let Some(len) = declared_length(&req)
+        && len > settings.max_body_bytes
+    {
+        return fail(&mut rec, ProxyError::BodyTooLarge(settings.max_body_bytes));
     }
 
     // 2. Route: the host decides the tenant, the path and method the route.
@@ -112,9 +126,14 @@ pub async fn handle(worker: Arc<Worker>, conn: Arc<ConnInfo>, req: Request<Incom
     } else {
         host
     };
-    let route = match shared.routes.lookup(host, req.uri().path(), req.method(), conn.tenant) {
+    let route = match shared
+        .routes
+        .lookup(host, req.uri().path(), req.method(), conn.tenant)
+    {
         Match::Found(r) => r.clone(),
-        Match::WrongMethod(allowed) => return fail(&mut rec, ProxyError::MethodNotAllowed(allowed)),
+        Match::WrongMethod(allowed) => {
+            return fail(&mut rec, ProxyError::MethodNotAllowed(allowed));
+        }
         Match::NotFound => return fail(&mut rec, ProxyError::NoRoute),
     };
     if let Some(ex) = rec.exchange_mut() {
@@ -133,7 +152,12 @@ pub async fn handle(worker: Arc<Worker>, conn: Arc<ConnInfo>, req: Request<Incom
 }
 
 fn declared_length(req: &Request<Incoming>) -> Option<u64> {
-    req.headers().get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+    req.headers()
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
 }
 
 async fn forward(
@@ -153,18 +177,28 @@ async fn forward(
     // The upstream request: origin-form URI, the client's Host, hop-by-hop headers gone.
     let (mut parts, body) = req.into_parts();
     let host_value = match parts.uri.authority() {
-        Some(a) if !parts.headers.contains_key(header::HOST) => HeaderValue::from_str(a.as_str()).ok(),
+        Some(a) if !parts.headers.contains_key(header::HOST) => {
+            HeaderValue::from_str(a.as_str()).ok()
+        }
         _ => parts.headers.get(header::HOST).cloned(),
     };
     headers::remove_hop_by_hop(&mut parts.headers, upgrade);
     // 100-continue is answered to the client here (when the body is first read), so the
     // expectation is not forwarded.
     parts.headers.remove(header::EXPECT);
-    headers::add_forwarded(&mut parts.headers, parts.version, conn.client.ip(), conn.tls, host_value.as_ref().and_then(|h| h.to_str().ok()));
+    headers::add_forwarded(
+        &mut parts.headers,
+        parts.version,
+        conn.client.ip(),
+        conn.tls,
+        host_value.as_ref().and_then(|h| h.to_str().ok()),
+    );
     if let Some(h) = host_value {
         parts.headers.insert(header::HOST, h);
     }
-    parts.headers.insert(settings.request_id_header.clone(), request_id.clone());
+    parts
+        .headers
+        .insert(settings.request_id_header.clone(), request_id.clone());
     parts.uri = match parts.uri.path_and_query() {
         Some(pq) => http::Uri::from(pq.clone()),
         None => http::Uri::from_static("/"),
@@ -184,7 +218,8 @@ async fn forward(
 
     let response_timeout = remaining(route.response_timeout, total_deadline);
     let t_send = Instant::now();
-    let sent = tokio::time::timeout(response_timeout, up.sender.try_send_request(upstream_req)).await;
+    let sent =
+        tokio::time::timeout(response_timeout, up.sender.try_send_request(upstream_req)).await;
     let result = match sent {
         Err(_) => return Err(ProxyError::UpstreamTimeout),
         Ok(Ok(resp)) => Ok(resp),
@@ -194,7 +229,8 @@ async fn forward(
             Some(req) if up.reused => {
                 tracing::debug!(upstream.addr = %pool.addr, "pooled connection closed before the request was sent; resending on a new one");
                 up = pool.connect().await?;
-                let left = remaining(route.response_timeout, total_deadline).saturating_sub(t_send.elapsed());
+                let left = remaining(route.response_timeout, total_deadline)
+                    .saturating_sub(t_send.elapsed());
                 match tokio::time::timeout(left, up.sender.send_request(req)).await {
                     Err(_) => return Err(ProxyError::UpstreamTimeout),
                     Ok(r) => r,
@@ -228,17 +264,26 @@ async fn forward(
         }
         let (mut parts, _) = resp.into_parts();
         headers::remove_hop_by_hop(&mut parts.headers, true);
-        parts.headers.insert(settings.request_id_header.clone(), request_id.clone());
+        parts
+            .headers
+            .insert(settings.request_id_header.clone(), request_id.clone());
         rec.finish();
         return Ok(Response::from_parts(parts, RespBody::empty()));
     }
 
     let (mut parts, body) = resp.into_parts();
     headers::remove_hop_by_hop(&mut parts.headers, false);
-    parts.headers.insert(settings.request_id_header.clone(), request_id.clone());
+    parts
+        .headers
+        .insert(settings.request_id_header.clone(), request_id.clone());
     let deadline = total_deadline.map(|d| Box::pin(tokio::time::sleep_until(d.into())));
     let recorder = std::mem::replace(rec, ExchangeRecorder::detached());
-    let body = RespBody::Upstream(Box::new(UpstreamBody { inner: body, conn: Some(up), deadline, recorder }));
+    let body = RespBody::Upstream(Box::new(UpstreamBody {
+        inner: body,
+        conn: Some(up),
+        deadline,
+        recorder,
+    }));
     Ok(Response::from_parts(parts, body))
 }
 

@@ -34,10 +34,16 @@ pub enum Match<'a> {
 impl RouteList {
     fn push(&mut self, r: Arc<RouteEntry>) {
         self.0.push(r);
-        self.0.sort_by(|a, b| b.path_prefix.len().cmp(&a.path_prefix.len()));
+        self.0
+            .sort_by_key(|r| std::cmp::Reverse(r.path_prefix.len()));
     }
 
-    fn find<'a>(&'a self, path: &str, method: &http::Method, allowed: &mut Vec<http::Method>) -> Option<&'a Arc<RouteEntry>> {
+    fn find<'a>(
+        &'a self,
+        path: &str,
+        method: &http::Method,
+        allowed: &mut Vec<http::Method>,
+    ) -> Option<&'a Arc<RouteEntry>> {
         for r in &self.0 {
             if path.starts_with(r.path_prefix.as_str()) {
                 if r.methods.is_empty() || r.methods.contains(method) {
@@ -67,7 +73,14 @@ pub struct RouteTable {
 
 impl RouteTable {
     pub fn new(config: &Config) -> RouteTable {
-        let mut t = RouteTable { tenant_routes: config.tenants.iter().map(|_| RouteList::default()).collect(), ..Default::default() };
+        let mut t = RouteTable {
+            tenant_routes: config
+                .tenants
+                .iter()
+                .map(|_| RouteList::default())
+                .collect(),
+            ..Default::default()
+        };
         for (i, tenant) in config.tenants.iter().enumerate() {
             for h in &tenant.hosts {
                 if h.starts_with("*.") {
@@ -101,27 +114,43 @@ impl RouteTable {
         if let Some(&t) = self.tenant_hosts.get(host) {
             return Some(t);
         }
-        self.tenant_wildcards.iter().find(|(p, _)| config::host_matches(p, host)).map(|&(_, t)| t)
+        self.tenant_wildcards
+            .iter()
+            .find(|(p, _)| config::host_matches(p, host))
+            .map(|&(_, t)| t)
     }
 
     /// Finds the route for a request. `conn_tenant` is the tenant the connection was
     /// classified to (listener or SNI), used when the Host names no tenant.
-    pub fn lookup(&self, host: &str, path: &str, method: &http::Method, conn_tenant: Option<usize>) -> Match<'_> {
+    pub fn lookup(
+        &self,
+        host: &str,
+        path: &str,
+        method: &http::Method,
+        conn_tenant: Option<usize>,
+    ) -> Match<'_> {
         let mut allowed = Vec::new();
-        if let Some(list) = self.by_host.get(host) {
-            if let Some(r) = list.find(path, method, &mut allowed) {
-                return Match::Found(r);
-            }
+        if let Some(list) = self.by_host.get(host)
+            && let Some(r) = list.find(path, method, &mut allowed)
+        {
+            return Match::Found(r);
         }
-        if let Some(t) = self.tenant_of_host(host).or(conn_tenant) {
-            if let Some(r) = self.tenant_routes.get(t).and_then(|l| l.find(path, method, &mut allowed)) {
-                return Match::Found(r);
-            }
+        if let Some(t) = self.tenant_of_host(host).or(conn_tenant)
+            && let Some(r) = self
+                .tenant_routes
+                .get(t)
+                .and_then(|l| l.find(path, method, &mut allowed))
+        {
+            return Match::Found(r);
         }
         if let Some(r) = self.global.find(path, method, &mut allowed) {
             return Match::Found(r);
         }
-        if allowed.is_empty() { Match::NotFound } else { Match::WrongMethod(allowed) }
+        if allowed.is_empty() {
+            Match::NotFound
+        } else {
+            Match::WrongMethod(allowed)
+        }
     }
 }
 
@@ -185,14 +214,26 @@ cluster = "b"
     #[test]
     fn longest_prefix_and_method_win() {
         let t = table(CFG);
-        let Match::Found(r) = t.lookup("acme.test", "/api/x", &http::Method::GET, None) else { panic!("no match") };
+        let Match::Found(r) = t.lookup("acme.test", "/api/x", &http::Method::GET, None) else {
+            panic!("no match")
+        };
         assert_eq!(r.cluster, 1);
-        let Match::Found(r) = t.lookup("x.acme.test", "/api/x", &http::Method::POST, None) else { panic!("no match") };
+        let Match::Found(r) = t.lookup("x.acme.test", "/api/x", &http::Method::POST, None) else {
+            panic!("no match")
+        };
         assert_eq!(r.cluster, 0, "POST falls through to the tenant's / route");
-        let Match::Found(r) = t.lookup("other.test", "/public/a", &http::Method::GET, None) else { panic!("no match") };
+        let Match::Found(r) = t.lookup("other.test", "/public/a", &http::Method::GET, None) else {
+            panic!("no match")
+        };
         assert_eq!(r.cluster, 1);
-        assert!(matches!(t.lookup("other.test", "/", &http::Method::GET, None), Match::NotFound));
-        assert!(matches!(t.lookup("other.test", "/", &http::Method::GET, Some(0)), Match::Found(_)));
+        assert!(matches!(
+            t.lookup("other.test", "/", &http::Method::GET, None),
+            Match::NotFound
+        ));
+        assert!(matches!(
+            t.lookup("other.test", "/", &http::Method::GET, Some(0)),
+            Match::Found(_)
+        ));
     }
 
     #[test]

@@ -53,7 +53,9 @@ enum State {
     /// Not HTTP/1 framing we follow any more (h2 preface, upgrade, malformed): hands off.
     Passthrough,
     /// A head was refused: feed [`POISON`], then end of stream.
-    Refused { fed: bool },
+    Refused {
+        fed: bool,
+    },
 }
 
 /// Why the guard refused a head (for logs and tests).
@@ -148,7 +150,11 @@ impl<T> H1Guard<T> {
             State::Body(left) => {
                 let n = left.min((self.end - self.release) as u64);
                 self.release += n as usize;
-                self.state = if left == n { State::Head } else { State::Body(left - n) };
+                self.state = if left == n {
+                    State::Head
+                } else {
+                    State::Body(left - n)
+                };
                 n > 0
             }
             State::Chunked(c) => self.advance_chunked(c),
@@ -186,10 +192,15 @@ impl<T> H1Guard<T> {
                 for h in req.headers.iter() {
                     if h.name.eq_ignore_ascii_case("content-length") {
                         cl = true;
-                        content_length = std::str::from_utf8(h.value).ok().and_then(|v| v.trim().parse().ok());
+                        content_length = std::str::from_utf8(h.value)
+                            .ok()
+                            .and_then(|v| v.trim().parse().ok());
                     } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
                         te = true;
-                        chunked = h.value.rsplit(|&b| b == b',').next().is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+                        chunked =
+                            h.value.rsplit(|&b| b == b',').next().is_some_and(|last| {
+                                last.trim_ascii().eq_ignore_ascii_case(b"chunked")
+                            });
                     } else if h.name.eq_ignore_ascii_case("upgrade") {
                         upgrade = true;
                     }
@@ -208,7 +219,14 @@ impl<T> H1Guard<T> {
                 self.state = if upgrade {
                     State::Passthrough
                 } else if te {
-                    if chunked { State::Chunked(Chunk::Size { n: 0, digits: false }) } else { State::Passthrough }
+                    if chunked {
+                        State::Chunked(Chunk::Size {
+                            n: 0,
+                            digits: false,
+                        })
+                    } else {
+                        State::Passthrough
+                    }
                 } else if cl {
                     match content_length {
                         Some(0) => State::Head,
@@ -232,7 +250,11 @@ impl<T> H1Guard<T> {
                 Chunk::Data(left) => {
                     let n = left.min((self.end - i) as u64);
                     i += n as usize;
-                    if left == n { Chunk::DataCr } else { Chunk::Data(left - n) }
+                    if left == n {
+                        Chunk::DataCr
+                    } else {
+                        Chunk::Data(left - n)
+                    }
                 }
                 _ => {
                     i += 1;
@@ -261,12 +283,21 @@ impl<T> H1Guard<T> {
 /// One byte of chunked framing (outside chunk data). `None`: malformed; `Some(None)`: the
 /// message ended; `Some(Some(state))`: go on.
 fn step_chunk(c: Chunk, b: u8) -> Option<Option<Chunk>> {
-    let after_size = |n: u64| if n == 0 { Chunk::TrailerStart } else { Chunk::Data(n) };
+    let after_size = |n: u64| {
+        if n == 0 {
+            Chunk::TrailerStart
+        } else {
+            Chunk::Data(n)
+        }
+    };
     Some(Some(match c {
         Chunk::Size { n, digits } => match b {
             b'0'..=b'9' | b'a'..=b'f' | b'A'..=b'F' => {
                 let d = (b as char).to_digit(16)? as u64;
-                Chunk::Size { n: n.checked_mul(16)?.checked_add(d)?, digits: true }
+                Chunk::Size {
+                    n: n.checked_mul(16)?.checked_add(d)?,
+                    digits: true,
+                }
             }
             b';' | b' ' | b'\t' if digits => Chunk::Ext { n },
             b'\r' if digits => Chunk::SizeLf { n },
@@ -285,11 +316,17 @@ fn step_chunk(c: Chunk, b: u8) -> Option<Option<Chunk>> {
         Chunk::Data(_) => return None,
         Chunk::DataCr => match b {
             b'\r' => Chunk::DataLf,
-            b'\n' => Chunk::Size { n: 0, digits: false },
+            b'\n' => Chunk::Size {
+                n: 0,
+                digits: false,
+            },
             _ => return None,
         },
         Chunk::DataLf => match b {
-            b'\n' => Chunk::Size { n: 0, digits: false },
+            b'\n' => Chunk::Size {
+                n: 0,
+                digits: false,
+            },
             _ => return None,
         },
         Chunk::TrailerStart => match b {
@@ -309,7 +346,11 @@ fn step_chunk(c: Chunk, b: u8) -> Option<Option<Chunk>> {
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, out: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         let this = &mut *self;
         loop {
             if this.release > this.start {
@@ -366,17 +407,23 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                         }
                         return Poll::Ready(Ok(()));
                     }
-                    if this.state == State::Head && this.release == this.end && this.deadline.is_none() {
+                    if this.state == State::Head
+                        && this.release == this.end
+                        && this.deadline.is_none()
+                    {
                         this.deadline = Some(Box::pin(tokio::time::sleep(this.header_timeout)));
                     }
                     this.end += n;
                 }
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                 Poll::Pending => {
-                    if let Some(d) = this.deadline.as_mut() {
-                        if d.as_mut().poll(cx).is_ready() {
-                            return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "request head not received in time")));
-                        }
+                    if let Some(d) = this.deadline.as_mut()
+                        && d.as_mut().poll(cx).is_ready()
+                    {
+                        return Poll::Ready(Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "request head not received in time",
+                        )));
                     }
                     return Poll::Pending;
                 }
@@ -386,7 +433,11 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
 }
 
 impl<T: AsyncWrite + Unpin> AsyncWrite for H1Guard<T> {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.inner).poll_write(cx, buf)
     }
 
@@ -398,7 +449,11 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for H1Guard<T> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 
-    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
     }
 
@@ -432,7 +487,11 @@ mod tests {
         let input: &[u8] = b"POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\nPOST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n";
         let (out, refused) = pass(input).await;
         assert_eq!(refused, Some(Refusal::ContentLengthAndTransferEncoding));
-        let first_len = input.windows(5).position(|w| w == b"POST ").map(|_| 0).unwrap_or(0);
+        let first_len = input
+            .windows(5)
+            .position(|w| w == b"POST ")
+            .map(|_| 0)
+            .unwrap_or(0);
         assert_eq!(first_len, 0);
         assert!(out.ends_with(POISON));
         assert!(!out.windows(7).any(|w| w == b"POST /b"));

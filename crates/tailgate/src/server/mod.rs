@@ -68,7 +68,12 @@ pub async fn serve_connection(ctx: ConnCtx, stream: TcpStream, peer: SocketAddr)
             let (_, session) = tls.get_ref();
             let h2 = session.alpn_protocol() == Some(b"h2");
             // SNI classifies the connection's tenant when the listener does not.
-            let sni_tenant = session.server_name().and_then(|n| ctx.worker.shared.routes.tenant_of_host(&n.to_ascii_lowercase()));
+            let sni_tenant = session.server_name().and_then(|n| {
+                ctx.worker
+                    .shared
+                    .routes
+                    .tenant_of_host(&n.to_ascii_lowercase())
+            });
             if h2 {
                 let info = conn_info(&ctx, peer, true, sni_tenant);
                 serve_h2(ctx, tls, info).await;
@@ -79,7 +84,12 @@ pub async fn serve_connection(ctx: ConnCtx, stream: TcpStream, peer: SocketAddr)
     }
 }
 
-fn conn_info(ctx: &ConnCtx, peer: SocketAddr, tls: bool, sni_tenant: Option<usize>) -> Arc<ConnInfo> {
+fn conn_info(
+    ctx: &ConnCtx,
+    peer: SocketAddr,
+    tls: bool,
+    sni_tenant: Option<usize>,
+) -> Arc<ConnInfo> {
     Arc::new(ConnInfo {
         client: peer,
         tls,
@@ -99,7 +109,10 @@ where
     let mut guard = H1Guard::new(io, settings.max_header_bytes, settings.header_read_timeout);
     let info = conn_info(&ctx, peer, tls, sni_tenant);
     // A client that connects and says nothing is closed after the idle timeout.
-    match tokio::time::timeout(settings.idle_timeout, sniff_h2(&mut guard)).await.unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into())) {
+    match tokio::time::timeout(settings.idle_timeout, sniff_h2(&mut guard))
+        .await
+        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
+    {
         Ok(true) => {
             guard.passthrough();
             serve_h2(ctx, guard, info).await;
@@ -145,7 +158,10 @@ where
         .keep_alive(true)
         .serve_connection(TokioIo::new(io), service)
         .with_upgrades();
-    drive(conn, ctx.shutdown, &info, settings.idle_timeout, |c| c.graceful_shutdown()).await;
+    drive(conn, ctx.shutdown, &info, settings.idle_timeout, |c| {
+        c.graceful_shutdown()
+    })
+    .await;
 }
 
 async fn serve_h2<I>(ctx: ConnCtx, io: I, info: Arc<ConnInfo>)
@@ -160,13 +176,21 @@ where
         .timer(TokioTimer::new())
         .max_header_list_size(settings.max_header_bytes as u32)
         .serve_connection(TokioIo::new(io), service);
-    drive(conn, ctx.shutdown, &info, settings.idle_timeout, |c| c.graceful_shutdown()).await;
+    drive(conn, ctx.shutdown, &info, settings.idle_timeout, |c| {
+        c.graceful_shutdown()
+    })
+    .await;
 }
 
 /// Polls a connection to its end, closing it gracefully at shutdown or after `idle` with no
 /// request in flight.
-async fn drive<C, E>(conn: C, mut shutdown: watch::Receiver<bool>, info: &ConnInfo, idle: Duration, graceful: fn(Pin<&mut C>))
-where
+async fn drive<C, E>(
+    conn: C,
+    mut shutdown: watch::Receiver<bool>,
+    info: &ConnInfo,
+    idle: Duration,
+    graceful: fn(Pin<&mut C>),
+) where
     C: Future<Output = Result<(), E>>,
     E: std::fmt::Display,
 {

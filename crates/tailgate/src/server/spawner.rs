@@ -14,11 +14,15 @@ pub struct TenantSpawner {
 
 impl TenantSpawner {
     pub fn new(tenants: usize) -> TenantSpawner {
-        TenantSpawner { open: (0..=tenants).map(|_| AtomicUsize::new(0)).collect() }
+        TenantSpawner {
+            open: (0..=tenants).map(|_| AtomicUsize::new(0)).collect(),
+        }
     }
 
     fn slot(&self, tenant: Option<usize>) -> usize {
-        tenant.unwrap_or(self.open.len() - 1).min(self.open.len() - 1)
+        tenant
+            .unwrap_or(self.open.len() - 1)
+            .min(self.open.len() - 1)
     }
 
     /// Starts `fut` on this worker on behalf of `tenant`.

@@ -43,7 +43,11 @@ impl Upstreams {
                 .clusters
                 .iter()
                 .map(|c| ClusterPools {
-                    endpoints: c.endpoints.iter().map(|&a| Arc::new(EndpointPool::new(a, c))).collect(),
+                    endpoints: c
+                        .endpoints
+                        .iter()
+                        .map(|&a| Arc::new(EndpointPool::new(a, c)))
+                        .collect(),
                     next: AtomicUsize::new(0),
                 })
                 .collect(),

@@ -68,7 +68,10 @@ impl EndpointPool {
         }
         let now = Instant::now();
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        while idle.front().is_some_and(|i| now.duration_since(i.since) >= self.idle_timeout) {
+        while idle
+            .front()
+            .is_some_and(|i| now.duration_since(i.since) >= self.idle_timeout)
+        {
             idle.pop_front();
         }
         if idle.len() >= self.max_idle {
@@ -78,7 +81,10 @@ impl EndpointPool {
     }
 
     fn pop(&self) -> Option<Idle> {
-        self.idle.lock().unwrap_or_else(PoisonError::into_inner).pop_back()
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop_back()
     }
 
     /// A ready connection: the most recently used idle one that is still open, else a new one.
@@ -89,7 +95,11 @@ impl EndpointPool {
             }
             // Usually ready at once; an error means the server closed it while idle.
             if idle.sender.ready().await.is_ok() {
-                return Ok(Conn { sender: idle.sender, pool: self.clone(), reused: true });
+                return Ok(Conn {
+                    sender: idle.sender,
+                    pool: self.clone(),
+                    reused: true,
+                });
             }
         }
         self.connect().await
@@ -97,11 +107,12 @@ impl EndpointPool {
 
     /// A new connection, bypassing the idle list.
     pub async fn connect(self: &Arc<Self>) -> Result<Conn, ProxyError> {
-        let stream = match tokio::time::timeout(self.connect_timeout, TcpStream::connect(self.addr)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => return Err(ProxyError::UpstreamConnect(e)),
-            Err(_) => return Err(ProxyError::ConnectTimeout),
-        };
+        let stream =
+            match tokio::time::timeout(self.connect_timeout, TcpStream::connect(self.addr)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => return Err(ProxyError::UpstreamConnect(e)),
+                Err(_) => return Err(ProxyError::ConnectTimeout),
+            };
         let _ = stream.set_nodelay(true);
         let (sender, conn) = http1::Builder::new()
             .handshake(TokioIo::new(stream))
@@ -113,11 +124,18 @@ impl EndpointPool {
                 tracing::debug!(upstream.addr = %addr, error = %e, "upstream connection ended with an error");
             }
         });
-        Ok(Conn { sender, pool: self.clone(), reused: false })
+        Ok(Conn {
+            sender,
+            pool: self.clone(),
+            reused: false,
+        })
     }
 
     /// Idle connections held now (for tests and stats).
     pub fn idle_len(&self) -> usize {
-        self.idle.lock().unwrap_or_else(PoisonError::into_inner).len()
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
     }
 }

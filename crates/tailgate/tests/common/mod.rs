@@ -48,7 +48,8 @@ impl TestGateway {
         if !toml.contains("[log]") {
             text.push_str("\n[log]\nlevel = \"warn\"\naccess_log = false\n");
         }
-        let cfg = Config::parse(Path::new("test.toml"), &text).unwrap_or_else(|e| panic!("bad test config:\n{e}\n---\n{text}"));
+        let cfg = Config::parse(Path::new("test.toml"), &text)
+            .unwrap_or_else(|e| panic!("bad test config:\n{e}\n---\n{text}"));
         let gw = Gateway::start(cfg).expect("gateway starts");
         let addr = gw.listener_addrs()[0];
         TestGateway { gw: Some(gw), addr }
@@ -98,14 +99,19 @@ where
     let handler = Arc::new(handler);
     tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else { return };
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
             let handler = handler.clone();
             tokio::spawn(async move {
                 let svc = service_fn(move |req| {
                     let handler = handler.clone();
                     async move { Ok::<_, Infallible>(handler(req).await) }
                 });
-                let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).with_upgrades().await;
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .with_upgrades()
+                    .await;
             });
         }
     });
@@ -121,14 +127,21 @@ pub async fn ok_upstream() -> SocketAddr {
 pub async fn echo_upstream() -> SocketAddr {
     upstream(|req: http::Request<Incoming>| async move {
         let (parts, body) = req.into_parts();
-        let mut resp = http::Response::new(body.map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>).boxed());
+        let mut resp = http::Response::new(
+            body.map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+                .boxed(),
+        );
         for (k, v) in parts.headers.iter() {
-            if let Ok(name) = http::HeaderName::from_bytes(format!("x-echo-{}", k.as_str()).as_bytes()) {
+            if let Ok(name) =
+                http::HeaderName::from_bytes(format!("x-echo-{}", k.as_str()).as_bytes())
+            {
                 resp.headers_mut().append(name, v.clone());
             }
         }
-        resp.headers_mut().insert("x-echo-uri", parts.uri.to_string().parse().unwrap());
-        resp.headers_mut().insert("x-echo-method", parts.method.as_str().parse().unwrap());
+        resp.headers_mut()
+            .insert("x-echo-uri", parts.uri.to_string().parse().unwrap());
+        resp.headers_mut()
+            .insert("x-echo-method", parts.method.as_str().parse().unwrap());
         resp
     })
     .await
@@ -158,7 +171,9 @@ pub async fn read_until_close(s: &mut TcpStream, wait: Duration) -> (String, boo
 /// A plain hyper HTTP/1.1 client connection.
 pub async fn h1_client(addr: SocketAddr) -> hyper::client::conn::http1::SendRequest<TestBody> {
     let stream = TcpStream::connect(addr).await.unwrap();
-    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
     tokio::spawn(async move {
         let _ = conn.with_upgrades().await;
     });
@@ -167,7 +182,10 @@ pub async fn h1_client(addr: SocketAddr) -> hyper::client::conn::http1::SendRequ
 
 pub async fn get(addr: SocketAddr, path: &str) -> http::Response<Bytes> {
     let mut c = h1_client(addr).await;
-    let req = http::Request::get(path).header("host", "test.local").body(full("")).unwrap();
+    let req = http::Request::get(path)
+        .header("host", "test.local")
+        .body(full(""))
+        .unwrap();
     let resp = c.send_request(req).await.unwrap();
     let (parts, body) = resp.into_parts();
     http::Response::from_parts(parts, body.collect().await.unwrap().to_bytes())
