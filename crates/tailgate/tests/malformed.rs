@@ -189,3 +189,68 @@ async fn random_bytes_never_break_the_gateway() {
     let resp = get(gw.addr, "/").await;
     assert_eq!(resp.status(), 200);
 }
+
+/// An upstream that records the path of every request it receives.
+async fn path_recording_upstream() -> (std::net::SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
+    let paths = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let p = paths.clone();
+    let addr = upstream(move |req| {
+        p.lock().unwrap().push(req.uri().path().to_owned());
+        async { http::Response::new(full("ok")) }
+    })
+    .await;
+    (addr, paths)
+}
+
+/// Review finding 1a: a bare LF after the last chunk made the guard and hyper disagree on
+/// where the next head starts; the smuggled `/smuggled` request must never reach upstream.
+#[tokio::test]
+async fn r_bare_lf_trailer_cannot_smuggle() {
+    let (up, paths) = path_recording_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let inner = b"POST /smuggled HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n";
+    let mut attack = b"POST /first HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\nPOST /second HTTP/1.1\r\nHost: a\r\n".to_vec();
+    attack.extend_from_slice(format!("Content-Length: {}\r\n\r\n", inner.len()).as_bytes());
+    attack.extend_from_slice(inner);
+    let (_, closed) = raw(gw.addr, &attack, Duration::from_secs(5)).await;
+    assert!(closed);
+    let seen = paths.lock().unwrap().clone();
+    assert!(
+        !seen.iter().any(|p| p == "/smuggled" || p == "/second"),
+        "{seen:?}"
+    );
+}
+
+/// Review finding 1b: after an upgrade request answered without 101 the guard no longer
+/// follows framing, so the connection must close rather than read another request.
+#[tokio::test]
+async fn r_upgrade_answered_without_101_closes_the_connection() {
+    let (up, paths) = path_recording_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let (text, closed) = raw(
+        gw.addr,
+        b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\nPOST /after HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(
+        text.to_ascii_lowercase().contains("connection: close"),
+        "{text}"
+    );
+    assert!(closed);
+    assert_eq!(paths.lock().unwrap().clone(), vec!["/ws".to_owned()]);
+}
+
+/// Review finding 1b for CONNECT: a gateway-made error answer also closes.
+#[tokio::test]
+async fn r_connect_gets_an_answer_and_a_close() {
+    let (up, paths) = path_recording_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/api/\"\ncluster = \"up\"\n"
+    ));
+    let (text, closed) = raw(gw.addr, b"CONNECT example.test:443 HTTP/1.1\r\nHost: example.test:443\r\n\r\nGET /api/x HTTP/1.1\r\nHost: a\r\n\r\n", Duration::from_secs(5)).await;
+    assert!(text.starts_with("HTTP/1.1 4"), "{text}");
+    assert!(closed, "{text}");
+    assert!(paths.lock().unwrap().is_empty());
+}

@@ -393,3 +393,68 @@ async fn ipv6_endpoints() {
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.body(), "v6");
 }
+
+/// Review finding 3b: bodiless answers (HEAD, 204) used to drop their upstream connection
+/// instead of pooling it, so every one paid a new connect.
+#[tokio::test]
+async fn r_bodiless_answers_keep_the_upstream_connection() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let conns = Arc::new(AtomicUsize::new(0));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    let counter = conns.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = l.accept().await else { return };
+            counter.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(
+                    |req: http::Request<hyper::body::Incoming>| async move {
+                        let status = if req.method() == http::Method::HEAD {
+                            200
+                        } else {
+                            204
+                        };
+                        Ok::<_, std::convert::Infallible>(
+                            http::Response::builder()
+                                .status(status)
+                                .body(full(""))
+                                .unwrap(),
+                        )
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    let gw = TestGateway::to(up, "");
+    let mut c = h1_client(gw.addr).await;
+    for i in 0..6 {
+        let method = if i % 2 == 0 {
+            http::Method::HEAD
+        } else {
+            http::Method::DELETE
+        };
+        let resp = c
+            .send_request(
+                http::Request::builder()
+                    .method(method)
+                    .uri("/")
+                    .header("host", "a")
+                    .body(full(""))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert!(resp.status().is_success());
+        resp.into_body().collect().await.unwrap();
+    }
+    assert_eq!(
+        conns.load(Ordering::SeqCst),
+        1,
+        "one upstream connection serves every request"
+    );
+}

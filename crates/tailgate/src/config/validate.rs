@@ -15,6 +15,9 @@ use super::{
     ServerSettings, Tenant, TlsFiles,
 };
 
+/// The longest duration a setting takes (longer ones would overflow deadline arithmetic).
+const MAX_DURATION: Duration = Duration::from_secs(30 * 24 * 3600);
+
 struct Checker<'a> {
     path: &'a Path,
     text: &'a str,
@@ -48,6 +51,15 @@ impl Checker<'_> {
     ) -> Duration {
         let Some(v) = v else { return default };
         match humantime::parse_duration(v.get_ref()) {
+            Ok(d) if d > MAX_DURATION => {
+                self.err(
+                    Some(v.span()),
+                    field,
+                    format!("`{}` is longer than 30 days", v.get_ref()),
+                    Some("write a shorter duration, e.g. \"60s\""),
+                );
+                default
+            }
             Ok(d) => d,
             Err(e) => {
                 self.err(

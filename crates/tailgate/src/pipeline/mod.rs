@@ -63,6 +63,16 @@ pub async fn handle(
     conn: Arc<ConnInfo>,
     req: Request<Incoming>,
 ) -> Result<Response<RespBody>, Infallible> {
+    let sticky = sticky_upgrade(&req);
+    let resp = run(worker, conn, req).await?;
+    Ok(close_after_refused_upgrade(resp, sticky))
+}
+
+async fn run(
+    worker: Arc<Worker>,
+    conn: Arc<ConnInfo>,
+    req: Request<Incoming>,
+) -> Result<Response<RespBody>, Infallible> {
     let started = Instant::now();
     let shared = &worker.shared;
     let settings = &shared.settings;
@@ -149,6 +159,22 @@ pub async fn handle(
         Ok(resp) => Ok(resp),
         Err(e) => fail(&mut rec, e),
     }
+}
+
+/// An HTTP/1 request that asks to switch protocols (any `Upgrade`, or `CONNECT`). The
+/// smuggling guard stops reading framing after such a request, so unless the answer is
+/// `101` the connection must close after it.
+fn sticky_upgrade<B>(req: &Request<B>) -> bool {
+    req.version() <= http::Version::HTTP_11
+        && (req.headers().contains_key(header::UPGRADE) || req.method() == http::Method::CONNECT)
+}
+
+fn close_after_refused_upgrade(mut resp: Response<RespBody>, sticky: bool) -> Response<RespBody> {
+    if sticky && resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    resp
 }
 
 fn declared_length(req: &Request<Incoming>) -> Option<u64> {
@@ -276,6 +302,13 @@ async fn forward(
     parts
         .headers
         .insert(settings.request_id_header.clone(), request_id.clone());
+    if http_body::Body::is_end_stream(&body) {
+        // HEAD, 204, 304, `Content-Length: 0`: hyper never polls such a body, so the
+        // connection goes back to the pool and the exchange ends here.
+        up.release();
+        rec.finish();
+        return Ok(Response::from_parts(parts, RespBody::empty()));
+    }
     let deadline = total_deadline.map(|d| Box::pin(tokio::time::sleep_until(d.into())));
     let recorder = std::mem::replace(rec, ExchangeRecorder::detached());
     let body = RespBody::Upstream(Box::new(UpstreamBody {

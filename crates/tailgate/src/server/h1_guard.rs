@@ -40,6 +40,7 @@ enum Chunk {
     DataLf,
     TrailerStart,
     TrailerLine,
+    TrailerLineLf,
     TrailerEndLf,
 }
 
@@ -54,7 +55,7 @@ enum State {
     Passthrough,
     /// A head was refused: feed [`POISON`], then end of stream.
     Refused {
-        fed: bool,
+        fed: usize,
     },
 }
 
@@ -62,6 +63,8 @@ enum State {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
     ContentLengthAndTransferEncoding,
+    /// A head or chunked framing the guard cannot follow exactly.
+    Malformed,
 }
 
 pub struct H1Guard<T> {
@@ -108,6 +111,12 @@ impl<T> H1Guard<T> {
     /// The bytes read so far and not yet handed on.
     pub fn buffered(&self) -> &[u8] {
         &self.buf[self.start..self.end]
+    }
+
+    fn refuse(&mut self, why: Refusal) {
+        self.refused = Some(why);
+        self.state = State::Refused { fed: 0 };
+        self.deadline = None;
     }
 
     /// Reads from the connection until at least `want` bytes are buffered (or end of stream)
@@ -178,9 +187,16 @@ impl<T> H1Guard<T> {
                 }
                 false
             }
-            // Not a head we can follow (h2 preface, bad bytes, too many headers): hyper decides.
-            Err(_) => {
+            // Not a head we can follow (bad bytes, too many headers): refused. hyper would
+            // refuse it too; refusing here means no difference between the two parsers can
+            // ever let later bytes past unchecked.
+            // More headers than hyper takes (100): hyper answers 431 and closes.
+            Err(httparse::Error::TooManyHeaders) => {
                 self.passthrough();
+                true
+            }
+            Err(_) => {
+                self.refuse(Refusal::Malformed);
                 true
             }
             Ok(httparse::Status::Complete(len)) => {
@@ -202,6 +218,8 @@ impl<T> H1Guard<T> {
                                 last.trim_ascii().eq_ignore_ascii_case(b"chunked")
                             });
                     } else if h.name.eq_ignore_ascii_case("upgrade") {
+                        // The pipeline closes the connection after any answer but 101 to
+                        // such a request, so no unchecked head can follow a refused upgrade.
                         upgrade = true;
                     }
                 }
@@ -211,8 +229,7 @@ impl<T> H1Guard<T> {
                     return true;
                 }
                 if te && cl {
-                    self.refused = Some(Refusal::ContentLengthAndTransferEncoding);
-                    self.state = State::Refused { fed: false };
+                    self.refuse(Refusal::ContentLengthAndTransferEncoding);
                     return true;
                 }
                 self.release += len;
@@ -231,7 +248,10 @@ impl<T> H1Guard<T> {
                     match content_length {
                         Some(0) => State::Head,
                         Some(n) => State::Body(n),
-                        None => State::Passthrough,
+                        None => {
+                            self.refuse(Refusal::Malformed);
+                            return true;
+                        }
                     }
                 } else {
                     State::Head
@@ -266,8 +286,10 @@ impl<T> H1Guard<T> {
                             return true;
                         }
                         None => {
-                            self.release = begin;
-                            self.passthrough();
+                            // Bytes before the bad framing were released already; the rest
+                            // is refused.
+                            self.release = i - 1;
+                            self.refuse(Refusal::Malformed);
                             return true;
                         }
                     }
@@ -280,7 +302,9 @@ impl<T> H1Guard<T> {
     }
 }
 
-/// One byte of chunked framing (outside chunk data). `None`: malformed; `Some(None)`: the
+/// One byte of chunked framing (outside chunk data), CRLF line endings only: a bare LF is
+/// where parsers disagree (hyper's decoder reads it differently in trailers), so it is
+/// refused. `None`: malformed; `Some(None)`: the
 /// message ended; `Some(Some(state))`: go on.
 fn step_chunk(c: Chunk, b: u8) -> Option<Option<Chunk>> {
     let after_size = |n: u64| {
@@ -301,12 +325,11 @@ fn step_chunk(c: Chunk, b: u8) -> Option<Option<Chunk>> {
             }
             b';' | b' ' | b'\t' if digits => Chunk::Ext { n },
             b'\r' if digits => Chunk::SizeLf { n },
-            b'\n' if digits => after_size(n),
             _ => return None,
         },
         Chunk::Ext { n } => match b {
             b'\r' => Chunk::SizeLf { n },
-            b'\n' => after_size(n),
+            b'\n' => return None,
             _ => Chunk::Ext { n },
         },
         Chunk::SizeLf { n } => match b {
@@ -316,10 +339,6 @@ fn step_chunk(c: Chunk, b: u8) -> Option<Option<Chunk>> {
         Chunk::Data(_) => return None,
         Chunk::DataCr => match b {
             b'\r' => Chunk::DataLf,
-            b'\n' => Chunk::Size {
-                n: 0,
-                digits: false,
-            },
             _ => return None,
         },
         Chunk::DataLf => match b {
@@ -331,12 +350,17 @@ fn step_chunk(c: Chunk, b: u8) -> Option<Option<Chunk>> {
         },
         Chunk::TrailerStart => match b {
             b'\r' => Chunk::TrailerEndLf,
-            b'\n' => return Some(None),
+            b'\n' => return None,
             _ => Chunk::TrailerLine,
         },
         Chunk::TrailerLine => match b {
-            b'\n' => Chunk::TrailerStart,
+            b'\r' => Chunk::TrailerLineLf,
+            b'\n' => return None,
             _ => Chunk::TrailerLine,
+        },
+        Chunk::TrailerLineLf => match b {
+            b'\n' => Chunk::TrailerStart,
+            _ => return None,
         },
         Chunk::TrailerEndLf => match b {
             b'\n' => return Some(None),
@@ -365,12 +389,12 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                 return Poll::Ready(Ok(()));
             }
             if let State::Refused { fed } = this.state {
-                if fed {
+                if this.release == this.start {
+                    let n = (POISON.len() - fed).min(out.remaining());
+                    out.put_slice(&POISON[fed..fed + n]);
+                    this.state = State::Refused { fed: fed + n };
                     return Poll::Ready(Ok(()));
                 }
-                out.put_slice(&POISON[..POISON.len().min(out.remaining())]);
-                this.state = State::Refused { fed: true };
-                return Poll::Ready(Ok(()));
             }
             if this.state == State::Passthrough && this.start == this.end {
                 return Pin::new(&mut this.inner).poll_read(cx, out);
@@ -393,6 +417,9 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                     continue;
                 }
                 this.buf.resize(grown, 0);
+            }
+            if this.state == State::Head && this.release < this.end && this.deadline.is_none() {
+                this.deadline = Some(Box::pin(tokio::time::sleep(this.header_timeout)));
             }
             let mut rb = ReadBuf::new(&mut this.buf[this.end..]);
             match Pin::new(&mut this.inner).poll_read(cx, &mut rb) {
@@ -494,13 +521,51 @@ mod tests {
             .unwrap_or(0);
         assert_eq!(first_len, 0);
         assert!(out.ends_with(POISON));
+        assert!(out.starts_with(b"POST /a"));
         assert!(!out.windows(7).any(|w| w == b"POST /b"));
+    }
+
+    /// Review finding: a bare LF ending the trailers was read by hyper as the start of a
+    /// trailer section, so the guard and hyper disagreed on where the next head began.
+    #[tokio::test]
+    async fn bare_lf_in_chunked_framing_is_refused() {
+        for input in [
+            &b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\nPOST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nabc"[..],
+            &b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\nabc\r\n0\r\n\r\n"[..],
+            &b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\n0\r\n\r\n"[..],
+        ] {
+            let (out, refused) = pass(input).await;
+            assert_eq!(refused, Some(Refusal::Malformed), "{}", String::from_utf8_lossy(input));
+            assert!(out.ends_with(POISON));
+        }
+    }
+
+    #[tokio::test]
+    async fn poison_is_fed_whole_through_small_reads() {
+        let input: &[u8] =
+            b"POST / HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n";
+        let mut g = H1Guard::new(input, 16 * 1024, Duration::from_secs(5));
+        let mut out = Vec::new();
+        let mut small = [0u8; 3];
+        loop {
+            let n = g.read(&mut small).await.expect("read");
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&small[..n]);
+        }
+        assert_eq!(out, POISON);
     }
 
     #[tokio::test]
     async fn h2_preface_passes_through() {
         let input: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00";
-        let (out, refused) = pass(input).await;
+        let mut g = H1Guard::new(input, 16 * 1024, Duration::from_secs(5));
+        g.fill_at_least(24).await.expect("fill");
+        g.passthrough();
+        let mut out = Vec::new();
+        g.read_to_end(&mut out).await.expect("read");
+        let refused = g.refusal();
         assert_eq!(out, input);
         assert_eq!(refused, None);
     }

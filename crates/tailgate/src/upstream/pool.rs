@@ -93,13 +93,22 @@ impl EndpointPool {
             if idle.since.elapsed() >= self.idle_timeout || idle.sender.is_closed() {
                 continue;
             }
-            // Usually ready at once; an error means the server closed it while idle.
-            if idle.sender.ready().await.is_ok() {
-                return Ok(Conn {
-                    sender: idle.sender,
-                    pool: self.clone(),
-                    reused: true,
-                });
+            let conn = |sender| Conn {
+                sender,
+                pool: self.clone(),
+                reused: true,
+            };
+            if idle.sender.is_ready() {
+                return Ok(conn(idle.sender));
+            }
+            // Not ready yet: the connection task has not caught up with the end of the last
+            // response, or (rarely) the last request's body is still being written after an
+            // early answer. Wait a bounded time, never indefinitely; an error means the
+            // server closed it while idle.
+            if let Ok(Ok(())) =
+                tokio::time::timeout(self.connect_timeout, idle.sender.ready()).await
+            {
+                return Ok(conn(idle.sender));
             }
         }
         self.connect().await
