@@ -1,11 +1,432 @@
-//! `tailgate bench ...` argument handling.
+//! `tailgate bench ...` argument handling. Bad arguments exit 2 with a message.
 use std::ffi::OsString;
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
+
+use bytes::Bytes;
+use clap::{Args, Parser, Subcommand};
+use http::{HeaderName, HeaderValue, Method};
+
+use crate::load::target::{RequestTemplate, Url};
+use crate::load::{self, Spec, Stop};
+use crate::output;
+use crate::scenario::{self, Options, churn, report};
+
+#[derive(Parser)]
+#[command(
+    name = "tailgate bench",
+    bin_name = "tailgate bench",
+    about = "Open-loop load generator and reproducible benchmark scenarios."
+)]
+struct Bench {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Load one or more URLs (round-robin) and print the latency distribution.
+    Run(RunArgs),
+    /// A fast fixed-answer upstream (HTTP/1.1 keep-alive, h2c by prior knowledge).
+    Upstream(UpstreamArgs),
+    /// Run a scenario: tailgate side by side with direct, nginx and HAProxy.
+    Scenario(ScenarioArgs),
+    /// Run every scenario and regenerate docs/bench/ and the README's benchmark section.
+    Report(ReportArgs),
+}
+
+#[derive(Args)]
+#[command(group(clap::ArgGroup::new("loop").required(true).args(["rate", "closed"])))]
+struct RunArgs {
+    /// URLs to load; connections are spread over their addresses, requests round-robin.
+    #[arg(required = true)]
+    urls: Vec<String>,
+    /// Connections to keep open.
+    #[arg(short = 'c', long, default_value_t = 10)]
+    connections: usize,
+    /// Open loop: total requests per second (constant arrival rate).
+    #[arg(short = 'r', long)]
+    rate: Option<f64>,
+    /// Closed loop: each connection sends as fast as answers come back.
+    #[arg(long)]
+    closed: bool,
+    /// Measured duration (after the warm-up), e.g. 10s, 1m.
+    #[arg(short = 'd', long, value_parser = parse_duration, conflicts_with = "requests")]
+    duration: Option<Duration>,
+    /// Measured request count (after the warm-up) instead of a duration.
+    #[arg(short = 'n', long)]
+    requests: Option<u64>,
+    /// Generator threads (each a current-thread runtime).
+    #[arg(short = 't', long, default_value_t = 1)]
+    threads: usize,
+    /// HTTP/2: h2c with prior knowledge for http://, ALPN h2 for https://.
+    #[arg(long)]
+    h2: bool,
+    /// Request method.
+    #[arg(short = 'm', long, default_value = "GET")]
+    method: String,
+    /// Extra header, 'Name: value' (repeatable).
+    #[arg(short = 'H', long = "header")]
+    headers: Vec<String>,
+    /// Request body.
+    #[arg(long)]
+    body: Option<String>,
+    /// Warm-up before measuring (sent, not recorded).
+    #[arg(long, value_parser = parse_duration, default_value = "1s")]
+    warmup: Duration,
+    /// Per-request timeout (connect + exchange).
+    #[arg(long, value_parser = parse_duration, default_value = "2s")]
+    timeout: Duration,
+    /// Connect (and TLS handshake) timeout.
+    #[arg(long, value_parser = parse_duration, default_value = "1s")]
+    connect_timeout: Duration,
+    /// Accept any TLS certificate.
+    #[arg(long)]
+    insecure: bool,
+    /// Print one JSON document instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Write SVG charts (percentile spectrum, p99 per second) into this directory.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    /// Print latency by request index on a connection.
+    #[arg(long)]
+    by_index: bool,
+    /// Pin the generator to this CPU core (via taskset).
+    #[arg(long)]
+    pin: Option<usize>,
+}
+
+#[derive(Args)]
+struct UpstreamArgs {
+    /// Address to listen on.
+    #[arg(long)]
+    listen: String,
+    /// Response body size.
+    #[arg(long, default_value_t = 110)]
+    body_bytes: usize,
+    /// Send `Connection: close` on every N-th response of a connection, then close it.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    close_every: Option<u64>,
+    /// Delay before every response, in milliseconds.
+    #[arg(long, default_value_t = 0)]
+    delay_ms: u64,
+}
+
+#[derive(Args, Clone)]
+struct ScenarioOpts {
+    /// Measured time per run.
+    #[arg(long, value_parser = parse_duration, default_value = "5s")]
+    duration: Duration,
+    /// Warm-up per run.
+    #[arg(long, value_parser = parse_duration, default_value = "1s")]
+    warmup: Duration,
+    /// Fixed open-loop rate (requests per second).
+    #[arg(long, default_value_t = 5000.0)]
+    rate: f64,
+    /// Connections for the normal variants.
+    #[arg(long, default_value_t = 50)]
+    connections: usize,
+    /// Connections for the many-connections variant.
+    #[arg(long, default_value_t = 500)]
+    many_connections: usize,
+    /// keepalive-churn: the upstream closes every N requests.
+    #[arg(long, default_value_t = 80, value_parser = clap::value_parser!(u64).range(1..))]
+    close_every: u64,
+    /// Do not pin processes to cores.
+    #[arg(long)]
+    no_pin: bool,
+}
+
+#[derive(Args)]
+struct ScenarioArgs {
+    /// overhead | keepalive-churn
+    #[arg(value_parser = clap::builder::PossibleValuesParser::new(scenario::NAMES))]
+    name: String,
+    #[command(flatten)]
+    opts: ScenarioOpts,
+    /// Print one JSON document on stdout (the table goes to stderr).
+    #[arg(long)]
+    json: bool,
+    /// Write SVG charts into this directory.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct ReportArgs {
+    #[command(flatten)]
+    opts: ScenarioOpts,
+    /// Where results.md and the charts go.
+    #[arg(long, default_value = "docs/bench")]
+    out: PathBuf,
+    /// The README whose benchmark section is replaced.
+    #[arg(long, default_value = "README.md")]
+    readme: PathBuf,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| format!("{e} (e.g. 10s, 500ms, 1m)"))?;
+    Ok(d)
+}
+
+/// A usage error: message on stderr, exit 2.
+fn usage(msg: impl std::fmt::Display) -> ExitCode {
+    eprintln!("tailgate bench: error: {msg}");
+    ExitCode::from(2)
+}
 
 /// Entry point for `tailgate bench ARGS...`; `tailgate_exe` is the path of the running
-/// `tailgate` binary, used by scenarios to start the gateway (`tailgate serve --config F`).
-pub fn main(_args: Vec<OsString>, _tailgate_exe: PathBuf) -> ExitCode {
-    eprintln!("tailgate bench: not built yet");
-    ExitCode::from(2)
+/// `tailgate` binary, used by scenarios to start the gateway (`tailgate serve --config F`)
+/// and the upstream (`tailgate bench upstream ...`).
+pub fn main(args: Vec<OsString>, tailgate_exe: PathBuf) -> ExitCode {
+    let argv = std::iter::once(OsString::from("tailgate bench")).chain(args);
+    let bench = match Bench::try_parse_from(argv) {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(e.exit_code().clamp(0, 255) as u8);
+        }
+    };
+    match bench.command {
+        Command::Run(a) => run(a),
+        Command::Upstream(a) => upstream(a),
+        Command::Scenario(a) => scenario_cmd(a, tailgate_exe),
+        Command::Report(a) => report_cmd(a, tailgate_exe),
+    }
+}
+
+fn run(a: RunArgs) -> ExitCode {
+    let spec = match build_spec(&a) {
+        Ok(s) => s,
+        Err(m) => return usage(m),
+    };
+    if let Some(core) = a.pin
+        && !crate::pin::pin_self(core)
+    {
+        eprintln!(
+            "tailgate bench: note: could not pin to core {core} (taskset missing?), running unpinned"
+        );
+    }
+    let report = match load::run(spec) {
+        Ok(r) => r,
+        Err(load::LoadError::Thread(e)) => {
+            eprintln!("tailgate bench: {e}");
+            return ExitCode::FAILURE;
+        }
+        Err(e) => return usage(e),
+    };
+    if a.json {
+        println!("{}", output::json::report(&report, &a.urls));
+    } else {
+        print!("{}", output::text::report(&report, &a.urls, a.by_index));
+    }
+    if let Some(dir) = &a.svg {
+        let rec = &report.recorder;
+        let res = std::fs::create_dir_all(dir)
+            .and_then(|_| {
+                let mut series = vec![output::svg::Series {
+                    name: "corrected".into(),
+                    hist: &rec.corrected,
+                }];
+                if report.rate.is_some() {
+                    series.push(output::svg::Series {
+                        name: "uncorrected".into(),
+                        hist: &rec.uncorrected,
+                    });
+                }
+                output::svg::spectrum(&dir.join("spectrum.svg"), "latency by percentile", &series)
+            })
+            .and_then(|_| {
+                output::svg::lines(
+                    &dir.join("over-time.svg"),
+                    "p99 per second",
+                    "second",
+                    0,
+                    &[("p99".into(), output::svg::p99_per_second(&rec.per_second))],
+                )
+            })
+            .and_then(|_| {
+                output::svg::lines(
+                    &dir.join("by-index.svg"),
+                    "p99 by request index on a connection",
+                    "request index",
+                    1,
+                    &[("p99".into(), output::svg::p99_by_index(&rec.by_index))],
+                )
+            });
+        if let Err(e) = res {
+            eprintln!("tailgate bench: writing charts to {}: {e}", dir.display());
+            return ExitCode::FAILURE;
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+fn build_spec(a: &RunArgs) -> Result<Spec, String> {
+    let urls = a
+        .urls
+        .iter()
+        .map(|u| Url::parse(u).map_err(|e| e.to_string()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let method = Method::from_bytes(a.method.as_bytes())
+        .map_err(|_| format!("bad method {:?}", a.method))?;
+    let mut headers = Vec::new();
+    for h in &a.headers {
+        let (k, v) = h
+            .split_once(':')
+            .ok_or_else(|| format!("bad header {h:?}: expected 'Name: value'"))?;
+        let k = HeaderName::from_bytes(k.trim().as_bytes())
+            .map_err(|_| format!("bad header name in {h:?}"))?;
+        let v =
+            HeaderValue::from_str(v.trim()).map_err(|_| format!("bad header value in {h:?}"))?;
+        headers.push((k, v));
+    }
+    let stop = match (a.duration, a.requests) {
+        (_, Some(n)) => Stop::Count(n),
+        (Some(d), None) => Stop::Duration(d),
+        (None, None) => Stop::Duration(Duration::from_secs(10)),
+    };
+    let spec = Spec {
+        urls,
+        request: RequestTemplate {
+            method,
+            headers,
+            body: Bytes::from(a.body.clone().unwrap_or_default()),
+        },
+        connections: a.connections,
+        threads: a.threads,
+        rate: if a.closed { None } else { a.rate },
+        stop,
+        warmup: a.warmup,
+        h2: a.h2,
+        insecure: a.insecure,
+        connect_timeout: a.connect_timeout,
+        timeout: a.timeout,
+        max_index: 1000,
+    };
+    spec.validate().map_err(|e| e.to_string())?;
+    Ok(spec)
+}
+
+fn upstream(a: UpstreamArgs) -> ExitCode {
+    let opts = crate::upstream::Options {
+        body_bytes: a.body_bytes,
+        close_every: a.close_every,
+        delay: Duration::from_millis(a.delay_ms),
+    };
+    match crate::upstream::serve_blocking(&a.listen, opts) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tailgate bench upstream: {}: {e}", a.listen);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn options(o: &ScenarioOpts) -> Result<Options, String> {
+    if o.duration.is_zero() {
+        return Err("--duration must be more than 0".into());
+    }
+    if !(o.rate.is_finite() && o.rate > 0.0) {
+        return Err("--rate must be a positive number of requests per second".into());
+    }
+    if o.connections == 0 || o.many_connections == 0 {
+        return Err("connection counts must be at least 1".into());
+    }
+    Ok(Options {
+        duration: o.duration,
+        warmup: o.warmup,
+        rate: o.rate,
+        connections: o.connections,
+        many_connections: o.many_connections,
+        close_every: o.close_every,
+        pin: !o.no_pin,
+    })
+}
+
+/// Pins this process (and so the generator threads it starts) to core 1.
+fn pin_generator(opts: &Options) {
+    if opts.pin && !crate::pin::pin_self(1) {
+        eprintln!(
+            "note: could not pin the generator to core 1 (taskset missing?), running unpinned"
+        );
+    }
+}
+
+fn scenario_cmd(a: ScenarioArgs, exe: PathBuf) -> ExitCode {
+    let opts = match options(&a.opts) {
+        Ok(o) => o,
+        Err(m) => return usage(m),
+    };
+    pin_generator(&opts);
+    let outcome = match scenario::run(&a.name, &opts, &exe) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("tailgate bench scenario {}: {e}", a.name);
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut table = outcome.table();
+    if a.name == "keepalive-churn" {
+        table.push('\n');
+        table.push_str(&churn::by_index_table(&outcome, opts.close_every));
+    }
+    if a.json {
+        eprint!("{table}");
+        println!("{}", outcome.json());
+    } else {
+        print!("{table}");
+    }
+    let _ = std::io::stdout().flush();
+    if let Some(dir) = &a.out {
+        let res = outcome.charts(dir).and_then(|mut files| {
+            if a.name == "keepalive-churn" {
+                files.push(churn::by_index_chart(&outcome, opts.close_every, dir)?);
+            }
+            Ok(files)
+        });
+        match res {
+            Ok(files) => {
+                for f in files {
+                    eprintln!("wrote {}", f.display());
+                }
+            }
+            Err(e) => {
+                eprintln!("tailgate bench: writing charts to {}: {e}", dir.display());
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+fn report_cmd(a: ReportArgs, exe: PathBuf) -> ExitCode {
+    let opts = match options(&a.opts) {
+        Ok(o) => o,
+        Err(m) => return usage(m),
+    };
+    let nproc = std::thread::available_parallelism().map_or(1, |n| n.get());
+    pin_generator(&opts);
+    let command = format!(
+        "tailgate bench report --duration {} --warmup {} --rate {}",
+        humantime::format_duration(opts.duration),
+        humantime::format_duration(opts.warmup),
+        opts.rate
+    );
+    let target = report::Target {
+        out_dir: &a.out,
+        readme: &a.readme,
+        command: &command,
+        nproc,
+    };
+    match report::generate(&opts, &exe, &target) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tailgate bench report: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }

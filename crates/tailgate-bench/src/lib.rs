@@ -1,2 +1,14 @@
-//! tailgate's load generator and benchmark scenarios.
+//! tailgate's load generator (`tailgate bench run`), its fast upstream
+//! (`tailgate bench upstream`) and the reproducible benchmark scenarios
+//! (`tailgate bench scenario`, `tailgate bench report`).
+//!
+//! Layout: [`load`] sends requests and records into [`stats`]; [`output`] prints tables, JSON
+//! and SVG; [`upstream`] is the fixed-answer server; [`scenario`] starts the processes under
+//! test and compares them side by side; [`cli`] parses `tailgate bench ...`.
 pub mod cli;
+pub mod load;
+pub mod output;
+pub mod pin;
+pub mod scenario;
+pub mod stats;
+pub mod upstream;

@@ -1,0 +1,413 @@
+//! The load generator.
+//!
+//! - Open loop (wrk2 semantics): connection `k` of `C` sends at intended times
+//!   `start + k/R + i·C/R`, so all connections together arrive at a constant rate `R`.
+//!   Latency is measured from the intended time (the "corrected" histogram): a request that
+//!   waits behind a stalled one is charged for the wait, so a stall is not hidden
+//!   (coordinated omission). The "uncorrected" histogram measures from the moment the
+//!   attempt actually started, which is what a closed-loop tool reports.
+//!   Exception: the generator's own scheduling slop is not charged to the target. tokio's
+//!   timers have 1 ms granularity, so a request whose connection was idle at its intended time
+//!   starts up to ~1 ms late; it is measured from when it began, and the gap is recorded as
+//!   "generator lag" (printed, so an overloaded generator is visible). A request whose
+//!   connection was still busy with the previous one at its intended time is measured from
+//!   the intended time — exactly the wait coordinated omission would hide.
+//! - Closed loop: each connection sends its next request as soon as the previous one is done
+//!   (maximum throughput); both histograms are then the same.
+//!
+//! Each generator thread runs one current-thread tokio runtime with its share of the
+//! connections; they record into one per-thread [`Recorder`] (no locks, no atomics on the
+//! request path, except one shared counter in request-count mode).
+//!
+//! A request's latency includes connecting when its connection had to be (re)opened, so the
+//! cost of a server closing connections shows up at request index 1.
+
+mod h1;
+mod h2;
+pub mod stream;
+pub mod target;
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use http::Method;
+use rustls::ClientConfig;
+
+use crate::stats::{ErrorKind, Recorder};
+use stream::Stream;
+use target::{Group, Prepared, RequestTemplate, Url};
+
+/// Why a run could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("bad URL {0}")]
+    Url(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("cannot start a generator thread: {0}")]
+    Thread(std::io::Error),
+}
+
+/// When a run ends.
+#[derive(Clone, Copy, Debug)]
+pub enum Stop {
+    /// Measure for this long (after the warm-up).
+    Duration(Duration),
+    /// Send exactly this many measured requests (after the warm-up).
+    Count(u64),
+}
+
+/// A complete description of one run.
+#[derive(Clone, Debug)]
+pub struct Spec {
+    pub urls: Vec<Url>,
+    pub request: RequestTemplate,
+    pub connections: usize,
+    pub threads: usize,
+    /// Requests per second for the open loop; `None` is the closed loop.
+    pub rate: Option<f64>,
+    pub stop: Stop,
+    /// Requests intended to start during the warm-up are sent but not recorded.
+    pub warmup: Duration,
+    pub h2: bool,
+    pub insecure: bool,
+    pub connect_timeout: Duration,
+    /// The whole exchange (connect, write, full response) must finish within this.
+    pub timeout: Duration,
+    /// Latency by request index is kept for indices `1..=max_index`.
+    pub max_index: usize,
+}
+
+impl Spec {
+    /// A closed-loop GET run with defaults suitable for scenarios.
+    pub fn get(urls: Vec<Url>, connections: usize, rate: Option<f64>, stop: Stop) -> Spec {
+        Spec {
+            urls,
+            request: RequestTemplate {
+                method: Method::GET,
+                headers: Vec::new(),
+                body: bytes::Bytes::new(),
+            },
+            connections,
+            threads: 1,
+            rate,
+            stop,
+            warmup: Duration::from_secs(1),
+            h2: false,
+            insecure: false,
+            connect_timeout: Duration::from_secs(1),
+            timeout: Duration::from_secs(2),
+            max_index: 1000,
+        }
+    }
+
+    /// Checks the numbers make sense (bad ones are usage errors).
+    pub fn validate(&self) -> Result<(), LoadError> {
+        let bad = |m: &str| Err(LoadError::Invalid(m.to_string()));
+        if self.urls.is_empty() {
+            return bad("at least one URL is needed");
+        }
+        if self.connections == 0 {
+            return bad("--connections must be at least 1");
+        }
+        if self.threads == 0 || self.threads > self.connections {
+            return bad("--threads must be between 1 and the number of connections");
+        }
+        if let Some(r) = self.rate
+            && !(r.is_finite() && r > 0.0)
+        {
+            return bad("--rate must be a positive number of requests per second");
+        }
+        match self.stop {
+            Stop::Duration(d) if d.is_zero() => return bad("--duration must be more than 0"),
+            Stop::Count(0) => return bad("--requests must be at least 1"),
+            _ => {}
+        }
+        if self.timeout.is_zero() || self.connect_timeout.is_zero() {
+            return bad("timeouts must be more than 0");
+        }
+        Ok(())
+    }
+}
+
+/// The outcome of a run.
+#[derive(Debug)]
+pub struct Report {
+    pub recorder: Recorder,
+    /// The measured period: the duration, or (request-count mode) from the end of the
+    /// warm-up to the last completion.
+    pub measured: Duration,
+    /// Measured requests attempted (responses + errors other than status).
+    pub sent: u64,
+    pub connections: usize,
+    pub threads: usize,
+    pub rate: Option<f64>,
+}
+
+impl Report {
+    /// Successful (2xx/3xx) responses per second of the measured period.
+    pub fn rps(&self) -> f64 {
+        let s = self.measured.as_secs_f64();
+        if s > 0.0 {
+            self.recorder.ok as f64 / s
+        } else {
+            0.0
+        }
+    }
+}
+
+struct Shared {
+    groups: Vec<Group>,
+    tls: Option<Arc<ClientConfig>>,
+    spec: Spec,
+    start: Instant,
+    measure_start: Instant,
+    end: Option<Instant>,
+    tickets: AtomicU64,
+    sent: AtomicU64,
+}
+
+/// Runs the load described by `spec` on `spec.threads` new threads and waits for the end.
+/// Blocking; call from a plain thread (not inside a runtime).
+pub fn run(spec: Spec) -> Result<Report, LoadError> {
+    spec.validate()?;
+    let groups = target::group(&spec.urls, &spec.request)?;
+    let tls = groups
+        .iter()
+        .any(|g| g.tls)
+        .then(|| stream::tls_config(spec.h2, spec.insecure));
+    // A little slack so every thread is up before the first intended start.
+    let start = Instant::now() + Duration::from_millis(20);
+    let measure_start = start + spec.warmup;
+    let (end, tickets) = match spec.stop {
+        Stop::Duration(d) => (Some(measure_start + d), 0),
+        Stop::Count(n) => (None, n),
+    };
+    let shared = Arc::new(Shared {
+        groups,
+        tls,
+        start,
+        measure_start,
+        end,
+        tickets: AtomicU64::new(tickets),
+        sent: AtomicU64::new(0),
+        spec: spec.clone(),
+    });
+    let mut handles = Vec::with_capacity(spec.threads);
+    for t in 0..spec.threads {
+        let shared = shared.clone();
+        let h = std::thread::Builder::new()
+            .name(format!("bench-gen-{t}"))
+            .spawn(move || thread_main(t, shared))
+            .map_err(LoadError::Thread)?;
+        handles.push(h);
+    }
+    let mut recorder = Recorder::new(spec.max_index);
+    let mut last_done = measure_start;
+    for h in handles {
+        let (r, done) = h
+            .join()
+            .map_err(|_| LoadError::Invalid("a generator thread panicked".into()))?;
+        recorder.merge(&r);
+        last_done = last_done.max(done);
+    }
+    let measured = match spec.stop {
+        Stop::Duration(d) => d,
+        Stop::Count(_) => last_done.saturating_duration_since(measure_start),
+    };
+    Ok(Report {
+        recorder,
+        measured,
+        sent: shared.sent.load(Ordering::Relaxed),
+        connections: spec.connections,
+        threads: spec.threads,
+        rate: spec.rate,
+    })
+}
+
+fn thread_main(t: usize, shared: Arc<Shared>) -> (Recorder, Instant) {
+    let recorder = Rc::new(RefCell::new(Recorder::new(shared.spec.max_index)));
+    let last_done = Rc::new(RefCell::new(shared.measure_start));
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("tailgate bench: cannot build a runtime: {e}");
+            return (Recorder::new(0), shared.measure_start);
+        }
+    };
+    // All of the thread's connections are one future (join_all polls only the woken ones):
+    // no task spawn or LocalSet queue per wake-up.
+    let conns: Vec<_> = (t..shared.spec.connections)
+        .step_by(shared.spec.threads)
+        .map(|k| connection(k, shared.clone(), recorder.clone(), last_done.clone()))
+        .collect();
+    rt.block_on(futures_util::future::join_all(conns));
+    drop(rt);
+    let last = *last_done.borrow();
+    let r = Rc::try_unwrap(recorder)
+        .map(RefCell::into_inner)
+        .unwrap_or_else(|rc| std::mem::replace(&mut rc.borrow_mut(), Recorder::new(0)));
+    (r, last)
+}
+
+enum Client {
+    H1(h1::Conn<Stream>),
+    H2(h2::Conn),
+}
+
+async fn open(shared: &Shared, group: &Group) -> Result<Client, ErrorKind> {
+    let tls = if group.tls {
+        shared.tls.as_ref().map(|c| (c, group.server_name.as_str()))
+    } else {
+        None
+    };
+    let io = stream::connect(group.addr, tls, shared.spec.connect_timeout)
+        .await
+        .map_err(|_| ErrorKind::Connect)?;
+    if shared.spec.h2 {
+        let c = tokio::time::timeout(shared.spec.connect_timeout, h2::Conn::handshake(io))
+            .await
+            .map_err(|_| ErrorKind::Connect)??;
+        Ok(Client::H2(c))
+    } else {
+        Ok(Client::H1(h1::Conn::new(io)))
+    }
+}
+
+async fn exchange(client: &mut Client, req: &Prepared) -> Result<(u16, bool), ErrorKind> {
+    match client {
+        Client::H1(c) => {
+            let r = c.exchange(&req.h1, req.method == Method::HEAD).await?;
+            Ok((r.status, !r.close))
+        }
+        Client::H2(c) => c.exchange(req).await,
+    }
+}
+
+/// One generator connection: schedules, sends, reconnects, records.
+async fn connection(
+    k: usize,
+    shared: Arc<Shared>,
+    recorder: Rc<RefCell<Recorder>>,
+    last_done: Rc<RefCell<Instant>>,
+) {
+    let spec = &shared.spec;
+    let group = &shared.groups[k % shared.groups.len()];
+    let mut rr = (k / shared.groups.len()) % group.requests.len();
+    let interval = spec
+        .rate
+        .map(|r| Duration::from_secs_f64(spec.connections as f64 / r));
+    let mut next = shared.start
+        + spec
+            .rate
+            .map_or(Duration::ZERO, |r| Duration::from_secs_f64(k as f64 / r));
+    // In-flight work may finish up to one timeout after the end, never later.
+    let hard_end = shared.end.map(|e| e + spec.timeout);
+    let count_mode = matches!(spec.stop, Stop::Count(_));
+    let mut client: Option<Client> = None;
+    let mut index = 0u64;
+    // When this connection's previous attempt ended: if after the next intended start, the
+    // next request waited on the target and is charged from its intended start.
+    let mut prev_done = shared.start;
+    if spec.rate.is_none() {
+        tokio::time::sleep_until(shared.start.into()).await;
+    }
+    loop {
+        let intended = if interval.is_some() {
+            next
+        } else {
+            Instant::now()
+        };
+        if shared.end.is_some_and(|end| intended >= end)
+            || hard_end.is_some_and(|h| Instant::now() >= h)
+        {
+            break;
+        }
+        let measured = intended >= shared.measure_start;
+        if measured && count_mode && !claim(&shared.tickets) {
+            break;
+        }
+        if let Some(i) = interval {
+            tokio::time::sleep_until(intended.into()).await;
+            next += i;
+        }
+        if measured {
+            shared.sent.fetch_add(1, Ordering::Relaxed);
+        }
+        let began = Instant::now();
+        let result = tokio::time::timeout(spec.timeout, async {
+            if client.is_none() {
+                client = Some(open(&shared, group).await?);
+                index = 0;
+            }
+            index += 1;
+            match client.as_mut() {
+                Some(c) => exchange(c, &group.requests[rr]).await,
+                None => Err(ErrorKind::Connect),
+            }
+        })
+        .await
+        .unwrap_or(Err(ErrorKind::Timeout));
+        let done = Instant::now();
+        // Coordinated omission: a request that waited for the previous one on its connection
+        // is charged from its intended start. One whose connection was idle at the intended
+        // start is charged from when it began: the gap is the generator's timer (tokio timers
+        // have 1 ms granularity) and is recorded separately as generator lag.
+        let (from, lag) = if prev_done > intended {
+            (intended, None)
+        } else {
+            (began, Some(began.saturating_duration_since(intended)))
+        };
+        prev_done = done;
+        rr = (rr + 1) % group.requests.len();
+        match result {
+            Ok((status, keep)) => {
+                if !keep {
+                    client = None;
+                }
+                if measured {
+                    let second = (intended - shared.measure_start).as_secs() as usize;
+                    let mut rec = recorder.borrow_mut();
+                    rec.response(
+                        (200..400).contains(&status),
+                        done - from,
+                        done - began,
+                        index,
+                        second,
+                    );
+                    if let (Some(lag), true) = (lag, interval.is_some()) {
+                        rec.lag(lag);
+                    }
+                }
+            }
+            Err(kind) => {
+                client = None;
+                if measured {
+                    recorder.borrow_mut().error(kind);
+                }
+                if kind == ErrorKind::Connect && interval.is_none() {
+                    // Closed loop against a dead target: don't spin.
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+        if measured {
+            let mut l = last_done.borrow_mut();
+            if done > *l {
+                *l = done;
+            }
+        }
+    }
+}
+
+fn claim(tickets: &AtomicU64) -> bool {
+    tickets
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        .is_ok()
+}

@@ -1,0 +1,354 @@
+//! Reproducible scenarios: each sets up everything on loopback by itself, measures tailgate
+//! side by side with a direct connection and with nginx and HAProxy (when installed), and
+//! reports ratios — never absolute times alone, since the machines are shared and noisy.
+//!
+//! Pinning (2 cores): proxies and upstreams run on core 0 (`taskset -c 0`), the generator on
+//! core 1 (this process pins itself before starting any thread).
+
+pub mod churn;
+pub mod overhead;
+pub mod peers;
+pub mod procs;
+pub mod report;
+
+use std::fmt::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::load::{self, Report, Spec, Stop, target::Url};
+use crate::output::svg;
+use crate::output::text::fmt_ms;
+use crate::stats::LatencySummary;
+use procs::{Env, SetupError};
+
+/// Knobs shared by the scenarios.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Measured time per run.
+    pub duration: Duration,
+    /// Warm-up per run, excluded from results.
+    pub warmup: Duration,
+    /// The fixed open-loop rate.
+    pub rate: f64,
+    pub connections: usize,
+    /// Connections for the many-connections variant.
+    pub many_connections: usize,
+    /// `keepalive-churn`: the upstream closes every N requests.
+    pub close_every: u64,
+    /// Pin children to core 0 (the generator pins itself separately).
+    pub pin: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            duration: Duration::from_secs(5),
+            warmup: Duration::from_secs(1),
+            rate: 5000.0,
+            connections: 50,
+            many_connections: 500,
+            close_every: 80,
+            pin: true,
+        }
+    }
+}
+
+/// The scenario names, as typed on the command line.
+pub const NAMES: [&str; 2] = ["overhead", "keepalive-churn"];
+
+/// Why a scenario failed as a whole.
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    #[error(transparent)]
+    Setup(#[from] SetupError),
+    #[error(transparent)]
+    Load(#[from] load::LoadError),
+    #[error("unknown scenario {0:?} (known: overhead, keepalive-churn)")]
+    Unknown(String),
+}
+
+/// One measured (target, variant).
+pub struct Measured {
+    pub row: Row,
+    pub report: Report,
+}
+
+/// One line of the `results` array.
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
+pub struct Row {
+    pub target: String,
+    pub variant: String,
+    pub rps: f64,
+    pub errors: u64,
+    pub latency_ms: LatencySummary,
+}
+
+/// One line of the `targets` array: a goal and whether this run met it.
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
+pub struct Check {
+    pub name: String,
+    /// `None` (JSON null) when a side was not measured (e.g. nginx missing).
+    pub value: Option<f64>,
+    pub goal: f64,
+    pub met: bool,
+}
+
+/// A finished scenario.
+pub struct Outcome {
+    pub scenario: String,
+    pub measured: Vec<Measured>,
+    pub checks: Vec<Check>,
+    /// Setup notes (a peer skipped, running unpinned).
+    pub notes: Vec<String>,
+}
+
+/// Runs scenario `name`.
+pub fn run(name: &str, opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError> {
+    match name {
+        "overhead" => overhead::run(opts, tailgate_exe),
+        "keepalive-churn" => churn::run(opts, tailgate_exe),
+        other => Err(ScenarioError::Unknown(other.to_string())),
+    }
+}
+
+/// A target to measure: who, and where it listens.
+pub struct Target {
+    pub name: &'static str,
+    pub variant_suffix: &'static str,
+    pub addr: SocketAddr,
+}
+
+/// The environment plus the targets that came up; peers that could not start become notes.
+pub fn new_env(
+    opts: &Options,
+    tailgate_exe: &Path,
+    notes: &mut Vec<String>,
+) -> Result<Env, SetupError> {
+    let core = if opts.pin && crate::pin::taskset().is_some() {
+        Some(0)
+    } else {
+        if opts.pin {
+            notes.push("taskset not found: running unpinned".into());
+        }
+        None
+    };
+    Env::new(tailgate_exe.to_path_buf(), core)
+}
+
+/// Starts tailgate, nginx and HAProxy in front of `upstream`, adding whichever came up to
+/// `targets` (named `name`, with a variant suffix) and a note for each that did not.
+pub fn start_proxies(
+    env: &mut Env,
+    upstream: SocketAddr,
+    suffix: &'static str,
+    targets: &mut Vec<Target>,
+    notes: &mut Vec<String>,
+) {
+    type Starter = fn(&mut Env, &str, SocketAddr) -> Result<SocketAddr, SetupError>;
+    let all: [(&'static str, Option<&str>, Starter); 3] = [
+        ("tailgate", None, peers::tailgate),
+        ("nginx", Some(peers::NGINX), peers::nginx),
+        ("haproxy", Some(peers::HAPROXY), peers::haproxy),
+    ];
+    for (name, binary, start) in all {
+        if let Some(b) = binary
+            && !peers::installed(b)
+        {
+            notes.push(format!("{name}: {b} not installed, skipped"));
+            continue;
+        }
+        match start(env, &format!("{name}{suffix}"), upstream) {
+            Ok(addr) => targets.push(Target {
+                name,
+                variant_suffix: suffix,
+                addr,
+            }),
+            Err(e) => notes.push(format!("{name}: not measured: {e}")),
+        }
+    }
+}
+
+/// One run of the generator against `addr`.
+pub fn measure(
+    target: &Target,
+    variant: &str,
+    connections: usize,
+    rate: Option<f64>,
+    opts: &Options,
+) -> Result<Measured, ScenarioError> {
+    let url = Url::parse(&format!("http://{}/", target.addr))?;
+    let mut spec = Spec::get(vec![url], connections, rate, Stop::Duration(opts.duration));
+    spec.warmup = opts.warmup;
+    eprintln!(
+        "  measuring {:<9} {:<32} ({} s + {} s warm-up)",
+        target.name,
+        format!("{variant}{}", target.variant_suffix),
+        opts.duration.as_secs_f64(),
+        opts.warmup.as_secs_f64()
+    );
+    let report = load::run(spec)?;
+    let row = Row {
+        target: target.name.to_string(),
+        variant: format!("{variant}{}", target.variant_suffix),
+        rps: round2(report.rps()),
+        errors: report.recorder.errors.total(),
+        latency_ms: LatencySummary::of(&report.recorder.corrected),
+    };
+    Ok(Measured { row, report })
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+impl Outcome {
+    pub fn row(&self, target: &str, variant: &str) -> Option<&Row> {
+        self.measured
+            .iter()
+            .map(|m| &m.row)
+            .find(|r| r.target == target && r.variant == variant)
+    }
+
+    /// The documented JSON document.
+    pub fn json(&self) -> Value {
+        let results: Vec<&Row> = self.measured.iter().map(|m| &m.row).collect();
+        json!({"scenario": self.scenario, "results": results, "targets": self.checks})
+    }
+
+    /// The human tables: results with ratios to `direct`, then the goals.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, "scenario {}", self.scenario);
+        for n in &self.notes {
+            let _ = writeln!(out, "  note: {n}");
+        }
+        let _ = writeln!(
+            out,
+            "| target | variant | rps | errors | p50 | p90 | p99 | p99.9 | p99.99 | max | rps ÷ direct | p99 ÷ direct |"
+        );
+        let _ = writeln!(out, "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|");
+        for m in &self.measured {
+            let r = &m.row;
+            let l = &r.latency_ms;
+            let direct = self
+                .measured
+                .iter()
+                .map(|m| &m.row)
+                .find(|d| d.target == "direct" && d.variant == r.variant);
+            let (rr, pr) = match direct {
+                Some(d) => (ratio(r.rps, d.rps), ratio(l.p99, d.latency_ms.p99)),
+                None => ("–".into(), "–".into()),
+            };
+            let _ = writeln!(
+                out,
+                "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {rr} | {pr} |",
+                r.target,
+                r.variant,
+                r.rps,
+                r.errors,
+                fmt_ms(l.p50),
+                fmt_ms(l.p90),
+                fmt_ms(l.p99),
+                fmt_ms(l.p99_9),
+                fmt_ms(l.p99_99),
+                fmt_ms(l.max)
+            );
+        }
+        let _ = writeln!(out);
+        let _ = writeln!(out, "| goal | value | goal | met |");
+        let _ = writeln!(out, "|---|--:|--:|:-:|");
+        for c in &self.checks {
+            let v = c.value.map_or("n/a".to_string(), |v| format!("{v:.3}"));
+            let met = if c.met { "yes" } else { "**no**" };
+            let _ = writeln!(out, "| {} | {v} | {} | {met} |", c.name, c.goal);
+        }
+        out
+    }
+
+    /// Writes the scenario's SVG charts into `dir`; returns the file names.
+    pub fn charts(&self, dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+        std::fs::create_dir_all(dir)?;
+        let mut files = Vec::new();
+        let mut variants: Vec<String> = Vec::new();
+        for m in &self.measured {
+            let base = base_variant(&m.row.variant);
+            if !variants.contains(&base) {
+                variants.push(base);
+            }
+        }
+        for v in &variants {
+            let ms: Vec<&Measured> = self
+                .measured
+                .iter()
+                .filter(|m| &base_variant(&m.row.variant) == v)
+                .collect();
+            let label = |m: &Measured| {
+                if m.row.variant == *v {
+                    m.row.target.clone()
+                } else {
+                    format!("{} ({})", m.row.target, m.row.variant)
+                }
+            };
+            let series: Vec<svg::Series<'_>> = ms
+                .iter()
+                .map(|m| svg::Series {
+                    name: label(m),
+                    hist: &m.report.recorder.corrected,
+                })
+                .collect();
+            let p = dir.join(format!("{}-{v}-spectrum.svg", self.scenario));
+            svg::spectrum(
+                &p,
+                &format!("{} {v}: latency by percentile", self.scenario),
+                &series,
+            )?;
+            files.push(p);
+            let over: Vec<(String, Vec<f64>)> = ms
+                .iter()
+                .map(|m| (label(m), svg::p99_per_second(&m.report.recorder.per_second)))
+                .collect();
+            let p = dir.join(format!("{}-{v}-over-time.svg", self.scenario));
+            svg::lines(
+                &p,
+                &format!("{} {v}: p99 per second", self.scenario),
+                "second",
+                0,
+                &over,
+            )?;
+            files.push(p);
+        }
+        Ok(files)
+    }
+}
+
+/// Variants share a chart when they differ only by the `+...` suffix of a target setup.
+fn base_variant(v: &str) -> String {
+    v.split('+').next().unwrap_or(v).to_string()
+}
+
+fn ratio(a: f64, b: f64) -> String {
+    if b > 0.0 {
+        format!("{:.2}×", a / b)
+    } else {
+        "–".into()
+    }
+}
+
+/// A goal on `num / den`: at least `goal` (`at_most = false`) or at most `goal`.
+pub fn check(name: String, num: Option<f64>, den: Option<f64>, goal: f64, at_most: bool) -> Check {
+    let value = match (num, den) {
+        (Some(n), Some(d)) if d > 0.0 => Some((n / d * 1000.0).round() / 1000.0),
+        _ => None,
+    };
+    let met = value.is_some_and(|v| if at_most { v <= goal } else { v >= goal });
+    Check {
+        name,
+        value,
+        goal,
+        met,
+    }
+}

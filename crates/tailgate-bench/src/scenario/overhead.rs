@@ -1,0 +1,88 @@
+//! `overhead`: what a proxy costs over a direct connection to a fast upstream.
+//!
+//! direct, tailgate, nginx and HAProxy in front of one `tailgate bench upstream` (110-byte
+//! responses): closed-loop maximum throughput, open-loop latency at a fixed rate every target
+//! sustains, and the same rate over many (500+) connections.
+
+use std::path::Path;
+
+use super::{
+    Options, Outcome, ScenarioError, Target, check, measure, new_env, peers, start_proxies,
+};
+
+pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError> {
+    let mut notes = Vec::new();
+    let mut env = new_env(opts, tailgate_exe, &mut notes)?;
+    let up = peers::upstream(&mut env, "upstream", 110, None)?;
+    let mut targets = vec![Target {
+        name: "direct",
+        variant_suffix: "",
+        addr: up,
+    }];
+    start_proxies(&mut env, up, "", &mut targets, &mut notes);
+    for n in &notes {
+        eprintln!("note: {n}");
+    }
+
+    let c = opts.connections;
+    let many = opts.many_connections;
+    let rate = opts.rate;
+    let closed = format!("closed-{c}c");
+    let open = format!("open-{rate}rps-{c}c");
+    let open_many = format!("open-{rate}rps-{many}c");
+    let runs: [(&str, usize, Option<f64>); 3] = [
+        (&closed, c, None),
+        (&open, c, Some(rate)),
+        (&open_many, many, Some(rate)),
+    ];
+    let mut measured = Vec::new();
+    // Variant by variant, all targets back to back, so drift on the machine hits all alike.
+    for (variant, conns, rate) in runs {
+        for t in &targets {
+            measured.push(measure(t, variant, conns, rate, opts)?);
+        }
+    }
+    let mut outcome = Outcome {
+        scenario: "overhead".into(),
+        measured,
+        checks: Vec::new(),
+        notes,
+    };
+    let get = |o: &Outcome, t: &str, v: &str| o.row(t, v).cloned();
+    let (tc, nc) = (
+        get(&outcome, "tailgate", &closed),
+        get(&outcome, "nginx", &closed),
+    );
+    let (to, no) = (
+        get(&outcome, "tailgate", &open),
+        get(&outcome, "nginx", &open),
+    );
+    let (tm, nm) = (
+        get(&outcome, "tailgate", &open_many),
+        get(&outcome, "nginx", &open_many),
+    );
+    outcome.checks = vec![
+        check(
+            format!("tailgate rps ÷ nginx rps ({closed}) ≥"),
+            tc.map(|r| r.rps),
+            nc.map(|r| r.rps),
+            1.0,
+            false,
+        ),
+        check(
+            format!("tailgate p99 ÷ nginx p99 ({open}) ≤"),
+            to.map(|r| r.latency_ms.p99),
+            no.map(|r| r.latency_ms.p99),
+            1.0,
+            true,
+        ),
+        check(
+            format!("tailgate p99 ÷ nginx p99 ({open_many}) ≤"),
+            tm.map(|r| r.latency_ms.p99),
+            nm.map(|r| r.latency_ms.p99),
+            1.0,
+            true,
+        ),
+    ];
+    Ok(outcome)
+}

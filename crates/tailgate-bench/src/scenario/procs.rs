@@ -1,0 +1,252 @@
+//! The processes a scenario starts, and how they are always stopped.
+//!
+//! Every child is registered in [`Env`], whose `Drop` stops it (SIGTERM through `kill(1)`, then
+//! SIGKILL after a grace period) and removes the temp dir, on success, error or panic. A signal
+//! thread does the same on SIGINT/SIGTERM before exiting, since `Drop` does not run then.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Pids of live children, for the signal thread.
+static LIVE: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+/// Temp dirs to remove on a signal.
+static DIRS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// Why a scenario could not set something up.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    NotReady(String),
+}
+
+pub fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SetupError {
+    let what = what.into();
+    move |source| SetupError::Io { what, source }
+}
+
+/// A free loopback port: bind port 0, read it, close. (Racy in theory; fine on a quiet box.)
+pub fn free_port() -> Result<u16, SetupError> {
+    let l = TcpListener::bind("127.0.0.1:0").map_err(io_err("bind a free port"))?;
+    Ok(l.local_addr().map_err(io_err("read a free port"))?.port())
+}
+
+/// Installs the SIGINT/SIGTERM handler once (a thread with its own small runtime).
+pub fn install_signal_handler() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ = std::thread::Builder::new()
+            .name("bench-signals".into())
+            .spawn(|| {
+                let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                else {
+                    return;
+                };
+                rt.block_on(async {
+                    let Ok(mut term) =
+                        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::signal::ctrl_c() => {}
+                        _ = term.recv() => {}
+                    }
+                });
+                eprintln!("tailgate bench: interrupted, stopping children");
+                let pids: Vec<u32> = LIVE.lock().map(|v| v.clone()).unwrap_or_default();
+                signal(&pids, "-TERM");
+                std::thread::sleep(Duration::from_millis(500));
+                signal(&pids, "-KILL");
+                for d in DIRS.lock().map(|v| v.clone()).unwrap_or_default() {
+                    let _ = std::fs::remove_dir_all(d);
+                }
+                std::process::exit(130);
+            });
+    });
+}
+
+fn signal(pids: &[u32], sig: &str) {
+    if pids.is_empty() {
+        return;
+    }
+    let _ = Command::new("kill")
+        .arg(sig)
+        .args(pids.iter().map(|p| p.to_string()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+}
+
+struct Proc {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+/// A scenario's environment: a temp dir, the children, and where they are pinned.
+pub struct Env {
+    pub dir: PathBuf,
+    pub tailgate_exe: PathBuf,
+    /// Core for children (proxies, upstreams), if pinning.
+    pub child_core: Option<usize>,
+    procs: Vec<Proc>,
+}
+
+impl Env {
+    pub fn new(tailgate_exe: PathBuf, child_core: Option<usize>) -> Result<Env, SetupError> {
+        install_signal_handler();
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let dir =
+            std::env::temp_dir().join(format!("tailgate-bench-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(io_err(format!("create {}", dir.display())))?;
+        if let Ok(mut d) = DIRS.lock() {
+            d.push(dir.clone());
+        }
+        Ok(Env {
+            dir,
+            tailgate_exe,
+            child_core,
+            procs: Vec::new(),
+        })
+    }
+
+    /// Writes `contents` to `name` in the temp dir and returns its path.
+    pub fn write(&self, name: &str, contents: &str) -> Result<PathBuf, SetupError> {
+        let p = self.dir.join(name);
+        std::fs::write(&p, contents).map_err(io_err(format!("write {}", p.display())))?;
+        Ok(p)
+    }
+
+    /// Starts `program args` pinned to the child core, output to a log file in the temp dir,
+    /// and waits until `ready_addr` answers `GET /` with a 200.
+    pub fn spawn(
+        &mut self,
+        name: &str,
+        program: &Path,
+        args: &[&str],
+        ready_addr: SocketAddr,
+    ) -> Result<(), SetupError> {
+        let log = self.dir.join(format!("{name}.log"));
+        let out =
+            std::fs::File::create(&log).map_err(io_err(format!("create {}", log.display())))?;
+        let err = out.try_clone().map_err(io_err("clone log file"))?;
+        let child = crate::pin::command(program, self.child_core)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .map_err(io_err(format!("start {}", program.display())))?;
+        if let Ok(mut live) = LIVE.lock() {
+            live.push(child.id());
+        }
+        self.procs.push(Proc {
+            name: name.to_string(),
+            child,
+            log,
+        });
+        self.wait_ready(ready_addr)
+    }
+
+    fn wait_ready(&mut self, addr: SocketAddr) -> Result<(), SetupError> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut last = String::from("no answer");
+        while Instant::now() < deadline {
+            if let Some(p) = self.procs.last_mut()
+                && let Ok(Some(status)) = p.child.try_wait()
+            {
+                let log = std::fs::read_to_string(&p.log).unwrap_or_default();
+                let tail: String = log
+                    .lines()
+                    .rev()
+                    .take(5)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect::<Vec<_>>()
+                    .join("\n    ");
+                return Err(SetupError::NotReady(format!(
+                    "{} exited ({status}) before answering on {addr}:\n    {tail}",
+                    p.name
+                )));
+            }
+            match probe(addr) {
+                Ok(200) => return Ok(()),
+                Ok(code) => last = format!("status {code}"),
+                Err(e) => last = e.to_string(),
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let name = self
+            .procs
+            .last()
+            .map(|p| p.name.clone())
+            .unwrap_or_default();
+        Err(SetupError::NotReady(format!(
+            "{name} did not answer 200 on {addr} within 10s ({last})"
+        )))
+    }
+}
+
+/// `GET /` over a fresh connection; returns the status code.
+pub fn probe(addr: SocketAddr) -> std::io::Result<u16> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(500))?;
+    s.set_read_timeout(Some(Duration::from_secs(1)))?;
+    s.write_all(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")?;
+    let mut buf = [0u8; 64];
+    let mut n = 0;
+    while n < 12 {
+        let k = s.read(&mut buf[n..])?;
+        if k == 0 {
+            break;
+        }
+        n += k;
+    }
+    let line = std::str::from_utf8(&buf[..n]).unwrap_or("");
+    line.get(9..12)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("not an HTTP response: {line:?}")))
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        let pids: Vec<u32> = self.procs.iter().map(|p| p.child.id()).collect();
+        signal(&pids, "-TERM");
+        let deadline = Instant::now() + Duration::from_secs(3);
+        for p in &mut self.procs {
+            loop {
+                match p.child.try_wait() {
+                    Ok(Some(_)) | Err(_) => break,
+                    Ok(None) if Instant::now() >= deadline => {
+                        let _ = p.child.kill();
+                        let _ = p.child.wait();
+                        break;
+                    }
+                    Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        }
+        if let Ok(mut live) = LIVE.lock() {
+            live.retain(|pid| !pids.contains(pid));
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+        if let Ok(mut d) = DIRS.lock() {
+            d.retain(|x| x != &self.dir);
+        }
+    }
+}

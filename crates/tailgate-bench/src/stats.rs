@@ -1,0 +1,266 @@
+//! What a run records: latency histograms (HdrHistogram, microseconds), errors by kind,
+//! latency by request index on a connection, and latency per second of the run.
+//!
+//! One [`Recorder`] lives on each generator thread (the thread's connections share it without
+//! locks: each thread is one current-thread runtime); the thread recorders are merged once at
+//! the end of a run.
+
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+/// Largest latency a histogram tracks exactly, in microseconds (one hour); larger values are
+/// clamped to it (they only occur with absurd timeouts).
+const MAX_MICROS: u64 = 3_600_000_000;
+
+/// The percentiles printed in a latency distribution, wrk2's list.
+pub const PERCENTILES: [f64; 8] = [50.0, 75.0, 90.0, 99.0, 99.9, 99.99, 99.999, 100.0];
+
+/// Why a request failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The TCP (or TLS) connection could not be set up in time or was refused.
+    Connect,
+    /// No full response within the per-request timeout.
+    Timeout,
+    /// A response arrived with a status outside 2xx/3xx.
+    Status,
+    /// A read or write failed, or the peer closed the connection mid-exchange.
+    Io,
+    /// The response was not valid HTTP.
+    Protocol,
+}
+
+/// Error counts by kind.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct Errors {
+    pub connect: u64,
+    pub timeout: u64,
+    pub status: u64,
+    pub io: u64,
+    pub protocol: u64,
+}
+
+impl Errors {
+    pub fn total(&self) -> u64 {
+        self.connect + self.timeout + self.status + self.io + self.protocol
+    }
+
+    pub fn count(&mut self, kind: ErrorKind) {
+        match kind {
+            ErrorKind::Connect => self.connect += 1,
+            ErrorKind::Timeout => self.timeout += 1,
+            ErrorKind::Status => self.status += 1,
+            ErrorKind::Io => self.io += 1,
+            ErrorKind::Protocol => self.protocol += 1,
+        }
+    }
+
+    fn add(&mut self, o: &Errors) {
+        self.connect += o.connect;
+        self.timeout += o.timeout;
+        self.status += o.status;
+        self.io += o.io;
+        self.protocol += o.protocol;
+    }
+}
+
+/// A latency histogram in microseconds.
+pub fn new_histogram(sigfig: u8) -> Histogram<u64> {
+    // 1 µs .. 1 h at 2 or 3 significant figures are valid bounds, so this cannot fail.
+    Histogram::new_with_bounds(1, MAX_MICROS, sigfig).unwrap_or_else(|_| {
+        Histogram::new(sigfig.min(5)).unwrap_or_else(|_| unreachable!("valid sigfig"))
+    })
+}
+
+fn micros(d: Duration) -> u64 {
+    (d.as_micros() as u64).clamp(1, MAX_MICROS)
+}
+
+/// Everything one generator thread (or, merged, one run) records.
+#[derive(Debug)]
+pub struct Recorder {
+    /// Latency from each request's intended start (open loop) — the number that matters.
+    pub corrected: Histogram<u64>,
+    /// Latency from the moment the request was actually written (hides coordinated omission).
+    pub uncorrected: Histogram<u64>,
+    /// `by_index[i]`: corrected latency of the (i+1)-th request on a connection; requests past
+    /// the last tracked index are not recorded here.
+    pub by_index: Vec<Histogram<u64>>,
+    /// `per_second[s]`: corrected latency of requests intended to start in second `s` of the
+    /// measurement.
+    pub per_second: Vec<Histogram<u64>>,
+    /// Open loop: how late the generator started requests whose connection was idle at their
+    /// intended time (timer granularity, or an overloaded generator). Not charged to latency.
+    pub lag: Histogram<u64>,
+    pub errors: Errors,
+    /// Responses received (any status).
+    pub responses: u64,
+    /// Responses with a 2xx or 3xx status.
+    pub ok: u64,
+    max_index: usize,
+}
+
+impl Recorder {
+    pub fn new(max_index: usize) -> Self {
+        Self {
+            corrected: new_histogram(3),
+            uncorrected: new_histogram(3),
+            by_index: Vec::new(),
+            per_second: Vec::new(),
+            lag: new_histogram(2),
+            errors: Errors::default(),
+            responses: 0,
+            ok: 0,
+            max_index,
+        }
+    }
+
+    /// Records one completed response. `index` is 1-based on its connection; `second` is the
+    /// second of the measurement the request was intended to start in.
+    pub fn response(
+        &mut self,
+        ok: bool,
+        corrected: Duration,
+        uncorrected: Duration,
+        index: u64,
+        second: usize,
+    ) {
+        self.responses += 1;
+        if ok {
+            self.ok += 1;
+        } else {
+            self.errors.count(ErrorKind::Status);
+        }
+        let c = micros(corrected);
+        self.corrected.saturating_record(c);
+        self.uncorrected.saturating_record(micros(uncorrected));
+        if index >= 1 && (index as usize) <= self.max_index {
+            let i = index as usize - 1;
+            while self.by_index.len() <= i {
+                self.by_index.push(new_histogram(2));
+            }
+            self.by_index[i].saturating_record(c);
+        }
+        while self.per_second.len() <= second {
+            self.per_second.push(new_histogram(2));
+        }
+        self.per_second[second].saturating_record(c);
+    }
+
+    pub fn lag(&mut self, lag: Duration) {
+        self.lag.saturating_record(micros(lag));
+    }
+
+    pub fn error(&mut self, kind: ErrorKind) {
+        self.errors.count(kind);
+    }
+
+    /// Adds another recorder's data to this one.
+    pub fn merge(&mut self, other: &Recorder) {
+        // Histograms with identical bounds never fail to add; auto-resize covers the rest.
+        let _ = self.corrected.add(&other.corrected);
+        let _ = self.uncorrected.add(&other.uncorrected);
+        let _ = self.lag.add(&other.lag);
+        merge_vec(&mut self.by_index, &other.by_index);
+        merge_vec(&mut self.per_second, &other.per_second);
+        self.errors.add(&other.errors);
+        self.responses += other.responses;
+        self.ok += other.ok;
+    }
+}
+
+fn merge_vec(into: &mut Vec<Histogram<u64>>, from: &[Histogram<u64>]) {
+    for (i, h) in from.iter().enumerate() {
+        if into.len() <= i {
+            into.push(new_histogram(2));
+        }
+        let _ = into[i].add(h);
+    }
+}
+
+/// A latency value of a histogram in milliseconds.
+pub fn ms_at(h: &Histogram<u64>, percentile: f64) -> f64 {
+    if h.is_empty() {
+        return 0.0;
+    }
+    let v = if percentile >= 100.0 {
+        h.max()
+    } else {
+        h.value_at_percentile(percentile)
+    };
+    v as f64 / 1000.0
+}
+
+/// The summary used in scenario tables and JSON: p50, p90, p99, p99.9, p99.99, max (ms).
+#[derive(Clone, Copy, Debug, Default, Serialize, serde::Deserialize, PartialEq)]
+pub struct LatencySummary {
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    #[serde(rename = "p99.9")]
+    pub p99_9: f64,
+    #[serde(rename = "p99.99")]
+    pub p99_99: f64,
+    pub max: f64,
+}
+
+impl LatencySummary {
+    pub fn of(h: &Histogram<u64>) -> Self {
+        Self {
+            p50: ms_at(h, 50.0),
+            p90: ms_at(h, 90.0),
+            p99: ms_at(h, 99.0),
+            p99_9: ms_at(h, 99.9),
+            p99_99: ms_at(h, 99.99),
+            max: ms_at(h, 100.0),
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merge_adds_everything() {
+        let mut a = Recorder::new(4);
+        let mut b = Recorder::new(4);
+        a.response(
+            true,
+            Duration::from_millis(1),
+            Duration::from_millis(1),
+            1,
+            0,
+        );
+        b.response(
+            false,
+            Duration::from_millis(9),
+            Duration::from_millis(2),
+            3,
+            2,
+        );
+        b.response(
+            true,
+            Duration::from_millis(5),
+            Duration::from_millis(5),
+            9,
+            0,
+        );
+        b.error(ErrorKind::Connect);
+        a.merge(&b);
+        assert_eq!(a.responses, 3);
+        assert_eq!(a.ok, 2);
+        assert_eq!(a.errors.status, 1);
+        assert_eq!(a.errors.connect, 1);
+        assert_eq!(a.corrected.len(), 3);
+        assert_eq!(a.by_index.len(), 3);
+        assert_eq!(a.by_index[0].len(), 1);
+        assert_eq!(a.by_index[1].len(), 0);
+        assert_eq!(a.by_index[2].len(), 1);
+        assert_eq!(a.per_second.len(), 3);
+        assert_eq!(a.per_second[0].len(), 2);
+    }
+}

@@ -1,0 +1,205 @@
+//! The `tailgate-bench` binary (= `tailgate bench`): usage errors, dead targets, JSON shapes.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+fn bench() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_tailgate-bench"))
+}
+
+/// Runs with a hard limit: a hang fails the test instead of blocking it forever.
+fn run_limited(mut cmd: Command, limit: Duration) -> Output {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            child.kill().unwrap();
+            panic!("tailgate bench did not end within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn bad_arguments_exit_2_with_a_message() {
+    let cases: &[&[&str]] = &[
+        &["run", "http://127.0.0.1:1/"], // neither --rate nor --closed
+        &["run", "http://127.0.0.1:1/", "-r", "10", "--closed"], // both
+        &["run", "http://127.0.0.1:1/", "--closed", "-c", "0"],
+        &["run", "ftp://127.0.0.1:1/", "--closed"],
+        &["run", "http://127.0.0.1:1/", "-r", "-5"],
+        &["run", "http://127.0.0.1:1/", "-r", "0"],
+        &["run", "http://127.0.0.1:1/", "--closed", "-d", "soon"],
+        &["run", "http://127.0.0.1:1/", "--closed", "-H", "no-colon"],
+        &["run", "http://127.0.0.1:1/", "--closed", "-n", "0"],
+        &[
+            "run",
+            "http://127.0.0.1:1/",
+            "--closed",
+            "-c",
+            "2",
+            "-t",
+            "3",
+        ],
+        &["scenario", "nope"],
+        &["upstream"],
+        &["frobnicate"],
+    ];
+    for args in cases {
+        let out = bench().args(*args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains("error"), "{args:?}: no message: {stderr}");
+    }
+}
+
+#[test]
+fn dead_target_ends_on_time_with_connect_errors() {
+    let url = format!("http://127.0.0.1:{}/", common::dead_port());
+    let mut cmd = bench();
+    cmd.args([
+        "run", &url, "-r", "100", "-d", "1s", "--warmup", "0s", "--json",
+    ]);
+    let out = run_limited(cmd, Duration::from_secs(30));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["errors"]["connect"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(v["responses"], 0);
+}
+
+#[test]
+fn run_json_has_the_documented_fields() {
+    let up = common::start(common::Behaviour::default());
+    let mut cmd = bench();
+    cmd.args([
+        "run",
+        &up.url(),
+        "--closed",
+        "-c",
+        "2",
+        "-n",
+        "100",
+        "--warmup",
+        "0s",
+        "--json",
+    ]);
+    let out = run_limited(cmd, Duration::from_secs(30));
+    assert!(out.status.success());
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["sent"], 100);
+    assert_eq!(v["ok"], 100);
+    for k in ["p50", "p90", "p99", "p99.9", "p99.99", "max"] {
+        assert!(v["latency_ms"][k].is_number(), "{k} in {v}");
+    }
+    for k in ["50", "75", "90", "99", "99.9", "99.99", "99.999", "100"] {
+        assert!(v["corrected_ms"][k].is_number(), "{k} in {v}");
+        assert!(v["uncorrected_ms"][k].is_number(), "{k} in {v}");
+    }
+    for k in ["connect", "timeout", "status", "io", "protocol"] {
+        assert_eq!(v["errors"][k], 0, "{k} in {v}");
+    }
+}
+
+#[test]
+fn run_writes_svg_charts_and_the_human_table() {
+    let up = common::start(common::Behaviour::default());
+    let dir = std::env::temp_dir().join(format!("tg-bench-cli-svg-{}", std::process::id()));
+    let mut cmd = bench();
+    cmd.args([
+        "run",
+        &up.url(),
+        "-r",
+        "200",
+        "-d",
+        "1s",
+        "--warmup",
+        "0s",
+        "--by-index",
+        "--svg",
+    ])
+    .arg(&dir);
+    let out = run_limited(cmd, Duration::from_secs(30));
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("Latency Distribution"), "{text}");
+    assert!(text.contains(" 99.999%"), "{text}");
+    assert!(text.contains("Requests/sec"), "{text}");
+    for f in ["spectrum.svg", "over-time.svg", "by-index.svg"] {
+        let s = std::fs::read_to_string(dir.join(f)).unwrap();
+        assert!(s.starts_with("<svg"), "{f}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The scenario JSON document, through this binary: it has no `serve`, so tailgate is skipped
+/// with a note and its goals are unmet with a null value; direct, nginx and HAProxy (when
+/// installed) are measured.
+#[test]
+fn scenario_json_has_the_documented_shape() {
+    let mut cmd = bench();
+    cmd.args([
+        "scenario",
+        "overhead",
+        "--duration",
+        "1s",
+        "--warmup",
+        "0s",
+        "--rate",
+        "200",
+        "--connections",
+        "4",
+        "--many-connections",
+        "20",
+        "--no-pin",
+        "--json",
+    ]);
+    let out = run_limited(cmd, Duration::from_secs(120));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("tailgate: not measured"), "{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let obj = v.as_object().unwrap();
+    assert_eq!(obj.len(), 3, "{v}");
+    assert_eq!(v["scenario"], "overhead");
+    let results = v["results"].as_array().unwrap();
+    assert!(results.iter().any(|r| r["target"] == "direct"));
+    for r in results {
+        assert_eq!(r.as_object().unwrap().len(), 5, "{r}");
+        assert!(
+            ["tailgate", "direct", "nginx", "haproxy"].contains(&r["target"].as_str().unwrap())
+        );
+        assert!(r["variant"].is_string() && r["rps"].is_number() && r["errors"].is_u64());
+        let l = r["latency_ms"].as_object().unwrap();
+        let keys: Vec<&str> = l.keys().map(String::as_str).collect();
+        assert_eq!(keys.len(), 6);
+        for k in ["p50", "p90", "p99", "p99.9", "p99.99", "max"] {
+            assert!(l[k].is_number(), "{k} in {r}");
+        }
+        assert_eq!(r["errors"], 0, "{r}");
+    }
+    // 3 variants per measured target.
+    assert_eq!(results.len() % 3, 0);
+    let targets = v["targets"].as_array().unwrap();
+    assert!(!targets.is_empty());
+    for t in targets {
+        assert_eq!(t.as_object().unwrap().len(), 4, "{t}");
+        assert!(t["name"].is_string() && t["goal"].is_number() && t["met"].is_boolean());
+        assert!(t["value"].is_null(), "tailgate was not measured: {t}");
+        assert_eq!(t["met"], false);
+    }
+}

@@ -1,0 +1,162 @@
+//! The load generator against in-test upstreams: counts, coordinated omission, request index.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Behaviour, start};
+use tailgate_bench::load::target::Url;
+use tailgate_bench::load::{self, Spec, Stop};
+
+fn spec(url: &str, connections: usize, rate: Option<f64>, stop: Stop) -> Spec {
+    let mut s = Spec::get(vec![Url::parse(url).unwrap()], connections, rate, stop);
+    s.warmup = Duration::ZERO;
+    s
+}
+
+fn above(h: &hdrhistogram::Histogram<u64>, micros: u64) -> u64 {
+    h.len() - h.count_between(0, micros)
+}
+
+/// One request stalls 500 ms at 200 rps on one connection. Whatever the machine's noise, the
+/// ~100 requests scheduled during the stall waited behind it: the corrected histogram must
+/// charge them (≥ 80 intended in the first 400 ms of the stall waited ≥ 100 ms), while the
+/// uncorrected one sees a single slow request.
+#[test]
+fn corrected_histogram_shows_a_stall_the_uncorrected_one_hides() {
+    let up = start(Behaviour {
+        stall: Some((100, Duration::from_millis(500))),
+        ..Default::default()
+    });
+    let r = load::run(spec(
+        &up.url(),
+        1,
+        Some(200.0),
+        Stop::Duration(Duration::from_secs(2)),
+    ))
+    .unwrap();
+    let rec = &r.recorder;
+    assert_eq!(rec.errors.total(), 0, "{:?}", rec.errors);
+    assert!(
+        rec.corrected.max() >= 500_000,
+        "corrected max {}",
+        rec.corrected.max()
+    );
+    assert!(
+        rec.uncorrected.max() >= 500_000,
+        "uncorrected max {}",
+        rec.uncorrected.max()
+    );
+    let c = above(&rec.corrected, 100_000);
+    let u = above(&rec.uncorrected, 100_000);
+    assert!(c >= 70, "corrected above 100 ms: {c}");
+    // ~1 in theory; a few more only if the machine itself stalls for 100 ms repeatedly.
+    assert!(u <= 5, "uncorrected above 100 ms: {u}");
+}
+
+/// 200 rps for 2 s is 400 requests, all sent and all answered.
+#[test]
+fn fixed_rate_sends_rate_times_duration() {
+    let up = start(Behaviour::default());
+    let r = load::run(spec(
+        &up.url(),
+        4,
+        Some(200.0),
+        Stop::Duration(Duration::from_secs(2)),
+    ))
+    .unwrap();
+    assert!((398..=402).contains(&r.sent), "sent {}", r.sent);
+    assert_eq!(r.recorder.responses, r.sent);
+    assert_eq!(r.recorder.errors.total(), 0);
+    // Nothing outside the measurement (no warm-up here).
+    assert_eq!(up.count(), r.sent);
+}
+
+#[test]
+fn closed_loop_with_a_count_sends_exactly_that_count() {
+    let up = start(Behaviour::default());
+    let r = load::run(spec(&up.url(), 7, None, Stop::Count(1234))).unwrap();
+    assert_eq!(r.sent, 1234);
+    assert_eq!(r.recorder.ok, 1234);
+    assert_eq!(up.count(), 1234);
+}
+
+#[test]
+fn warmup_requests_are_sent_but_not_recorded() {
+    let up = start(Behaviour::default());
+    let mut s = spec(&up.url(), 2, Some(100.0), Stop::Count(50));
+    s.warmup = Duration::from_millis(500);
+    let r = load::run(s).unwrap();
+    assert_eq!(r.recorder.responses, 50);
+    // ~50 warm-up requests went out before the measured 50.
+    assert!(up.count() > 60, "server saw {}", up.count());
+}
+
+/// An upstream closing every 10 requests: the generator reconnects, so requests are only ever
+/// at indices 1..=10 on a connection, and every one of those indices is seen.
+#[test]
+fn request_index_restarts_when_the_server_closes() {
+    let up = start(Behaviour {
+        close_every: Some(10),
+        ..Default::default()
+    });
+    let r = load::run(spec(&up.url(), 3, None, Stop::Count(600))).unwrap();
+    let bi = &r.recorder.by_index;
+    assert_eq!(r.recorder.errors.total(), 0, "{:?}", r.recorder.errors);
+    assert_eq!(bi.len(), 10);
+    assert!(bi.iter().all(|h| !h.is_empty()));
+    assert_eq!(bi.iter().map(|h| h.len()).sum::<u64>(), 600);
+}
+
+/// A port nobody listens on: every attempt is a connect error, and the run ends.
+#[test]
+fn dead_target_counts_connect_errors() {
+    let url = format!("http://127.0.0.1:{}/", common::dead_port());
+    let r = load::run(spec(
+        &url,
+        2,
+        Some(50.0),
+        Stop::Duration(Duration::from_secs(1)),
+    ))
+    .unwrap();
+    assert_eq!(r.recorder.responses, 0);
+    assert!(r.recorder.errors.connect >= 40, "{:?}", r.recorder.errors);
+    let r = load::run(spec(&url, 2, None, Stop::Count(20))).unwrap();
+    assert_eq!(r.recorder.errors.connect, 20);
+}
+
+/// A server that accepts and never answers: requests time out (counted) and the run ends.
+#[test]
+fn silent_target_times_out() {
+    let up = start(Behaviour {
+        silent: true,
+        ..Default::default()
+    });
+    let mut s = spec(
+        &up.url(),
+        2,
+        Some(20.0),
+        Stop::Duration(Duration::from_secs(1)),
+    );
+    s.timeout = Duration::from_millis(300);
+    let r = load::run(s).unwrap();
+    assert_eq!(r.recorder.responses, 0);
+    assert!(r.recorder.errors.timeout >= 2, "{:?}", r.recorder.errors);
+}
+
+/// Several URLs on one address: requests round-robin over them.
+#[test]
+fn several_urls_are_round_robined() {
+    let up = start(Behaviour::default());
+    let urls = vec![
+        Url::parse(&format!("http://{}/a", up.addr)).unwrap(),
+        Url::parse(&format!("http://{}/b", up.addr)).unwrap(),
+    ];
+    let mut s = Spec::get(urls, 2, None, Stop::Count(100));
+    s.warmup = Duration::ZERO;
+    let r = load::run(s).unwrap();
+    assert_eq!(r.recorder.ok, 100);
+    assert_eq!(up.hits_a.load(std::sync::atomic::Ordering::SeqCst), 50);
+}
