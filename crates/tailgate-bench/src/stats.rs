@@ -81,7 +81,8 @@ fn micros(d: Duration) -> u64 {
 /// Everything one generator thread (or, merged, one run) records.
 #[derive(Debug)]
 pub struct Recorder {
-    /// Latency from each request's intended start (open loop) — the number that matters.
+    /// Latency from each request's intended start (open loop; wrk2 semantics, every request)
+    /// — the number that matters.
     pub corrected: Histogram<u64>,
     /// Latency from the moment the request was actually written (hides coordinated omission).
     pub uncorrected: Histogram<u64>,
@@ -91,8 +92,10 @@ pub struct Recorder {
     /// `per_second[s]`: corrected latency of requests intended to start in second `s` of the
     /// measurement.
     pub per_second: Vec<Histogram<u64>>,
-    /// Open loop: how late the generator started requests whose connection was idle at their
-    /// intended time (timer granularity, or an overloaded generator). Not charged to latency.
+    /// Open loop: how long after it could have started (its intended start, or the end of the
+    /// previous exchange on its connection if later) each request actually started — the
+    /// generator's own delay (scheduling precision, or an overloaded generator). Part of the
+    /// corrected latency; kept separately so an overloaded generator is visible.
     pub lag: Histogram<u64>,
     pub errors: Errors,
     /// Responses received (any status).

@@ -1,29 +1,35 @@
 //! The load generator.
 //!
-//! - Open loop (wrk2 semantics): connection `k` of `C` sends at intended times
-//!   `start + k/R + i·C/R`, so all connections together arrive at a constant rate `R`.
-//!   Latency is measured from the intended time (the "corrected" histogram): a request that
-//!   waits behind a stalled one is charged for the wait, so a stall is not hidden
-//!   (coordinated omission). The "uncorrected" histogram measures from the moment the
-//!   attempt actually started, which is what a closed-loop tool reports.
-//!   Exception: the generator's own scheduling slop is not charged to the target. tokio's
-//!   timers have 1 ms granularity, so a request whose connection was idle at its intended time
-//!   starts up to ~1 ms late; it is measured from when it began, and the gap is recorded as
-//!   "generator lag" (printed, so an overloaded generator is visible). A request whose
-//!   connection was still busy with the previous one at its intended time is measured from
-//!   the intended time — exactly the wait coordinated omission would hide.
+//! - Open loop (wrk2 semantics): request `j` of the run is intended to start at
+//!   `start + j/R`, on connection `j mod C` (so connection `k` sends at `start + k/R + i·C/R`
+//!   and all connections together arrive at a constant rate `R`). Every request's latency is
+//!   measured from its intended start (the "corrected" histogram), whatever delayed it: a
+//!   request that waits behind a stalled one on its connection is charged for the wait, so a
+//!   stall is not hidden (coordinated omission), and so is any lateness of the generator.
+//!   The "uncorrected" histogram measures from the moment the attempt actually started,
+//!   which is what a closed-loop tool reports.
+//!   Because the generator's lateness is charged, sends are scheduled precisely: a metronome
+//!   thread wakes each connection at its intended start with ~0.1 ms precision and without
+//!   spinning (see [`schedule`] for why not tokio timers, whose 1 ms granularity would add
+//!   ~0.5 ms to every request, and not spinning, which costs a core from ~1000 requests/s).
+//!   Generator lag — how long after a request could have started (its intended start, or
+//!   the end of the previous exchange on its connection if that was later) it actually
+//!   started — is recorded and printed separately, so an overloaded generator is visible;
+//!   it is part of the corrected latency, not subtracted from it.
 //! - Closed loop: each connection sends its next request as soon as the previous one is done
 //!   (maximum throughput); both histograms are then the same.
 //!
 //! Each generator thread runs one current-thread tokio runtime with its share of the
 //! connections; they record into one per-thread [`Recorder`] (no locks, no atomics on the
-//! request path, except one shared counter in request-count mode).
+//! request path, except one shared counter in request-count mode and the bell a metronome
+//! rings per open-loop request).
 //!
 //! A request's latency includes connecting when its connection had to be (re)opened, so the
 //! cost of a server closing connections shows up at request index 1.
 
 mod h1;
 mod h2;
+pub mod schedule;
 pub mod stream;
 pub mod target;
 
@@ -37,6 +43,7 @@ use http::Method;
 use rustls::ClientConfig;
 
 use crate::stats::{ErrorKind, Recorder};
+use schedule::{Bells, Metronome, Schedule};
 use stream::Stream;
 use target::{Group, Prepared, RequestTemplate, Url};
 
@@ -164,6 +171,8 @@ struct Shared {
     tls: Option<Arc<ClientConfig>>,
     spec: Spec,
     start: Instant,
+    /// Open loop: the intended starts, and one bell per connection rung at them.
+    schedule: Option<(Schedule, Bells)>,
     measure_start: Instant,
     end: Option<Instant>,
     tickets: AtomicU64,
@@ -186,10 +195,21 @@ pub fn run(spec: Spec) -> Result<Report, LoadError> {
         Stop::Duration(d) => (Some(measure_start + d), 0),
         Stop::Count(n) => (None, n),
     };
+    let schedule = spec
+        .rate
+        .map(|rate| (Schedule { start, rate }, schedule::bells(spec.connections)));
+    // Dropped (stopped and joined) when this function returns, after the generator threads.
+    let _metronome = match &schedule {
+        Some((s, bells)) => {
+            Some(Metronome::start(*s, bells.clone(), end).map_err(LoadError::Thread)?)
+        }
+        None => None,
+    };
     let shared = Arc::new(Shared {
         groups,
         tls,
         start,
+        schedule,
         measure_start,
         end,
         tickets: AtomicU64::new(tickets),
@@ -300,29 +320,23 @@ async fn connection(
     let spec = &shared.spec;
     let group = &shared.groups[k % shared.groups.len()];
     let mut rr = (k / shared.groups.len()) % group.requests.len();
-    let interval = spec
-        .rate
-        .map(|r| Duration::from_secs_f64(spec.connections as f64 / r));
-    let mut next = shared.start
-        + spec
-            .rate
-            .map_or(Duration::ZERO, |r| Duration::from_secs_f64(k as f64 / r));
+    // Open loop: this connection sends requests `k, k+C, k+2C, ...` of the run's schedule.
+    let mut j = k as u64;
+    let stride = spec.connections as u64;
     // In-flight work may finish up to one timeout after the end, never later.
     let hard_end = shared.end.map(|e| e + spec.timeout);
     let count_mode = matches!(spec.stop, Stop::Count(_));
     let mut client: Option<Client> = None;
     let mut index = 0u64;
-    // When this connection's previous attempt ended: if after the next intended start, the
-    // next request waited on the target and is charged from its intended start.
+    // When this connection's previous attempt ended: a request cannot start before that.
     let mut prev_done = shared.start;
     if spec.rate.is_none() {
         tokio::time::sleep_until(shared.start.into()).await;
     }
     loop {
-        let intended = if interval.is_some() {
-            next
-        } else {
-            Instant::now()
+        let intended = match &shared.schedule {
+            Some((s, _)) => s.at(j),
+            None => Instant::now(),
         };
         if shared.end.is_some_and(|end| intended >= end)
             || hard_end.is_some_and(|h| Instant::now() >= h)
@@ -333,9 +347,9 @@ async fn connection(
         if measured && count_mode && !claim(&shared.tickets) {
             break;
         }
-        if let Some(i) = interval {
-            tokio::time::sleep_until(intended.into()).await;
-            next += i;
+        if let Some((_, bells)) = &shared.schedule {
+            schedule::wait_until(&bells[k], intended).await;
+            j += stride;
         }
         if measured {
             shared.sent.fetch_add(1, Ordering::Relaxed);
@@ -355,17 +369,18 @@ async fn connection(
         .await
         .unwrap_or(Err(ErrorKind::Timeout));
         let done = Instant::now();
-        // Coordinated omission: a request that waited for the previous one on its connection
-        // is charged from its intended start. One whose connection was idle at the intended
-        // start is charged from when it began: the gap is the generator's timer (tokio timers
-        // have 1 ms granularity) and is recorded separately as generator lag.
-        let (from, lag) = if prev_done > intended {
-            (intended, None)
-        } else {
-            (began, Some(began.saturating_duration_since(intended)))
-        };
+        // wrk2 semantics: every open-loop request is charged from its intended start, whether
+        // it waited behind the previous request on its connection (coordinated omission) or
+        // on the generator. Lag is the generator's share: from when the request could have
+        // started to when it did.
+        let open_loop = shared.schedule.is_some();
+        let from = if open_loop { intended } else { began };
+        let lag = began.saturating_duration_since(intended.max(prev_done));
         prev_done = done;
         rr = (rr + 1) % group.requests.len();
+        if measured && open_loop {
+            recorder.borrow_mut().lag(lag);
+        }
         match result {
             Ok((status, keep)) => {
                 if !keep {
@@ -381,9 +396,6 @@ async fn connection(
                         index,
                         second,
                     );
-                    if let (Some(lag), true) = (lag, interval.is_some()) {
-                        rec.lag(lag);
-                    }
                 }
             }
             Err(kind) => {
@@ -391,7 +403,7 @@ async fn connection(
                 if measured {
                     recorder.borrow_mut().error(kind);
                 }
-                if kind == ErrorKind::Connect && interval.is_none() {
+                if kind == ErrorKind::Connect && !open_loop {
                     // Closed loop against a dead target: don't spin.
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }

@@ -66,7 +66,7 @@ pub fn report(r: &Report, urls: &[String], by_index: bool) -> String {
     if r.rate.is_some() && !rec.lag.is_empty() {
         let _ = writeln!(
             out,
-            "  Generator lag (start after an idle intended time, not charged): p50 {}, p99 {}, max {}",
+            "  Generator lag (actual send after it could start, included above): p50 {}, p99 {}, max {}",
             fmt_ms(ms_at(&rec.lag, 50.0)),
             fmt_ms(ms_at(&rec.lag, 99.0)),
             fmt_ms(ms_at(&rec.lag, 100.0))
