@@ -20,8 +20,12 @@ pub const PERCENTILES: [f64; 8] = [50.0, 75.0, 90.0, 99.0, 99.9, 99.99, 99.999, 
 /// Why a request failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ErrorKind {
-    /// The TCP (or TLS) connection could not be set up in time or was refused.
+    /// The TCP connection (or, over TLS, the handshake) could not be set up in time, or was
+    /// refused.
     Connect,
+    /// The TLS handshake failed: the certificate was rejected (unknown issuer, wrong name,
+    /// expired; see `--insecure`) or the peer's TLS was unusable.
+    Tls,
     /// No full response within the per-request timeout.
     Timeout,
     /// A response arrived with a status outside 2xx/3xx.
@@ -36,6 +40,7 @@ pub enum ErrorKind {
 #[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
 pub struct Errors {
     pub connect: u64,
+    pub tls: u64,
     pub timeout: u64,
     pub status: u64,
     pub io: u64,
@@ -44,12 +49,13 @@ pub struct Errors {
 
 impl Errors {
     pub fn total(&self) -> u64 {
-        self.connect + self.timeout + self.status + self.io + self.protocol
+        self.connect + self.tls + self.timeout + self.status + self.io + self.protocol
     }
 
     pub fn count(&mut self, kind: ErrorKind) {
         match kind {
             ErrorKind::Connect => self.connect += 1,
+            ErrorKind::Tls => self.tls += 1,
             ErrorKind::Timeout => self.timeout += 1,
             ErrorKind::Status => self.status += 1,
             ErrorKind::Io => self.io += 1,
@@ -59,6 +65,7 @@ impl Errors {
 
     fn add(&mut self, o: &Errors) {
         self.connect += o.connect;
+        self.tls += o.tls;
         self.timeout += o.timeout;
         self.status += o.status;
         self.io += o.io;

@@ -35,8 +35,8 @@ pub mod target;
 
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use http::Method;
@@ -152,6 +152,9 @@ pub struct Report {
     pub connections: usize,
     pub threads: usize,
     pub rate: Option<f64>,
+    /// The first TLS handshake failure of the run, e.g. why the certificate was rejected
+    /// (the failures themselves are counted as [`ErrorKind::Tls`]).
+    pub tls_error: Option<String>,
 }
 
 impl Report {
@@ -177,6 +180,8 @@ struct Shared {
     end: Option<Instant>,
     tickets: AtomicU64,
     sent: AtomicU64,
+    /// The first TLS handshake failure's message (set once, only on failures).
+    tls_error: OnceLock<String>,
 }
 
 /// Runs the load described by `spec` on `spec.threads` new threads and waits for the end.
@@ -214,6 +219,7 @@ pub fn run(spec: Spec) -> Result<Report, LoadError> {
         end,
         tickets: AtomicU64::new(tickets),
         sent: AtomicU64::new(0),
+        tls_error: OnceLock::new(),
         spec: spec.clone(),
     });
     let mut handles = Vec::with_capacity(spec.threads);
@@ -245,6 +251,7 @@ pub fn run(spec: Spec) -> Result<Report, LoadError> {
         connections: spec.connections,
         threads: spec.threads,
         rate: spec.rate,
+        tls_error: shared.tls_error.get().cloned(),
     })
 }
 
@@ -289,7 +296,13 @@ async fn open(shared: &Shared, group: &Group) -> Result<Client, ErrorKind> {
     };
     let io = stream::connect(group.addr, tls, shared.spec.connect_timeout)
         .await
-        .map_err(|_| ErrorKind::Connect)?;
+        .map_err(|e| match e {
+            stream::ConnectError::Tcp(_) => ErrorKind::Connect,
+            stream::ConnectError::Tls(e) => {
+                let _ = shared.tls_error.set(e.to_string());
+                ErrorKind::Tls
+            }
+        })?;
     if shared.spec.h2 {
         let c = tokio::time::timeout(shared.spec.connect_timeout, h2::Conn::handshake(io))
             .await
@@ -403,7 +416,7 @@ async fn connection(
                 if measured {
                     recorder.borrow_mut().error(kind);
                 }
-                if kind == ErrorKind::Connect && !open_loop {
+                if matches!(kind, ErrorKind::Connect | ErrorKind::Tls) && !open_loop {
                     // Closed loop against a dead target: don't spin.
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }

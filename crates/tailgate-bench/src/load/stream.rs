@@ -48,31 +48,43 @@ pub fn tls_config(h2: bool, insecure: bool) -> Arc<ClientConfig> {
     Arc::new(config)
 }
 
-/// Connects within `timeout`; any failure (refused, unreachable, TLS handshake) is a connect
-/// error for the caller.
+/// Why a connection could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// TCP connect failed (refused, unreachable) or did not finish in time.
+    #[error("connect: {0}")]
+    Tcp(io::Error),
+    /// The TLS handshake failed, e.g. the certificate was rejected.
+    #[error("{0}")]
+    Tls(io::Error),
+}
+
+/// Connects within `timeout` (TCP connect and TLS handshake together).
 pub async fn connect(
     addr: SocketAddr,
     tls: Option<(&Arc<ClientConfig>, &str)>,
     timeout: Duration,
-) -> io::Result<Stream> {
+) -> Result<Stream, ConnectError> {
     let fut = async {
-        let tcp = TcpStream::connect(addr).await?;
-        tcp.set_nodelay(true)?;
+        let tcp = TcpStream::connect(addr).await.map_err(ConnectError::Tcp)?;
+        tcp.set_nodelay(true).map_err(ConnectError::Tcp)?;
         match tls {
             None => Ok(Stream::Plain(tcp)),
             Some((config, name)) => {
-                let name = ServerName::try_from(name.to_string())
-                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+                let name = ServerName::try_from(name.to_string()).map_err(|e| {
+                    ConnectError::Tls(io::Error::new(io::ErrorKind::InvalidInput, e))
+                })?;
                 let s = TlsConnector::from(config.clone())
                     .connect(name, tcp)
-                    .await?;
+                    .await
+                    .map_err(ConnectError::Tls)?;
                 Ok(Stream::Tls(Box::new(s)))
             }
         }
     };
-    tokio::time::timeout(timeout, fut)
-        .await
-        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))?
+    tokio::time::timeout(timeout, fut).await.map_err(|_| {
+        ConnectError::Tcp(io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))
+    })?
 }
 
 impl AsyncRead for Stream {

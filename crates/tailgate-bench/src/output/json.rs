@@ -43,6 +43,7 @@ pub fn report(r: &Report, urls: &[String]) -> Value {
         "rps": r.rps(),
         "errors": rec.errors,
         "error_total": rec.errors.total(),
+        "tls_error": r.tls_error,
         "latency_ms": LatencySummary::of(&rec.corrected),
         "corrected_ms": distribution(&rec.corrected),
         "uncorrected_ms": distribution(&rec.uncorrected),

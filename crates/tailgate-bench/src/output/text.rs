@@ -116,9 +116,12 @@ pub fn report(r: &Report, urls: &[String], by_index: bool) -> String {
     if e.total() > 0 {
         let _ = writeln!(
             out,
-            "  Errors: connect {}, timeout {}, status {}, io {}, protocol {}",
-            e.connect, e.timeout, e.status, e.io, e.protocol
+            "  Errors: connect {}, tls {}, timeout {}, status {}, io {}, protocol {}",
+            e.connect, e.tls, e.timeout, e.status, e.io, e.protocol
         );
+    }
+    if let Some(why) = &r.tls_error {
+        let _ = writeln!(out, "  TLS handshake failed: {why}");
     }
     let _ = writeln!(out, "Requests/sec: {:>10.2}", r.rps());
     out
