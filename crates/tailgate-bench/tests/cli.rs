@@ -4,32 +4,10 @@
 
 mod common;
 
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use common::{bench, run_limited};
+use std::time::Duration;
 
 use serde_json::Value;
-
-fn bench() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_tailgate-bench"))
-}
-
-/// Runs with a hard limit: a hang fails the test instead of blocking it forever.
-fn run_limited(mut cmd: Command, limit: Duration) -> Output {
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed() > limit {
-            child.kill().unwrap();
-            panic!("tailgate bench did not end within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
-}
 
 #[test]
 fn bad_arguments_exit_2_with_a_message() {

@@ -4,9 +4,10 @@
 #![allow(clippy::unwrap_used)]
 
 use std::net::SocketAddr;
+use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -109,4 +110,27 @@ pub fn start(b: Behaviour) -> TestUpstream {
 pub fn dead_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     l.local_addr().unwrap().port()
+}
+
+/// The `tailgate-bench` binary.
+pub fn bench() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_tailgate-bench"))
+}
+
+/// Runs with a hard limit: a hang fails the test instead of blocking it forever.
+pub fn run_limited(mut cmd: Command, limit: Duration) -> Output {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            child.kill().unwrap();
+            panic!("tailgate bench did not end within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
 }
