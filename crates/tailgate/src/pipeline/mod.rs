@@ -217,7 +217,7 @@ async fn forward(
         parts.version,
         conn.client.ip(),
         conn.tls,
-        host_value.as_ref().and_then(|h| h.to_str().ok()),
+        host_value.as_ref(),
     );
     if let Some(h) = host_value {
         parts.headers.insert(header::HOST, h);
