@@ -7,6 +7,12 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+// mimalloc: the gateway allocates small, short-lived objects per request on every worker;
+// mimalloc's per-thread free lists take fewer instructions per request than glibc's malloc
+// (measured with callgrind, see CHANGELOG).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "tailgate",
