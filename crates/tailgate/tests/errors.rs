@@ -212,3 +212,43 @@ async fn idle_connection_is_closed_but_a_slow_response_is_not() {
     let (_, closed) = read_until_close(&mut s, Duration::from_secs(5)).await;
     assert!(closed, "idle connection closed");
 }
+
+/// Review finding 3c: a client that sends a request and never reads the response used to
+/// hold the client connection, the upstream connection and shutdown forever. Now the
+/// connection fails once the client has taken no bytes for `idle_timeout`.
+#[tokio::test]
+async fn r_a_client_that_never_reads_is_cut_off() {
+    const CHUNK: usize = 64 * 1024;
+    const CHUNKS: usize = 4096; // 256 MiB: far more than socket buffers hold
+    let (upstream_done_tx, mut upstream_done) = tokio::sync::mpsc::channel::<usize>(1);
+    let up = upstream(move |_| {
+        let done = upstream_done_tx.clone();
+        async move {
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<hyper::body::Frame<bytes::Bytes>, Box<dyn std::error::Error + Send + Sync>>>(1);
+            tokio::spawn(async move {
+                let chunk = bytes::Bytes::from(vec![b'z'; CHUNK]);
+                let mut sent = 0;
+                for _ in 0..CHUNKS {
+                    if tx.send(Ok(hyper::body::Frame::data(chunk.clone()))).await.is_err() {
+                        break;
+                    }
+                    sent += 1;
+                }
+                let _ = done.send(sent).await;
+            });
+            use http_body_util::BodyExt;
+            http::Response::new(http_body_util::StreamBody::new(tokio_stream(rx)).boxed())
+        }
+    })
+    .await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"300ms\"\n");
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n").await.unwrap();
+    // Never read. The gateway gives up on this client, so the upstream's body is dropped
+    // long before all of it was sent.
+    let sent = tokio::time::timeout(Duration::from_secs(20), upstream_done.recv())
+        .await
+        .expect("the stalled exchange is abandoned")
+        .unwrap();
+    assert!(sent < CHUNKS, "the upstream body was cut off, not sent whole ({sent} chunks)");
+}

@@ -53,7 +53,12 @@ pub async fn serve_connection(ctx: ConnCtx, stream: TcpStream, peer: SocketAddr)
     match &ctx.listener.tls {
         None => serve_plain(ctx, stream, peer, None).await,
         Some(acceptor) => {
-            let accepted = tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await;
+            // Shutdown does not wait for a handshake in progress.
+            let mut shutdown = ctx.shutdown.clone();
+            let accepted = tokio::select! {
+                a = tokio::time::timeout(handshake_timeout, acceptor.accept(stream)) => a,
+                _ = shutdown.wait_for(|stop| *stop) => return,
+            };
             let tls = match accepted {
                 Ok(Ok(s)) => s,
                 Ok(Err(e)) => {
@@ -76,7 +81,12 @@ pub async fn serve_connection(ctx: ConnCtx, stream: TcpStream, peer: SocketAddr)
             });
             if h2 {
                 let info = conn_info(&ctx, peer, true, sni_tenant);
-                serve_h2(ctx, tls, info).await;
+                // Through the guard in pass-through mode, for its send timeout.
+                let mut io =
+                    H1Guard::new(tls, settings.max_header_bytes, settings.header_read_timeout)
+                        .with_send_timeout(settings.idle_timeout);
+                io.passthrough();
+                serve_h2(ctx, io, info).await;
             } else {
                 serve_plain(ctx, tls, peer, sni_tenant).await;
             }
@@ -106,13 +116,17 @@ where
 {
     let settings = &ctx.worker.shared.settings;
     let tls = ctx.listener.tls.is_some();
-    let mut guard = H1Guard::new(io, settings.max_header_bytes, settings.header_read_timeout);
+    let mut guard = H1Guard::new(io, settings.max_header_bytes, settings.header_read_timeout)
+        .with_send_timeout(settings.idle_timeout);
     let info = conn_info(&ctx, peer, tls, sni_tenant);
-    // A client that connects and says nothing is closed after the idle timeout.
-    match tokio::time::timeout(settings.idle_timeout, sniff_h2(&mut guard))
-        .await
-        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
-    {
+    // A client that connects and says nothing is closed after the idle timeout, or at
+    // shutdown.
+    let mut shutdown = ctx.shutdown.clone();
+    let sniffed = tokio::select! {
+        s = tokio::time::timeout(settings.idle_timeout, sniff_h2(&mut guard)) => s,
+        _ = shutdown.wait_for(|stop| *stop) => return,
+    };
+    match sniffed.unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into())) {
         Ok(true) => {
             guard.passthrough();
             serve_h2(ctx, guard, info).await;
