@@ -224,12 +224,18 @@ async fn r_a_client_that_never_reads_is_cut_off() {
     let up = upstream(move |_| {
         let done = upstream_done_tx.clone();
         async move {
-            let (tx, rx) = tokio::sync::mpsc::channel::<Result<hyper::body::Frame<bytes::Bytes>, Box<dyn std::error::Error + Send + Sync>>>(1);
+            let (tx, rx) = tokio::sync::mpsc::channel::<
+                Result<hyper::body::Frame<bytes::Bytes>, Box<dyn std::error::Error + Send + Sync>>,
+            >(1);
             tokio::spawn(async move {
                 let chunk = bytes::Bytes::from(vec![b'z'; CHUNK]);
                 let mut sent = 0;
                 for _ in 0..CHUNKS {
-                    if tx.send(Ok(hyper::body::Frame::data(chunk.clone()))).await.is_err() {
+                    if tx
+                        .send(Ok(hyper::body::Frame::data(chunk.clone())))
+                        .await
+                        .is_err()
+                    {
                         break;
                     }
                     sent += 1;
@@ -243,12 +249,17 @@ async fn r_a_client_that_never_reads_is_cut_off() {
     .await;
     let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"300ms\"\n");
     let mut s = TcpStream::connect(gw.addr).await.unwrap();
-    s.write_all(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n").await.unwrap();
+    s.write_all(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
     // Never read. The gateway gives up on this client, so the upstream's body is dropped
     // long before all of it was sent.
     let sent = tokio::time::timeout(Duration::from_secs(20), upstream_done.recv())
         .await
         .expect("the stalled exchange is abandoned")
         .unwrap();
-    assert!(sent < CHUNKS, "the upstream body was cut off, not sent whole ({sent} chunks)");
+    assert!(
+        sent < CHUNKS,
+        "the upstream body was cut off, not sent whole ({sent} chunks)"
+    );
 }

@@ -29,6 +29,8 @@ use tokio::time::Sleep;
 /// hyper's parser rejects with 400 (tested in the raw-byte tests).
 const POISON: &[u8] = b"GET / HTTP/1.1\r\nx\x01: refused\r\n\r\n";
 const MAX_HEADERS: usize = 128;
+/// Most request heads fit in 2 KiB; the buffer grows (to the head limit) when one does not.
+const INITIAL_BUF: usize = 2 * 1024;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Chunk {
@@ -87,7 +89,7 @@ impl<T> H1Guard<T> {
     pub fn new(inner: T, max_head: usize, header_timeout: Duration) -> Self {
         H1Guard {
             inner,
-            buf: vec![0; 8 * 1024],
+            buf: Vec::new(),
             start: 0,
             release: 0,
             end: 0,
@@ -137,7 +139,7 @@ impl<T> H1Guard<T> {
     {
         while self.end - self.start < want {
             if self.end == self.buf.len() {
-                self.buf.resize(self.buf.len() * 2, 0);
+                self.buf.resize((self.buf.len() * 2).max(INITIAL_BUF), 0);
             }
             let end = self.end;
             let n = {
@@ -395,6 +397,12 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                     this.start = 0;
                     this.release = 0;
                     this.end = 0;
+                    if this.state == State::Head {
+                        // Between requests the buffer goes back to the allocator, as nginx
+                        // frees header buffers on idle keep-alive connections: a few hot
+                        // buffers serve many connections instead of one cold one each.
+                        this.buf = Vec::new();
+                    }
                 }
                 return Poll::Ready(Ok(()));
             }
@@ -420,7 +428,9 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                 this.start = 0;
             }
             if this.end == this.buf.len() {
-                let grown = (this.buf.len() * 2).min(this.max_head + 8 * 1024);
+                let grown = (this.buf.len() * 2)
+                    .max(INITIAL_BUF)
+                    .min(this.max_head + 8 * 1024);
                 if grown <= this.buf.len() {
                     // A head longer than the limit: hyper answers 431.
                     this.passthrough();
