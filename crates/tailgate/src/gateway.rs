@@ -45,6 +45,7 @@ pub struct Gateway {
     threads: Vec<JoinHandle<()>>,
     listeners: Vec<(String, SocketAddr)>,
     demos: Vec<SocketAddr>,
+    workers: Vec<Arc<Worker>>,
 }
 
 impl Gateway {
@@ -134,14 +135,19 @@ impl Gateway {
         });
         let config = Arc::new(config);
 
+        let mut workers = Vec::new();
         for (i, sockets) in per_worker.into_iter().enumerate() {
-            let shared = shared.clone();
+            let worker = Arc::new(Worker {
+                upstreams: Upstreams::new(&config),
+                shared: shared.clone(),
+            });
+            workers.push(worker.clone());
             let config = config.clone();
             let rx = shutdown_rx.clone();
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("tailgate-worker-{i}"))
-                    .spawn(move || run_worker(shared, &config, sockets, rx))
+                    .spawn(move || run_worker(worker, &config, sockets, rx))
                     .map_err(StartError::Thread)?,
             );
         }
@@ -150,6 +156,7 @@ impl Gateway {
             threads,
             listeners,
             demos,
+            workers,
         })
     }
 
@@ -171,6 +178,11 @@ impl Gateway {
         &self.demos
     }
 
+    /// Sums one upstream pool statistic over every endpoint of every worker.
+    pub fn pool_stat(&self, f: impl Fn(&crate::upstream::PoolStats) -> u64) -> u64 {
+        self.workers.iter().map(|w| w.upstreams.sum(&f)).sum()
+    }
+
     /// Starts a graceful shutdown: stop accepting, let in-flight requests finish.
     pub fn shutdown(&self) {
         let _ = self.shutdown.send(true);
@@ -185,7 +197,7 @@ impl Gateway {
 }
 
 fn run_worker(
-    shared: Arc<Shared>,
+    worker: Arc<Worker>,
     config: &Config,
     sockets: Vec<(std::net::TcpListener, Arc<BoundListener>)>,
     mut shutdown: watch::Receiver<bool>,
@@ -200,14 +212,11 @@ fn run_worker(
             return;
         }
     };
-    let grace = shared.settings.shutdown_grace;
-    let worker = Arc::new(Worker {
-        upstreams: Upstreams::new(config),
-        shared,
-    });
+    let grace = worker.shared.settings.shutdown_grace;
     let spawner = Arc::new(TenantSpawner::new(config.tenants.len()));
     rt.block_on(async move {
         let (drain, mut drained) = DrainToken::new();
+        worker.upstreams.start_background();
         for (socket, listener) in sockets {
             tokio::spawn(listener::accept_loop(socket, listener, worker.clone(), spawner.clone(), shutdown.clone(), drain.clone()));
         }

@@ -81,6 +81,9 @@ pub struct RawCluster {
     pub connect_timeout: Option<Spanned<String>>,
     pub max_idle_per_endpoint: Option<usize>,
     pub idle_timeout: Option<Spanned<String>>,
+    pub max_requests_per_connection: Option<u32>,
+    pub max_connection_lifetime: Option<Spanned<String>>,
+    pub min_warm_connections: Option<usize>,
 }
 
 #[derive(Debug, Deserialize)]

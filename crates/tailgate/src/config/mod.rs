@@ -83,6 +83,11 @@ pub struct Cluster {
     pub connect_timeout: Duration,
     pub max_idle_per_endpoint: usize,
     pub idle_timeout: Duration,
+    /// Retire a connection after this many requests (0: no cap).
+    pub max_requests_per_connection: u32,
+    pub max_connection_lifetime: Option<Duration>,
+    /// Idle connections kept open ahead of need, per endpoint and worker.
+    pub min_warm_connections: usize,
 }
 
 #[derive(Debug, Clone)]

@@ -405,6 +405,15 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 format!("cluster[{i}].idle_timeout"),
                 Duration::from_secs(4),
             ),
+            max_requests_per_connection: cl.max_requests_per_connection.unwrap_or(0),
+            max_connection_lifetime: cl.max_connection_lifetime.as_ref().map(|_| {
+                c.duration(
+                    &cl.max_connection_lifetime,
+                    format!("cluster[{i}].max_connection_lifetime"),
+                    Duration::from_secs(300),
+                )
+            }),
+            min_warm_connections: cl.min_warm_connections.unwrap_or(0),
         });
     }
 

@@ -230,8 +230,6 @@ async fn forward(
         None => http::Uri::from_static("/"),
     };
     parts.version = http::Version::HTTP_11;
-    let upstream_req = Request::from_parts(parts, ReqBody::new(body, settings.max_body_bytes));
-
     let cluster = &worker.upstreams.clusters[route.cluster];
     let pool = cluster.pick()?;
     let t_connect = Instant::now();
@@ -241,6 +239,21 @@ async fn forward(
         ex.timings.upstream_connect = connect_time;
         ex.reused_connection = up.reused;
     }
+
+    // A reused connection may have been closed by the server just as the request was
+    // written to it (Envoy #1979, hyper #2136). A bodiless idempotent request can then be
+    // replayed on a fresh connection; keep what is needed to rebuild it.
+    let replay = (up.reused
+        && is_idempotent(&parts.method)
+        && http_body::Body::is_end_stream(&body))
+    .then(|| {
+        (
+            parts.method.clone(),
+            parts.uri.clone(),
+            parts.headers.clone(),
+        )
+    });
+    let upstream_req = Request::from_parts(parts, ReqBody::new(body, settings.max_body_bytes));
 
     let response_timeout = remaining(route.response_timeout, total_deadline);
     let t_send = Instant::now();
@@ -262,10 +275,37 @@ async fn forward(
                     Ok(r) => r,
                 }
             }
-            _ => Err(e.into_error()),
+            Some(_) => Err(e.into_error()),
+            None => match replay {
+                // Written, then the connection failed before a response: replay it once on
+                // a fresh connection (idempotent and bodiless only; never a POST).
+                Some((method, uri, headers)) if !is_body_error(e.error()) => {
+                    tracing::debug!(upstream.addr = %pool.addr, error = %e.error(), "pooled connection failed under a request; retrying it on a new one");
+                    pool.stats
+                        .retries
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    up = pool.connect().await?;
+                    let mut req = Request::new(ReqBody::empty());
+                    *req.method_mut() = method;
+                    *req.uri_mut() = uri;
+                    *req.headers_mut() = headers;
+                    let left = remaining(route.response_timeout, total_deadline)
+                        .saturating_sub(t_send.elapsed());
+                    match tokio::time::timeout(left, up.sender.send_request(req)).await {
+                        Err(_) => return Err(ProxyError::UpstreamTimeout),
+                        Ok(r) => r,
+                    }
+                }
+                _ => Err(e.into_error()),
+            },
         },
     };
     let mut resp = result.map_err(classify_send_error)?;
+    // The server will close this connection after the response: do not pool it.
+    up.closing = resp.headers().get_all(header::CONNECTION).iter().any(|v| {
+        v.to_str()
+            .is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("close")))
+    });
     if let Some(ex) = rec.exchange_mut() {
         ex.timings.upstream_ttfb = t_send.elapsed();
         ex.status = resp.status().as_u16();
@@ -318,6 +358,30 @@ async fn forward(
         recorder,
     }));
     Ok(Response::from_parts(parts, body))
+}
+
+/// Methods that may be sent twice without changing the outcome (RFC 9110 §9.2.2).
+fn is_idempotent(m: &http::Method) -> bool {
+    matches!(
+        *m,
+        http::Method::GET
+            | http::Method::HEAD
+            | http::Method::OPTIONS
+            | http::Method::PUT
+            | http::Method::DELETE
+            | http::Method::TRACE
+    )
+}
+
+fn is_body_error(e: &hyper::Error) -> bool {
+    let mut source = e.source();
+    while let Some(s) = source {
+        if s.is::<ReqBodyError>() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
 }
 
 /// The response timeout, cut short by the total deadline when that comes first.

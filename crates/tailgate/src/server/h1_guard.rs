@@ -406,13 +406,13 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                 }
                 return Poll::Ready(Ok(()));
             }
-            if let State::Refused { fed } = this.state {
-                if this.release == this.start {
-                    let n = (POISON.len() - fed).min(out.remaining());
-                    out.put_slice(&POISON[fed..fed + n]);
-                    this.state = State::Refused { fed: fed + n };
-                    return Poll::Ready(Ok(()));
-                }
+            if let State::Refused { fed } = this.state
+                && this.release == this.start
+            {
+                let n = (POISON.len() - fed).min(out.remaining());
+                out.put_slice(&POISON[fed..fed + n]);
+                this.state = State::Refused { fed: fed + n };
+                return Poll::Ready(Ok(()));
             }
             if this.state == State::Passthrough && this.start == this.end {
                 return Pin::new(&mut this.inner).poll_read(cx, out);

@@ -9,7 +9,7 @@ mod pool;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-pub use pool::{Conn, EndpointPool};
+pub use pool::{Conn, EndpointPool, PoolStats};
 
 use crate::config::Config;
 use crate::pipeline::error::ProxyError;
@@ -37,6 +37,24 @@ pub struct Upstreams {
 }
 
 impl Upstreams {
+    /// Starts each endpoint's warm-connection keeper on the current (worker) runtime.
+    pub fn start_background(&self) {
+        for c in &self.clusters {
+            for e in &c.endpoints {
+                tokio::spawn(e.clone().keep_warm());
+            }
+        }
+    }
+
+    /// Sums one statistic over every endpoint of every cluster.
+    pub fn sum(&self, f: impl Fn(&pool::PoolStats) -> u64) -> u64 {
+        self.clusters
+            .iter()
+            .flat_map(|c| c.endpoints.iter())
+            .map(|e| f(&e.stats))
+            .sum()
+    }
+
     pub fn new(config: &Config) -> Upstreams {
         Upstreams {
             clusters: config

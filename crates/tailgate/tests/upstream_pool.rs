@@ -1,0 +1,296 @@
+//! Upstream connection management (seed 004): warm spares, rotation before the server's
+//! limit, learning that limit, and safe retries. Behaviour is asserted on counters, never
+//! on timings.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+fn gateway(up: std::net::SocketAddr, cluster_extra: &str) -> TestGateway {
+    TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n{cluster_extra}\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ))
+}
+
+/// A raw HTTP/1.1 upstream. `decide(conn_request_index, request_line)` returns what to do
+/// with each request: answer it (keep-alive), answer with `Connection: close`, or drop the
+/// connection without answering. Counts accepted connections and records request lines.
+#[derive(Clone, Copy, PartialEq)]
+enum Act {
+    Answer,
+    AnswerAndClose,
+    Drop,
+}
+
+struct RawUpstream {
+    addr: std::net::SocketAddr,
+    conns: Arc<AtomicUsize>,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+async fn raw_upstream(decide: fn(usize, &str) -> Act) -> RawUpstream {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let conns = Arc::new(AtomicUsize::new(0));
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let (c, ls) = (conns.clone(), lines.clone());
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else {
+                return;
+            };
+            c.fetch_add(1, Ordering::SeqCst);
+            let ls = ls.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut index = 0;
+                loop {
+                    // Read one head.
+                    let head_end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        let mut chunk = [0u8; 4096];
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
+                    let line = head.lines().next().unwrap_or("").to_owned();
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| {
+                            l.to_ascii_lowercase()
+                                .strip_prefix("content-length:")
+                                .map(|v| v.trim().parse().unwrap_or(0))
+                        })
+                        .unwrap_or(0);
+                    while buf.len() < head_end + len {
+                        let mut chunk = [0u8; 4096];
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    buf.drain(..head_end + len);
+                    index += 1;
+                    ls.lock().unwrap().push(line.clone());
+                    match decide(index, &line) {
+                        Act::Answer => {
+                            if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                                .await
+                                .is_err()
+                            {
+                                return;
+                            }
+                        }
+                        Act::AnswerAndClose => {
+                            let _ = s.write_all(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok").await;
+                            return;
+                        }
+                        Act::Drop => return,
+                    }
+                }
+            });
+        }
+    });
+    RawUpstream { addr, conns, lines }
+}
+
+async fn wait_for(what: &str, f: impl Fn() -> bool) {
+    for _ in 0..500 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// The seed-004 scenario: the server sends `Connection: close` on every 80th response.
+/// After warm-up no request waits for a connect, none fails, and the limit is learned.
+#[tokio::test]
+async fn closing_every_80_never_makes_a_request_wait_for_a_connect() {
+    let up = raw_upstream(|i, _| {
+        if i % 80 == 0 {
+            Act::AnswerAndClose
+        } else {
+            Act::Answer
+        }
+    })
+    .await;
+    let gw = gateway(up.addr, "min_warm_connections = 2");
+    let g = gw.gw.as_ref().unwrap();
+    wait_for("warm connections", || {
+        g.pool_stat(|s| s.preconnects.load(Ordering::Relaxed)) >= 2
+    })
+    .await;
+    let mut c = h1_client(gw.addr).await;
+    for i in 0..800 {
+        let resp = c
+            .send_request(
+                http::Request::get(format!("/r{i}"))
+                    .header("host", "a")
+                    .body(full(""))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "request {i}");
+        use http_body_util::BodyExt;
+        resp.into_body().collect().await.unwrap();
+    }
+    assert_eq!(
+        g.pool_stat(|s| s.connects_on_request.load(Ordering::Relaxed)),
+        0,
+        "no request waited for a connect"
+    );
+    assert_eq!(
+        g.pool_stat(|s| s.learned_limit.load(Ordering::Relaxed) as u64),
+        80,
+        "the server's limit is learned"
+    );
+    assert!(
+        g.pool_stat(|s| s.retired_max_requests.load(Ordering::Relaxed)) >= 5,
+        "later connections are rotated at 79, before the server closes them"
+    );
+    assert!(g.pool_stat(|s| s.closed_by_server.load(Ordering::Relaxed)) >= 2);
+}
+
+#[tokio::test]
+async fn warm_connections_open_at_start() {
+    let up = raw_upstream(|_, _| Act::Answer).await;
+    let gw = gateway(up.addr, "min_warm_connections = 3");
+    let g = gw.gw.as_ref().unwrap();
+    wait_for("3 warm connections", || {
+        up.conns.load(Ordering::SeqCst) >= 3
+    })
+    .await;
+    assert_eq!(g.pool_stat(|s| s.preconnects.load(Ordering::Relaxed)), 3);
+    assert!(
+        up.lines.lock().unwrap().is_empty(),
+        "opened without sending anything"
+    );
+}
+
+#[tokio::test]
+async fn connections_are_rotated_after_max_requests() {
+    let up = raw_upstream(|_, _| Act::Answer).await;
+    let gw = gateway(up.addr, "max_requests_per_connection = 5");
+    let mut c = h1_client(gw.addr).await;
+    for _ in 0..20 {
+        let resp = c
+            .send_request(
+                http::Request::get("/")
+                    .header("host", "a")
+                    .body(full(""))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        use http_body_util::BodyExt;
+        resp.into_body().collect().await.unwrap();
+    }
+    assert_eq!(
+        up.conns.load(Ordering::SeqCst),
+        4,
+        "20 requests, 5 per connection"
+    );
+    let g = gw.gw.as_ref().unwrap();
+    assert_eq!(
+        g.pool_stat(|s| s.retired_max_requests.load(Ordering::Relaxed)),
+        4
+    );
+}
+
+/// A pooled connection that the server drops after reading the request: a GET is retried
+/// on a fresh connection and succeeds; a POST gets a 502 and is not sent twice.
+#[tokio::test]
+async fn reset_pooled_connection_retries_get_but_not_post() {
+    // Every connection serves one request, then drops the next without answering.
+    let up = raw_upstream(|i, _| if i == 1 { Act::Answer } else { Act::Drop }).await;
+    let gw = gateway(up.addr, "");
+    let g = gw.gw.as_ref().unwrap();
+    let mut c = h1_client(gw.addr).await;
+    let send = |c: &mut hyper::client::conn::http1::SendRequest<TestBody>,
+                m: http::Method,
+                path: &str,
+                body: &'static str| {
+        c.send_request(
+            http::Request::builder()
+                .method(m)
+                .uri(path)
+                .header("host", "a")
+                .body(full(body))
+                .unwrap(),
+        )
+    };
+    use http_body_util::BodyExt;
+    let r = send(&mut c, http::Method::GET, "/warm", "").await.unwrap();
+    assert_eq!(r.status(), 200);
+    r.into_body().collect().await.unwrap();
+    // The pooled connection drops this GET: retried on a new connection.
+    let r = send(&mut c, http::Method::GET, "/get", "").await.unwrap();
+    assert_eq!(r.status(), 200);
+    r.into_body().collect().await.unwrap();
+    assert_eq!(g.pool_stat(|s| s.retries.load(Ordering::Relaxed)), 1);
+    // The pooled connection (the retry's) drops this POST: not retried.
+    let r = send(&mut c, http::Method::POST, "/post", "data")
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 502);
+    let posts = up
+        .lines
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|l| l.starts_with("POST /post"))
+        .count();
+    assert_eq!(posts, 1, "a POST is never sent twice");
+    assert_eq!(g.pool_stat(|s| s.retries.load(Ordering::Relaxed)), 1);
+}
+
+/// An upstream that closes idle connections on its own: the next request finds the pooled
+/// connection closed and gets a new one, without an error.
+#[tokio::test]
+async fn upstream_closing_idle_connections_is_invisible() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let mut got = Vec::new();
+                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    .await;
+                // Idle close, without `Connection: close`.
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            });
+        }
+    });
+    let gw = gateway(addr, "");
+    for _ in 0..5 {
+        let resp = get(gw.addr, "/").await;
+        assert_eq!(resp.status(), 200);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+}
