@@ -41,7 +41,8 @@ pub fn upstream(
     Ok(addr)
 }
 
-/// `tailgate serve` with one worker in front of `upstream`.
+/// `tailgate serve` with one worker in front of `upstream`, with warm spare connections
+/// (the setting a deployment that cares about the tail uses).
 pub fn tailgate(env: &mut Env, name: &str, upstream: SocketAddr) -> Result<SocketAddr, SetupError> {
     let addr = loopback(free_port()?);
     let config = format!(
@@ -56,6 +57,7 @@ address = "{addr}"
 [[cluster]]
 name = "up"
 endpoints = ["{upstream}"]
+min_warm_connections = 4
 [[route]]
 path_prefix = "/"
 cluster = "up"
