@@ -62,6 +62,29 @@ async fn tls_connect(
         .unwrap()
 }
 
+/// One HTTP/1.1 GET over a TLS connection made with `sni`, carrying `host`.
+async fn tls_h1_get(
+    addr: std::net::SocketAddr,
+    cert: &TestCert,
+    sni: &str,
+    path: &str,
+    host: &str,
+) -> http::Response<hyper::body::Incoming> {
+    let tls = tls_connect(addr, cert, sni, &[b"http/1.1"]).await;
+    let (mut c, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    c.send_request(
+        http::Request::get(path)
+            .header("host", host)
+            .body(full(""))
+            .unwrap(),
+    )
+    .await
+    .unwrap()
+}
+
 fn tls_gateway(cert: &TestCert, up: std::net::SocketAddr) -> TestGateway {
     TestGateway::start(&format!(
         r#"
@@ -121,20 +144,7 @@ async fn tls_http1_by_alpn() {
     let cert = test_cert(&["acme.test"]);
     let up = echo_upstream().await;
     let gw = tls_gateway(&cert, up);
-    let tls = tls_connect(gw.addr, &cert, "acme.test", &[b"http/1.1"]).await;
-    let (mut c, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let resp = c
-        .send_request(
-            http::Request::get("/x")
-                .header("host", "acme.test")
-                .body(full(""))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let resp = tls_h1_get(gw.addr, &cert, "acme.test", "/x", "acme.test").await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.version(), http::Version::HTTP_11);
     assert_eq!(resp.headers()["x-echo-x-forwarded-proto"], "https");
@@ -147,36 +157,10 @@ async fn sni_classifies_the_tenant() {
     let up = echo_upstream().await;
     let gw = tls_gateway(&cert, up);
     // SNI acme.test, Host unknown: routed by the connection's tenant.
-    let tls = tls_connect(gw.addr, &cert, "acme.test", &[b"http/1.1"]).await;
-    let (mut c, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let resp = c
-        .send_request(
-            http::Request::get("/")
-                .header("host", "10.1.2.3")
-                .body(full(""))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let resp = tls_h1_get(gw.addr, &cert, "acme.test", "/", "10.1.2.3").await;
     assert_eq!(resp.status(), 200);
     // SNI globex.test: globex has no routes.
-    let tls = tls_connect(gw.addr, &cert, "globex.test", &[b"http/1.1"]).await;
-    let (mut c, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let resp = c
-        .send_request(
-            http::Request::get("/")
-                .header("host", "10.1.2.3")
-                .body(full(""))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let resp = tls_h1_get(gw.addr, &cert, "globex.test", "/", "10.1.2.3").await;
     assert_eq!(resp.status(), 404);
 }
 
