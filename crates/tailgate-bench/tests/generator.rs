@@ -58,11 +58,11 @@ fn corrected_histogram_shows_a_stall_the_uncorrected_one_hides() {
 
 /// wrk2 semantics without a scheduling bias: against a fast upstream at a modest rate every
 /// request is charged from its intended start, so the corrected histogram is never below the
-/// uncorrected one, and because sends are scheduled precisely (not on tokio's 1 ms timer
-/// wheel, which makes sends 0–1 ms late, ~0.5 ms at the median) the generator's lag and the
-/// corrected median stay close to the uncorrected one. Measured on a busy 2-core machine: median
-/// lag 0.12–0.14 ms with the metronome, 1.05–1.18 ms when sends wait on tokio's `sleep_until`;
-/// the bounds leave room for a loaded machine.
+/// uncorrected one; and because sends are scheduled precisely (not on tokio's 1 ms timer
+/// wheel), the generator's lag and the corrected median stay close to the uncorrected one.
+/// Measured on a busy 2-core machine: median lag 0.11–0.13 ms with the `timerfd` schedule,
+/// 1.05–1.18 ms when sends wait on tokio's `sleep_until`; the bounds leave room for a loaded
+/// machine.
 #[test]
 fn corrected_latency_is_not_inflated_by_scheduling() {
     let up = start(Behaviour::default());

@@ -8,10 +8,11 @@
 //!   stall is not hidden (coordinated omission), and so is any lateness of the generator.
 //!   The "uncorrected" histogram measures from the moment the attempt actually started,
 //!   which is what a closed-loop tool reports.
-//!   Because the generator's lateness is charged, sends are scheduled precisely: a metronome
-//!   thread wakes each connection at its intended start with ~0.1 ms precision and without
-//!   spinning (see [`schedule`] for why not tokio timers, whose 1 ms granularity would add
-//!   ~0.5 ms to every request, and not spinning, which costs a core from ~1000 requests/s).
+//!   Because the generator's lateness is charged, sends are scheduled precisely: each
+//!   generator thread wakes its connections at their intended starts on a `timerfd`, with
+//!   ~0.1 ms precision and without spinning (see [`schedule`] for why not tokio timers, whose
+//!   1 ms granularity added ~1 ms to every request, and not spinning, which costs a whole core
+//!   at 5000 requests/s).
 //!   Generator lag — how long after a request could have started (its intended start, or
 //!   the end of the previous exchange on its connection if that was later) it actually
 //!   started — is recorded and printed separately, so an overloaded generator is visible;
@@ -21,8 +22,8 @@
 //!
 //! Each generator thread runs one current-thread tokio runtime with its share of the
 //! connections; they record into one per-thread [`Recorder`] (no locks, no atomics on the
-//! request path, except one shared counter in request-count mode and the bell a metronome
-//! rings per open-loop request).
+//! request path, except one shared counter in request-count mode and one bell per open-loop
+//! request).
 //!
 //! A request's latency includes connecting when its connection had to be (re)opened, so the
 //! cost of a server closing connections shows up at request index 1.
@@ -43,7 +44,7 @@ use http::Method;
 use rustls::ClientConfig;
 
 use crate::stats::{ErrorKind, Recorder};
-use schedule::{Bells, Metronome, Schedule};
+use schedule::{Bells, Schedule};
 use stream::Stream;
 use target::{Group, Prepared, RequestTemplate, Url};
 
@@ -203,13 +204,6 @@ pub fn run(spec: Spec) -> Result<Report, LoadError> {
     let schedule = spec
         .rate
         .map(|rate| (Schedule { start, rate }, schedule::bells(spec.connections)));
-    // Dropped (stopped and joined) when this function returns, after the generator threads.
-    let _metronome = match &schedule {
-        Some((s, bells)) => {
-            Some(Metronome::start(*s, bells.clone(), end).map_err(LoadError::Thread)?)
-        }
-        None => None,
-    };
     let shared = Arc::new(Shared {
         groups,
         tls,
@@ -270,11 +264,33 @@ fn thread_main(t: usize, shared: Arc<Shared>) -> (Recorder, Instant) {
     };
     // All of the thread's connections are one future (join_all polls only the woken ones):
     // no task spawn or LocalSet queue per wake-up.
-    let conns: Vec<_> = (t..shared.spec.connections)
+    let mine: Vec<usize> = (t..shared.spec.connections)
         .step_by(shared.spec.threads)
-        .map(|k| connection(k, shared.clone(), recorder.clone(), last_done.clone()))
         .collect();
-    rt.block_on(futures_util::future::join_all(conns));
+    let conns: Vec<_> = mine
+        .iter()
+        .map(|&k| connection(k, shared.clone(), recorder.clone(), last_done.clone()))
+        .collect();
+    rt.block_on(async {
+        let conns = futures_util::future::join_all(conns);
+        match &shared.schedule {
+            // Open loop: this thread's connections are woken at their intended starts by a
+            // precise timer on this thread; the run ends when the connections do.
+            Some((s, bells)) => {
+                let ring = async {
+                    schedule::ring(*s, bells, &mine, shared.end).await;
+                    std::future::pending::<()>().await
+                };
+                tokio::select! {
+                    _ = conns => {}
+                    _ = ring => {}
+                }
+            }
+            None => {
+                conns.await;
+            }
+        }
+    });
     drop(rt);
     let last = *last_done.borrow();
     let r = Rc::try_unwrap(recorder)
