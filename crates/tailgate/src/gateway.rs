@@ -183,6 +183,19 @@ impl Gateway {
         self.workers.iter().map(|w| w.upstreams.sum(&f)).sum()
     }
 
+    /// Every endpoint pool of every worker (for stats and tests).
+    pub fn endpoint_pools(&self) -> Vec<Arc<crate::upstream::EndpointPool>> {
+        self.workers
+            .iter()
+            .flat_map(|w| {
+                w.upstreams
+                    .clusters
+                    .iter()
+                    .flat_map(|c| c.endpoints.iter().cloned())
+            })
+            .collect()
+    }
+
     /// Starts a graceful shutdown: stop accepting, let in-flight requests finish.
     pub fn shutdown(&self) {
         let _ = self.shutdown.send(true);

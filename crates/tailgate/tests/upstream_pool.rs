@@ -294,3 +294,140 @@ async fn upstream_closing_idle_connections_is_invisible() {
         tokio::time::sleep(Duration::from_millis(150)).await;
     }
 }
+
+/// An endpoint that refuses connections: requests still succeed (a connect failure is
+/// retried on another endpoint), the endpoint is ejected instead of being tried again and
+/// again, and it gets traffic again once it is back. Round-robin, so that ejection (not
+/// the latency score) is what keeps traffic away.
+#[tokio::test]
+async fn down_endpoint_is_ejected_and_comes_back() {
+    let live = raw_upstream(|_, _| Act::Answer).await;
+    let dead = dead_port();
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{}\", \"{dead}\"]\nbalance = \"round_robin\"\neject_after_failures = 2\neject_duration = \"300ms\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
+        live.addr
+    ));
+    let g = gw.gw.as_ref().unwrap();
+    let mut c = h1_client(gw.addr).await;
+    use http_body_util::BodyExt;
+    for i in 0..40 {
+        let r = c
+            .send_request(
+                http::Request::get("/")
+                    .header("host", "a")
+                    .body(full(""))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "request {i}");
+        r.into_body().collect().await.unwrap();
+    }
+    let dead_pool = g
+        .endpoint_pools()
+        .into_iter()
+        .find(|p| p.addr == dead)
+        .unwrap();
+    assert!(
+        dead_pool.load.ejections.load(Ordering::Relaxed) >= 1,
+        "ejected"
+    );
+    let failures = dead_pool.stats.connect_failures.load(Ordering::Relaxed);
+    assert!(
+        failures <= 6,
+        "ejected endpoints are not tried on every request ({failures} connect failures in 40 requests)"
+    );
+    // Bring it back on the same port.
+    let Ok(revived) = TcpListener::bind(dead).await else {
+        eprintln!("port {dead} was taken meanwhile; skipping the recovery half");
+        return;
+    };
+    let revived_hits = Arc::new(AtomicUsize::new(0));
+    let hits = revived_hits.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = revived.accept().await else {
+                return;
+            };
+            let hits = hits.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |_req| {
+                    hits.fetch_add(1, Ordering::SeqCst);
+                    async { Ok::<_, std::convert::Infallible>(http::Response::new(full("back"))) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    for _ in 0..300 {
+        let r = c
+            .send_request(
+                http::Request::get("/")
+                    .header("host", "a")
+                    .body(full(""))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        r.into_body().collect().await.unwrap();
+        if revived_hits.load(Ordering::SeqCst) > 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the recovered endpoint never got traffic again");
+}
+
+async fn delayed_counting_upstream(delay: Duration) -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+    let hits = Arc::new(AtomicUsize::new(0));
+    let h = hits.clone();
+    let addr = upstream(move |_| {
+        h.fetch_add(1, Ordering::SeqCst);
+        async move {
+            tokio::time::sleep(delay).await;
+            http::Response::new(full("ok"))
+        }
+    })
+    .await;
+    (addr, hits)
+}
+
+/// Power of two choices over latency sends most requests to the faster endpoint;
+/// round-robin alternates.
+#[tokio::test]
+async fn p2c_prefers_the_faster_endpoint_round_robin_alternates() {
+    use http_body_util::BodyExt;
+    for (balance, check) in [("p2c", 0), ("round_robin", 1)] {
+        let (fast, fast_hits) = delayed_counting_upstream(Duration::ZERO).await;
+        let (slow, slow_hits) = delayed_counting_upstream(Duration::from_millis(30)).await;
+        let gw = TestGateway::start(&format!(
+            "[[cluster]]\nname = \"up\"\nendpoints = [\"{fast}\", \"{slow}\"]\nbalance = \"{balance}\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+        ));
+        let mut c = h1_client(gw.addr).await;
+        for _ in 0..40 {
+            let r = c
+                .send_request(
+                    http::Request::get("/")
+                        .header("host", "a")
+                        .body(full(""))
+                        .unwrap(),
+                )
+                .await
+                .unwrap();
+            r.into_body().collect().await.unwrap();
+        }
+        let (f, s) = (
+            fast_hits.load(Ordering::SeqCst),
+            slow_hits.load(Ordering::SeqCst),
+        );
+        assert_eq!(f + s, 40);
+        if check == 0 {
+            assert!(f >= 34, "p2c: fast {f}, slow {s}");
+        } else {
+            assert_eq!((f, s), (20, 20), "round robin");
+        }
+    }
+}

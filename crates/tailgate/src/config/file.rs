@@ -84,6 +84,9 @@ pub struct RawCluster {
     pub max_requests_per_connection: Option<u32>,
     pub max_connection_lifetime: Option<Spanned<String>>,
     pub min_warm_connections: Option<usize>,
+    pub balance: Option<Spanned<String>>,
+    pub eject_after_failures: Option<u32>,
+    pub eject_duration: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

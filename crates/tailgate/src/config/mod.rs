@@ -88,6 +88,11 @@ pub struct Cluster {
     pub max_connection_lifetime: Option<Duration>,
     /// Idle connections kept open ahead of need, per endpoint and worker.
     pub min_warm_connections: usize,
+    pub balance: crate::upstream::Balance,
+    /// Consecutive failures (connect errors, 5xx) that eject an endpoint (0: never).
+    pub eject_after_failures: u32,
+    /// First ejection period; it doubles with each ejection in a row, up to 30 s.
+    pub eject_duration: Duration,
 }
 
 #[derive(Debug, Clone)]

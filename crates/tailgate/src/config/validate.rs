@@ -414,6 +414,19 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 )
             }),
             min_warm_connections: cl.min_warm_connections.unwrap_or(0),
+            balance: match &cl.balance {
+                None => crate::upstream::Balance::P2c,
+                Some(b) => match b.get_ref().as_str() {
+                    "p2c" => crate::upstream::Balance::P2c,
+                    "round_robin" => crate::upstream::Balance::RoundRobin,
+                    other => {
+                        c.err(Some(b.span()), format!("cluster[{i}].balance"), format!("`{other}` is not a balancer"), Some("write \"p2c\" (power of two choices over latency) or \"round_robin\""));
+                        crate::upstream::Balance::P2c
+                    }
+                },
+            },
+            eject_after_failures: cl.eject_after_failures.unwrap_or(5),
+            eject_duration: c.duration(&cl.eject_duration, format!("cluster[{i}].eject_duration"), Duration::from_secs(1)),
         });
     }
 

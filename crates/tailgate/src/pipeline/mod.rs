@@ -231,9 +231,35 @@ async fn forward(
     };
     parts.version = http::Version::HTTP_11;
     let cluster = &worker.upstreams.clusters[route.cluster];
-    let pool = cluster.pick()?;
+    let (first, mut pool) = cluster.pick(None)?;
     let t_connect = Instant::now();
-    let mut up = pool.checkout().await?;
+    let mut in_flight = pool.load.start();
+    let mut up = match pool.checkout().await {
+        Ok(up) => up,
+        // Nothing was sent: trying another endpoint is always safe.
+        Err(e @ (ProxyError::UpstreamConnect(_) | ProxyError::ConnectTimeout))
+            if cluster.endpoints.len() > 1 =>
+        {
+            in_flight.failed();
+            tracing::debug!(upstream.addr = %pool.addr, error = %e, "connect failed; trying another endpoint");
+            pool.stats
+                .retries
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            (_, pool) = cluster.pick(Some(first))?;
+            in_flight = pool.load.start();
+            match pool.checkout().await {
+                Ok(up) => up,
+                Err(e) => {
+                    in_flight.failed();
+                    return Err(e);
+                }
+            }
+        }
+        Err(e) => {
+            in_flight.failed();
+            return Err(e);
+        }
+    };
     let connect_time = t_connect.elapsed();
     if let Some(ex) = rec.exchange_mut() {
         ex.timings.upstream_connect = connect_time;
@@ -260,7 +286,10 @@ async fn forward(
     let sent =
         tokio::time::timeout(response_timeout, up.sender.try_send_request(upstream_req)).await;
     let result = match sent {
-        Err(_) => return Err(ProxyError::UpstreamTimeout),
+        Err(_) => {
+            in_flight.failed();
+            return Err(ProxyError::UpstreamTimeout);
+        }
         Ok(Ok(resp)) => Ok(resp),
         Ok(Err(mut e)) => match e.take_message() {
             // The connection closed before the request was written: sending it again on a
@@ -300,7 +329,18 @@ async fn forward(
             },
         },
     };
-    let mut resp = result.map_err(classify_send_error)?;
+    let mut resp = match result.map_err(classify_send_error) {
+        Ok(resp) => {
+            in_flight.responded(resp.status());
+            resp
+        }
+        Err(e) => {
+            if e.is_upstream() {
+                in_flight.failed();
+            }
+            return Err(e);
+        }
+    };
     // The server will close this connection after the response: do not pool it.
     up.closing = resp.headers().get_all(header::CONNECTION).iter().any(|v| {
         v.to_str()

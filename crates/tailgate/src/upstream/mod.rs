@@ -4,10 +4,13 @@
 //! Pools are per data-plane worker (each worker is one thread with its own runtime), so a
 //! checkout takes only an uncontended per-endpoint lock and never crosses threads.
 
+mod balance;
 mod pool;
 
+pub use balance::Balance;
+
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicU64;
 
 pub use pool::{Conn, EndpointPool, PoolStats};
 
@@ -17,17 +20,24 @@ use crate::pipeline::error::ProxyError;
 /// One worker's view of a cluster: its endpoints' pools and the balancer's state.
 pub struct ClusterPools {
     pub endpoints: Vec<Arc<EndpointPool>>,
-    next: AtomicUsize,
+    balance: Balance,
+    next: AtomicU64,
 }
 
 impl ClusterPools {
-    /// Round-robin over the endpoints.
-    pub fn pick(&self) -> Result<&Arc<EndpointPool>, ProxyError> {
+    /// Picks an endpoint (never `exclude` when there is another): its index and pool.
+    pub fn pick(&self, exclude: Option<usize>) -> Result<(usize, &Arc<EndpointPool>), ProxyError> {
         if self.endpoints.is_empty() {
             return Err(ProxyError::NoEndpoints);
         }
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.endpoints.len();
-        Ok(&self.endpoints[i])
+        let i = balance::pick(
+            self.balance,
+            self.endpoints.len(),
+            |i| &self.endpoints[i].load,
+            &self.next,
+            exclude,
+        );
+        Ok((i, &self.endpoints[i]))
     }
 }
 
@@ -66,7 +76,8 @@ impl Upstreams {
                         .iter()
                         .map(|&a| Arc::new(EndpointPool::new(a, c)))
                         .collect(),
-                    next: AtomicUsize::new(0),
+                    balance: c.balance,
+                    next: AtomicU64::new(0),
                 })
                 .collect(),
         }

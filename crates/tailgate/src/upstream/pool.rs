@@ -58,6 +58,8 @@ pub struct PoolStats {
 pub struct EndpointPool {
     pub addr: SocketAddr,
     pub stats: PoolStats,
+    /// Load and health, for the balancer and outlier detection.
+    pub load: super::balance::EndpointLoad,
     // Held only for a push or pop, never across an await; one worker uses it.
     idle: Mutex<VecDeque<Idle>>,
     max_idle: usize,
@@ -96,6 +98,10 @@ impl EndpointPool {
         EndpointPool {
             addr,
             stats: PoolStats::default(),
+            load: super::balance::EndpointLoad::new(
+                cluster.eject_after_failures,
+                cluster.eject_duration,
+            ),
             idle: Mutex::new(VecDeque::new()),
             max_idle: cluster.max_idle_per_endpoint,
             idle_timeout: cluster.idle_timeout,

@@ -1,0 +1,272 @@
+//! Choosing an endpoint: power of two choices over peak-EWMA latency with an in-flight
+//! penalty (as linkerd2-proxy does), or round-robin; and passive outlier detection, which
+//! ejects an endpoint after consecutive failures and lets it back after a backoff.
+//!
+//! All state is per endpoint and per worker, in atomics only this worker's thread touches.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long a latency sample weighs: the EWMA decays with this time constant.
+const DECAY: Duration = Duration::from_secs(10);
+/// The cost of an endpoint with no samples yet (so new endpoints are tried, not flooded).
+const DEFAULT_RTT: Duration = Duration::from_millis(1);
+/// The longest an endpoint stays ejected, however often it failed.
+const MAX_EJECTION: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Balance {
+    P2c,
+    RoundRobin,
+}
+
+/// Load and health of one endpoint.
+#[derive(Debug)]
+pub struct EndpointLoad {
+    epoch: Instant,
+    in_flight: AtomicU32,
+    /// Peak-EWMA round-trip in nanoseconds (f64 bits).
+    ewma_ns: AtomicU64,
+    last_sample_ns: AtomicU64,
+    consecutive_failures: AtomicU32,
+    /// Ejections in a row without a success in between (drives the backoff).
+    ejections_in_row: AtomicU32,
+    ejected_until_ns: AtomicU64,
+    /// Times this endpoint was ejected.
+    pub ejections: AtomicU64,
+    /// Ejected and not yet probed: once its ejection ends it gets the next request it is
+    /// drawn for, whatever its score, so a recovered endpoint is found.
+    probe_pending: std::sync::atomic::AtomicBool,
+    eject_after: u32,
+    eject_base: Duration,
+}
+
+impl EndpointLoad {
+    pub fn new(eject_after: u32, eject_base: Duration) -> EndpointLoad {
+        EndpointLoad {
+            epoch: Instant::now(),
+            in_flight: AtomicU32::new(0),
+            ewma_ns: AtomicU64::new((DEFAULT_RTT.as_nanos() as f64).to_bits()),
+            last_sample_ns: AtomicU64::new(0),
+            consecutive_failures: AtomicU32::new(0),
+            ejections_in_row: AtomicU32::new(0),
+            ejected_until_ns: AtomicU64::new(0),
+            ejections: AtomicU64::new(0),
+            probe_pending: std::sync::atomic::AtomicBool::new(false),
+            eject_after,
+            eject_base,
+        }
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    pub fn is_ejected(&self) -> bool {
+        self.ejected_until_ns.load(Ordering::Relaxed) > self.now_ns()
+    }
+
+    /// Expected cost of one more request here: latency × (requests in flight + 1). The
+    /// latency estimate decays while no samples come in (as tower's PeakEwma does), so an
+    /// endpoint that stopped getting traffic is tried again.
+    pub fn cost(&self) -> f64 {
+        let ewma = f64::from_bits(self.ewma_ns.load(Ordering::Relaxed));
+        let idle = self
+            .now_ns()
+            .saturating_sub(self.last_sample_ns.load(Ordering::Relaxed));
+        let decayed = ewma * (-(idle as f64) / DECAY.as_nanos() as f64).exp();
+        decayed * f64::from(self.in_flight.load(Ordering::Relaxed) + 1)
+    }
+
+    /// Takes the pending probe, if the ejection is over and one is pending.
+    fn take_probe(&self) -> bool {
+        !self.is_ejected() && self.probe_pending.swap(false, Ordering::Relaxed)
+    }
+
+    /// A request starts here; the guard ends it.
+    pub fn start(&self) -> InFlight<'_> {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight {
+            load: self,
+            started: Instant::now(),
+        }
+    }
+
+    fn sample(&self, rtt: Duration) {
+        let now = self.now_ns();
+        let rtt = rtt.as_nanos() as f64;
+        let prev = f64::from_bits(self.ewma_ns.load(Ordering::Relaxed));
+        let last = self.last_sample_ns.swap(now, Ordering::Relaxed);
+        // Peak: a slower sample is taken at once; faster ones decay in.
+        let next = if rtt > prev {
+            rtt
+        } else {
+            let w = (-((now.saturating_sub(last)) as f64) / DECAY.as_nanos() as f64).exp();
+            prev * w + rtt * (1.0 - w)
+        };
+        self.ewma_ns.store(next.to_bits(), Ordering::Relaxed);
+    }
+
+    fn success(&self) {
+        self.consecutive_failures.store(0, Ordering::Relaxed);
+        self.ejections_in_row.store(0, Ordering::Relaxed);
+    }
+
+    /// A connect failure or a 5xx. Returns true when this failure ejected the endpoint.
+    pub fn failure(&self) -> bool {
+        if self.eject_after == 0 {
+            return false;
+        }
+        let n = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if n < self.eject_after {
+            return false;
+        }
+        self.consecutive_failures.store(0, Ordering::Relaxed);
+        let k = self.ejections_in_row.fetch_add(1, Ordering::Relaxed).min(5);
+        let period = (self.eject_base * 2u32.pow(k)).min(MAX_EJECTION);
+        self.ejected_until_ns
+            .store(self.now_ns() + period.as_nanos() as u64, Ordering::Relaxed);
+        self.ejections.fetch_add(1, Ordering::Relaxed);
+        self.probe_pending.store(true, Ordering::Relaxed);
+        true
+    }
+}
+
+/// A request in flight on an endpoint; records its outcome when told, and always ends it.
+pub struct InFlight<'a> {
+    load: &'a EndpointLoad,
+    started: Instant,
+}
+
+impl InFlight<'_> {
+    /// The response head arrived with `status`.
+    pub fn responded(self, status: http::StatusCode) {
+        self.load.sample(self.started.elapsed());
+        if status.is_server_error() {
+            self.load.failure();
+        } else {
+            self.load.success();
+        }
+    }
+
+    /// No response (connect failure, reset, timeout).
+    pub fn failed(self) {
+        self.load.sample(self.started.elapsed());
+        self.load.failure();
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.load.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Picks an endpoint index among `n` (n ≥ 1), never `exclude` when another exists. Ejected
+/// endpoints are skipped unless all are ejected (then ejection is ignored, as Envoy's
+/// panic threshold does, rather than failing every request).
+pub fn pick<'a>(
+    balance: Balance,
+    n: usize,
+    load: impl Fn(usize) -> &'a EndpointLoad,
+    rr: &AtomicU64,
+    exclude: Option<usize>,
+) -> usize {
+    if n == 1 {
+        return 0;
+    }
+    let usable = |i: usize| Some(i) != exclude && !load(i).is_ejected();
+    let any_usable = (0..n).any(usable);
+    let ok = |i: usize| {
+        if any_usable {
+            usable(i)
+        } else {
+            Some(i) != exclude || n == 1
+        }
+    };
+    match balance {
+        Balance::RoundRobin => {
+            for _ in 0..n {
+                let i = (rr.fetch_add(1, Ordering::Relaxed) % n as u64) as usize;
+                if ok(i) {
+                    return i;
+                }
+            }
+            0
+        }
+        Balance::P2c => {
+            let candidates: [usize; 2] = {
+                let a = fastrand::usize(..n);
+                let mut b = fastrand::usize(..n - 1);
+                if b >= a {
+                    b += 1;
+                }
+                [a, b]
+            };
+            for c in candidates {
+                if ok(c) && load(c).take_probe() {
+                    return c;
+                }
+            }
+            match (ok(candidates[0]), ok(candidates[1])) {
+                (true, true) => {
+                    if load(candidates[0]).cost() <= load(candidates[1]).cost() {
+                        candidates[0]
+                    } else {
+                        candidates[1]
+                    }
+                }
+                (true, false) => candidates[0],
+                (false, true) => candidates[1],
+                (false, false) => (0..n).find(|&i| ok(i)).unwrap_or(0),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ejects_after_consecutive_failures_and_backs_off() {
+        let l = EndpointLoad::new(3, Duration::from_secs(1));
+        assert!(!l.failure());
+        assert!(!l.failure());
+        assert!(l.failure(), "the third failure in a row ejects");
+        assert!(l.is_ejected());
+        let first = l.ejected_until_ns.load(Ordering::Relaxed);
+        l.failure();
+        l.failure();
+        assert!(l.failure());
+        let second = l.ejected_until_ns.load(Ordering::Relaxed);
+        // 2 s from (about) the same moment as the first 1 s ejection.
+        assert!(
+            second >= first + Duration::from_millis(900).as_nanos() as u64,
+            "the second ejection lasts twice as long"
+        );
+    }
+
+    #[test]
+    fn p2c_prefers_the_cheaper_endpoint_and_skips_ejected_ones() {
+        let fast = EndpointLoad::new(1, Duration::from_secs(60));
+        let slow = EndpointLoad::new(1, Duration::from_secs(60));
+        slow.sample(Duration::from_millis(50));
+        let rr = AtomicU64::new(0);
+        let loads = [&fast, &slow];
+        let pick = |b, rr: &AtomicU64, ex| super::pick(b, 2, |i| loads[i], rr, ex);
+        for _ in 0..50 {
+            assert_eq!(pick(Balance::P2c, &rr, None), 0);
+        }
+        fast.failure();
+        assert!(fast.is_ejected());
+        for _ in 0..20 {
+            assert_eq!(pick(Balance::P2c, &rr, None), 1);
+            assert_eq!(pick(Balance::RoundRobin, &rr, None), 1);
+        }
+        // All ejected: traffic still flows.
+        slow.failure();
+        let _ = pick(Balance::P2c, &rr, None);
+        assert_eq!(pick(Balance::P2c, &rr, Some(0)), 1);
+    }
+}
