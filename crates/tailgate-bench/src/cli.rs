@@ -117,12 +117,17 @@ struct UpstreamArgs {
 
 #[derive(Args, Clone)]
 struct ScenarioOpts {
-    /// Measured time per run.
-    #[arg(long, value_parser = parse_duration, default_value = "5s")]
+    /// Measured time per run, i.e. per (target, variant, round). Default 3s (was 5s) since
+    /// every run is repeated --rounds times.
+    #[arg(long, value_parser = parse_duration, default_value = "3s")]
     duration: Duration,
-    /// Warm-up per run.
+    /// Warm-up per run (per target, variant and round).
     #[arg(long, value_parser = parse_duration, default_value = "1s")]
     warmup: Duration,
+    /// Interleaved measurements per (target, variant): each round measures all targets of a
+    /// variant in an order rotated by one; rows report the medians and the p99 range.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    rounds: u32,
     /// Fixed open-loop rate (requests per second).
     #[arg(long, default_value_t = 5000.0)]
     rate: f64,
@@ -344,6 +349,7 @@ fn options(o: &ScenarioOpts) -> Result<Options, String> {
         many_connections: o.many_connections,
         close_every: o.close_every,
         pin: !o.no_pin,
+        rounds: o.rounds as usize,
     })
 }
 
@@ -411,9 +417,10 @@ fn report_cmd(a: ReportArgs, exe: PathBuf) -> ExitCode {
     let nproc = std::thread::available_parallelism().map_or(1, |n| n.get());
     pin_generator(&opts);
     let command = format!(
-        "tailgate bench report --duration {} --warmup {} --rate {}",
+        "tailgate bench report --duration {} --warmup {} --rounds {} --rate {}",
         humantime::format_duration(opts.duration),
         humantime::format_duration(opts.warmup),
+        opts.rounds,
         opts.rate
     );
     let target = report::Target {

@@ -143,6 +143,8 @@ fn scenario_json_has_the_documented_shape() {
         "4",
         "--many-connections",
         "20",
+        "--rounds",
+        "2",
         "--no-pin",
         "--json",
     ]);
@@ -152,12 +154,18 @@ fn scenario_json_has_the_documented_shape() {
     assert!(stderr.contains("tailgate: not measured"), "{stderr}");
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let obj = v.as_object().unwrap();
-    assert_eq!(obj.len(), 3, "{v}");
+    assert_eq!(obj.len(), 4, "{v}");
     assert_eq!(v["scenario"], "overhead");
+    assert_eq!(v["rounds"], 2);
+    assert!(stderr.contains("round 2/2"), "{stderr}");
     let results = v["results"].as_array().unwrap();
     assert!(results.iter().any(|r| r["target"] == "direct"));
     for r in results {
-        assert_eq!(r.as_object().unwrap().len(), 5, "{r}");
+        assert_eq!(r.as_object().unwrap().len(), 6, "{r}");
+        let range = r["p99_range_ms"].as_array().unwrap();
+        let (lo, hi) = (range[0].as_f64().unwrap(), range[1].as_f64().unwrap());
+        let p99 = r["latency_ms"]["p99"].as_f64().unwrap();
+        assert!(range.len() == 2 && lo <= p99 && p99 <= hi, "{r}");
         assert!(
             ["tailgate", "direct", "nginx", "haproxy"].contains(&r["target"].as_str().unwrap())
         );

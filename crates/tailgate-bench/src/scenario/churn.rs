@@ -9,7 +9,7 @@ use std::fmt::Write;
 use std::path::Path;
 
 use super::{
-    Options, Outcome, ScenarioError, Target, check, measure, new_env, peers, start_proxies,
+    Options, Outcome, ScenarioError, Target, check, measure_rounds, new_env, peers, start_proxies,
 };
 use crate::output::text::fmt_ms;
 use crate::stats::ms_at;
@@ -55,15 +55,13 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
     let rate = opts.rate;
     let c = opts.connections;
     let variant = format!("open-{rate}rps-{c}c");
-    let mut measured = Vec::new();
-    for t in &targets {
-        measured.push(measure(t, &variant, c, Some(rate), opts)?);
-    }
+    let measured = measure_rounds(&targets, &variant, c, Some(rate), opts)?;
     let mut outcome = Outcome {
         scenario: "keepalive-churn".into(),
         measured,
         checks: Vec::new(),
         notes,
+        rounds: opts.rounds,
     };
     let closing_v = format!("{variant}{closing_suffix}");
     let steady_v = format!("{variant}{steady_suffix}");

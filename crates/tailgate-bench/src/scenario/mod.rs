@@ -2,6 +2,11 @@
 //! side by side with a direct connection and with nginx and HAProxy (when installed), and
 //! reports ratios — never absolute times alone, since the machines are shared and noisy.
 //!
+//! Every (target, variant) is measured `rounds` times, interleaved: each round runs the targets
+//! of a variant back to back, in an order rotated by one per round, with every process kept
+//! running between rounds. Rows report the median across rounds of each statistic (errors are
+//! summed), plus the p99 spread — one run on a noisy VM is not a measurement.
+//!
 //! Pinning (2 cores): proxies and upstreams run on core 0 (`taskset -c 0`), the generator on
 //! core 1 (this process pins itself before starting any thread).
 
@@ -41,18 +46,21 @@ pub struct Options {
     pub close_every: u64,
     /// Pin children to core 0 (the generator pins itself separately).
     pub pin: bool,
+    /// Interleaved measurements per (target, variant); rows report the medians.
+    pub rounds: usize,
 }
 
 impl Default for Options {
     fn default() -> Self {
         Options {
-            duration: Duration::from_secs(5),
+            duration: Duration::from_secs(3),
             warmup: Duration::from_secs(1),
             rate: 5000.0,
             connections: 50,
             many_connections: 500,
             close_every: 80,
             pin: true,
+            rounds: 3,
         }
     }
 }
@@ -85,6 +93,9 @@ pub struct Row {
     pub rps: f64,
     pub errors: u64,
     pub latency_ms: LatencySummary,
+    /// Lowest and highest p99 across the rounds (the row's `p99` is their median).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p99_range_ms: Option<[f64; 2]>,
 }
 
 /// One line of the `targets` array: a goal and whether this run met it.
@@ -104,6 +115,8 @@ pub struct Outcome {
     pub checks: Vec<Check>,
     /// Setup notes (a peer skipped, running unpinned).
     pub notes: Vec<String>,
+    /// Rounds each row is the median of.
+    pub rounds: usize,
 }
 
 /// Runs scenario `name`.
@@ -197,8 +210,80 @@ pub fn measure(
         rps: round2(report.rps()),
         errors: report.recorder.errors.total(),
         latency_ms: LatencySummary::of(&report.recorder.corrected),
+        p99_range_ms: None,
     };
     Ok(Measured { row, report })
+}
+
+/// Target order in round `round` (0-based) of `n` targets: rotated left by one per round.
+pub fn rotation(n: usize, round: usize) -> Vec<usize> {
+    (0..n).map(|i| (i + round) % n.max(1)).collect()
+}
+
+/// The median of `xs` (mean of the middle two for an even count); 0 when empty.
+pub fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => 0.0,
+        _ if n % 2 == 1 => v[n / 2],
+        _ => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// One row from the rounds of one (target, variant): the median of each statistic, errors
+/// summed, the p99 range; the report (for charts) of the round whose p99 is nearest the median.
+pub fn combine(rounds: Vec<Measured>) -> Option<Measured> {
+    let med = |f: fn(&Row) -> f64| median(&rounds.iter().map(|m| f(&m.row)).collect::<Vec<_>>());
+    let p99s: Vec<f64> = rounds.iter().map(|m| m.row.latency_ms.p99).collect();
+    let lo = p99s.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = p99s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let latency_ms = LatencySummary {
+        p50: med(|r| r.latency_ms.p50),
+        p90: med(|r| r.latency_ms.p90),
+        p99: med(|r| r.latency_ms.p99),
+        p99_9: med(|r| r.latency_ms.p99_9),
+        p99_99: med(|r| r.latency_ms.p99_99),
+        max: med(|r| r.latency_ms.max),
+    };
+    let rps = round2(med(|r| r.rps));
+    let errors = rounds.iter().map(|m| m.row.errors).sum();
+    let pick = rounds.into_iter().min_by(|a, b| {
+        let d = |m: &Measured| (m.row.latency_ms.p99 - latency_ms.p99).abs();
+        d(a).total_cmp(&d(b))
+    })?;
+    let row = Row {
+        rps,
+        errors,
+        latency_ms,
+        p99_range_ms: Some([lo, hi]),
+        ..pick.row
+    };
+    Some(Measured {
+        row,
+        report: pick.report,
+    })
+}
+
+/// Measures every target in `targets` for one variant, `opts.rounds` times, interleaved and
+/// rotated; returns one combined row per target, in `targets` order.
+pub fn measure_rounds(
+    targets: &[Target],
+    variant: &str,
+    connections: usize,
+    rate: Option<f64>,
+    opts: &Options,
+) -> Result<Vec<Measured>, ScenarioError> {
+    let rounds = opts.rounds.max(1);
+    let mut per_target: Vec<Vec<Measured>> = targets.iter().map(|_| Vec::new()).collect();
+    for round in 0..rounds {
+        eprintln!("  round {}/{rounds} of {variant}", round + 1);
+        for i in rotation(targets.len(), round) {
+            per_target[i].push(measure(&targets[i], variant, connections, rate, opts)?);
+        }
+    }
+    Ok(per_target.into_iter().filter_map(combine).collect())
 }
 
 fn round2(x: f64) -> f64 {
@@ -216,7 +301,12 @@ impl Outcome {
     /// The documented JSON document.
     pub fn json(&self) -> Value {
         let results: Vec<&Row> = self.measured.iter().map(|m| &m.row).collect();
-        json!({"scenario": self.scenario, "results": results, "targets": self.checks})
+        json!({
+            "scenario": self.scenario,
+            "rounds": self.rounds,
+            "results": results,
+            "targets": self.checks,
+        })
     }
 
     /// The human tables: results with ratios to `direct`, then the goals.
@@ -228,9 +318,14 @@ impl Outcome {
         }
         let _ = writeln!(
             out,
-            "| target | variant | rps | errors | p50 | p90 | p99 | p99.9 | p99.99 | max | rps ÷ direct | p99 ÷ direct |"
+            "{} interleaved round(s) per row: medians across rounds (errors summed); p99 range = lowest–highest p99 of the rounds.\n",
+            self.rounds
         );
-        let _ = writeln!(out, "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|");
+        let _ = writeln!(
+            out,
+            "| target | variant | rps | errors | p50 | p90 | p99 | p99 range | p99.9 | p99.99 | max | rps ÷ direct | p99 ÷ direct |"
+        );
+        let _ = writeln!(out, "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|");
         for m in &self.measured {
             let r = &m.row;
             let l = &r.latency_ms;
@@ -245,7 +340,7 @@ impl Outcome {
             };
             let _ = writeln!(
                 out,
-                "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {rr} | {pr} |",
+                "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {rr} | {pr} |",
                 r.target,
                 r.variant,
                 r.rps,
@@ -253,6 +348,11 @@ impl Outcome {
                 fmt_ms(l.p50),
                 fmt_ms(l.p90),
                 fmt_ms(l.p99),
+                r.p99_range_ms.map_or("–".into(), |[lo, hi]| format!(
+                    "{}–{}",
+                    fmt_ms(lo),
+                    fmt_ms(hi)
+                )),
                 fmt_ms(l.p99_9),
                 fmt_ms(l.p99_99),
                 fmt_ms(l.max)
@@ -350,5 +450,88 @@ pub fn check(name: String, num: Option<f64>, den: Option<f64>, goal: f64, at_mos
         value,
         goal,
         met,
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rotation_shifts_the_order_by_one_per_round() {
+        assert_eq!(rotation(4, 0), [0, 1, 2, 3]);
+        assert_eq!(rotation(4, 1), [1, 2, 3, 0]);
+        assert_eq!(rotation(4, 2), [2, 3, 0, 1]);
+        assert_eq!(rotation(4, 5), [1, 2, 3, 0]);
+        assert!(rotation(0, 3).is_empty());
+        // Over n rounds every target takes every position once.
+        for pos in 0..3 {
+            let mut seen: Vec<usize> = (0..3).map(|r| rotation(3, r)[pos]).collect();
+            seen.sort_unstable();
+            assert_eq!(seen, [0, 1, 2]);
+        }
+    }
+
+    #[test]
+    fn median_of_odd_even_and_empty() {
+        assert_eq!(median(&[24.0, 1.7, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&[7.0]), 7.0);
+        assert_eq!(median(&[]), 0.0);
+    }
+
+    fn measured(rps: f64, errors: u64, p99: f64) -> Measured {
+        let report = Report {
+            recorder: crate::stats::Recorder::new(0),
+            measured: Duration::from_secs(1),
+            sent: 0,
+            connections: 1,
+            threads: 1,
+            rate: None,
+            tls_error: None,
+        };
+        Measured {
+            row: Row {
+                target: "direct".into(),
+                variant: "closed-50c".into(),
+                rps,
+                errors,
+                latency_ms: LatencySummary {
+                    p50: p99 / 10.0,
+                    p90: p99 / 2.0,
+                    p99,
+                    p99_9: p99 * 2.0,
+                    p99_99: p99 * 3.0,
+                    max: p99 * 4.0,
+                },
+                p99_range_ms: None,
+            },
+            report,
+        }
+    }
+
+    #[test]
+    fn combine_takes_medians_sums_errors_and_keeps_the_p99_range() {
+        let rounds = vec![
+            measured(1000.0, 1, 1.7),
+            measured(900.0, 0, 24.0),
+            measured(1100.0, 2, 2.0),
+        ];
+        let m = combine(rounds).unwrap();
+        let r = &m.row;
+        assert_eq!(
+            (r.target.as_str(), r.variant.as_str()),
+            ("direct", "closed-50c")
+        );
+        assert_eq!(r.rps, 1000.0);
+        assert_eq!(r.errors, 3);
+        assert_eq!(r.latency_ms.p99, 2.0);
+        assert_eq!(r.latency_ms.p99_9, 4.0);
+        assert_eq!(r.latency_ms.max, 8.0);
+        assert_eq!(r.p99_range_ms, Some([1.7, 24.0]));
+        assert!(combine(Vec::new()).is_none());
+        let v = serde_json::to_value(r).unwrap();
+        assert_eq!(v["p99_range_ms"], json!([1.7, 24.0]));
     }
 }

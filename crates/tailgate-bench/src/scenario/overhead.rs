@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use super::{
-    Options, Outcome, ScenarioError, Target, check, measure, new_env, peers, start_proxies,
+    Options, Outcome, ScenarioError, Target, check, measure_rounds, new_env, peers, start_proxies,
 };
 
 pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError> {
@@ -36,17 +36,17 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
         (&open_many, many, Some(rate)),
     ];
     let mut measured = Vec::new();
-    // Variant by variant, all targets back to back, so drift on the machine hits all alike.
+    // Variant by variant, all targets back to back and interleaved over the rounds, so drift
+    // on the machine hits all alike.
     for (variant, conns, rate) in runs {
-        for t in &targets {
-            measured.push(measure(t, variant, conns, rate, opts)?);
-        }
+        measured.extend(measure_rounds(&targets, variant, conns, rate, opts)?);
     }
     let mut outcome = Outcome {
         scenario: "overhead".into(),
         measured,
         checks: Vec::new(),
         notes,
+        rounds: opts.rounds,
     };
     let get = |o: &Outcome, t: &str, v: &str| o.row(t, v).cloned();
     let (tc, nc) = (

@@ -1,4 +1,4 @@
-//! `tailgate bench report`: runs every scenario once and regenerates the benchmark section of
+//! `tailgate bench report`: runs every scenario (each measurement `rounds` times) and regenerates the benchmark section of
 //! the docs: `docs/bench/results.md`, the SVG charts next to it, and the text between
 //! `<!-- bench:begin -->` and `<!-- bench:end -->` in `README.md` when both markers exist.
 
@@ -60,11 +60,15 @@ pub fn generate(opts: &Options, tailgate_exe: &Path, t: &Target<'_>) -> Result<(
     let _ = writeln!(
         md,
         "Proxies and upstreams run on core 0, the load generator on core 1; each proxy gets one worker \
-(nginx `worker_processes 1`, HAProxy `nbthread 1`, tailgate `workers = 1`). Each run: {} s measured after {} s warm-up. \
+(nginx `worker_processes 1`, HAProxy `nbthread 1`, tailgate `workers = 1`). Each run: {} s measured after {} s warm-up; \
+every (target, variant) is run {} times, interleaved with the other targets (order rotated each round, processes kept running), \
+and each row shows the medians across those rounds (errors summed) with the lowest–highest p99 as `p99 range`. \
+Charts and the by-index table show, per row, the round whose p99 is nearest the median. \
 Latencies are corrected for coordinated omission (measured from each request's intended start). \
 The machine is shared and noisy: read the ratios, not the absolute numbers.\n",
         opts.duration.as_secs_f64(),
-        opts.warmup.as_secs_f64()
+        opts.warmup.as_secs_f64(),
+        opts.rounds
     );
     let mut summary = String::new();
     let _ = writeln!(
