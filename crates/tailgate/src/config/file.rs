@@ -87,6 +87,7 @@ pub struct RawCluster {
     pub balance: Option<Spanned<String>>,
     pub eject_after_failures: Option<u32>,
     pub eject_duration: Option<Spanned<String>>,
+    pub retry_budget_percent: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -93,6 +93,8 @@ pub struct Cluster {
     pub eject_after_failures: u32,
     /// First ejection period; it doubles with each ejection in a row, up to 30 s.
     pub eject_duration: Duration,
+    /// Retries may be at most this percentage of requests.
+    pub retry_budget_percent: u32,
 }
 
 #[derive(Debug, Clone)]

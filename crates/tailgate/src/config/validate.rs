@@ -426,6 +426,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 },
             },
             eject_after_failures: cl.eject_after_failures.unwrap_or(5),
+            retry_budget_percent: cl.retry_budget_percent.unwrap_or(10),
             eject_duration: c.duration(&cl.eject_duration, format!("cluster[{i}].eject_duration"), Duration::from_secs(1)),
         });
     }

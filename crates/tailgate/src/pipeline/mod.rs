@@ -231,6 +231,7 @@ async fn forward(
     };
     parts.version = http::Version::HTTP_11;
     let cluster = &worker.upstreams.clusters[route.cluster];
+    cluster.count_request();
     let (first, mut pool) = cluster.pick(None)?;
     let t_connect = Instant::now();
     let mut in_flight = pool.load.start();
@@ -238,7 +239,7 @@ async fn forward(
         Ok(up) => up,
         // Nothing was sent: trying another endpoint is always safe.
         Err(e @ (ProxyError::UpstreamConnect(_) | ProxyError::ConnectTimeout))
-            if cluster.endpoints.len() > 1 =>
+            if cluster.endpoints.len() > 1 && cluster.try_spend_retry() =>
         {
             in_flight.failed();
             tracing::debug!(upstream.addr = %pool.addr, error = %e, "connect failed; trying another endpoint");
@@ -308,7 +309,9 @@ async fn forward(
             None => match replay {
                 // Written, then the connection failed before a response: replay it once on
                 // a fresh connection (idempotent and bodiless only; never a POST).
-                Some((method, uri, headers)) if !is_body_error(e.error()) => {
+                Some((method, uri, headers))
+                    if !is_body_error(e.error()) && cluster.try_spend_retry() =>
+                {
                     tracing::debug!(upstream.addr = %pool.addr, error = %e.error(), "pooled connection failed under a request; retrying it on a new one");
                     pool.stats
                         .retries
