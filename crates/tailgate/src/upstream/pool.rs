@@ -179,16 +179,16 @@ impl EndpointPool {
         list.push_back(idle);
     }
 
-    fn pop(&self) -> Option<Idle> {
-        self.idle
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pop_back()
+    /// The most recently used idle connection, and how many stay idle after it.
+    fn pop(&self) -> Option<(Idle, usize)> {
+        let mut list = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let idle = list.pop_back()?;
+        Some((idle, list.len()))
     }
 
     /// A ready connection: the most recently used idle one that is still open, else a new one.
     pub async fn checkout(self: &Arc<Self>) -> Result<Conn, ProxyError> {
-        while let Some(mut idle) = self.pop() {
+        while let Some((mut idle, left)) = self.pop() {
             if idle.since.elapsed() >= self.idle_timeout {
                 self.stats.retired_idle.fetch_add(1, Ordering::Relaxed);
                 continue;
@@ -207,7 +207,8 @@ impl EndpointPool {
                 );
             if ready {
                 self.stats.reuses.fetch_add(1, Ordering::Relaxed);
-                if self.min_warm > 0 {
+                // Wake the keeper only when the spares run low, not on every request.
+                if left < self.min_warm {
                     self.refill.notify_one();
                 }
                 return Ok(Conn {
