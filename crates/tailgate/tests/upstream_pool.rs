@@ -105,6 +105,26 @@ async fn raw_upstream(decide: fn(usize, &str) -> Act) -> RawUpstream {
     RawUpstream { addr, conns, lines }
 }
 
+/// Sends `GET path` on `c` and reads the whole answer; returns the status.
+async fn get_on(
+    c: &mut hyper::client::conn::http1::SendRequest<TestBody>,
+    path: &str,
+) -> http::StatusCode {
+    use http_body_util::BodyExt;
+    let r = c
+        .send_request(
+            http::Request::get(path)
+                .header("host", "a")
+                .body(full(""))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let status = r.status();
+    r.into_body().collect().await.unwrap();
+    status
+}
+
 async fn wait_for(what: &str, f: impl Fn() -> bool) {
     for _ in 0..500 {
         if f() {
@@ -135,18 +155,7 @@ async fn closing_every_80_never_makes_a_request_wait_for_a_connect() {
     .await;
     let mut c = h1_client(gw.addr).await;
     for i in 0..800 {
-        let resp = c
-            .send_request(
-                http::Request::get(format!("/r{i}"))
-                    .header("host", "a")
-                    .body(full(""))
-                    .unwrap(),
-            )
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200, "request {i}");
-        use http_body_util::BodyExt;
-        resp.into_body().collect().await.unwrap();
+        assert_eq!(get_on(&mut c, &format!("/r{i}")).await, 200, "request {i}");
     }
     assert_eq!(
         g.pool_stat(|s| s.connects_on_request.load(Ordering::Relaxed)),
@@ -187,18 +196,7 @@ async fn connections_are_rotated_after_max_requests() {
     let gw = gateway(up.addr, "max_requests_per_connection = 5");
     let mut c = h1_client(gw.addr).await;
     for _ in 0..20 {
-        let resp = c
-            .send_request(
-                http::Request::get("/")
-                    .header("host", "a")
-                    .body(full(""))
-                    .unwrap(),
-            )
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200);
-        use http_body_util::BodyExt;
-        resp.into_body().collect().await.unwrap();
+        assert_eq!(get_on(&mut c, "/").await, 200);
     }
     assert_eq!(
         up.conns.load(Ordering::SeqCst),
@@ -309,19 +307,8 @@ async fn down_endpoint_is_ejected_and_comes_back() {
     ));
     let g = gw.gw.as_ref().unwrap();
     let mut c = h1_client(gw.addr).await;
-    use http_body_util::BodyExt;
     for i in 0..40 {
-        let r = c
-            .send_request(
-                http::Request::get("/")
-                    .header("host", "a")
-                    .body(full(""))
-                    .unwrap(),
-            )
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200, "request {i}");
-        r.into_body().collect().await.unwrap();
+        assert_eq!(get_on(&mut c, "/").await, 200, "request {i}");
     }
     let dead_pool = g
         .endpoint_pools()
@@ -362,17 +349,7 @@ async fn down_endpoint_is_ejected_and_comes_back() {
         }
     });
     for _ in 0..300 {
-        let r = c
-            .send_request(
-                http::Request::get("/")
-                    .header("host", "a")
-                    .body(full(""))
-                    .unwrap(),
-            )
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        r.into_body().collect().await.unwrap();
+        assert_eq!(get_on(&mut c, "/").await, 200);
         if revived_hits.load(Ordering::SeqCst) > 0 {
             return;
         }
@@ -399,7 +376,6 @@ async fn delayed_counting_upstream(delay: Duration) -> (std::net::SocketAddr, Ar
 /// round-robin alternates.
 #[tokio::test]
 async fn p2c_prefers_the_faster_endpoint_round_robin_alternates() {
-    use http_body_util::BodyExt;
     for (balance, check) in [("p2c", 0), ("round_robin", 1)] {
         let (fast, fast_hits) = delayed_counting_upstream(Duration::ZERO).await;
         let (slow, slow_hits) = delayed_counting_upstream(Duration::from_millis(30)).await;
@@ -408,16 +384,7 @@ async fn p2c_prefers_the_faster_endpoint_round_robin_alternates() {
         ));
         let mut c = h1_client(gw.addr).await;
         for _ in 0..40 {
-            let r = c
-                .send_request(
-                    http::Request::get("/")
-                        .header("host", "a")
-                        .body(full(""))
-                        .unwrap(),
-                )
-                .await
-                .unwrap();
-            r.into_body().collect().await.unwrap();
+            get_on(&mut c, "/").await;
         }
         let (f, s) = (
             fast_hits.load(Ordering::SeqCst),
