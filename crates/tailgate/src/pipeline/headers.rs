@@ -104,15 +104,16 @@ pub fn add_forwarded(
 
 /// Does this request ask for a protocol upgrade (WebSocket)?
 pub fn wants_upgrade(headers: &HeaderMap) -> bool {
-    headers.contains_key(header::UPGRADE)
-        && headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .any(|v| {
-                v.split(',')
-                    .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
-            })
+    headers.contains_key(header::UPGRADE) && connection_has(headers, "upgrade")
+}
+
+/// Does a `Connection` header list `token` (case-insensitive)?
+pub fn connection_has(headers: &HeaderMap, token: &str) -> bool {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
 }
 
 /// Request ids: a random per-process prefix and a counter, 24 hex digits; unique without

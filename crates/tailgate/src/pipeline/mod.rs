@@ -243,9 +243,7 @@ async fn forward(
         {
             in_flight.failed();
             tracing::debug!(upstream.addr = %pool.addr, error = %e, "connect failed; trying another endpoint");
-            pool.stats
-                .retries
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            pool.count_retry();
             (_, pool) = cluster.pick(Some(first))?;
             in_flight = pool.load.start();
             match pool.checkout().await {
@@ -297,36 +295,26 @@ async fn forward(
             // fresh connection is always safe, whatever the method.
             Some(req) if up.reused => {
                 tracing::debug!(upstream.addr = %pool.addr, "pooled connection closed before the request was sent; resending on a new one");
-                up = pool.connect().await?;
                 let left = remaining(route.response_timeout, total_deadline)
                     .saturating_sub(t_send.elapsed());
-                match tokio::time::timeout(left, up.sender.send_request(req)).await {
-                    Err(_) => return Err(ProxyError::UpstreamTimeout),
-                    Ok(r) => r,
-                }
+                send_on_new(pool, &mut up, req, left).await?
             }
             Some(_) => Err(e.into_error()),
             None => match replay {
                 // Written, then the connection failed before a response: replay it once on
                 // a fresh connection (idempotent and bodiless only; never a POST).
                 Some((method, uri, headers))
-                    if !is_body_error(e.error()) && cluster.try_spend_retry() =>
+                    if req_body_error(e.error()).is_none() && cluster.try_spend_retry() =>
                 {
                     tracing::debug!(upstream.addr = %pool.addr, error = %e.error(), "pooled connection failed under a request; retrying it on a new one");
-                    pool.stats
-                        .retries
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    up = pool.connect().await?;
+                    pool.count_retry();
                     let mut req = Request::new(ReqBody::empty());
                     *req.method_mut() = method;
                     *req.uri_mut() = uri;
                     *req.headers_mut() = headers;
                     let left = remaining(route.response_timeout, total_deadline)
                         .saturating_sub(t_send.elapsed());
-                    match tokio::time::timeout(left, up.sender.send_request(req)).await {
-                        Err(_) => return Err(ProxyError::UpstreamTimeout),
-                        Ok(r) => r,
-                    }
+                    send_on_new(pool, &mut up, req, left).await?
                 }
                 _ => Err(e.into_error()),
             },
@@ -345,10 +333,7 @@ async fn forward(
         }
     };
     // The server will close this connection after the response: do not pool it.
-    up.closing = resp.headers().get_all(header::CONNECTION).iter().any(|v| {
-        v.to_str()
-            .is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("close")))
-    });
+    up.closing = headers::connection_has(resp.headers(), "close");
     if let Some(ex) = rec.exchange_mut() {
         ex.timings.upstream_ttfb = t_send.elapsed();
         ex.status = resp.status().as_u16();
@@ -416,15 +401,29 @@ fn is_idempotent(m: &http::Method) -> bool {
     )
 }
 
-fn is_body_error(e: &hyper::Error) -> bool {
+/// Sends `req` on a new connection to `pool`, which replaces `up`, within `left`.
+async fn send_on_new(
+    pool: &Arc<crate::upstream::EndpointPool>,
+    up: &mut crate::upstream::Conn,
+    req: Request<ReqBody>,
+    left: Duration,
+) -> Result<Result<Response<Incoming>, hyper::Error>, ProxyError> {
+    *up = pool.connect().await?;
+    tokio::time::timeout(left, up.sender.send_request(req))
+        .await
+        .map_err(|_| ProxyError::UpstreamTimeout)
+}
+
+/// The client-body error behind a send error, if that is what failed.
+fn req_body_error(e: &hyper::Error) -> Option<&ReqBodyError> {
     let mut source = e.source();
     while let Some(s) = source {
-        if s.is::<ReqBodyError>() {
-            return true;
+        if let Some(b) = s.downcast_ref::<ReqBodyError>() {
+            return Some(b);
         }
         source = s.source();
     }
-    false
+    None
 }
 
 /// The response timeout, cut short by the total deadline when that comes first.
@@ -438,15 +437,9 @@ fn remaining(timeout: Duration, total_deadline: Option<Instant>) -> Duration {
 /// An error from sending upstream: a body too large or a client that went away is the
 /// client's doing; anything else is the upstream's.
 fn classify_send_error(e: hyper::Error) -> ProxyError {
-    let mut source = e.source();
-    while let Some(s) = source {
-        if let Some(b) = s.downcast_ref::<ReqBodyError>() {
-            return match b {
-                ReqBodyError::TooLarge(limit) => ProxyError::BodyTooLarge(*limit),
-                ReqBodyError::Client(_) => ProxyError::BadRequest("the client's body ended early"),
-            };
-        }
-        source = s.source();
+    match req_body_error(&e) {
+        Some(ReqBodyError::TooLarge(limit)) => ProxyError::BodyTooLarge(*limit),
+        Some(ReqBodyError::Client(_)) => ProxyError::BadRequest("the client's body ended early"),
+        None => ProxyError::UpstreamReset(e),
     }
-    ProxyError::UpstreamReset(e)
 }

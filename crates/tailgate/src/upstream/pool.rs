@@ -228,6 +228,11 @@ impl EndpointPool {
         self.connect().await
     }
 
+    /// Counts a request sent again after a failure.
+    pub fn count_retry(&self) {
+        self.stats.retries.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// A new connection, bypassing the idle list.
     pub async fn connect(self: &Arc<Self>) -> Result<Conn, ProxyError> {
         let sender = self.open().await?;
