@@ -80,8 +80,6 @@ pub struct H1Guard<T> {
     max_head: usize,
     header_timeout: Duration,
     deadline: Option<Pin<Box<Sleep>>>,
-    send_timeout: Duration,
-    write_deadline: Option<Pin<Box<Sleep>>>,
     refused: Option<Refusal>,
 }
 
@@ -97,16 +95,8 @@ impl<T> H1Guard<T> {
             max_head,
             header_timeout,
             deadline: None,
-            send_timeout: Duration::from_secs(60),
-            write_deadline: None,
             refused: None,
         }
-    }
-
-    /// How long a write may wait for the client to take bytes (default 60 s).
-    pub fn with_send_timeout(mut self, t: Duration) -> Self {
-        self.send_timeout = t;
-        self
     }
 
     /// Stop inspecting (the connection speaks HTTP/2).
@@ -126,6 +116,7 @@ impl<T> H1Guard<T> {
     }
 
     fn refuse(&mut self, why: Refusal) {
+        tracing::debug!(reason = ?why, "request head refused; answering 400 and closing");
         self.refused = Some(why);
         self.state = State::Refused { fed: 0 };
         self.deadline = None;
@@ -479,59 +470,21 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
     }
 }
 
-impl<T> H1Guard<T> {
-    /// Stalled writes: the client has taken no bytes for `send_timeout` while we have some
-    /// to send (it stopped reading). The connection is then failed, as nginx's
-    /// `send_timeout` does, so a reader that never reads cannot hold it forever.
-    fn write_stalled(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
-        let timeout = self.send_timeout;
-        let d = self
-            .write_deadline
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
-        match d.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "client took no bytes in time",
-            )),
-            Poll::Pending => Poll::Pending,
-        }
-    }
-
-    fn on_write<R>(&mut self, cx: &mut Context<'_>, r: Poll<io::Result<R>>) -> Poll<io::Result<R>> {
-        match r {
-            Poll::Pending => match self.write_stalled(cx) {
-                Poll::Ready(e) => Poll::Ready(Err(e)),
-                Poll::Pending => Poll::Pending,
-            },
-            ready => {
-                self.write_deadline = None;
-                ready
-            }
-        }
-    }
-}
-
 impl<T: AsyncWrite + Unpin> AsyncWrite for H1Guard<T> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let this = &mut *self;
-        let r = Pin::new(&mut this.inner).poll_write(cx, buf);
-        this.on_write(cx, r)
+        Pin::new(&mut self.inner).poll_write(cx, buf)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let this = &mut *self;
-        let r = Pin::new(&mut this.inner).poll_flush(cx);
-        this.on_write(cx, r)
+        Pin::new(&mut self.inner).poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let this = &mut *self;
-        let r = Pin::new(&mut this.inner).poll_shutdown(cx);
-        this.on_write(cx, r)
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 
     fn poll_write_vectored(
@@ -539,9 +492,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for H1Guard<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        let this = &mut *self;
-        let r = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
-        this.on_write(cx, r)
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {

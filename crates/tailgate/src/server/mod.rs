@@ -3,6 +3,7 @@
 //! with the pipeline as its service, the idle timeout, and graceful shutdown.
 
 pub mod h1_guard;
+pub mod send_timeout;
 pub mod spawner;
 
 use std::future::Future;
@@ -19,6 +20,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use self::h1_guard::H1Guard;
+use self::send_timeout::SendTimeout;
 use crate::listener::BoundListener;
 use crate::observe::ConnActivity;
 use crate::pipeline::{ConnInfo, Worker, handle};
@@ -50,6 +52,8 @@ pub async fn serve_connection(ctx: ConnCtx, stream: TcpStream, peer: SocketAddr)
     let _ = stream.set_nodelay(true);
     let settings = &ctx.worker.shared.settings;
     let handshake_timeout = settings.header_read_timeout;
+    // Under TLS and both HTTP versions: a client that stops reading is cut off.
+    let stream = SendTimeout::new(stream, settings.idle_timeout);
     match &ctx.listener.tls {
         None => serve_plain(ctx, stream, peer, None).await,
         Some(acceptor) => {
@@ -81,12 +85,7 @@ pub async fn serve_connection(ctx: ConnCtx, stream: TcpStream, peer: SocketAddr)
             });
             if h2 {
                 let info = conn_info(&ctx, peer, true, sni_tenant);
-                // Through the guard in pass-through mode, for its send timeout.
-                let mut io =
-                    H1Guard::new(tls, settings.max_header_bytes, settings.header_read_timeout)
-                        .with_send_timeout(settings.idle_timeout);
-                io.passthrough();
-                serve_h2(ctx, io, info).await;
+                serve_h2(ctx, tls, info).await;
             } else {
                 serve_plain(ctx, tls, peer, sni_tenant).await;
             }
@@ -116,8 +115,7 @@ where
 {
     let settings = &ctx.worker.shared.settings;
     let tls = ctx.listener.tls.is_some();
-    let mut guard = H1Guard::new(io, settings.max_header_bytes, settings.header_read_timeout)
-        .with_send_timeout(settings.idle_timeout);
+    let mut guard = H1Guard::new(io, settings.max_header_bytes, settings.header_read_timeout);
     let info = conn_info(&ctx, peer, tls, sni_tenant);
     // A client that connects and says nothing is closed after the idle timeout, or at
     // shutdown.
@@ -162,8 +160,7 @@ where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let settings = &ctx.worker.shared.settings;
-    let worker = ctx.worker.clone();
-    let svc_info = info.clone();
+    let (worker, svc_info) = (ctx.worker.clone(), info.clone());
     let service = service_fn(move |req| handle(worker.clone(), svc_info.clone(), req));
     let conn = http1::Builder::new()
         .timer(TokioTimer::new())
@@ -183,8 +180,7 @@ where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let settings = &ctx.worker.shared.settings;
-    let worker = ctx.worker.clone();
-    let svc_info = info.clone();
+    let (worker, svc_info) = (ctx.worker.clone(), info.clone());
     let service = service_fn(move |req| handle(worker.clone(), svc_info.clone(), req));
     let conn = http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
