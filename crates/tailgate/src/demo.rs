@@ -19,7 +19,7 @@ type DemoBody = Either<Full<Bytes>, Incoming>;
 async fn answer(req: Request<Incoming>) -> Result<Response<DemoBody>, Infallible> {
     let has_body = req.headers().contains_key(header::CONTENT_LENGTH)
         || req.headers().contains_key(header::TRANSFER_ENCODING);
-    if has_body && !req.body().is_end_stream_hint() {
+    if has_body && !http_body::Body::is_end_stream(req.body()) {
         let ct = req.headers().get(header::CONTENT_TYPE).cloned();
         let mut resp = Response::new(Either::Right(req.into_body()));
         if let Some(ct) = ct {
@@ -52,16 +52,6 @@ async fn answer(req: Request<Incoming>) -> Result<Response<DemoBody>, Infallible
         http::HeaderValue::from_static("application/json"),
     );
     Ok(resp)
-}
-
-trait EndHint {
-    fn is_end_stream_hint(&self) -> bool;
-}
-
-impl EndHint for Incoming {
-    fn is_end_stream_hint(&self) -> bool {
-        http_body::Body::is_end_stream(self)
-    }
 }
 
 /// Serves the demo on `socket` until `shutdown` turns true.

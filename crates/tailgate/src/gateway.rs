@@ -44,7 +44,6 @@ pub struct Gateway {
     shutdown: watch::Sender<bool>,
     threads: Vec<JoinHandle<()>>,
     listeners: Vec<(String, SocketAddr)>,
-    demos: Vec<SocketAddr>,
     workers: Vec<Arc<Worker>>,
 }
 
@@ -55,16 +54,13 @@ impl Gateway {
         let (shutdown, shutdown_rx) = watch::channel(false);
         let mut threads = Vec::new();
 
-        let mut demos = Vec::new();
         for &addr in &config.demos {
             let socket = std::net::TcpListener::bind(addr).map_err(|source| StartError::Bind {
                 name: "demo".into(),
                 addr,
                 source,
             })?;
-            let bound = socket.local_addr().unwrap_or(addr);
             let _ = socket.set_nonblocking(true);
-            demos.push(bound);
             let rx = shutdown_rx.clone();
             threads.push(
                 std::thread::Builder::new()
@@ -155,7 +151,6 @@ impl Gateway {
             shutdown,
             threads,
             listeners,
-            demos,
             workers,
         })
     }
@@ -171,11 +166,6 @@ impl Gateway {
     /// Bound addresses of all listeners, in config order.
     pub fn listener_addrs(&self) -> Vec<SocketAddr> {
         self.listeners.iter().map(|&(_, a)| a).collect()
-    }
-
-    /// Bound addresses of the demo upstreams, in config order.
-    pub fn demo_addrs(&self) -> &[SocketAddr] {
-        &self.demos
     }
 
     /// Sums one upstream pool statistic over every endpoint of every worker.
