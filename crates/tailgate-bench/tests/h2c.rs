@@ -12,44 +12,37 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+mod common;
+
+use common::serve_on_thread;
 use tailgate_bench::load::target::Url;
 use tailgate_bench::load::{self, Spec, Stop};
 
 fn h2_only_server() -> (std::net::SocketAddr, Arc<AtomicU64>) {
     let hits = Arc::new(AtomicU64::new(0));
-    let (tx, rx) = std::sync::mpsc::channel();
     let counter = hits.clone();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            tx.send(l.local_addr().unwrap()).unwrap();
-            loop {
-                let (s, _) = l.accept().await.unwrap();
-                let counter = counter.clone();
-                tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(
-                        move |req: http::Request<hyper::body::Incoming>| {
-                            assert_eq!(req.version(), http::Version::HTTP_2);
-                            counter.fetch_add(1, Ordering::SeqCst);
-                            async {
-                                Ok::<_, Infallible>(http::Response::new(Full::new(
-                                    Bytes::from_static(b"hello h2"),
-                                )))
-                            }
-                        },
-                    );
-                    let _ = http2::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(s), svc)
-                        .await;
-                });
-            }
-        });
+    let addr = serve_on_thread(move |l| async move {
+        loop {
+            let (s, _) = l.accept().await.unwrap();
+            let counter = counter.clone();
+            tokio::spawn(async move {
+                let svc =
+                    hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                        assert_eq!(req.version(), http::Version::HTTP_2);
+                        counter.fetch_add(1, Ordering::SeqCst);
+                        async {
+                            Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from_static(
+                                b"hello h2",
+                            ))))
+                        }
+                    });
+                let _ = http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
     });
-    (rx.recv().unwrap(), hits)
+    (addr, hits)
 }
 
 fn h2_spec(url: &str, stop: Stop, rate: Option<f64>) -> Spec {
@@ -87,24 +80,14 @@ fn h1_client_fails_cleanly_against_an_http2_only_server() {
 
 #[test]
 fn builtin_upstream_speaks_h1_and_h2c() {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            tx.send(l.local_addr().unwrap()).unwrap();
-            let opts = tailgate_bench::upstream::Options {
-                body_bytes: 110,
-                close_every: Some(5),
-                delay: Duration::ZERO,
-            };
-            tailgate_bench::upstream::serve(l, opts).await.unwrap();
-        });
+    let addr = serve_on_thread(move |l| async move {
+        let opts = tailgate_bench::upstream::Options {
+            body_bytes: 110,
+            close_every: Some(5),
+            delay: Duration::ZERO,
+        };
+        tailgate_bench::upstream::serve(l, opts).await.unwrap();
     });
-    let addr = rx.recv().unwrap();
     let url = format!("http://{addr}/");
     let r = load::run(h2_spec(&url, Stop::Count(100), None)).unwrap();
     assert_eq!(r.recorder.ok, 100, "{:?}", r.recorder.errors);

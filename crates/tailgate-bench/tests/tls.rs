@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{bench, run_limited};
+use common::{bench, run_limited, serve_on_thread};
 use http_body_util::Full;
 use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -42,52 +42,42 @@ fn tls_server() -> (SocketAddr, Arc<Seen>) {
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
     let seen = Arc::new(Seen::default());
-    let (tx, rx) = std::sync::mpsc::channel();
     let counters = seen.clone();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            tx.send(l.local_addr().unwrap()).unwrap();
-            loop {
-                let (tcp, _) = l.accept().await.unwrap();
-                let (acceptor, seen) = (acceptor.clone(), counters.clone());
-                tokio::spawn(async move {
-                    let Ok(tls) = acceptor.accept(tcp).await else {
-                        seen.failed_handshakes.fetch_add(1, Ordering::SeqCst);
-                        return;
-                    };
-                    let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-                    let svc = hyper::service::service_fn(
-                        move |req: http::Request<hyper::body::Incoming>| {
-                            let c = match req.version() {
-                                http::Version::HTTP_2 => &seen.h2,
-                                _ => &seen.h1,
-                            };
-                            c.fetch_add(1, Ordering::SeqCst);
-                            async {
-                                Ok::<_, Infallible>(http::Response::new(Full::new(
-                                    Bytes::from_static(b"hello tls"),
-                                )))
-                            }
-                        },
-                    );
-                    let io = TokioIo::new(tls);
-                    if h2 {
-                        let _ = http2::Builder::new(TokioExecutor::new())
-                            .serve_connection(io, svc)
-                            .await;
-                    } else {
-                        let _ = http1::Builder::new().serve_connection(io, svc).await;
-                    }
-                });
-            }
-        });
+    let addr = serve_on_thread(move |l| async move {
+        loop {
+            let (tcp, _) = l.accept().await.unwrap();
+            let (acceptor, seen) = (acceptor.clone(), counters.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    seen.failed_handshakes.fetch_add(1, Ordering::SeqCst);
+                    return;
+                };
+                let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+                let svc =
+                    hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                        let c = match req.version() {
+                            http::Version::HTTP_2 => &seen.h2,
+                            _ => &seen.h1,
+                        };
+                        c.fetch_add(1, Ordering::SeqCst);
+                        async {
+                            Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from_static(
+                                b"hello tls",
+                            ))))
+                        }
+                    });
+                let io = TokioIo::new(tls);
+                if h2 {
+                    let _ = http2::Builder::new(TokioExecutor::new())
+                        .serve_connection(io, svc)
+                        .await;
+                } else {
+                    let _ = http1::Builder::new().serve_connection(io, svc).await;
+                }
+            });
+        }
     });
-    (rx.recv().unwrap(), seen)
+    (addr, seen)
 }
 
 fn run_json(url: &str, extra: &[&str]) -> Value {

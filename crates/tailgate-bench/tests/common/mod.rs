@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
 
 /// How the test upstream misbehaves.
 #[derive(Clone, Default)]
@@ -43,62 +42,52 @@ impl TestUpstream {
 /// Starts a minimal HTTP/1.1 server (GET only, no bodies) that counts requests.
 pub fn start(b: Behaviour) -> TestUpstream {
     let requests = Arc::new(AtomicU64::new(0));
-    let (tx, rx) = std::sync::mpsc::channel();
     let counter = requests.clone();
     let hits_a = Arc::new(AtomicU64::new(0));
     let a_counter = hits_a.clone();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-            tx.send(l.local_addr().unwrap()).unwrap();
-            loop {
-                let (mut s, _) = l.accept().await.unwrap();
-                let (b, counter, a_counter) = (b.clone(), counter.clone(), a_counter.clone());
-                tokio::spawn(async move {
-                    let mut buf = Vec::new();
-                    let mut on_conn = 0u64;
-                    let mut chunk = [0u8; 4096];
-                    loop {
-                        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
-                            match s.read(&mut chunk).await {
-                                Ok(0) | Err(_) => return,
-                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                            }
-                            continue;
-                        };
-                        if buf.starts_with(b"GET /a ") {
-                            a_counter.fetch_add(1, Ordering::SeqCst);
+    let addr = serve_on_thread(move |l| async move {
+        loop {
+            let (mut s, _) = l.accept().await.unwrap();
+            let (b, counter, a_counter) = (b.clone(), counter.clone(), a_counter.clone());
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut on_conn = 0u64;
+                let mut chunk = [0u8; 4096];
+                loop {
+                    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
                         }
-                        buf.drain(..end + 4);
-                        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
-                        on_conn += 1;
-                        if b.silent {
-                            continue;
-                        }
-                        if let Some((at, d)) = b.stall
-                            && at == n
-                        {
-                            tokio::time::sleep(d).await;
-                        }
-                        let close = b.close_every.is_some_and(|e| on_conn.is_multiple_of(e));
-                        let resp: &[u8] = if close {
-                            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
-                        } else {
-                            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
-                        };
-                        if s.write_all(resp).await.is_err() || close {
-                            return;
-                        }
+                        continue;
+                    };
+                    if buf.starts_with(b"GET /a ") {
+                        a_counter.fetch_add(1, Ordering::SeqCst);
                     }
-                });
-            }
-        });
+                    buf.drain(..end + 4);
+                    let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+                    on_conn += 1;
+                    if b.silent {
+                        continue;
+                    }
+                    if let Some((at, d)) = b.stall
+                        && at == n
+                    {
+                        tokio::time::sleep(d).await;
+                    }
+                    let close = b.close_every.is_some_and(|e| on_conn.is_multiple_of(e));
+                    let resp: &[u8] = if close {
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+                    } else {
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+                    };
+                    if s.write_all(resp).await.is_err() || close {
+                        return;
+                    }
+                }
+            });
+        }
     });
-    let addr = rx.recv().unwrap();
     TestUpstream {
         addr,
         requests,
@@ -133,4 +122,26 @@ pub fn run_limited(mut cmd: Command, limit: Duration) -> Output {
         std::thread::sleep(Duration::from_millis(20));
     }
     child.wait_with_output().unwrap()
+}
+
+/// Runs a test server on its own thread with a current-thread runtime: `serve` gets a
+/// listener bound to a free loopback port, whose address is returned.
+pub fn serve_on_thread<F, Fut>(serve: F) -> std::net::SocketAddr
+where
+    F: FnOnce(tokio::net::TcpListener) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(l.local_addr().unwrap()).unwrap();
+            serve(l).await;
+        });
+    });
+    rx.recv().unwrap()
 }
