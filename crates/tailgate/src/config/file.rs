@@ -21,6 +21,24 @@ pub struct RawConfig {
     pub cluster: Vec<RawCluster>,
     #[serde(default)]
     pub route: Vec<RawRoute>,
+    pub admin: Option<RawAdmin>,
+    #[serde(default)]
+    pub metrics: RawMetrics,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAdmin {
+    pub address: Spanned<String>,
+    pub lag_probe_interval: Option<Spanned<String>>,
+    pub stall_threshold: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawMetrics {
+    pub consumer_header: Option<Spanned<String>>,
+    pub max_consumers: Option<Spanned<usize>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -93,6 +111,7 @@ pub struct RawCluster {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawRoute {
+    pub name: Option<Spanned<String>>,
     pub tenant: Option<Spanned<String>>,
     pub host: Option<Spanned<String>>,
     pub path_prefix: Spanned<String>,

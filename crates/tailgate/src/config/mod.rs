@@ -4,6 +4,7 @@
 //! Loading never panics on input: every problem becomes a [`ConfigError`] that names the
 //! place, the field, what is wrong and what to write instead.
 
+mod admin;
 mod file;
 mod validate;
 
@@ -26,6 +27,27 @@ pub struct Config {
     pub tenants: Vec<Tenant>,
     pub clusters: Vec<Cluster>,
     pub routes: Vec<Route>,
+    /// The admin listener (`/metrics`, `/healthz`, `/readyz`, `/stats`), if configured.
+    pub admin: Option<AdminSettings>,
+    pub metrics: MetricsSettings,
+}
+
+#[derive(Debug, Clone)]
+pub struct AdminSettings {
+    pub address: SocketAddr,
+    /// How often each worker's lag probe asks to be woken.
+    pub lag_probe_interval: Duration,
+    /// A worker that has not run its probe for this long is stalled: `/healthz` fails and
+    /// the systemd watchdog is not fed.
+    pub stall_threshold: Duration,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct MetricsSettings {
+    /// Count requests per consumer, named by this request header's value.
+    pub consumer_header: Option<http::HeaderName>,
+    /// Distinct consumers tracked per worker; later ones are counted as `_other`.
+    pub max_consumers: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -99,6 +121,8 @@ pub struct Cluster {
 
 #[derive(Debug, Clone)]
 pub struct Route {
+    /// The route's label in metrics and logs (`route<index>` unless named).
+    pub name: String,
     /// Index into [`Config::tenants`].
     pub tenant: Option<usize>,
     pub host: Option<String>,

@@ -18,14 +18,14 @@ use super::{
 /// The longest duration a setting takes (longer ones would overflow deadline arithmetic).
 const MAX_DURATION: Duration = Duration::from_secs(30 * 24 * 3600);
 
-struct Checker<'a> {
+pub(super) struct Checker<'a> {
     path: &'a Path,
     text: &'a str,
     errors: Vec<ConfigError>,
 }
 
 impl Checker<'_> {
-    fn err(
+    pub(super) fn err(
         &mut self,
         span: Option<Range<usize>>,
         field: String,
@@ -43,7 +43,7 @@ impl Checker<'_> {
         });
     }
 
-    fn duration(
+    pub(super) fn duration(
         &mut self,
         v: &Option<Spanned<String>>,
         field: String,
@@ -73,7 +73,7 @@ impl Checker<'_> {
         }
     }
 
-    fn address(&mut self, v: &Spanned<String>, field: String) -> Option<SocketAddr> {
+    pub(super) fn address(&mut self, v: &Spanned<String>, field: String) -> Option<SocketAddr> {
         match v.get_ref().parse::<SocketAddr>() {
             Ok(a) => Some(a),
             Err(_) => {
@@ -442,6 +442,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         Range<usize>,
     );
     let mut seen_routes: Vec<RouteKey> = Vec::new();
+    let mut route_names: HashSet<String> = HashSet::new();
     for (i, r) in raw.route.iter().enumerate() {
         let tenant = tenant_ref(c, &r.tenant, format!("route[{i}].tenant"));
         let cluster = match cluster_index.get(r.cluster.get_ref()) {
@@ -506,6 +507,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         });
         if let Some(cluster) = cluster {
             routes.push(Route {
+                name: route_name(c, r, i, &mut route_names),
                 tenant,
                 host,
                 path_prefix,
@@ -517,6 +519,8 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         }
     }
 
+    let (admin, metrics) = super::admin::check(c, raw.admin.as_ref(), &raw.metrics);
+
     Config {
         source: c.path.to_path_buf(),
         server,
@@ -526,7 +530,32 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         tenants,
         clusters,
         routes,
+        admin,
+        metrics,
     }
+}
+
+fn route_name(c: &mut Checker<'_>, r: &RawRoute, i: usize, seen: &mut HashSet<String>) -> String {
+    let Some(n) = &r.name else {
+        return format!("route{i}");
+    };
+    let name = n.get_ref().clone();
+    if name.is_empty() || name.len() > 128 || name.chars().any(|ch| ch.is_control()) {
+        c.err(
+            Some(n.span()),
+            format!("route[{i}].name"),
+            format!("`{name}` is not a usable name"),
+            Some("write 1 to 128 printable characters, e.g. \"users-api\""),
+        );
+    } else if !seen.insert(name.clone()) {
+        c.err(
+            Some(n.span()),
+            format!("route[{i}].name"),
+            format!("route name `{name}` is used twice"),
+            Some("give each route a unique name"),
+        );
+    }
+    name
 }
 
 fn route_host(

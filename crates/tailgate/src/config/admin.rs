@@ -1,0 +1,139 @@
+//! The `[admin]` and `[metrics]` tables: where the admin plane listens, how the runtime lag
+//! probe runs, and which per-consumer series exist.
+
+use std::time::Duration;
+
+use super::file::{RawAdmin, RawMetrics};
+use super::validate::Checker;
+use super::{AdminSettings, MetricsSettings};
+
+/// Per-worker consumers tracked by default when `consumer_header` is set.
+const DEFAULT_MAX_CONSUMERS: usize = 100_000;
+
+pub(super) fn check(
+    c: &mut Checker<'_>,
+    admin: Option<&RawAdmin>,
+    metrics: &RawMetrics,
+) -> (Option<AdminSettings>, MetricsSettings) {
+    let admin = admin.and_then(|a| {
+        let address = c.address(&a.address, "admin.address".into());
+        let lag_probe_interval = c.duration(
+            &a.lag_probe_interval,
+            "admin.lag_probe_interval".into(),
+            Duration::from_millis(10),
+        );
+        if let Some(v) = &a.lag_probe_interval
+            && !(Duration::from_millis(1)..=Duration::from_secs(10)).contains(&lag_probe_interval)
+        {
+            c.err(
+                Some(v.span()),
+                "admin.lag_probe_interval".into(),
+                "must be between 1ms and 10s".into(),
+                Some("\"10ms\" measures lag finely at negligible cost"),
+            );
+        }
+        let stall_threshold = c.duration(
+            &a.stall_threshold,
+            "admin.stall_threshold".into(),
+            Duration::from_secs(2),
+        );
+        if let Some(v) = &a.stall_threshold
+            && stall_threshold <= lag_probe_interval
+        {
+            c.err(
+                Some(v.span()),
+                "admin.stall_threshold".into(),
+                "must be longer than admin.lag_probe_interval".into(),
+                Some("write a few seconds, e.g. \"2s\""),
+            );
+        }
+        Some(AdminSettings {
+            address: address?,
+            lag_probe_interval,
+            stall_threshold,
+        })
+    });
+
+    let consumer_header = metrics.consumer_header.as_ref().and_then(|h| {
+        match http::HeaderName::from_bytes(h.get_ref().as_bytes()) {
+            Ok(n) => Some(n),
+            Err(_) => {
+                c.err(
+                    Some(h.span()),
+                    "metrics.consumer_header".into(),
+                    format!("`{}` is not a header name", h.get_ref()),
+                    Some("write a token such as \"x-consumer-id\""),
+                );
+                None
+            }
+        }
+    });
+    let max_consumers = match &metrics.max_consumers {
+        Some(m) if *m.get_ref() == 0 || *m.get_ref() > 10_000_000 => {
+            c.err(
+                Some(m.span()),
+                "metrics.max_consumers".into(),
+                "must be between 1 and 10000000".into(),
+                Some("remove it for the default of 100000 per worker"),
+            );
+            DEFAULT_MAX_CONSUMERS
+        }
+        Some(m) => *m.get_ref(),
+        None => DEFAULT_MAX_CONSUMERS,
+    };
+    (
+        admin,
+        MetricsSettings {
+            consumer_header,
+            max_consumers,
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use crate::Config;
+
+    const BASE: &str = "[[listener]]\naddress = \"127.0.0.1:0\"\n";
+
+    #[test]
+    fn admin_and_metrics_errors_point_at_the_field() {
+        let text = format!(
+            "{BASE}[admin]\naddress = \"localhost:9901\"\nlag_probe_interval = \"20s\"\n[metrics]\nconsumer_header = \"x consumer\"\n"
+        );
+        let errs = Config::parse(Path::new("t.toml"), &text)
+            .expect_err("invalid")
+            .to_string();
+        assert!(
+            errs.contains("t.toml:4:11: admin.address: `localhost:9901` is not an address"),
+            "{errs}"
+        );
+        assert!(
+            errs.contains("t.toml:5:22: admin.lag_probe_interval: must be between 1ms and 10s"),
+            "{errs}"
+        );
+        assert!(
+            errs.contains(
+                "t.toml:7:19: metrics.consumer_header: `x consumer` is not a header name"
+            ),
+            "{errs}"
+        );
+        assert!(errs.contains("help: "), "{errs}");
+    }
+
+    #[test]
+    fn defaults() {
+        let c = Config::parse(
+            Path::new("t.toml"),
+            &format!("{BASE}[admin]\naddress = \"127.0.0.1:9901\"\n"),
+        )
+        .expect("valid");
+        let a = c.admin.expect("admin");
+        assert_eq!(a.lag_probe_interval, std::time::Duration::from_millis(10));
+        assert_eq!(a.stall_threshold, std::time::Duration::from_secs(2));
+        assert!(c.metrics.consumer_header.is_none());
+        assert_eq!(c.metrics.max_consumers, 100_000);
+    }
+}
