@@ -1,6 +1,6 @@
 //! Step 7 of the pipeline: one [`Exchange`] record per request, handed to every observer
-//! when the response ends (or is abandoned). Today the observer is the access log; metrics
-//! and analytics consume the same record.
+//! when the response ends (or is abandoned): the worker's [`metrics`] always, and the
+//! configured observers (the access log; analytics later).
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -10,12 +10,21 @@ use std::time::{Duration, Instant};
 use http::HeaderValue;
 
 pub mod access_log;
+pub mod lag;
+pub mod metrics;
+pub mod process;
+
+use self::metrics::WorkerMetrics;
 
 /// Per-stage timings of one request, so a slow request can be explained stage by stage.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct StageTimings {
     /// Matching the route.
     pub route: Duration,
+    /// Authentication, when the route has it.
+    pub auth: Option<Duration>,
+    /// The rate limit check, when the route has one.
+    pub rate_limit: Option<Duration>,
     /// Getting an upstream connection: a pool checkout, or a new connect.
     pub upstream_connect: Duration,
     /// From sending the request upstream to its response head.
@@ -36,6 +45,8 @@ pub struct Exchange {
     pub version: http::Version,
     pub status: u16,
     pub bytes_out: u64,
+    /// Who sent it, for per-consumer series (the configured consumer header's value).
+    pub consumer: Option<HeaderValue>,
     /// A pooled connection was reused (no connect paid).
     pub reused_connection: bool,
     /// Why it went wrong, if it did (a stable code).
@@ -109,6 +120,7 @@ pub struct ExchangeRecorder {
     ex: Option<Box<Exchange>>,
     started: Instant,
     observers: Observers,
+    metrics: Option<Arc<WorkerMetrics>>,
     activity: Option<Arc<ConnActivity>>,
 }
 
@@ -117,13 +129,16 @@ impl ExchangeRecorder {
         ex: Exchange,
         started: Instant,
         observers: Observers,
+        metrics: Arc<WorkerMetrics>,
         activity: Arc<ConnActivity>,
     ) -> Self {
         activity.begin();
+        metrics.request_started();
         ExchangeRecorder {
             ex: Some(Box::new(ex)),
             started,
             observers,
+            metrics: Some(metrics),
             activity: Some(activity),
         }
     }
@@ -134,6 +149,7 @@ impl ExchangeRecorder {
             ex: None,
             started: Instant::now(),
             observers: Observers::default(),
+            metrics: None,
             activity: None,
         }
     }
@@ -158,6 +174,9 @@ impl ExchangeRecorder {
     pub fn finish(&mut self) {
         if let Some(mut ex) = self.ex.take() {
             ex.timings.total = self.started.elapsed();
+            if let Some(m) = &self.metrics {
+                m.record(&ex);
+            }
             self.observers.emit(&ex);
             if let Some(a) = &self.activity {
                 a.end();

@@ -4,6 +4,7 @@
 //! connection to its pool at end of stream, and finishes the [`Exchange`] record.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
@@ -12,6 +13,7 @@ use hyper::body::Incoming;
 use tokio::time::Sleep;
 
 use crate::observe::ExchangeRecorder;
+use crate::observe::metrics::WorkerMetrics;
 use crate::upstream::Conn;
 
 /// Why a request body could not be read to the end.
@@ -30,6 +32,16 @@ pub struct ReqBody {
     inner: Option<Incoming>,
     limit: u64,
     seen: u64,
+    /// Where the bytes read are counted (the route's `received bytes` series).
+    counter: Option<BytesIn>,
+}
+
+/// A route's received-bytes counter on one worker, counted as the body streams.
+#[derive(Debug)]
+pub struct BytesIn {
+    pub metrics: Arc<WorkerMetrics>,
+    pub route: Option<usize>,
+    pub tenant: Option<usize>,
 }
 
 impl ReqBody {
@@ -39,7 +51,14 @@ impl ReqBody {
             inner: Some(inner),
             limit: if limit == 0 { u64::MAX } else { limit },
             seen: 0,
+            counter: None,
         }
+    }
+
+    /// Counts the body's bytes into `counter` as they pass.
+    pub fn counting(mut self, counter: BytesIn) -> ReqBody {
+        self.counter = Some(counter);
+        self
     }
 
     pub fn empty() -> ReqBody {
@@ -47,6 +66,7 @@ impl ReqBody {
             inner: None,
             limit: u64::MAX,
             seen: 0,
+            counter: None,
         }
     }
 }
@@ -67,6 +87,11 @@ impl Body for ReqBody {
             Some(Ok(frame)) => {
                 if let Some(data) = frame.data_ref() {
                     this.seen += data.len() as u64;
+                    if let Some(c) = &this.counter {
+                        c.metrics
+                            .slot(c.route, c.tenant)
+                            .add_bytes_in(data.len() as u64);
+                    }
                     if this.seen > this.limit {
                         this.inner = None;
                         return Poll::Ready(Some(Err(ReqBodyError::TooLarge(this.limit))));

@@ -24,11 +24,12 @@ use http::{HeaderValue, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
-use self::body::{ReqBody, ReqBodyError, RespBody, UpstreamBody};
+use self::body::{BytesIn, ReqBody, ReqBodyError, RespBody, UpstreamBody};
 use self::error::ProxyError;
 use self::headers::RequestIds;
 use self::route::{Match, RouteEntry, RouteTable};
 use crate::config::ServerSettings;
+use crate::observe::metrics::WorkerMetrics;
 use crate::observe::{ConnActivity, Exchange, ExchangeRecorder, Observers, StageTimings};
 use crate::upstream::Upstreams;
 
@@ -44,6 +45,8 @@ pub struct Shared {
 pub struct Worker {
     pub shared: Arc<Shared>,
     pub upstreams: Upstreams,
+    /// This worker's metrics (only it writes them; the admin thread renders them).
+    pub metrics: Arc<WorkerMetrics>,
 }
 
 /// What the pipeline knows of the client connection a request came on.
@@ -91,6 +94,12 @@ async fn run(
         version: req.version(),
         status: 0,
         bytes_out: 0,
+        consumer: worker
+            .metrics
+            .plan
+            .consumer_header
+            .as_ref()
+            .and_then(|h| req.headers().get(h).cloned()),
         reused_connection: false,
         error: None,
         timings: StageTimings::default(),
@@ -99,6 +108,7 @@ async fn run(
         exchange,
         started,
         shared.observers.clone(),
+        worker.metrics.clone(),
         conn.activity.clone(),
     );
     let fail = |rec: &mut ExchangeRecorder,
@@ -141,10 +151,18 @@ async fn run(
         .lookup(host, req.uri().path(), req.method(), conn.tenant)
     {
         Match::Found(r) => r.clone(),
-        Match::WrongMethod(allowed) => {
-            return fail(&mut rec, ProxyError::MethodNotAllowed(allowed));
+        miss => {
+            // Counted against the tenant the Host names, when it names one.
+            if let Some(ex) = rec.exchange_mut() {
+                ex.tenant = shared.routes.tenant_of_host(host).or(conn.tenant);
+            }
+            return match miss {
+                Match::WrongMethod(allowed) => {
+                    fail(&mut rec, ProxyError::MethodNotAllowed(allowed))
+                }
+                _ => fail(&mut rec, ProxyError::NoRoute),
+            };
         }
-        Match::NotFound => return fail(&mut rec, ProxyError::NoRoute),
     };
     if let Some(ex) = rec.exchange_mut() {
         ex.route = Some(route.id);
@@ -278,7 +296,17 @@ async fn forward(
             parts.headers.clone(),
         )
     });
-    let upstream_req = Request::from_parts(parts, ReqBody::new(body, settings.max_body_bytes));
+    let body = ReqBody::new(body, settings.max_body_bytes);
+    let body = if http_body::Body::is_end_stream(&body) {
+        body
+    } else {
+        body.counting(BytesIn {
+            metrics: worker.metrics.clone(),
+            route: Some(route.id),
+            tenant: route.tenant.or(conn.tenant),
+        })
+    };
+    let upstream_req = Request::from_parts(parts, body);
 
     let response_timeout = remaining(route.response_timeout, total_deadline);
     let t_send = Instant::now();

@@ -62,6 +62,11 @@ impl EndpointLoad {
         self.epoch.elapsed().as_nanos() as u64
     }
 
+    /// Requests in flight to this endpoint now.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
     pub fn is_ejected(&self) -> bool {
         self.ejected_until_ns.load(Ordering::Relaxed) > self.now_ns()
     }

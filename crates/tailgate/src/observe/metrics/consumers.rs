@@ -1,0 +1,123 @@
+//! Per-consumer series: the one set of series that grows while the gateway runs (100k+
+//! consumers in a real deployment), so it is built to cost the data plane nothing more
+//! than a map lookup on its own thread.
+//!
+//! - The worker finds a consumer's cell in a map that only its own thread ever locks (the
+//!   lock is uncontended; the renderer never takes it).
+//! - A new consumer's cell is pushed to an append-only, lock-free list (`boxcar`, chosen
+//!   because a reader on another thread can walk it while the worker appends, with no lock
+//!   and no copy); cells are never moved or removed, so the renderer reads them in place.
+//! - Past `max_consumers` (per worker), requests count under one `_other` consumer and
+//!   `tailgate_metrics_consumers_overflow_total`, so cardinality stays bounded.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use super::histogram::Histogram;
+use super::{CLASSES, escape_label};
+
+/// Longest consumer name kept; longer values are cut (at a character boundary).
+const MAX_NAME: usize = 128;
+
+/// The counters of one consumer on one worker.
+#[derive(Debug)]
+pub struct ConsumerCell {
+    /// The escaped label value.
+    pub label: Box<str>,
+    pub requests: [AtomicU64; CLASSES.len()],
+    pub bytes_out: AtomicU64,
+    pub latency: Histogram,
+}
+
+impl ConsumerCell {
+    fn new(label: Box<str>) -> ConsumerCell {
+        ConsumerCell {
+            label,
+            requests: Default::default(),
+            bytes_out: AtomicU64::new(0),
+            latency: Histogram::default(),
+        }
+    }
+
+    fn record(&self, class: usize, bytes_out: u64, total: Duration) {
+        self.requests[class].fetch_add(1, Ordering::Relaxed);
+        self.bytes_out.fetch_add(bytes_out, Ordering::Relaxed);
+        self.latency.record(total);
+    }
+}
+
+#[derive(Debug)]
+pub struct Consumers {
+    max: usize,
+    /// Locked only by the owning worker's thread.
+    index: Mutex<HashMap<Box<[u8]>, usize>>,
+    pub cells: boxcar::Vec<ConsumerCell>,
+    pub overflow: ConsumerCell,
+    /// Requests counted under `_other` because the table was full.
+    pub overflowed: AtomicU64,
+}
+
+impl Consumers {
+    pub fn new(max: usize) -> Consumers {
+        Consumers {
+            max,
+            index: Mutex::new(HashMap::new()),
+            cells: boxcar::Vec::new(),
+            overflow: ConsumerCell::new("_other".into()),
+            overflowed: AtomicU64::new(0),
+        }
+    }
+
+    pub fn record(&self, name: &[u8], class: usize, bytes_out: u64, total: Duration) {
+        let mut index = self.index.lock().unwrap_or_else(PoisonError::into_inner);
+        let cell = match index.get(name) {
+            Some(&i) => self.cells.get(i),
+            None if index.len() < self.max => {
+                let i = self.cells.push(ConsumerCell::new(label_of(name).into()));
+                index.insert(name.into(), i);
+                self.cells.get(i)
+            }
+            None => None,
+        };
+        drop(index);
+        match cell {
+            Some(c) => c.record(class, bytes_out, total),
+            None => {
+                self.overflowed.fetch_add(1, Ordering::Relaxed);
+                self.overflow.record(class, bytes_out, total);
+            }
+        }
+    }
+}
+
+/// A header value as a label value: lossy UTF-8, cut to [`MAX_NAME`] bytes, escaped.
+fn label_of(name: &[u8]) -> String {
+    let s = String::from_utf8_lossy(name);
+    let mut end = s.len().min(MAX_NAME);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    escape_label(&s[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_is_bounded_and_overflow_is_counted() {
+        let c = Consumers::new(2);
+        for name in [&b"a"[..], b"b", b"a", b"c", b"d"] {
+            c.record(name, 1, 10, Duration::from_millis(1));
+        }
+        assert_eq!(c.cells.count(), 2);
+        assert_eq!(c.overflowed.load(Ordering::Relaxed), 2);
+        let a = c.cells.get(0).expect("a");
+        assert_eq!(&*a.label, "a");
+        assert_eq!(a.requests[1].load(Ordering::Relaxed), 2);
+        assert_eq!(label_of(b"x\"y"), "x\\\"y");
+        assert_eq!(label_of(&[b'z'; 300]).len(), MAX_NAME);
+    }
+}

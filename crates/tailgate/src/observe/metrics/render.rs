@@ -1,0 +1,203 @@
+//! The text exposition formats: Prometheus 0.0.4 and OpenMetrics 1.0, written in chunks
+//! that are handed on as soon as they fill (so a 100k-series scrape streams instead of
+//! being built whole), optionally gzip-compressed chunk by chunk.
+//!
+//! Written by hand because the output is a simple line format and the series come from our
+//! own atomics in a fixed order; prometheus-client would need every series registered in
+//! its own (locked) families first.
+
+use std::io::Write as _;
+
+use bytes::Bytes;
+use flate2::Compression;
+use flate2::write::GzEncoder;
+use tokio::sync::mpsc;
+
+use super::histogram::{BUCKETS, Snapshot};
+
+/// Bytes written before a chunk is sent on.
+const CHUNK: usize = 64 * 1024;
+
+/// `le` label values of the latency buckets, in seconds.
+pub const LE: [&str; BUCKETS] = [
+    "0.0001", "0.00025", "0.0005", "0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1",
+    "0.25", "0.5", "1.0", "2.5", "5.0", "10.0", "+Inf",
+];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// `text/plain; version=0.0.4`
+    Prometheus,
+    /// `application/openmetrics-text; version=1.0.0`
+    OpenMetrics,
+}
+
+impl Format {
+    /// The format asked for by an `Accept` header (OpenMetrics only when named).
+    pub fn from_accept(accept: Option<&str>) -> Format {
+        match accept {
+            Some(a) if a.contains("application/openmetrics-text") => Format::OpenMetrics,
+            _ => Format::Prometheus,
+        }
+    }
+
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::Prometheus => "text/plain; version=0.0.4; charset=utf-8",
+            Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// The reader went away; rendering stops.
+#[derive(Debug)]
+pub struct Closed;
+
+/// Writes series into chunks and sends each full chunk to the response body.
+pub struct TextWriter {
+    format: Format,
+    buf: Vec<u8>,
+    gz: Option<GzEncoder<Vec<u8>>>,
+    tx: mpsc::Sender<Bytes>,
+    /// Samples written so far.
+    pub samples: u64,
+    /// Bytes written so far (before compression).
+    pub bytes: u64,
+}
+
+impl TextWriter {
+    pub fn new(format: Format, gzip: bool, tx: mpsc::Sender<Bytes>) -> TextWriter {
+        TextWriter {
+            format,
+            buf: Vec::with_capacity(CHUNK + 4096),
+            gz: gzip.then(|| GzEncoder::new(Vec::with_capacity(CHUNK), Compression::fast())),
+            tx,
+            samples: 0,
+            bytes: 0,
+        }
+    }
+
+    /// `# HELP` and `# TYPE` for a family. `name` is the family name; for a counter it is
+    /// the name without `_total` (samples get `_total` appended).
+    pub fn family(&mut self, name: &str, kind: Kind, help: &str) {
+        let (shown, ty) = match (kind, self.format) {
+            (Kind::Counter, Format::Prometheus) => (Shown::Total(name), "counter"),
+            (Kind::Counter, Format::OpenMetrics) => (Shown::Plain(name), "counter"),
+            (Kind::Gauge, _) => (Shown::Plain(name), "gauge"),
+            (Kind::Histogram, _) => (Shown::Plain(name), "histogram"),
+        };
+        let _ = writeln!(self.buf, "# HELP {shown} {help}");
+        let _ = writeln!(self.buf, "# TYPE {shown} {ty}");
+    }
+
+    /// One counter sample: `name_total{labels} value`.
+    pub fn counter(&mut self, name: &str, labels: &[&str], value: impl std::fmt::Display) {
+        self.sample_start(name, "_total", labels, true);
+        let _ = writeln!(self.buf, " {value}");
+    }
+
+    /// One gauge sample.
+    pub fn gauge(&mut self, name: &str, labels: &[&str], value: impl std::fmt::Display) {
+        self.sample_start(name, "", labels, true);
+        let _ = writeln!(self.buf, " {value}");
+    }
+
+    /// A histogram's cumulative buckets, `_sum` (seconds) and `_count`.
+    pub fn histogram(&mut self, name: &str, labels: &[&str], h: &Snapshot) {
+        let mut cumulative = 0;
+        for (i, n) in h.buckets.iter().enumerate() {
+            cumulative += n;
+            // The `le` label goes last, after the series' own labels.
+            let open = self.sample_start(name, "_bucket", labels, false);
+            self.buf.push(if open { b',' } else { b'{' });
+            let _ = writeln!(self.buf, "le=\"{}\"}} {cumulative}", LE[i]);
+        }
+        self.sample_start(name, "_sum", labels, true);
+        let _ = writeln!(self.buf, " {}", h.sum_ns as f64 / 1e9);
+        self.sample_start(name, "_count", labels, true);
+        let _ = writeln!(self.buf, " {cumulative}");
+    }
+
+    /// `name{a,b}` with the label parts (each `k="v"`, or several joined by commas; empty
+    /// parts skipped). Without `close` the brace is left open for `le`; returns whether a
+    /// brace was opened.
+    fn sample_start(&mut self, name: &str, suffix: &str, labels: &[&str], close: bool) -> bool {
+        self.samples += 1;
+        self.buf.extend_from_slice(name.as_bytes());
+        self.buf.extend_from_slice(suffix.as_bytes());
+        let mut open = false;
+        for l in labels.iter().filter(|l| !l.is_empty()) {
+            self.buf.push(if open { b',' } else { b'{' });
+            open = true;
+            self.buf.extend_from_slice(l.as_bytes());
+        }
+        if open && close {
+            self.buf.push(b'}');
+        }
+        open
+    }
+
+    /// Sends the chunk on if it is full (the await is where a slow reader holds us back).
+    pub async fn maybe_flush(&mut self) -> Result<(), Closed> {
+        if self.buf.len() >= CHUNK {
+            self.flush().await?;
+        }
+        Ok(())
+    }
+
+    async fn flush(&mut self) -> Result<(), Closed> {
+        self.bytes += self.buf.len() as u64;
+        let chunk = match &mut self.gz {
+            Some(gz) => {
+                let _ = gz.write_all(&self.buf);
+                self.buf.clear();
+                let _ = gz.flush();
+                Bytes::from(std::mem::take(gz.get_mut()))
+            }
+            None => Bytes::from(std::mem::replace(
+                &mut self.buf,
+                Vec::with_capacity(CHUNK + 4096),
+            )),
+        };
+        if chunk.is_empty() {
+            return Ok(());
+        }
+        self.tx.send(chunk).await.map_err(|_| Closed)
+    }
+
+    /// Ends the exposition (`# EOF` for OpenMetrics) and sends what is left.
+    pub async fn finish(mut self) -> Result<(u64, u64), Closed> {
+        if self.format == Format::OpenMetrics {
+            self.buf.extend_from_slice(b"# EOF\n");
+        }
+        self.flush().await?;
+        if let Some(gz) = self.gz.take() {
+            let tail = gz.finish().unwrap_or_default();
+            if !tail.is_empty() {
+                self.tx.send(Bytes::from(tail)).await.map_err(|_| Closed)?;
+            }
+        }
+        Ok((self.samples, self.bytes))
+    }
+}
+
+enum Shown<'a> {
+    Plain(&'a str),
+    Total(&'a str),
+}
+
+impl std::fmt::Display for Shown<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Shown::Plain(n) => f.write_str(n),
+            Shown::Total(n) => write!(f, "{n}_total"),
+        }
+    }
+}
