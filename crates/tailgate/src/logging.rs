@@ -1,18 +1,37 @@
 //! Structured logs through `tracing`: text or JSON, level from the config unless RUST_LOG
 //! says otherwise. Disabled events cost a level check.
+//!
+//! Lines are written by a background thread (`tracing-appender`'s non-blocking writer), so a
+//! worker never blocks on stderr (DESIGN.md rule 1): each event goes into a bounded queue
+//! and, when the queue is full, is dropped and counted (`tailgate_queue_dropped_total{queue="log"}`).
 
+use std::sync::OnceLock;
+
+use tracing_appender::non_blocking::{ErrorCounter, NonBlockingBuilder, WorkerGuard};
 use tracing_subscriber::EnvFilter;
 
 use crate::config::{LogFormat, LogSettings};
 
-/// Installs the global subscriber (once; later calls are no-ops).
-pub fn init(settings: &LogSettings) {
+/// Lines the log queue holds before it drops.
+const QUEUE_LINES: usize = 64 * 1024;
+
+static DROPPED: OnceLock<ErrorCounter> = OnceLock::new();
+
+/// Installs the global subscriber (once; later calls are no-ops). Keep the guard until
+/// exit: dropping it flushes the queued lines.
+pub fn init(settings: &LogSettings) -> Option<WorkerGuard> {
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&settings.level));
+    let (writer, guard) = NonBlockingBuilder::default()
+        .buffered_lines_limit(QUEUE_LINES)
+        .lossy(true)
+        .thread_name("tailgate-log")
+        .finish(std::io::stderr());
+    let counter = writer.error_counter();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = match settings.format {
+        .with_writer(writer);
+    let installed = match settings.format {
         LogFormat::Json => builder
             .json()
             .flatten_event(true)
@@ -20,4 +39,14 @@ pub fn init(settings: &LogSettings) {
             .try_init(),
         LogFormat::Text => builder.try_init(),
     };
+    if installed.is_err() {
+        return None;
+    }
+    let _ = DROPPED.set(counter);
+    Some(guard)
+}
+
+/// Log lines dropped because the queue was full.
+pub fn dropped_lines() -> u64 {
+    DROPPED.get().map_or(0, |c| c.dropped_lines() as u64)
 }
