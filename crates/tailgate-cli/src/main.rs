@@ -31,6 +31,10 @@ enum Command {
         /// The TOML config file.
         #[arg(long, short)]
         config: PathBuf,
+        /// Notify systemd (Type=notify) and feed its watchdog (WatchdogSec=) only while
+        /// every data-plane worker is responsive.
+        #[arg(long)]
+        watchdog: bool,
     },
     /// Validate a config file; print every error as file:line:col and exit non-zero.
     Check {
@@ -55,7 +59,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Serve { config } => report(tailgate::cli::serve(&config)),
+        Command::Serve { config, watchdog } => report(tailgate::cli::serve(&config, watchdog)),
         Command::Check { config } => report(tailgate::cli::check(&config)),
         Command::DemoUpstream { listen } => report(tailgate::cli::demo_upstream(&listen)),
         Command::Bench { args } => {

@@ -337,3 +337,77 @@ fn json_access_log_has_stage_timings() {
     }
     assert!(v["time.total_us"].as_u64().unwrap() >= v["time.ttfb_us"].as_u64().unwrap());
 }
+
+#[test]
+fn watchdog_outside_systemd_is_a_clear_error() {
+    let up = slow_upstream(Duration::from_millis(0));
+    let dir = tmpdir();
+    let cfg = serve_config(&dir, free_port(), up, "");
+    let out = Command::new(BIN)
+        .args(["serve", "--watchdog", "--config"])
+        .arg(&cfg)
+        .env_remove("NOTIFY_SOCKET")
+        .env_remove("WATCHDOG_USEC")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--watchdog needs NOTIFY_SOCKET and WATCHDOG_USEC"),
+        "{err}"
+    );
+}
+
+/// Under systemd (`Type=notify`, `WatchdogSec=`): READY=1, WATCHDOG=1 at half the
+/// interval, STOPPING=1 at SIGTERM; the admin listener answers /healthz meanwhile.
+#[test]
+fn watchdog_notifies_systemd() {
+    use std::os::unix::net::UnixDatagram;
+    let up = slow_upstream(Duration::from_millis(0));
+    let dir = tmpdir();
+    let (port, admin_port) = (free_port(), free_port());
+    let cfg = serve_config(
+        &dir,
+        port,
+        up,
+        &format!("[admin]\naddress = \"127.0.0.1:{admin_port}\"\n"),
+    );
+    let sock_path = dir.join("notify.sock");
+    let sock = UnixDatagram::bind(&sock_path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut p = Proc(
+        Command::new(BIN)
+            .args(["serve", "--watchdog", "--config"])
+            .arg(&cfg)
+            .env("NOTIFY_SOCKET", &sock_path)
+            .env("WATCHDOG_USEC", "200000")
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut recv = || {
+        let mut buf = [0u8; 128];
+        let n = sock.recv(&mut buf).expect("a notification");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    assert_eq!(recv(), "READY=1");
+    assert_eq!(recv(), "WATCHDOG=1");
+    assert_eq!(recv(), "WATCHDOG=1");
+    let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
+    assert!(http_get(admin, "/healthz").starts_with("HTTP/1.1 200"));
+    let pid = p.0.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    while recv() != "STOPPING=1" {}
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while p.0.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

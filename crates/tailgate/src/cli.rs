@@ -5,6 +5,7 @@ use std::path::Path;
 
 use tokio::sync::watch;
 
+use crate::admin::watchdog::{NotifySocket, WatchdogError};
 use crate::config::{Config, ConfigErrors};
 use crate::gateway::{Gateway, StartError};
 
@@ -19,23 +20,35 @@ pub enum CliError {
     Io(#[from] std::io::Error),
     #[error("error: `{0}` is not an address; write e.g. 127.0.0.1:8081")]
     BadAddress(String),
+    #[error("error: {0}")]
+    Watchdog(#[from] WatchdogError),
 }
 
 impl CliError {
     pub fn exit_code(&self) -> u8 {
         match self {
-            CliError::Config(_) | CliError::BadAddress(_) => 2,
+            CliError::Config(_) | CliError::BadAddress(_) | CliError::Watchdog(_) => 2,
             CliError::Start(_) | CliError::Io(_) => 1,
         }
     }
 }
 
 /// `tailgate serve`: run until SIGTERM or SIGINT, then drain and return.
-pub fn serve(path: &Path) -> Result<(), CliError> {
+/// With `watchdog`, systemd's watchdog is fed while every worker is responsive.
+pub fn serve(path: &Path, watchdog: bool) -> Result<(), CliError> {
     let config = Config::load(path)?;
-    crate::logging::init(&config.log);
+    let _log = crate::logging::init(&config.log);
     let grace = config.server.shutdown_grace;
-    let gateway = Gateway::start(config)?;
+    let watchdog = if watchdog {
+        Some(NotifySocket::from_env()?)
+    } else {
+        None
+    };
+    let mut gateway = Gateway::start(config)?;
+    if let Some((target, interval)) = watchdog {
+        gateway.start_watchdog(target, interval)?;
+        tracing::info!(interval = ?interval, "feeding the systemd watchdog while the workers are responsive");
+    }
     wait_for_signal()?;
     tracing::info!(grace = ?grace, "shutting down: no new connections; finishing requests in flight");
     gateway.shutdown();

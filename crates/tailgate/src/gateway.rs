@@ -9,7 +9,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use tokio::runtime::Handle;
 use tokio::sync::watch;
+
+use crate::admin::watchdog::{NotifySocket, Watchdog};
+use crate::admin::{Admin, AdminState};
+use crate::observe::metrics::{MetricsPlan, WorkerMetrics};
 
 use crate::config::Config;
 use crate::listener::{self, BoundListener};
@@ -37,6 +42,11 @@ pub enum StartError {
     },
     #[error("cannot start a worker thread: {0}")]
     Thread(std::io::Error),
+    #[error("cannot start the admin listener on {addr}: {source}")]
+    Admin {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
 }
 
 /// A running gateway.
@@ -45,6 +55,10 @@ pub struct Gateway {
     threads: Vec<JoinHandle<()>>,
     listeners: Vec<(String, SocketAddr)>,
     workers: Vec<Arc<Worker>>,
+    handles: Vec<Handle>,
+    state: Arc<AdminState>,
+    admin: Option<Admin>,
+    watchdog: Option<Watchdog>,
 }
 
 impl Gateway {
@@ -130,29 +144,82 @@ impl Gateway {
             ids: RequestIds::default(),
         });
         let config = Arc::new(config);
+        let plan = Arc::new(MetricsPlan::new(&config));
 
         let mut workers = Vec::new();
+        let mut handles = Vec::new();
         for (i, sockets) in per_worker.into_iter().enumerate() {
             let worker = Arc::new(Worker {
                 upstreams: Upstreams::new(&config),
                 shared: shared.clone(),
+                metrics: Arc::new(WorkerMetrics::new(plan.clone())),
             });
             workers.push(worker.clone());
             let config = config.clone();
             let rx = shutdown_rx.clone();
+            let (handle_tx, handle_rx) = std::sync::mpsc::sync_channel(1);
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("tailgate-worker-{i}"))
-                    .spawn(move || run_worker(worker, &config, sockets, rx))
+                    .spawn(move || run_worker(worker, &config, sockets, rx, handle_tx))
                     .map_err(StartError::Thread)?,
             );
+            if let Ok(h) = handle_rx.recv() {
+                handles.push(h);
+            }
         }
+        let state = Arc::new(AdminState::new(
+            config.clone(),
+            plan,
+            workers.clone(),
+            shutdown_rx.clone(),
+        ));
+        let admin = match &config.admin {
+            Some(settings) => {
+                Some(
+                    Admin::start(settings, state.clone()).map_err(|source| StartError::Admin {
+                        addr: settings.address,
+                        source,
+                    })?,
+                )
+            }
+            None => None,
+        };
         Ok(Gateway {
             shutdown,
             threads,
             listeners,
             workers,
+            handles,
+            state,
+            admin,
+            watchdog: None,
         })
+    }
+
+    /// The admin listener's bound address, when one is configured.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin.as_ref().map(|a| a.addr)
+    }
+
+    /// What the admin plane reads (metrics, pools, readiness).
+    pub fn admin_state(&self) -> &Arc<AdminState> {
+        &self.state
+    }
+
+    /// Worker `i`'s runtime, to run a task on that worker (tests use it to stall one).
+    pub fn worker_handle(&self, i: usize) -> Option<&Handle> {
+        self.handles.get(i)
+    }
+
+    /// Starts feeding the systemd watchdog at `interval` while no worker is stalled.
+    pub fn start_watchdog(
+        &mut self,
+        target: NotifySocket,
+        interval: std::time::Duration,
+    ) -> std::io::Result<()> {
+        self.watchdog = Some(Watchdog::start(self.state.clone(), target, interval)?);
+        Ok(())
     }
 
     /// The bound address of a listener, by name (port 0 in the config resolved).
@@ -196,6 +263,12 @@ impl Gateway {
         for t in self.threads {
             let _ = t.join();
         }
+        if let Some(w) = self.watchdog {
+            w.stop();
+        }
+        if let Some(a) = self.admin {
+            a.stop();
+        }
     }
 }
 
@@ -204,12 +277,16 @@ fn run_worker(
     config: &Config,
     sockets: Vec<(std::net::TcpListener, Arc<BoundListener>)>,
     mut shutdown: watch::Receiver<bool>,
+    handle_tx: std::sync::mpsc::SyncSender<Handle>,
 ) {
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
-        Ok(rt) => rt,
+        Ok(rt) => {
+            let _ = handle_tx.send(rt.handle().clone());
+            rt
+        }
         Err(e) => {
             tracing::error!(error = %e, "cannot build a worker runtime");
             return;
@@ -220,6 +297,11 @@ fn run_worker(
     rt.block_on(async move {
         let (drain, mut drained) = DrainToken::new();
         worker.upstreams.start_background();
+        let probe_interval = config
+            .admin
+            .as_ref()
+            .map_or(std::time::Duration::from_millis(10), |a| a.lag_probe_interval);
+        tokio::spawn(crate::observe::lag::probe(worker.metrics.clone(), probe_interval));
         for (socket, listener) in sockets {
             tokio::spawn(listener::accept_loop(socket, listener, worker.clone(), spawner.clone(), shutdown.clone(), drain.clone()));
         }

@@ -2,8 +2,10 @@
 //!
 //! The modules follow a request: [`listener`] accepts, [`server`] speaks HTTP/1.1 and
 //! HTTP/2 to the client, [`pipeline`] routes and forwards, [`upstream`] holds the pools,
-//! [`observe`] records each exchange. [`config`] reads the TOML file, [`gateway`] runs it.
+//! [`observe`] records each exchange and [`admin`] serves metrics and health from its own
+//! thread. [`config`] reads the TOML file, [`gateway`] runs it.
 
+pub mod admin;
 pub mod cli;
 pub mod config;
 pub mod demo;

@@ -2,6 +2,8 @@
 //! controls (hyper servers with a handler closure, or raw TCP), and raw-byte clients.
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod prom;
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;

@@ -1,0 +1,576 @@
+//! What `/metrics` says: every family, in a fixed order, summed over the workers from their
+//! own atomics. Runs on the admin thread only; it reads the data plane's counters and takes
+//! no lock a worker takes (the consumer merge below is the admin thread's own).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+
+use crate::observe::metrics::histogram::Snapshot;
+use crate::observe::metrics::render::{Closed, Kind, TextWriter};
+use crate::observe::metrics::{CLASSES, ERROR_KINDS, METHODS, STAGES, escape_label};
+use crate::upstream::EndpointPool;
+
+use super::AdminState;
+
+/// Every worker's consumers merged by name. Grows incrementally: each scrape reads only the
+/// cells the workers appended since the last one (no re-sort, no rebuild).
+#[derive(Default)]
+pub struct ConsumerMerge {
+    /// Per worker: how many of its cells are already merged.
+    seen: Vec<usize>,
+    index: HashMap<Box<str>, usize>,
+    rows: Vec<ConsumerRow>,
+}
+
+/// One consumer's label and where its cells are: (worker, cell index) pairs.
+type ConsumerRow = (Box<str>, Vec<(usize, usize)>);
+
+impl ConsumerMerge {
+    fn update(&mut self, state: &AdminState) {
+        self.seen.resize(state.workers.len(), 0);
+        for (w, worker) in state.workers.iter().enumerate() {
+            let Some(c) = &worker.metrics.consumers else {
+                continue;
+            };
+            let count = c.cells.count();
+            while self.seen[w] < count {
+                let i = self.seen[w];
+                // A cell being appended right now: take it next time.
+                let Some(cell) = c.cells.get(i) else { break };
+                let row = *self.index.entry(cell.label.clone()).or_insert_with(|| {
+                    self.rows.push((cell.label.clone(), Vec::new()));
+                    self.rows.len() - 1
+                });
+                self.rows[row].1.push((w, i));
+                self.seen[w] += 1;
+            }
+        }
+    }
+}
+
+/// Writes the whole exposition.
+pub async fn render(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> {
+    requests(state, w).await?;
+    consumers(state, w).await?;
+    upstreams(state, w).await?;
+    runtime(state, w);
+    process(state, w);
+    Ok(())
+}
+
+async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> {
+    let plan = &state.plan;
+    let slots = plan.slot_labels.len();
+    let workers = &state.workers;
+    let sum = |f: &dyn Fn(&crate::observe::metrics::RouteSlot) -> u64, s: usize| -> u64 {
+        workers.iter().map(|wk| f(&wk.metrics.slots()[s])).sum()
+    };
+
+    w.family(
+        "tailgate_requests",
+        Kind::Counter,
+        "Requests finished, by tenant, route, method and status class.",
+    );
+    let mut labels = String::new();
+    for s in 0..slots {
+        for (m, method) in METHODS.iter().enumerate() {
+            for (c, class) in CLASSES.iter().enumerate() {
+                let n = sum(
+                    &|slot| slot.requests[m * CLASSES.len() + c].load(Ordering::Relaxed),
+                    s,
+                );
+                if n > 0 {
+                    labels.clear();
+                    labels.push_str(&format!("method=\"{method}\",status_class=\"{class}\""));
+                    w.counter("tailgate_requests", &[&plan.slot_labels[s], &labels], n);
+                }
+            }
+        }
+        w.maybe_flush().await?;
+    }
+
+    w.family(
+        "tailgate_request_errors",
+        Kind::Counter,
+        "Requests that ended in an error, by kind.",
+    );
+    for s in 0..slots {
+        for (k, kind) in ERROR_KINDS.iter().enumerate() {
+            let n = sum(&|slot| slot.errors[k].load(Ordering::Relaxed), s);
+            if n > 0 {
+                let kind = format!("kind=\"{kind}\"");
+                w.counter("tailgate_request_errors", &[&plan.slot_labels[s], &kind], n);
+            }
+        }
+    }
+    w.maybe_flush().await?;
+
+    w.family(
+        "tailgate_request_body_bytes",
+        Kind::Counter,
+        "Request body bytes received from clients and sent upstream.",
+    );
+    for s in 0..slots {
+        let n = sum(&|slot| slot.bytes_in.load(Ordering::Relaxed), s);
+        if n > 0 {
+            w.counter("tailgate_request_body_bytes", &[&plan.slot_labels[s]], n);
+        }
+    }
+    w.family(
+        "tailgate_response_body_bytes",
+        Kind::Counter,
+        "Response body bytes sent to clients.",
+    );
+    for s in 0..slots {
+        let n = sum(&|slot| slot.bytes_out.load(Ordering::Relaxed), s);
+        if n > 0 {
+            w.counter("tailgate_response_body_bytes", &[&plan.slot_labels[s]], n);
+        }
+    }
+    w.maybe_flush().await?;
+
+    w.family(
+        "tailgate_requests_in_flight",
+        Kind::Gauge,
+        "Requests being served now.",
+    );
+    let in_flight: i64 = workers
+        .iter()
+        .map(|wk| wk.metrics.in_flight.load(Ordering::Relaxed))
+        .sum();
+    w.gauge("tailgate_requests_in_flight", &[], in_flight.max(0));
+
+    w.family(
+        "tailgate_request_duration_seconds",
+        Kind::Histogram,
+        "Time from a request's first byte to the end of its response.",
+    );
+    for s in 0..slots {
+        let mut h = Snapshot::default();
+        for wk in workers {
+            wk.metrics.slots()[s].total.add_to(&mut h);
+        }
+        if h.count() > 0 {
+            w.histogram(
+                "tailgate_request_duration_seconds",
+                &[&plan.slot_labels[s]],
+                &h,
+            );
+        }
+        w.maybe_flush().await?;
+    }
+
+    w.family(
+        "tailgate_request_stage_duration_seconds",
+        Kind::Histogram,
+        "Time spent in each stage of the request pipeline.",
+    );
+    for s in 0..slots {
+        for (i, stage) in STAGES.iter().enumerate() {
+            let mut h = Snapshot::default();
+            for wk in workers {
+                wk.metrics.slots()[s].stages[i].add_to(&mut h);
+            }
+            if h.count() > 0 {
+                let stage = format!("stage=\"{stage}\"");
+                w.histogram(
+                    "tailgate_request_stage_duration_seconds",
+                    &[&plan.slot_labels[s], &stage],
+                    &h,
+                );
+            }
+        }
+        w.maybe_flush().await?;
+    }
+    Ok(())
+}
+
+async fn consumers(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> {
+    if state.plan.consumer_header.is_none() {
+        return Ok(());
+    }
+    // The admin thread's own lock: a concurrent scrape waits here, never a worker.
+    let mut merge = state.consumers.lock().await;
+    merge.update(state);
+    let rows = &merge.rows;
+    let cell = |wk: usize, i: usize| {
+        state.workers[wk]
+            .metrics
+            .consumers
+            .as_ref()
+            .and_then(|c| c.cells.get(i))
+    };
+
+    w.family(
+        "tailgate_consumer_requests",
+        Kind::Counter,
+        "Requests finished, by consumer and status class.",
+    );
+    let mut label = String::new();
+    for (name, parts) in rows {
+        for (c, class) in CLASSES.iter().enumerate() {
+            let n: u64 = parts
+                .iter()
+                .filter_map(|&(wk, i)| cell(wk, i))
+                .map(|cell| cell.requests[c].load(Ordering::Relaxed))
+                .sum();
+            if n > 0 {
+                label.clear();
+                label.push_str(&format!("consumer=\"{name}\",status_class=\"{class}\""));
+                w.counter("tailgate_consumer_requests", &[&label], n);
+            }
+        }
+        w.maybe_flush().await?;
+    }
+    w.family(
+        "tailgate_consumer_response_body_bytes",
+        Kind::Counter,
+        "Response body bytes sent, by consumer.",
+    );
+    for (name, parts) in rows {
+        let n: u64 = parts
+            .iter()
+            .filter_map(|&(wk, i)| cell(wk, i))
+            .map(|cell| cell.bytes_out.load(Ordering::Relaxed))
+            .sum();
+        label.clear();
+        label.push_str(&format!("consumer=\"{name}\""));
+        w.counter("tailgate_consumer_response_body_bytes", &[&label], n);
+        w.maybe_flush().await?;
+    }
+    w.family(
+        "tailgate_consumer_request_duration_seconds",
+        Kind::Histogram,
+        "Request latency by consumer.",
+    );
+    for (name, parts) in rows {
+        let mut h = Snapshot::default();
+        for cell in parts.iter().filter_map(|&(wk, i)| cell(wk, i)) {
+            cell.latency.add_to(&mut h);
+        }
+        label.clear();
+        label.push_str(&format!("consumer=\"{name}\""));
+        w.histogram("tailgate_consumer_request_duration_seconds", &[&label], &h);
+        w.maybe_flush().await?;
+    }
+    let overflow: u64 = state
+        .workers
+        .iter()
+        .filter_map(|wk| wk.metrics.consumers.as_ref())
+        .map(|c| c.overflowed.load(Ordering::Relaxed))
+        .sum();
+    w.family(
+        "tailgate_metrics_consumers",
+        Kind::Gauge,
+        "Distinct consumers with their own series.",
+    );
+    w.gauge("tailgate_metrics_consumers", &[], rows.len());
+    w.family(
+        "tailgate_metrics_consumers_overflow",
+        Kind::Counter,
+        "Requests counted under the consumer _other because a worker's consumer table was full.",
+    );
+    w.counter("tailgate_metrics_consumers_overflow", &[], overflow);
+    Ok(())
+}
+
+/// The sums of one endpoint's counters over the workers.
+#[derive(Default)]
+struct EndpointSums {
+    addr: Option<SocketAddr>,
+    connects_on_request: u64,
+    preconnects: u64,
+    reuses: u64,
+    retired: [u64; 4],
+    retries: u64,
+    connect_failures: u64,
+    learned_limit: u64,
+    ejections: u64,
+    ejected: bool,
+    in_flight: u64,
+}
+
+impl EndpointSums {
+    fn add(&mut self, e: &EndpointPool) {
+        let s = &e.stats;
+        let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        self.addr = Some(e.addr);
+        self.connects_on_request += l(&s.connects_on_request);
+        self.preconnects += l(&s.preconnects);
+        self.reuses += l(&s.reuses);
+        self.retired[0] += l(&s.retired_max_requests);
+        self.retired[1] += l(&s.retired_lifetime);
+        self.retired[2] += l(&s.retired_idle);
+        self.retired[3] += l(&s.closed_by_server);
+        self.retries += l(&s.retries);
+        self.connect_failures += l(&s.connect_failures);
+        self.learned_limit = self
+            .learned_limit
+            .max(u64::from(s.learned_limit.load(Ordering::Relaxed)));
+        self.ejections += l(&e.load.ejections);
+        self.ejected |= e.load.is_ejected();
+        self.in_flight += u64::from(e.load.in_flight());
+    }
+}
+
+async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> {
+    // Per cluster: endpoints summed over workers, matched by address.
+    let mut clusters: Vec<(String, Vec<EndpointSums>, u64)> = Vec::new();
+    for (ci, cluster) in state.config.clusters.iter().enumerate() {
+        let mut eps: Vec<EndpointSums> = Vec::new();
+        let mut exhausted = 0;
+        for wk in &state.workers {
+            let Some(pools) = wk.upstreams.clusters.get(ci) else {
+                continue;
+            };
+            exhausted += pools.budget_exhausted.load(Ordering::Relaxed);
+            for e in &pools.endpoints {
+                match eps.iter_mut().find(|s| s.addr == Some(e.addr)) {
+                    Some(s) => s.add(e),
+                    None => {
+                        let mut s = EndpointSums::default();
+                        s.add(e);
+                        eps.push(s);
+                    }
+                }
+            }
+        }
+        clusters.push((escape_label(&cluster.name), eps, exhausted));
+    }
+    let label = |c: &str, e: &EndpointSums| {
+        format!(
+            "cluster=\"{c}\",endpoint=\"{}\"",
+            e.addr.map(|a| a.to_string()).unwrap_or_default()
+        )
+    };
+    type Get = fn(&EndpointSums) -> u64;
+    let families: [(&str, Kind, &str, Get); 6] = [
+        (
+            "tailgate_upstream_connection_reuses",
+            Kind::Counter,
+            "Requests sent on a pooled connection (no connect paid).",
+            |e| e.reuses,
+        ),
+        (
+            "tailgate_upstream_retries",
+            Kind::Counter,
+            "Requests sent again on a new connection after a pooled one failed, or to another endpoint after a connect failure.",
+            |e| e.retries,
+        ),
+        (
+            "tailgate_upstream_connect_failures",
+            Kind::Counter,
+            "Connection attempts that failed or timed out.",
+            |e| e.connect_failures,
+        ),
+        (
+            "tailgate_upstream_ejections",
+            Kind::Counter,
+            "Times the endpoint was ejected by outlier detection.",
+            |e| e.ejections,
+        ),
+        (
+            "tailgate_upstream_learned_max_requests",
+            Kind::Gauge,
+            "The server's requests-per-connection limit learned from its closes (0: none seen); connections rotate one request earlier.",
+            |e| e.learned_limit,
+        ),
+        (
+            "tailgate_upstream_requests_in_flight",
+            Kind::Gauge,
+            "Requests in flight to the endpoint.",
+            |e| e.in_flight,
+        ),
+    ];
+
+    w.family(
+        "tailgate_upstream_connects",
+        Kind::Counter,
+        "Connections opened: on a request's path (the request waited for it) or ahead of need (warm spares, replacements).",
+    );
+    for (c, eps, _) in &clusters {
+        for e in eps {
+            let l = label(c, e);
+            w.counter(
+                "tailgate_upstream_connects",
+                &[&l, "when=\"on_request\""],
+                e.connects_on_request,
+            );
+            w.counter(
+                "tailgate_upstream_connects",
+                &[&l, "when=\"ahead\""],
+                e.preconnects,
+            );
+        }
+    }
+    w.family(
+        "tailgate_upstream_connections_retired",
+        Kind::Counter,
+        "Pooled connections ended, by reason.",
+    );
+    for (c, eps, _) in &clusters {
+        for e in eps {
+            let l = label(c, e);
+            for (i, reason) in ["max_requests", "lifetime", "idle", "closed_by_server"]
+                .iter()
+                .enumerate()
+            {
+                let r = format!("reason=\"{reason}\"");
+                w.counter(
+                    "tailgate_upstream_connections_retired",
+                    &[&l, &r],
+                    e.retired[i],
+                );
+            }
+        }
+    }
+    for (name, kind, help, get) in families {
+        w.family(name, kind, help);
+        for (c, eps, _) in &clusters {
+            for e in eps {
+                let l = label(c, e);
+                match kind {
+                    Kind::Counter => w.counter(name, &[&l], get(e)),
+                    _ => w.gauge(name, &[&l], get(e)),
+                }
+            }
+        }
+        w.maybe_flush().await?;
+    }
+    w.family(
+        "tailgate_upstream_ejected",
+        Kind::Gauge,
+        "1 while the endpoint is ejected (on any worker).",
+    );
+    for (c, eps, _) in &clusters {
+        for e in eps {
+            w.gauge(
+                "tailgate_upstream_ejected",
+                &[&label(c, e)],
+                u8::from(e.ejected),
+            );
+        }
+    }
+    w.family(
+        "tailgate_upstream_retry_budget_exhausted",
+        Kind::Counter,
+        "Retries refused because the cluster's retry budget was spent.",
+    );
+    for (c, _, exhausted) in &clusters {
+        w.counter(
+            "tailgate_upstream_retry_budget_exhausted",
+            &[&format!("cluster=\"{c}\"")],
+            *exhausted,
+        );
+    }
+    Ok(())
+}
+
+fn runtime(state: &AdminState, w: &mut TextWriter) {
+    w.family(
+        "tailgate_runtime_lag_seconds",
+        Kind::Histogram,
+        "How late each data-plane worker ran its scheduled lag-probe tick.",
+    );
+    for (i, wk) in state.workers.iter().enumerate() {
+        let h = wk.metrics.lag.snapshot();
+        w.histogram(
+            "tailgate_runtime_lag_seconds",
+            &[&format!("worker=\"{i}\"")],
+            &h,
+        );
+    }
+    w.family(
+        "tailgate_runtime_last_tick_age_seconds",
+        Kind::Gauge,
+        "Time since each worker last ran its lag probe (grows while a worker is stalled).",
+    );
+    let now = state.plan.now_ms();
+    for (i, wk) in state.workers.iter().enumerate() {
+        let last = wk.metrics.last_tick_ms.load(Ordering::Relaxed);
+        let age = if last == 0 {
+            now
+        } else {
+            now.saturating_sub(last)
+        };
+        w.gauge(
+            "tailgate_runtime_last_tick_age_seconds",
+            &[&format!("worker=\"{i}\"")],
+            age as f64 / 1000.0,
+        );
+    }
+    w.family(
+        "tailgate_queue_dropped",
+        Kind::Counter,
+        "Items dropped because a bounded queue was full.",
+    );
+    w.counter(
+        "tailgate_queue_dropped",
+        &["queue=\"log\""],
+        crate::logging::dropped_lines(),
+    );
+    w.family(
+        "tailgate_metrics_last_render_seconds",
+        Kind::Gauge,
+        "How long the previous /metrics scrape took to render and send.",
+    );
+    w.gauge(
+        "tailgate_metrics_last_render_seconds",
+        &[],
+        state.last_render_ns.load(Ordering::Relaxed) as f64 / 1e9,
+    );
+    w.family(
+        "tailgate_metrics_last_series",
+        Kind::Gauge,
+        "Samples in the previous /metrics scrape.",
+    );
+    w.gauge(
+        "tailgate_metrics_last_series",
+        &[],
+        state.last_samples.load(Ordering::Relaxed),
+    );
+}
+
+fn process(state: &AdminState, w: &mut TextWriter) {
+    let p = crate::observe::process::read();
+    let _ = state;
+    w.family(
+        "process_cpu_seconds",
+        Kind::Counter,
+        "User and system CPU time spent.",
+    );
+    w.counter("process_cpu_seconds", &[], p.cpu_seconds);
+    let gauges: [(&str, &str, f64); 6] = [
+        (
+            "process_resident_memory_bytes",
+            "Resident memory size.",
+            p.resident_bytes as f64,
+        ),
+        (
+            "process_virtual_memory_bytes",
+            "Virtual memory size.",
+            p.virtual_bytes as f64,
+        ),
+        (
+            "process_open_fds",
+            "Open file descriptors.",
+            p.open_fds as f64,
+        ),
+        (
+            "process_max_fds",
+            "The limit on open file descriptors.",
+            p.max_fds as f64,
+        ),
+        ("process_threads", "OS threads.", p.threads as f64),
+        (
+            "process_start_time_seconds",
+            "Start time of the process since the Unix epoch.",
+            p.start_time_seconds,
+        ),
+    ];
+    for (name, help, v) in gauges {
+        w.family(name, Kind::Gauge, help);
+        w.gauge(name, &[], v);
+    }
+}

@@ -1,0 +1,477 @@
+//! The admin plane: `/metrics`, `/healthz`, `/readyz` and `/stats`, served from a dedicated
+//! OS thread with its own current-thread runtime and its own listener, never from a
+//! data-plane worker (seed 001: a scrape rendered on a request worker stalled requests).
+//!
+//! The thread runs at a lower scheduling priority (nice 10) than the workers: where it
+//! shares a core with one, the kernel runs the worker first, so a large scrape takes longer
+//! instead of delaying requests.
+//!
+//! - `/metrics`: Prometheus text 0.0.4, or OpenMetrics 1.0 when `Accept` asks for
+//!   `application/openmetrics-text`; gzip when `Accept-Encoding` allows it; streamed in
+//!   64 KiB chunks as it renders ([`exposition`]).
+//! - `/healthz`: 200 while every worker runs its lag probe on time, else 503 naming the
+//!   stalled workers.
+//! - `/readyz`: 503 before every worker runs, before each cluster that asks for warm
+//!   connections has some on every worker, and while draining; 200 otherwise.
+//! - `/stats`: the same state as JSON, for people and scripts.
+
+pub mod exposition;
+pub mod watchdog;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body::{Body, Frame};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::sync::{mpsc, watch};
+
+use crate::config::{AdminSettings, Config};
+use crate::observe::metrics::MetricsPlan;
+use crate::observe::metrics::render::{Format, TextWriter};
+use crate::pipeline::Worker;
+
+/// What the admin plane reads: the config, every worker (their metrics and pools), and
+/// whether the gateway is draining. Built once per gateway.
+pub struct AdminState {
+    pub config: Arc<Config>,
+    pub plan: Arc<MetricsPlan>,
+    pub workers: Vec<Arc<Worker>>,
+    pub draining: watch::Receiver<bool>,
+    /// A worker whose lag probe has not run for this long is stalled.
+    pub stall_threshold: Duration,
+    pub started: Instant,
+    /// Per-consumer series merged over the workers (only scrapes take this lock).
+    consumers: tokio::sync::Mutex<exposition::ConsumerMerge>,
+    pub last_render_ns: AtomicU64,
+    pub last_samples: AtomicU64,
+    pub scrapes: AtomicU64,
+}
+
+impl AdminState {
+    pub fn new(
+        config: Arc<Config>,
+        plan: Arc<MetricsPlan>,
+        workers: Vec<Arc<Worker>>,
+        draining: watch::Receiver<bool>,
+    ) -> AdminState {
+        let stall_threshold = config
+            .admin
+            .as_ref()
+            .map_or(Duration::from_secs(2), |a| a.stall_threshold);
+        AdminState {
+            config,
+            plan,
+            workers,
+            draining,
+            stall_threshold,
+            started: Instant::now(),
+            consumers: Default::default(),
+            last_render_ns: AtomicU64::new(0),
+            last_samples: AtomicU64::new(0),
+            scrapes: AtomicU64::new(0),
+        }
+    }
+
+    /// Milliseconds since each worker's lag probe last ran (`None`: it never ran).
+    pub fn tick_ages(&self) -> Vec<Option<u64>> {
+        let now = self.plan.now_ms();
+        self.workers
+            .iter()
+            .map(|w| match w.metrics.last_tick_ms.load(Ordering::Relaxed) {
+                0 => None,
+                t => Some(now.saturating_sub(t)),
+            })
+            .collect()
+    }
+
+    /// Workers that have not run their lag probe within the stall threshold.
+    pub fn stalled_workers(&self) -> Vec<usize> {
+        let limit = self.stall_threshold.as_millis() as u64;
+        self.tick_ages()
+            .iter()
+            .enumerate()
+            .filter(|(_, age)| age.is_none_or(|a| a > limit))
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    /// Why the gateway should not get traffic yet (or any more), if it should not.
+    pub fn not_ready(&self) -> Option<String> {
+        if *self.draining.borrow() {
+            return Some("draining".into());
+        }
+        if self.tick_ages().iter().any(Option::is_none) {
+            return Some("workers starting".into());
+        }
+        for (ci, cluster) in self.config.clusters.iter().enumerate() {
+            if cluster.min_warm_connections == 0 {
+                continue;
+            }
+            // Every worker has at least one endpoint that has opened its warm spares.
+            let cold = self.workers.iter().any(|w| {
+                w.upstreams.clusters.get(ci).is_some_and(|c| {
+                    !c.endpoints.iter().any(|e| {
+                        e.stats.preconnects.load(Ordering::Relaxed)
+                            >= cluster.min_warm_connections as u64
+                    })
+                })
+            });
+            if cold {
+                return Some(format!(
+                    "cluster `{}` has no warm connections yet",
+                    cluster.name
+                ));
+            }
+        }
+        None
+    }
+}
+
+/// The running admin thread.
+pub struct Admin {
+    pub addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    thread: JoinHandle<()>,
+}
+
+impl Admin {
+    /// Binds the admin listener and starts the admin thread.
+    pub fn start(settings: &AdminSettings, state: Arc<AdminState>) -> std::io::Result<Admin> {
+        let listener = std::net::TcpListener::bind(settings.address)?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let (stop, stop_rx) = watch::channel(false);
+        let thread = std::thread::Builder::new()
+            .name("tailgate-admin".into())
+            .spawn(move || run(listener, state, stop_rx))?;
+        tracing::info!(admin.addr = %addr, "admin listening");
+        Ok(Admin { addr, stop, thread })
+    }
+
+    /// Stops the admin thread (after the data plane has stopped).
+    pub fn stop(self) {
+        let _ = self.stop.send(true);
+        let _ = self.thread.join();
+    }
+}
+
+fn run(listener: std::net::TcpListener, state: Arc<AdminState>, mut stop: watch::Receiver<bool>) {
+    lower_priority();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot build the admin runtime");
+            return;
+        }
+    };
+    rt.block_on(async move {
+        let listener = match tokio::net::TcpListener::from_std(listener) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "admin listener failed");
+                return;
+            }
+        };
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => {
+                        tokio::spawn(serve(stream, state.clone()));
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "admin accept failed");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                },
+                _ = stop.wait_for(|s| *s) => break,
+            }
+        }
+    });
+}
+
+/// Nice 10 for this thread only (Linux applies `setpriority` to a thread id).
+fn lower_priority() {
+    let tid = rustix::thread::gettid();
+    if let Err(e) = rustix::process::setpriority_process(Some(tid), 10) {
+        tracing::debug!(error = %e, "cannot lower the admin thread's priority");
+    }
+}
+
+async fn serve(stream: tokio::net::TcpStream, state: Arc<AdminState>) {
+    let _ = stream.set_nodelay(true);
+    let svc = hyper::service::service_fn(move |req| {
+        let state = state.clone();
+        async move { Ok::<_, Infallible>(handle(state, req)) }
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(10))
+        .serve_connection(TokioIo::new(stream), svc);
+    if let Err(e) = conn.await {
+        tracing::debug!(error = %e, "admin connection ended with an error");
+    }
+}
+
+fn handle(state: Arc<AdminState>, req: Request<Incoming>) -> Response<AdminBody> {
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        let mut r = json(
+            StatusCode::METHOD_NOT_ALLOWED,
+            &serde_json::json!({"error": "method_not_allowed", "message": "the admin endpoints answer GET and HEAD"}),
+        );
+        r.headers_mut()
+            .insert(header::ALLOW, http::HeaderValue::from_static("GET, HEAD"));
+        return r;
+    }
+    match req.uri().path() {
+        "/metrics" => metrics(state, &req),
+        "/healthz" => {
+            let stalled = state.stalled_workers();
+            if stalled.is_empty() {
+                json(StatusCode::OK, &serde_json::json!({"status": "ok"}))
+            } else {
+                json(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &serde_json::json!({"status": "stalled", "stalled_workers": stalled}),
+                )
+            }
+        }
+        "/readyz" => match state.not_ready() {
+            None => json(StatusCode::OK, &serde_json::json!({"status": "ready"})),
+            Some(reason) => json(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &serde_json::json!({"status": "not_ready", "reason": reason}),
+            ),
+        },
+        "/stats" => json(StatusCode::OK, &stats(&state)),
+        _ => json(
+            StatusCode::NOT_FOUND,
+            &serde_json::json!({"error": "not_found", "message": "admin endpoints: /metrics, /healthz, /readyz, /stats"}),
+        ),
+    }
+}
+
+/// Starts rendering on the admin runtime and answers with the stream of its chunks.
+fn metrics(state: Arc<AdminState>, req: &Request<Incoming>) -> Response<AdminBody> {
+    let format = Format::from_accept(
+        req.headers()
+            .get(header::ACCEPT)
+            .and_then(|v| v.to_str().ok()),
+    );
+    let gzip = accepts_gzip(req.headers());
+    let (tx, rx) = mpsc::channel(4);
+    if req.method() == Method::GET {
+        tokio::spawn(async move {
+            let t = Instant::now();
+            let mut w = TextWriter::new(format, gzip, tx);
+            let done = match exposition::render(&state, &mut w).await {
+                Ok(()) => w.finish().await.ok(),
+                Err(_) => None,
+            };
+            state.scrapes.fetch_add(1, Ordering::Relaxed);
+            if let Some((samples, _)) = done {
+                state
+                    .last_render_ns
+                    .store(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                state.last_samples.store(samples, Ordering::Relaxed);
+            }
+        });
+    }
+    let mut resp = Response::new(AdminBody::Stream(rx));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static(format.content_type()),
+    );
+    if gzip {
+        resp.headers_mut().insert(
+            header::CONTENT_ENCODING,
+            http::HeaderValue::from_static("gzip"),
+        );
+    }
+    resp
+}
+
+/// Does `Accept-Encoding` allow gzip (listed without `q=0`)?
+fn accepts_gzip(h: &http::HeaderMap) -> bool {
+    h.get_all(header::ACCEPT_ENCODING)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|item| {
+            let mut parts = item.split(';').map(str::trim);
+            let coding = parts.next().unwrap_or("");
+            let zero_q = parts.any(|p| {
+                p.strip_prefix("q=")
+                    .and_then(|q| q.parse::<f32>().ok())
+                    .is_some_and(|q| q == 0.0)
+            });
+            coding.eq_ignore_ascii_case("gzip") && !zero_q
+        })
+}
+
+fn stats(state: &AdminState) -> serde_json::Value {
+    use serde_json::json;
+    let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let workers: Vec<_> = state
+        .workers
+        .iter()
+        .zip(state.tick_ages())
+        .enumerate()
+        .map(|(i, (w, age))| {
+            let lag = w.metrics.lag.snapshot();
+            json!({
+                "worker": i,
+                "last_tick_age_ms": age,
+                "requests_in_flight": w.metrics.in_flight.load(Ordering::Relaxed),
+                "lag_ticks": lag.count(),
+                "lag_mean_ms": if lag.count() > 0 { lag.sum_ns as f64 / lag.count() as f64 / 1e6 } else { 0.0 },
+            })
+        })
+        .collect();
+    let routes: Vec<_> = state
+        .config
+        .routes
+        .iter()
+        .enumerate()
+        .map(|(ri, r)| {
+            let (mut requests, mut errors, mut bytes_in, mut bytes_out) = (0, 0, 0, 0);
+            for w in &state.workers {
+                let s = &w.metrics.slots()[ri];
+                requests += s.requests.iter().map(l).sum::<u64>();
+                errors += s.errors.iter().map(l).sum::<u64>();
+                bytes_in += l(&s.bytes_in);
+                bytes_out += l(&s.bytes_out);
+            }
+            json!({
+                "name": r.name,
+                "tenant": r.tenant.and_then(|t| state.config.tenants.get(t)).map(|t| &t.name),
+                "path_prefix": r.path_prefix,
+                "requests": requests,
+                "errors": errors,
+                "request_body_bytes": bytes_in,
+                "response_body_bytes": bytes_out,
+            })
+        })
+        .collect();
+    let clusters: Vec<_> = state
+        .config
+        .clusters
+        .iter()
+        .enumerate()
+        .map(|(ci, c)| {
+            let endpoints: Vec<_> = state
+                .workers
+                .iter()
+                .enumerate()
+                .filter_map(|(wi, w)| w.upstreams.clusters.get(ci).map(|p| (wi, p)))
+                .flat_map(|(wi, p)| {
+                    p.endpoints.iter().map(move |e| {
+                        let s = &e.stats;
+                        json!({
+                            "worker": wi,
+                            "address": e.addr.to_string(),
+                            "connects_on_request": l(&s.connects_on_request),
+                            "preconnects": l(&s.preconnects),
+                            "reuses": l(&s.reuses),
+                            "retired_max_requests": l(&s.retired_max_requests),
+                            "retired_lifetime": l(&s.retired_lifetime),
+                            "retired_idle": l(&s.retired_idle),
+                            "closed_by_server": l(&s.closed_by_server),
+                            "retries": l(&s.retries),
+                            "connect_failures": l(&s.connect_failures),
+                            "learned_limit": s.learned_limit.load(Ordering::Relaxed),
+                            "ejections": l(&e.load.ejections),
+                            "ejected": e.load.is_ejected(),
+                            "requests_in_flight": e.load.in_flight(),
+                        })
+                    })
+                })
+                .collect();
+            json!({"name": c.name, "endpoints": endpoints})
+        })
+        .collect();
+    let p = crate::observe::process::read();
+    json!({
+        "uptime_seconds": state.started.elapsed().as_secs_f64(),
+        "draining": *state.draining.borrow(),
+        "ready": state.not_ready().is_none(),
+        "stalled_workers": state.stalled_workers(),
+        "workers": workers,
+        "routes": routes,
+        "clusters": clusters,
+        "metrics": {
+            "scrapes": l(&state.scrapes),
+            "last_render_seconds": l(&state.last_render_ns) as f64 / 1e9,
+            "last_samples": l(&state.last_samples),
+        },
+        "process": {
+            "cpu_seconds": p.cpu_seconds,
+            "resident_bytes": p.resident_bytes,
+            "open_fds": p.open_fds,
+            "threads": p.threads,
+        },
+    })
+}
+
+fn json(status: StatusCode, v: &serde_json::Value) -> Response<AdminBody> {
+    let mut body = serde_json::to_vec_pretty(v).unwrap_or_default();
+    body.push(b'\n');
+    let mut r = Response::new(AdminBody::Full(Some(Bytes::from(body))));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+/// An admin response body: a whole JSON document, or `/metrics` chunks as they render.
+pub enum AdminBody {
+    Full(Option<Bytes>),
+    Stream(mpsc::Receiver<Bytes>),
+}
+
+impl Body for AdminBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.get_mut() {
+            AdminBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            AdminBody::Stream(rx) => rx.poll_recv(cx).map(|c| c.map(|b| Ok(Frame::data(b)))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gzip_is_accepted_unless_refused() {
+        let h = |v: &'static str| {
+            let mut m = http::HeaderMap::new();
+            m.insert(header::ACCEPT_ENCODING, http::HeaderValue::from_static(v));
+            accepts_gzip(&m)
+        };
+        assert!(h("gzip"));
+        assert!(h("br, GZIP;q=0.5"));
+        assert!(!h("gzip;q=0"));
+        assert!(!h("identity"));
+        assert!(!accepts_gzip(&http::HeaderMap::new()));
+    }
+}

@@ -1,0 +1,527 @@
+//! The admin plane (seed 001, seed 002): `/metrics` in both text formats parsed back
+//! strictly, gzip, 100k series, scrapes answered while every worker is stalled, the lag
+//! probe seeing a blocked worker, `/healthz`, `/readyz`, `/stats` and the systemd watchdog.
+//! Behaviour and counts only; no timing is asserted.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::io::Read as _;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::prom::{self, Exposition};
+use common::*;
+use http_body_util::BodyExt;
+
+const ADMIN: &str = "[admin]\naddress = \"127.0.0.1:0\"\nlag_probe_interval = \"5ms\"\nstall_threshold = \"300ms\"\n";
+
+fn admin_addr(gw: &TestGateway) -> SocketAddr {
+    gw.gw
+        .as_ref()
+        .unwrap()
+        .admin_addr()
+        .expect("admin listener")
+}
+
+/// GET on the admin listener with extra headers; the whole body (gunzipped if needed).
+async fn admin_get(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> http::Response<Bytes> {
+    let mut c = h1_client(addr).await;
+    let mut req = http::Request::get(path).header("host", "admin");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = c.send_request(req.body(full("")).unwrap()).await.unwrap();
+    let (parts, body) = resp.into_parts();
+    let mut bytes = body.collect().await.unwrap().to_bytes();
+    if parts.headers.get("content-encoding").map(|v| v.as_bytes()) == Some(b"gzip") {
+        let mut out = Vec::new();
+        flate2::read::GzDecoder::new(&bytes[..])
+            .read_to_end(&mut out)
+            .unwrap();
+        bytes = out.into();
+    }
+    http::Response::from_parts(parts, bytes)
+}
+
+async fn scrape(addr: SocketAddr) -> Exposition {
+    let r = admin_get(addr, "/metrics", &[]).await;
+    assert_eq!(r.status(), 200);
+    let text = std::str::from_utf8(r.body()).unwrap();
+    prom::parse(text, false).unwrap_or_else(|e| panic!("bad exposition: {e}"))
+}
+
+async fn send(addr: SocketAddr, method: &str, path: &str, host: &str, body: &'static str) -> u16 {
+    let mut c = h1_client(addr).await;
+    let req = http::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", host)
+        .body(full(body))
+        .unwrap();
+    let resp = c.send_request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let _ = resp.into_body().collect().await;
+    status
+}
+
+fn two_tenants(up: SocketAddr, extra: &str) -> TestGateway {
+    TestGateway::start(&format!(
+        "{ADMIN}{extra}
+[[tenant]]
+name = \"acme\"
+hosts = [\"acme.test\"]
+[[tenant]]
+name = \"beta\"
+hosts = [\"beta.test\"]
+[[cluster]]
+name = \"up\"
+endpoints = [\"{up}\"]
+[[route]]
+name = \"acme-api\"
+tenant = \"acme\"
+path_prefix = \"/api/\"
+cluster = \"up\"
+[[route]]
+tenant = \"beta\"
+path_prefix = \"/\"
+methods = [\"GET\"]
+cluster = \"up\"
+"
+    ))
+}
+
+#[tokio::test]
+async fn metrics_parse_back_with_the_requests_counted() {
+    let up = echo_upstream().await;
+    let gw = two_tenants(up, "");
+    for _ in 0..3 {
+        assert_eq!(send(gw.addr, "GET", "/api/x", "acme.test", "").await, 200);
+    }
+    assert_eq!(
+        send(gw.addr, "POST", "/api/x", "acme.test", "hello").await,
+        200
+    );
+    assert_eq!(send(gw.addr, "GET", "/nothing", "acme.test", "").await, 404);
+    assert_eq!(send(gw.addr, "POST", "/b", "beta.test", "").await, 405);
+    let ex = scrape(admin_addr(&gw)).await;
+
+    let acme = [("tenant", "acme"), ("route", "acme-api")];
+    let req = |m: &str, c: &str| {
+        let mut l = acme.to_vec();
+        l.extend([("method", m), ("status_class", c)]);
+        ex.value("tailgate_requests_total", &l)
+    };
+    assert_eq!(req("GET", "2xx"), 3.0);
+    assert_eq!(req("POST", "2xx"), 1.0);
+    assert_eq!(
+        ex.value("tailgate_request_body_bytes_total", &acme),
+        5.0,
+        "the POST body"
+    );
+    // The 404 and the 405 matched no route: they count for the tenant the Host names.
+    assert_eq!(
+        ex.value(
+            "tailgate_request_errors_total",
+            &[("tenant", "acme"), ("route", ""), ("kind", "no_route")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        ex.value(
+            "tailgate_requests_total",
+            &[
+                ("tenant", "beta"),
+                ("route", ""),
+                ("method", "POST"),
+                ("status_class", "4xx")
+            ]
+        ),
+        1.0
+    );
+    // Latency histograms: total and per stage, with every request counted.
+    assert_eq!(
+        ex.value("tailgate_request_duration_seconds_count", &acme),
+        4.0
+    );
+    let mut ttfb = acme.to_vec();
+    ttfb.push(("stage", "upstream_ttfb"));
+    assert_eq!(
+        ex.value("tailgate_request_stage_duration_seconds_count", &ttfb),
+        4.0
+    );
+    assert_eq!(ex.types["tailgate_request_duration_seconds"], "histogram");
+    assert_eq!(ex.types["tailgate_requests_in_flight"], "gauge");
+    // Upstream pool events, per cluster and endpoint.
+    let ep = up.to_string();
+    let on_request = ex.value(
+        "tailgate_upstream_connects_total",
+        &[("cluster", "up"), ("endpoint", &ep), ("when", "on_request")],
+    );
+    let reuses = ex.value(
+        "tailgate_upstream_connection_reuses_total",
+        &[("cluster", "up"), ("endpoint", &ep)],
+    );
+    assert!(on_request >= 1.0);
+    assert_eq!(
+        on_request + reuses,
+        4.0,
+        "every upstream request connected or reused"
+    );
+    // Runtime and process.
+    assert!(ex.value("tailgate_runtime_lag_seconds_count", &[("worker", "0")]) >= 1.0);
+    assert!(ex.value("process_resident_memory_bytes", &[]) > 0.0);
+    assert!(ex.value("process_open_fds", &[]) > 0.0);
+    assert!(ex.value("process_cpu_seconds_total", &[]) >= 0.0);
+    assert_eq!(
+        ex.value("tailgate_queue_dropped_total", &[("queue", "log")]),
+        0.0
+    );
+}
+
+#[tokio::test]
+async fn openmetrics_when_asked_and_gzip_when_allowed() {
+    let up = ok_upstream().await;
+    let gw = two_tenants(up, "");
+    assert_eq!(send(gw.addr, "GET", "/api/", "acme.test", "").await, 200);
+    let admin = admin_addr(&gw);
+
+    let r = admin_get(
+        admin,
+        "/metrics",
+        &[(
+            "accept",
+            "application/openmetrics-text; version=1.0.0,text/plain;q=0.5",
+        )],
+    )
+    .await;
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/openmetrics-text")
+    );
+    let text = std::str::from_utf8(r.body()).unwrap();
+    assert!(text.ends_with("# EOF\n"));
+    assert!(text.contains("# TYPE tailgate_requests counter\n"));
+    let ex = prom::parse(text, true).unwrap_or_else(|e| panic!("bad OpenMetrics: {e}"));
+    assert_eq!(
+        ex.value(
+            "tailgate_requests_total",
+            &[("route", "acme-api"), ("status_class", "2xx")]
+        ),
+        1.0
+    );
+
+    let r = admin_get(admin, "/metrics", &[("accept-encoding", "gzip")]).await;
+    assert_eq!(r.headers()["content-encoding"], "gzip");
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/plain; version=0.0.4")
+    );
+    let text = std::str::from_utf8(r.body()).unwrap();
+    assert!(prom::parse(text, false).is_ok());
+    assert!(text.contains("tailgate_requests_total{tenant=\"acme\",route=\"acme-api\""));
+}
+
+#[tokio::test]
+async fn consumer_series_reach_100k_without_errors() {
+    let up = ok_upstream().await;
+    let gw = two_tenants(
+        up,
+        "[metrics]\nconsumer_header = \"x-consumer\"\nmax_consumers = 200000\n",
+    );
+    // Each consumer has 1 request-count series, 1 bytes series and a 19-sample histogram.
+    const CONSUMERS: usize = 4800;
+    let addr = gw.addr;
+    let mut tasks = Vec::new();
+    for t in 0..8 {
+        tasks.push(tokio::spawn(async move {
+            let mut c = h1_client(addr).await;
+            for i in (t..CONSUMERS).step_by(8) {
+                let req = http::Request::get("/api/")
+                    .header("host", "acme.test")
+                    .header("x-consumer", format!("consumer-{i}\"q\""))
+                    .body(full(""))
+                    .unwrap();
+                let resp = c.send_request(req).await.unwrap();
+                assert_eq!(resp.status(), 200);
+                let _ = resp.into_body().collect().await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let ex = scrape(admin_addr(&gw)).await;
+    assert!(
+        ex.samples.len() >= 100_000,
+        "only {} samples",
+        ex.samples.len()
+    );
+    assert_eq!(
+        ex.value("tailgate_metrics_consumers", &[]),
+        CONSUMERS as f64
+    );
+    assert_eq!(
+        ex.value("tailgate_metrics_consumers_overflow_total", &[]),
+        0.0
+    );
+    // Label values are escaped and read back intact.
+    assert_eq!(
+        ex.value(
+            "tailgate_consumer_requests_total",
+            &[("consumer", "consumer-17\"q\""), ("status_class", "2xx")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        ex.find("tailgate_consumer_request_duration_seconds_count", &[])
+            .len(),
+        CONSUMERS
+    );
+    // A second scrape reads the same series (the merge is incremental, nothing is lost).
+    let again = scrape(admin_addr(&gw)).await;
+    assert!(again.samples.len() >= ex.samples.len());
+}
+
+#[tokio::test]
+async fn consumers_past_the_limit_count_as_other() {
+    let up = ok_upstream().await;
+    let gw = two_tenants(
+        up,
+        "[metrics]\nconsumer_header = \"x-consumer\"\nmax_consumers = 3\n",
+    );
+    for i in 0..5 {
+        let mut c = h1_client(gw.addr).await;
+        let req = http::Request::get("/api/")
+            .header("host", "acme.test")
+            .header("x-consumer", format!("c{i}"))
+            .body(full(""))
+            .unwrap();
+        assert_eq!(c.send_request(req).await.unwrap().status(), 200);
+    }
+    let ex = scrape(admin_addr(&gw)).await;
+    assert_eq!(ex.value("tailgate_metrics_consumers", &[]), 3.0);
+    assert_eq!(
+        ex.value("tailgate_metrics_consumers_overflow_total", &[]),
+        2.0
+    );
+    assert!(
+        ex.find("tailgate_consumer_requests_total", &[("consumer", "c4")])
+            .is_empty()
+    );
+}
+
+/// Blocks worker `i`'s thread for `d`; returns once the block has begun.
+fn stall_worker(gw: &TestGateway, i: usize, d: Duration) -> Instant {
+    let (tx, rx) = std::sync::mpsc::channel();
+    gw.gw
+        .as_ref()
+        .unwrap()
+        .worker_handle(i)
+        .unwrap()
+        .spawn(async move {
+            let _ = tx.send(Instant::now());
+            // Deliberately blocks the worker's runtime, as a starved or stuck worker would be.
+            std::thread::sleep(d);
+        });
+    rx.recv().unwrap()
+}
+
+#[tokio::test]
+async fn scrapes_and_health_answer_while_every_worker_is_stalled() {
+    let up = ok_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "[server]\nworkers = 2\n{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let admin = admin_addr(&gw);
+    assert_eq!(admin_get(admin, "/healthz", &[]).await.status(), 200);
+    let started = stall_worker(&gw, 0, Duration::from_secs(3));
+    stall_worker(&gw, 1, Duration::from_secs(3));
+    // Give the stall time to exceed the 300 ms threshold.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+
+    let health = admin_get(admin, "/healthz", &[]).await;
+    let metrics = admin_get(admin, "/metrics", &[]).await;
+    let answered_during_stall = started.elapsed() < Duration::from_secs(3);
+    assert_eq!(health.status(), 503);
+    let body: serde_json::Value = serde_json::from_slice(health.body()).unwrap();
+    assert_eq!(body["stalled_workers"], serde_json::json!([0, 1]));
+    assert_eq!(metrics.status(), 200);
+    let ex = prom::parse(std::str::from_utf8(metrics.body()).unwrap(), false).unwrap();
+    assert!(ex.value("tailgate_runtime_last_tick_age_seconds", &[("worker", "1")]) >= 0.3);
+    assert!(
+        answered_during_stall,
+        "the admin answers came only after the workers were free again"
+    );
+
+    // Once the workers run again, health recovers.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while admin_get(admin, "/healthz", &[]).await.status() != 200 {
+        assert!(Instant::now() < deadline, "health never recovered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn the_lag_probe_sees_a_blocked_worker() {
+    let up = ok_upstream().await;
+    let gw = TestGateway::to(up, ADMIN);
+    let admin = admin_addr(&gw);
+    let over = |ex: &Exposition| {
+        let w = [("worker", "0")];
+        ex.value("tailgate_runtime_lag_seconds_count", &w)
+            - ex.value(
+                "tailgate_runtime_lag_seconds_bucket",
+                &[("worker", "0"), ("le", "0.25")],
+            )
+    };
+    let before = scrape(admin).await;
+    assert_eq!(
+        over(&before),
+        0.0,
+        "no tick was 250 ms late before the block"
+    );
+    stall_worker(&gw, 0, Duration::from_millis(400));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let ex = scrape(admin).await;
+        if over(&ex) >= 1.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the blocked worker's lag was never recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn readiness_waits_for_warm_connections_and_ends_at_drain() {
+    let up = ok_upstream().await;
+    let dead = dead_port();
+    // A cluster whose only endpoint is down never warms: not ready.
+    let cold = TestGateway::start(&format!(
+        "{ADMIN}[[cluster]]\nname = \"down\"\nendpoints = [\"{dead}\"]\nmin_warm_connections = 2\n[[route]]\npath_prefix = \"/\"\ncluster = \"down\"\n"
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = admin_get(admin_addr(&cold), "/readyz", &[]).await;
+    assert_eq!(r.status(), 503);
+    assert!(
+        std::str::from_utf8(r.body())
+            .unwrap()
+            .contains("no warm connections")
+    );
+
+    // The same with a live endpoint and warm spares: ready once they are open.
+    let gw = TestGateway::start(&format!(
+        "{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nmin_warm_connections = 2\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let admin = admin_addr(&gw);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while admin_get(admin, "/readyz", &[]).await.status() != 200 {
+        assert!(Instant::now() < deadline, "never ready");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Draining: a request in flight keeps the gateway alive; readiness is gone.
+    let slow = upstream(|_req| async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        http::Response::new(full("late"))
+    })
+    .await;
+    let gw2 = TestGateway::start(&format!(
+        "{ADMIN}[[cluster]]\nname = \"slow\"\nendpoints = [\"{slow}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"slow\"\n"
+    ));
+    let admin2 = admin_addr(&gw2);
+    let addr2 = gw2.addr;
+    let in_flight = tokio::spawn(async move { get(addr2, "/").await.status() });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    gw2.gw.as_ref().unwrap().shutdown();
+    let r = admin_get(admin2, "/readyz", &[]).await;
+    assert_eq!(r.status(), 503);
+    assert!(std::str::from_utf8(r.body()).unwrap().contains("draining"));
+    assert_eq!(in_flight.await.unwrap(), 200);
+}
+
+#[tokio::test]
+async fn stats_and_unknown_paths() {
+    let up = ok_upstream().await;
+    let gw = two_tenants(up, "");
+    assert_eq!(send(gw.addr, "GET", "/api/", "acme.test", "").await, 200);
+    let admin = admin_addr(&gw);
+    let r = admin_get(admin, "/stats", &[]).await;
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = serde_json::from_slice(r.body()).unwrap();
+    assert_eq!(v["routes"][0]["name"], "acme-api");
+    assert_eq!(v["routes"][0]["requests"], 1);
+    assert_eq!(v["clusters"][0]["name"], "up");
+    assert_eq!(v["clusters"][0]["endpoints"][0]["address"], up.to_string());
+    assert_eq!(v["ready"], true);
+    assert_eq!(admin_get(admin, "/nope", &[]).await.status(), 404);
+    let mut c = h1_client(admin).await;
+    let req = http::Request::post("/metrics")
+        .header("host", "admin")
+        .body(full(""))
+        .unwrap();
+    assert_eq!(c.send_request(req).await.unwrap().status(), 405);
+}
+
+#[tokio::test]
+async fn the_watchdog_is_fed_only_while_workers_respond() {
+    use std::os::unix::net::UnixDatagram;
+    let dir = std::env::temp_dir().join(format!("tailgate-wd-{}", std::process::id()));
+    let _ = std::fs::create_dir_all(&dir);
+    let path = dir.join("notify.sock");
+    let _ = std::fs::remove_file(&path);
+    let sock = UnixDatagram::bind(&path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+
+    let up = ok_upstream().await;
+    let mut gw = TestGateway::to(up, ADMIN);
+    gw.gw
+        .as_mut()
+        .unwrap()
+        .start_watchdog(
+            tailgate::admin::watchdog::NotifySocket::Path(path.clone()),
+            Duration::from_millis(50),
+        )
+        .unwrap();
+    let recv_until = |until: Instant| {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 256];
+        while Instant::now() < until {
+            if let Ok(n) = sock.recv(&mut buf) {
+                got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+            }
+        }
+        got
+    };
+    let first = recv_until(Instant::now() + Duration::from_millis(500));
+    assert_eq!(first.first().map(String::as_str), Some("READY=1"));
+    assert!(first.iter().filter(|m| *m == "WATCHDOG=1").count() >= 2);
+
+    // Stalled for 2 s; after the 300 ms threshold (with margin) no ping may come.
+    let t0 = stall_worker(&gw, 0, Duration::from_secs(2));
+    let _ = recv_until(t0 + Duration::from_millis(800));
+    let during = recv_until(t0 + Duration::from_millis(1900));
+    assert!(
+        during.is_empty(),
+        "the watchdog was fed while the worker was stalled: {during:?}"
+    );
+    let after = recv_until(t0 + Duration::from_secs(4));
+    assert!(
+        after.iter().any(|m| m == "WATCHDOG=1"),
+        "pings never resumed"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
