@@ -15,6 +15,7 @@ pub mod overhead;
 pub mod peers;
 pub mod procs;
 pub mod report;
+pub mod scrape;
 
 use std::fmt::Write;
 use std::net::SocketAddr;
@@ -66,7 +67,7 @@ impl Default for Options {
 }
 
 /// The scenario names, as typed on the command line.
-pub const NAMES: [&str; 2] = ["overhead", "keepalive-churn"];
+pub const NAMES: [&str; 3] = ["overhead", "keepalive-churn", "metrics-scrape"];
 
 /// Why a scenario failed as a whole.
 #[derive(Debug, thiserror::Error)]
@@ -75,7 +76,7 @@ pub enum ScenarioError {
     Setup(#[from] SetupError),
     #[error(transparent)]
     Load(#[from] load::LoadError),
-    #[error("unknown scenario {0:?} (known: overhead, keepalive-churn)")]
+    #[error("unknown scenario {0:?} (known: overhead, keepalive-churn, metrics-scrape)")]
     Unknown(String),
 }
 
@@ -124,6 +125,7 @@ pub fn run(name: &str, opts: &Options, tailgate_exe: &Path) -> Result<Outcome, S
     match name {
         "overhead" => overhead::run(opts, tailgate_exe),
         "keepalive-churn" => churn::run(opts, tailgate_exe),
+        "metrics-scrape" => scrape::run(opts, tailgate_exe),
         other => Err(ScenarioError::Unknown(other.to_string())),
     }
 }

@@ -44,9 +44,20 @@ pub fn upstream(
 /// `tailgate serve` with one worker in front of `upstream`, with warm spare connections
 /// (the setting a deployment that cares about the tail uses).
 pub fn tailgate(env: &mut Env, name: &str, upstream: SocketAddr) -> Result<SocketAddr, SetupError> {
+    tailgate_with(env, name, upstream, "")
+}
+
+/// [`tailgate`] with `extra` appended to its config (e.g. an `[admin]` table).
+pub fn tailgate_with(
+    env: &mut Env,
+    name: &str,
+    upstream: SocketAddr,
+    extra: &str,
+) -> Result<SocketAddr, SetupError> {
     let addr = loopback(free_port()?);
     let config = format!(
-        r#"[server]
+        r#"{extra}
+[server]
 workers = 1
 [log]
 level = "warn"
