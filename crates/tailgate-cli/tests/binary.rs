@@ -386,7 +386,7 @@ fn watchdog_notifies_systemd() {
             .spawn()
             .unwrap(),
     );
-    let mut recv = || {
+    let recv = || {
         let mut buf = [0u8; 128];
         let n = sock.recv(&mut buf).expect("a notification");
         String::from_utf8_lossy(&buf[..n]).into_owned()
