@@ -176,14 +176,15 @@ fn http_get(addr: SocketAddr, path: &str) -> String {
 /// the gateway (ports moved to free ones).
 #[test]
 fn example_config_serves_through_the_demo_upstream() {
-    let (gw_port, demo_port) = (free_port(), free_port());
+    let (gw_port, demo_port, admin_port) = (free_port(), free_port(), free_port());
     let example = std::fs::read_to_string(
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/tailgate.toml"),
     )
     .unwrap();
     let text = example
         .replace("127.0.0.1:8080", &format!("127.0.0.1:{gw_port}"))
-        .replace("127.0.0.1:8081", &format!("127.0.0.1:{demo_port}"));
+        .replace("127.0.0.1:8081", &format!("127.0.0.1:{demo_port}"))
+        .replace("127.0.0.1:9901", &format!("127.0.0.1:{admin_port}"));
     let dir = tmpdir();
     std::fs::write(dir.join("gw.toml"), text).unwrap();
     let _p = Proc(
@@ -200,6 +201,13 @@ fn example_config_serves_through_the_demo_upstream() {
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
     assert!(resp.contains("tailgate demo upstream"), "{resp}");
     assert!(resp.contains("\"x-forwarded-for\":\"127.0.0.1\""), "{resp}");
+    let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
+    let metrics = http_get(admin, "/metrics");
+    assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
+    assert!(
+        metrics.contains("tailgate_requests_total{tenant=\"demo\",route=\"route0\",method=\"GET\",status_class=\"2xx\"} 1"),
+        "{metrics}"
+    );
 }
 
 /// A slow upstream on its own thread: answers after `delay`.
