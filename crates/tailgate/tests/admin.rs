@@ -322,6 +322,12 @@ async fn consumers_past_the_limit_count_as_other() {
 
 /// Blocks worker `i`'s thread for `d`; returns once the block has begun.
 fn stall_worker(gw: &TestGateway, i: usize, d: Duration) -> Instant {
+    occupy_worker(gw, i, d, false)
+}
+
+/// Occupies worker `i`'s thread for `d`, sleeping (a stuck worker) or spinning on the CPU
+/// (a saturated one); returns once it has begun.
+fn occupy_worker(gw: &TestGateway, i: usize, d: Duration, spin: bool) -> Instant {
     let (tx, rx) = std::sync::mpsc::channel();
     gw.gw
         .as_ref()
@@ -329,23 +335,31 @@ fn stall_worker(gw: &TestGateway, i: usize, d: Duration) -> Instant {
         .worker_handle(i)
         .unwrap()
         .spawn(async move {
-            let _ = tx.send(Instant::now());
-            // Deliberately blocks the worker's runtime, as a starved or stuck worker would be.
-            std::thread::sleep(d);
+            let start = Instant::now();
+            let _ = tx.send(start);
+            // Deliberately never yields to the worker's runtime.
+            if spin {
+                while start.elapsed() < d {
+                    std::hint::spin_loop();
+                }
+            } else {
+                std::thread::sleep(d);
+            }
         });
     rx.recv().unwrap()
 }
 
 #[tokio::test]
-async fn scrapes_and_health_answer_while_every_worker_is_stalled() {
+async fn scrapes_and_health_answer_while_every_worker_is_saturated() {
     let up = ok_upstream().await;
     let gw = TestGateway::start(&format!(
         "[server]\nworkers = 2\n{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
     ));
     let admin = admin_addr(&gw);
     assert_eq!(admin_get(admin, "/healthz", &[]).await.status(), 200);
-    let started = stall_worker(&gw, 0, Duration::from_secs(3));
-    stall_worker(&gw, 1, Duration::from_secs(3));
+    // Both workers spin on the CPU: on this 2-core machine, every core is busy.
+    let started = occupy_worker(&gw, 0, Duration::from_secs(3), true);
+    occupy_worker(&gw, 1, Duration::from_secs(3), true);
     // Give the stall time to exceed the 300 ms threshold.
     tokio::time::sleep(Duration::from_millis(600)).await;
 
