@@ -172,7 +172,6 @@ impl Gateway {
             config.clone(),
             plan,
             workers.clone(),
-            shutdown_rx.clone(),
         ));
         let admin = match &config.admin {
             Some(settings) => {
@@ -255,6 +254,9 @@ impl Gateway {
 
     /// Starts a graceful shutdown: stop accepting, let in-flight requests finish.
     pub fn shutdown(&self) {
+        self.state
+            .draining
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let _ = self.shutdown.send(true);
     }
 

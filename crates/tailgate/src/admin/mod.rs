@@ -22,7 +22,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -45,7 +45,9 @@ pub struct AdminState {
     pub config: Arc<Config>,
     pub plan: Arc<MetricsPlan>,
     pub workers: Vec<Arc<Worker>>,
-    pub draining: watch::Receiver<bool>,
+    /// Set when shutdown begins (an atomic, not the workers' shutdown channel, so the admin
+    /// thread takes no lock the data plane takes).
+    pub draining: AtomicBool,
     /// A worker whose lag probe has not run for this long is stalled.
     pub stall_threshold: Duration,
     pub started: Instant,
@@ -61,7 +63,6 @@ impl AdminState {
         config: Arc<Config>,
         plan: Arc<MetricsPlan>,
         workers: Vec<Arc<Worker>>,
-        draining: watch::Receiver<bool>,
     ) -> AdminState {
         let stall_threshold = config
             .admin
@@ -71,7 +72,7 @@ impl AdminState {
             config,
             plan,
             workers,
-            draining,
+            draining: AtomicBool::new(false),
             stall_threshold,
             started: Instant::now(),
             consumers: Default::default(),
@@ -106,7 +107,7 @@ impl AdminState {
 
     /// Why the gateway should not get traffic yet (or any more), if it should not.
     pub fn not_ready(&self) -> Option<String> {
-        if *self.draining.borrow() {
+        if self.draining.load(Ordering::Relaxed) {
             return Some("draining".into());
         }
         if self.tick_ages().iter().any(Option::is_none) {
@@ -404,7 +405,7 @@ fn stats(state: &AdminState) -> serde_json::Value {
     let p = crate::observe::process::read();
     json!({
         "uptime_seconds": state.started.elapsed().as_secs_f64(),
-        "draining": *state.draining.borrow(),
+        "draining": state.draining.load(Ordering::Relaxed),
         "ready": state.not_ready().is_none(),
         "stalled_workers": state.stalled_workers(),
         "workers": workers,
