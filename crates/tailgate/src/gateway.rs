@@ -168,11 +168,7 @@ impl Gateway {
                 handles.push(h);
             }
         }
-        let state = Arc::new(AdminState::new(
-            config.clone(),
-            plan,
-            workers.clone(),
-        ));
+        let state = Arc::new(AdminState::new(config.clone(), plan, workers.clone()));
         let admin = match &config.admin {
             Some(settings) => {
                 Some(

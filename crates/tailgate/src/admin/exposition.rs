@@ -3,6 +3,7 @@
 //! no lock a worker takes (the consumer merge below is the admin thread's own).
 
 use std::collections::HashMap;
+use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 
@@ -82,7 +83,7 @@ async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> 
                 );
                 if n > 0 {
                     labels.clear();
-                    labels.push_str(&format!("method=\"{method}\",status_class=\"{class}\""));
+                    let _ = write!(labels, "method=\"{method}\",status_class=\"{class}\"");
                     w.counter("tailgate_requests", &[&plan.slot_labels[s], &labels], n);
                 }
             }
@@ -217,7 +218,7 @@ async fn consumers(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
                 .sum();
             if n > 0 {
                 label.clear();
-                label.push_str(&format!("consumer=\"{name}\",status_class=\"{class}\""));
+                let _ = write!(label, "consumer=\"{name}\",status_class=\"{class}\"");
                 w.counter("tailgate_consumer_requests", &[&label], n);
             }
         }
@@ -235,7 +236,7 @@ async fn consumers(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
             .map(|cell| cell.bytes_out.load(Ordering::Relaxed))
             .sum();
         label.clear();
-        label.push_str(&format!("consumer=\"{name}\""));
+        let _ = write!(label, "consumer=\"{name}\"");
         w.counter("tailgate_consumer_response_body_bytes", &[&label], n);
         w.maybe_flush().await?;
     }
@@ -250,7 +251,7 @@ async fn consumers(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
             cell.latency.add_to(&mut h);
         }
         label.clear();
-        label.push_str(&format!("consumer=\"{name}\""));
+        let _ = write!(label, "consumer=\"{name}\"");
         w.histogram("tailgate_consumer_request_duration_seconds", &[&label], &h);
         w.maybe_flush().await?;
     }
