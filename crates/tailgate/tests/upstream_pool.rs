@@ -257,6 +257,54 @@ async fn reset_pooled_connection_retries_get_but_not_post() {
     assert_eq!(g.pool_stat(|s| s.retries.load(Ordering::Relaxed)), 1);
 }
 
+/// `idempotent = true` on a route: a bodiless POST that a pooled connection drops is
+/// replayed on a fresh connection like a GET. Without it the same POST gets a 502 and
+/// reaches the upstream once.
+#[tokio::test]
+async fn route_marked_idempotent_replays_post_unmarked_does_not() {
+    use http_body_util::BodyExt;
+    for marked in [true, false] {
+        let up = raw_upstream(|i, _| if i == 1 { Act::Answer } else { Act::Drop }).await;
+        let gw = TestGateway::start(&format!(
+            "[[cluster]]\nname = \"up\"\nendpoints = [\"{}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nidempotent = {marked}\n",
+            up.addr
+        ));
+        let g = gw.gw.as_ref().unwrap();
+        let mut c = h1_client(gw.addr).await;
+        assert_eq!(get_on(&mut c, "/warm").await, 200);
+        // The pooled connection reads this POST and drops it without answering.
+        let r = c
+            .send_request(
+                http::Request::post("/jobs/7/run")
+                    .header("host", "a")
+                    .header("content-length", "0")
+                    .body(full(""))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        let status = r.status();
+        r.into_body().collect().await.unwrap();
+        let posts = up
+            .lines
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.starts_with("POST /jobs/7/run"))
+            .count();
+        let retries = g.pool_stat(|s| s.retries.load(Ordering::Relaxed));
+        if marked {
+            assert_eq!(status, 200, "replayed on a fresh connection");
+            assert_eq!(posts, 2, "sent on the stale connection, then once more");
+            assert_eq!(retries, 1);
+        } else {
+            assert_eq!(status, 502);
+            assert_eq!(posts, 1, "a POST is never sent twice by default");
+            assert_eq!(retries, 0);
+        }
+    }
+}
+
 /// An upstream that closes idle connections on its own: the next request finds the pooled
 /// connection closed and gets a new one, without an error.
 #[tokio::test]

@@ -119,4 +119,5 @@ pub struct RawRoute {
     pub cluster: Spanned<String>,
     pub response_timeout: Option<Spanned<String>>,
     pub total_timeout: Option<Spanned<String>>,
+    pub idempotent: Option<bool>,
 }

@@ -134,6 +134,9 @@ pub struct Route {
     pub response_timeout: Duration,
     /// `None`: no limit on the whole exchange.
     pub total_timeout: Option<Duration>,
+    /// Every request on this route may be sent twice (the upstream deduplicates, or its
+    /// POSTs are safe to repeat): replayed after a stale pooled connection like a GET.
+    pub idempotent: bool,
 }
 
 impl Config {

@@ -515,6 +515,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 cluster,
                 response_timeout,
                 total_timeout,
+                idempotent: r.idempotent.unwrap_or(false),
             });
         }
     }

@@ -287,7 +287,7 @@ async fn forward(
     // written to it (Envoy #1979, hyper #2136). A bodiless idempotent request can then be
     // replayed on a fresh connection; keep what is needed to rebuild it.
     let replay = (up.reused
-        && is_idempotent(&parts.method)
+        && (route.idempotent || is_idempotent(&parts.method))
         && http_body::Body::is_end_stream(&body))
     .then(|| {
         (
@@ -330,7 +330,8 @@ async fn forward(
             Some(_) => Err(e.into_error()),
             None => match replay {
                 // Written, then the connection failed before a response: replay it once on
-                // a fresh connection (idempotent and bodiless only; never a POST).
+                // a fresh connection (idempotent and bodiless only; never a POST unless the
+                // route says its requests are idempotent).
                 Some((method, uri, headers))
                     if req_body_error(e.error()).is_none() && cluster.try_spend_retry() =>
                 {

@@ -18,6 +18,8 @@ pub struct RouteEntry {
     pub cluster: usize,
     pub response_timeout: Duration,
     pub total_timeout: Option<Duration>,
+    /// Requests of every method may be sent twice (see [`config::Route::idempotent`]).
+    pub idempotent: bool,
 }
 
 /// Routes that share a scope, longest path prefix first.
@@ -99,6 +101,7 @@ impl RouteTable {
                 cluster: r.cluster,
                 response_timeout: r.response_timeout,
                 total_timeout: r.total_timeout,
+                idempotent: r.idempotent,
             });
             match (&r.host, r.tenant) {
                 (Some(h), _) => t.by_host.entry(h.clone()).or_default().push(entry),
