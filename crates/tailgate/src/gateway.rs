@@ -59,6 +59,7 @@ pub struct Gateway {
     state: Arc<AdminState>,
     admin: Option<Admin>,
     watchdog: Option<Watchdog>,
+    dns: crate::upstream::dns::Dns,
 }
 
 impl Gateway {
@@ -145,12 +146,16 @@ impl Gateway {
         });
         let config = Arc::new(config);
         let plan = Arc::new(MetricsPlan::new(&config));
+        // Host-name endpoints: resolved once here (bounded wait), then refreshed on the
+        // resolver's own thread.
+        let dns = crate::upstream::dns::Dns::start(&config, shutdown_rx.clone())
+            .map_err(StartError::Thread)?;
 
         let mut workers = Vec::new();
         let mut handles = Vec::new();
         for (i, sockets) in per_worker.into_iter().enumerate() {
             let worker = Arc::new(Worker {
-                upstreams: Upstreams::new(&config),
+                upstreams: Upstreams::new(&config, &dns),
                 shared: shared.clone(),
                 metrics: Arc::new(WorkerMetrics::new(plan.clone())),
             });
@@ -189,6 +194,7 @@ impl Gateway {
             state,
             admin,
             watchdog: None,
+            dns,
         })
     }
 
@@ -235,6 +241,19 @@ impl Gateway {
         self.workers.iter().map(|w| w.upstreams.sum(&f)).sum()
     }
 
+    /// Sums one cluster statistic over every cluster of every worker.
+    pub fn cluster_stat(&self, f: impl Fn(&crate::upstream::ClusterStats) -> u64) -> u64 {
+        self.workers
+            .iter()
+            .map(|w| w.upstreams.sum_clusters(&f))
+            .sum()
+    }
+
+    /// The resolver's counters (all zero when no endpoint is a host name).
+    pub fn dns_stats(&self) -> &crate::upstream::dns::DnsStats {
+        &self.dns.stats
+    }
+
     /// Every endpoint pool of every worker (for stats and tests).
     pub fn endpoint_pools(&self) -> Vec<Arc<crate::upstream::EndpointPool>> {
         self.workers
@@ -243,7 +262,7 @@ impl Gateway {
                 w.upstreams
                     .clusters
                     .iter()
-                    .flat_map(|c| c.endpoints.iter().cloned())
+                    .flat_map(|c| c.endpoints.load().iter().cloned().collect::<Vec<_>>())
             })
             .collect()
     }
@@ -257,7 +276,7 @@ impl Gateway {
     }
 
     /// Waits until every worker has exited (after [`Gateway::shutdown`] and the drain).
-    pub fn join(self) {
+    pub fn join(mut self) {
         for t in self.threads {
             let _ = t.join();
         }
@@ -267,6 +286,7 @@ impl Gateway {
         if let Some(a) = self.admin {
             a.stop();
         }
+        self.dns.join();
     }
 }
 

@@ -326,7 +326,7 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
                 continue;
             };
             exhausted += pools.budget_exhausted.load(Ordering::Relaxed);
-            for e in &pools.endpoints {
+            for e in pools.endpoints.load().iter() {
                 match eps.iter_mut().find(|s| s.addr == Some(e.addr)) {
                     Some(s) => s.add(e),
                     None => {

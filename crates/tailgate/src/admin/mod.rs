@@ -120,7 +120,7 @@ impl AdminState {
             // Every worker has at least one endpoint that has opened its warm spares.
             let cold = self.workers.iter().any(|w| {
                 w.upstreams.clusters.get(ci).is_some_and(|c| {
-                    !c.endpoints.iter().any(|e| {
+                    !c.endpoints.load().iter().any(|e| {
                         e.stats.preconnects.load(Ordering::Relaxed)
                             >= cluster.min_warm_connections as u64
                     })
@@ -377,7 +377,9 @@ fn stats(state: &AdminState) -> serde_json::Value {
                 .enumerate()
                 .filter_map(|(wi, w)| w.upstreams.clusters.get(ci).map(|p| (wi, p)))
                 .flat_map(|(wi, p)| {
-                    p.endpoints.iter().map(move |e| {
+                    let pools = p.endpoints.load_full();
+                    (0..pools.len()).map(move |i| {
+                        let e = &pools[i];
                         let s = &e.stats;
                         json!({
                             "worker": wi,

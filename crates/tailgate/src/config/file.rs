@@ -12,6 +12,8 @@ pub struct RawConfig {
     #[serde(default)]
     pub log: RawLog,
     #[serde(default)]
+    pub dns: RawDns,
+    #[serde(default)]
     pub demo: Vec<RawDemo>,
     #[serde(default)]
     pub listener: Vec<RawListener>,
@@ -59,6 +61,17 @@ pub struct RawLog {
     pub level: Option<Spanned<String>>,
     pub format: Option<Spanned<String>>,
     pub access_log: Option<bool>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDns {
+    #[serde(default)]
+    pub nameservers: Vec<Spanned<String>>,
+    pub min_refresh: Option<Spanned<String>>,
+    pub max_refresh: Option<Spanned<String>>,
+    pub query_timeout: Option<Spanned<String>>,
+    pub startup_timeout: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

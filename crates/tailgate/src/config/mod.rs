@@ -22,6 +22,7 @@ pub struct Config {
     pub source: PathBuf,
     pub server: ServerSettings,
     pub log: LogSettings,
+    pub dns: DnsSettings,
     pub demos: Vec<SocketAddr>,
     pub listeners: Vec<Listener>,
     pub tenants: Vec<Tenant>,
@@ -76,6 +77,28 @@ pub struct LogSettings {
     pub access_log: bool,
 }
 
+/// How host-name endpoints are resolved (`[dns]`).
+#[derive(Debug, Clone)]
+pub struct DnsSettings {
+    /// Name servers to ask; empty: the system's (`/etc/resolv.conf`).
+    pub nameservers: Vec<SocketAddr>,
+    /// A name is re-resolved at most this often (short TTLs, early refreshes after connect
+    /// failures, retries after resolver failures), and at least every `max_refresh`.
+    pub min_refresh: Duration,
+    pub max_refresh: Duration,
+    pub query_timeout: Duration,
+    /// How long start-up waits for the first resolution of every name.
+    pub startup_timeout: Duration,
+}
+
+/// A host-name endpoint: resolved in the background, never on a request's path.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct HostPort {
+    /// Lower case, without a trailing dot.
+    pub host: String,
+    pub port: u16,
+}
+
 #[derive(Debug, Clone)]
 pub struct Listener {
     pub name: String,
@@ -101,7 +124,10 @@ pub struct Tenant {
 #[derive(Debug, Clone)]
 pub struct Cluster {
     pub name: String,
+    /// Endpoints written as IP literals.
     pub endpoints: Vec<SocketAddr>,
+    /// Endpoints written as host names: every address they resolve to is an endpoint.
+    pub hostnames: Vec<HostPort>,
     pub connect_timeout: Duration,
     pub max_idle_per_endpoint: usize,
     pub idle_timeout: Duration,

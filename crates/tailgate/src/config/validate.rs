@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use toml::Spanned;
 
+mod dns;
+
 use super::file::{RawConfig, RawRoute};
 use super::{
     Cluster, Config, ConfigError, ConfigErrors, Listener, LogFormat, LogSettings, Route,
@@ -242,6 +244,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         format,
         access_log: raw.log.access_log.unwrap_or(true),
     };
+    let dns = c.dns(&raw.dns);
 
     // [[tenant]]
     let mut tenant_index: HashMap<String, usize> = HashMap::new();
@@ -386,14 +389,18 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 Some("list at least one, e.g. endpoints = [\"127.0.0.1:9000\"]"),
             );
         }
+        let mut hostnames = Vec::new();
         for (j, e) in cl.endpoints.get_ref().iter().enumerate() {
-            if let Some(a) = c.address(e, format!("cluster[{i}].endpoints[{j}]")) {
-                endpoints.push(a);
+            match c.endpoint(e, format!("cluster[{i}].endpoints[{j}]")) {
+                Some(dns::Endpoint::Addr(a)) => endpoints.push(a),
+                Some(dns::Endpoint::Name(n)) => hostnames.push(n),
+                None => {}
             }
         }
         clusters.push(Cluster {
             name,
             endpoints,
+            hostnames,
             connect_timeout: c.duration(
                 &cl.connect_timeout,
                 format!("cluster[{i}].connect_timeout"),
@@ -526,6 +533,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         source: c.path.to_path_buf(),
         server,
         log,
+        dns,
         demos,
         listeners,
         tenants,

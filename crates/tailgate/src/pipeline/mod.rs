@@ -253,18 +253,18 @@ async fn forward(
     let (first, mut pool) = cluster.pick(None)?;
     let t_connect = Instant::now();
     let mut in_flight = pool.load.start();
-    let mut up = match pool.checkout().await {
+    let mut up = match cluster.checkout(&pool).await {
         Ok(up) => up,
         // Nothing was sent: trying another endpoint is always safe.
         Err(e @ (ProxyError::UpstreamConnect(_) | ProxyError::ConnectTimeout))
-            if cluster.endpoints.len() > 1 && cluster.try_spend_retry() =>
+            if cluster.endpoint_count() > 1 && cluster.try_spend_retry() =>
         {
             in_flight.failed();
             tracing::debug!(upstream.addr = %pool.addr, error = %e, "connect failed; trying another endpoint");
             pool.count_retry();
             (_, pool) = cluster.pick(Some(first))?;
             in_flight = pool.load.start();
-            match pool.checkout().await {
+            match cluster.checkout(&pool).await {
                 Ok(up) => up,
                 Err(e) => {
                     in_flight.failed();
@@ -325,7 +325,7 @@ async fn forward(
                 tracing::debug!(upstream.addr = %pool.addr, "pooled connection closed before the request was sent; resending on a new one");
                 let left = remaining(route.response_timeout, total_deadline)
                     .saturating_sub(t_send.elapsed());
-                send_on_new(pool, &mut up, req, left).await?
+                send_on_new(&pool, &mut up, req, left).await?
             }
             Some(_) => Err(e.into_error()),
             None => match replay {
@@ -343,7 +343,7 @@ async fn forward(
                     *req.headers_mut() = headers;
                     let left = remaining(route.response_timeout, total_deadline)
                         .saturating_sub(t_send.elapsed());
-                    send_on_new(pool, &mut up, req, left).await?
+                    send_on_new(&pool, &mut up, req, left).await?
                 }
                 _ => Err(e.into_error()),
             },

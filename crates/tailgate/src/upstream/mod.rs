@@ -3,19 +3,37 @@
 //!
 //! Pools are per data-plane worker (each worker is one thread with its own runtime), so a
 //! checkout takes only an uncontended per-endpoint lock and never crosses threads.
+//!
+//! A cluster's endpoint list can change while requests run (host-name endpoints, [`dns`]):
+//! it sits behind an `ArcSwap`, so a request loads it without a lock, and an update keeps the
+//! pools (connections, counters, balancer state) of addresses that stay.
 
 mod balance;
+pub mod dns;
 mod pool;
 
 pub use balance::Balance;
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use arc_swap::ArcSwap;
+
 pub use pool::{Conn, EndpointPool, PoolStats};
 
-use crate::config::Config;
+use crate::config::{Cluster, Config};
 use crate::pipeline::error::ProxyError;
+
+/// Events of one cluster on one worker.
+#[derive(Debug, Default)]
+pub struct ClusterStats {
+    /// New endpoint lists applied (from DNS).
+    pub endpoint_updates: AtomicU64,
+    pub endpoints_added: AtomicU64,
+    /// Endpoints removed; their pools are drained (idle connections closed, keeper stopped).
+    pub endpoints_removed: AtomicU64,
+}
 
 /// The retry budget's window, and the retries it always allows per second of it.
 const BUDGET_WINDOW: std::time::Duration = std::time::Duration::from_secs(10);
@@ -23,7 +41,13 @@ const BUDGET_FLOOR_PER_SEC: u64 = 10;
 
 /// One worker's view of a cluster: its endpoints' pools and the balancer's state.
 pub struct ClusterPools {
-    pub endpoints: Vec<Arc<EndpointPool>>,
+    /// Swapped whole when the cluster's addresses change; loaded without a lock.
+    pub endpoints: ArcSwap<Vec<Arc<EndpointPool>>>,
+    pub stats: ClusterStats,
+    /// The cluster's settings, for pools of new addresses.
+    config: Cluster,
+    /// Where its addresses come from when it has host-name endpoints.
+    feed: Option<dns::ClusterFeed>,
     balance: Balance,
     next: AtomicU64,
     /// Requests sent to this cluster, and retries spent, for the retry budget.
@@ -72,32 +96,97 @@ impl ClusterPools {
     }
 
     /// Picks an endpoint (never `exclude` when there is another): its index and pool.
-    pub fn pick(&self, exclude: Option<usize>) -> Result<(usize, &Arc<EndpointPool>), ProxyError> {
-        if self.endpoints.is_empty() {
+    pub fn pick(&self, exclude: Option<usize>) -> Result<(usize, Arc<EndpointPool>), ProxyError> {
+        let endpoints = self.endpoints.load();
+        if endpoints.is_empty() {
             return Err(ProxyError::NoEndpoints);
         }
         let i = balance::pick(
             self.balance,
-            self.endpoints.len(),
-            |i| &self.endpoints[i].load,
+            endpoints.len(),
+            |i| &endpoints[i].load,
             &self.next,
             exclude,
         );
-        Ok((i, &self.endpoints[i]))
+        Ok((i, endpoints[i].clone()))
+    }
+
+    /// How many endpoints the cluster has now.
+    pub fn endpoint_count(&self) -> usize {
+        self.endpoints.load().len()
+    }
+
+    /// A connection to `pool`; a failed connect to a resolved address asks for an early
+    /// re-resolution of the cluster's names (the name may have moved: failover).
+    pub async fn checkout(&self, pool: &Arc<EndpointPool>) -> Result<Conn, ProxyError> {
+        let r = pool.checkout().await;
+        if let (Err(ProxyError::UpstreamConnect(_) | ProxyError::ConnectTimeout), Some(feed)) =
+            (&r, &self.feed)
+        {
+            feed.request_refresh();
+        }
+        r
+    }
+
+    /// Applies a new address list on this worker: pools of addresses that stay are kept
+    /// (with their connections and counters), new addresses get new pools whose warm keepers
+    /// start, removed ones are drained. Runs on the worker's runtime.
+    pub fn set_addrs(&self, addrs: &[SocketAddr]) {
+        let old = self.endpoints.load_full();
+        let mut next = Vec::with_capacity(addrs.len());
+        let (mut added, mut removed) = (0, 0);
+        for &a in addrs {
+            match old.iter().find(|p| p.addr == a) {
+                Some(p) => next.push(p.clone()),
+                None => {
+                    let p = Arc::new(EndpointPool::new(a, &self.config));
+                    tokio::spawn(p.clone().keep_warm());
+                    next.push(p);
+                    added += 1;
+                }
+            }
+        }
+        for p in old.iter().filter(|p| !addrs.contains(&p.addr)) {
+            p.retire();
+            removed += 1;
+        }
+        if added == 0 && removed == 0 {
+            return;
+        }
+        self.endpoints.store(Arc::new(next));
+        self.stats.endpoint_updates.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .endpoints_added
+            .fetch_add(added, Ordering::Relaxed);
+        self.stats
+            .endpoints_removed
+            .fetch_add(removed, Ordering::Relaxed);
+    }
+}
+
+/// Follows a cluster's address list for the life of the worker.
+async fn follow(cluster: Arc<ClusterPools>, mut rx: tokio::sync::watch::Receiver<dns::Addrs>) {
+    while rx.changed().await.is_ok() {
+        let addrs = rx.borrow_and_update().clone();
+        cluster.set_addrs(&addrs);
     }
 }
 
 /// All clusters' pools for one worker, indexed like the config's clusters.
 pub struct Upstreams {
-    pub clusters: Vec<ClusterPools>,
+    pub clusters: Vec<Arc<ClusterPools>>,
 }
 
 impl Upstreams {
-    /// Starts each endpoint's warm-connection keeper on the current (worker) runtime.
+    /// Starts each endpoint's warm-connection keeper, and each host-name cluster's follower
+    /// of its address list, on the current (worker) runtime.
     pub fn start_background(&self) {
         for c in &self.clusters {
-            for e in &c.endpoints {
+            for e in c.endpoints.load().iter() {
                 tokio::spawn(e.clone().keep_warm());
+            }
+            if let Some(feed) = &c.feed {
+                tokio::spawn(follow(c.clone(), feed.addrs.clone()));
             }
         }
     }
@@ -106,30 +195,47 @@ impl Upstreams {
     pub fn sum(&self, f: impl Fn(&pool::PoolStats) -> u64) -> u64 {
         self.clusters
             .iter()
-            .flat_map(|c| c.endpoints.iter())
-            .map(|e| f(&e.stats))
+            .map(|c| c.endpoints.load().iter().map(|e| f(&e.stats)).sum::<u64>())
             .sum()
     }
 
-    pub fn new(config: &Config) -> Upstreams {
+    /// Sums one statistic over every cluster.
+    pub fn sum_clusters(&self, f: impl Fn(&ClusterStats) -> u64) -> u64 {
+        self.clusters.iter().map(|c| f(&c.stats)).sum()
+    }
+
+    /// Pools for every cluster; host-name clusters start from the resolver's current list.
+    pub fn new(config: &Config, dns: &dns::Dns) -> Upstreams {
         Upstreams {
             clusters: config
                 .clusters
                 .iter()
-                .map(|c| ClusterPools {
-                    endpoints: c
-                        .endpoints
-                        .iter()
-                        .map(|&a| Arc::new(EndpointPool::new(a, c)))
-                        .collect(),
-                    balance: c.balance,
-                    next: AtomicU64::new(0),
-                    requests: AtomicU64::new(0),
-                    retries_spent: AtomicU64::new(0),
-                    budget_percent: c.retry_budget_percent,
-                    epoch: std::time::Instant::now(),
-                    window_start: AtomicU64::new(0),
-                    budget_exhausted: AtomicU64::new(0),
+                .enumerate()
+                .map(|(i, c)| {
+                    let feed = dns.feed(i).cloned();
+                    let addrs = match &feed {
+                        Some(f) => f.addrs.borrow().to_vec(),
+                        None => c.endpoints.clone(),
+                    };
+                    Arc::new(ClusterPools {
+                        endpoints: ArcSwap::from_pointee(
+                            addrs
+                                .iter()
+                                .map(|&a| Arc::new(EndpointPool::new(a, c)))
+                                .collect(),
+                        ),
+                        stats: ClusterStats::default(),
+                        config: c.clone(),
+                        feed,
+                        balance: c.balance,
+                        next: AtomicU64::new(0),
+                        requests: AtomicU64::new(0),
+                        retries_spent: AtomicU64::new(0),
+                        budget_percent: c.retry_budget_percent,
+                        epoch: std::time::Instant::now(),
+                        window_start: AtomicU64::new(0),
+                        budget_exhausted: AtomicU64::new(0),
+                    })
                 })
                 .collect(),
         }
@@ -148,7 +254,7 @@ mod tests {
             "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\nretry_budget_percent = 20\n",
         )
         .expect("valid");
-        let ups = Upstreams::new(&cfg);
+        let ups = Upstreams::new(&cfg, &dns::Dns::none());
         let c = &ups.clusters[0];
         // With no requests yet, the floor (10/s over a 10 s window) allows 100 retries.
         for _ in 0..100 {

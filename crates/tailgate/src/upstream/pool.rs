@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -71,6 +71,8 @@ pub struct EndpointPool {
     refill: Notify,
     /// Uses at the last server close, to learn its limit.
     last_close_uses: AtomicU32,
+    /// Removed from its cluster (DNS): keeps no idle connections, opens no spares.
+    retired: AtomicBool,
 }
 
 /// A connection checked out of the pool for one request.
@@ -111,7 +113,19 @@ impl EndpointPool {
             min_warm: cluster.min_warm_connections,
             refill: Notify::new(),
             last_close_uses: AtomicU32::new(0),
+            retired: AtomicBool::new(false),
         }
+    }
+
+    /// Drains the pool of an endpoint removed from its cluster: idle connections close, the
+    /// warm keeper stops, and connections still serving requests close when they finish.
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Relaxed);
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+        self.refill.notify_one();
     }
 
     /// Requests a connection may serve: the configured cap, or one less than the server's
@@ -162,7 +176,7 @@ impl EndpointPool {
     }
 
     fn put(&self, idle: Idle) {
-        if self.max_idle == 0 {
+        if self.max_idle == 0 || self.retired.load(Ordering::Relaxed) {
             return;
         }
         let mut list = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
@@ -282,7 +296,10 @@ impl EndpointPool {
         }
         let mut backoff = Duration::from_millis(100);
         loop {
-            while self.idle_len() < self.min_warm {
+            if self.retired.load(Ordering::Relaxed) {
+                return;
+            }
+            while self.idle_len() < self.min_warm && !self.retired.load(Ordering::Relaxed) {
                 match self.open().await {
                     Ok(sender) => {
                         self.stats.preconnects.fetch_add(1, Ordering::Relaxed);

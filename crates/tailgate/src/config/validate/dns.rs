@@ -1,0 +1,170 @@
+//! Checks for what DNS adds to the config: host-name endpoints and the `[dns]` table.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use toml::Spanned;
+
+use super::super::file::RawDns;
+use super::super::{DnsSettings, HostPort};
+use super::{Checker, valid_host_pattern};
+
+/// A cluster endpoint as written: an IP literal with port, or a host name with port.
+pub(super) enum Endpoint {
+    Addr(SocketAddr),
+    Name(HostPort),
+}
+
+impl Checker<'_> {
+    /// `"10.0.0.1:80"`, `"[::1]:80"` or `"api.internal:8080"`; anything else is an error.
+    pub(super) fn endpoint(&mut self, v: &Spanned<String>, field: String) -> Option<Endpoint> {
+        let text = v.get_ref();
+        if let Ok(a) = text.parse::<SocketAddr>() {
+            return Some(Endpoint::Addr(a));
+        }
+        let named = text.rsplit_once(':').and_then(|(host, port)| {
+            let host = host.to_ascii_lowercase();
+            let host = host.strip_suffix('.').unwrap_or(&host).to_owned();
+            let port = port.parse::<u16>().ok().filter(|&p| p != 0)?;
+            // A bare IP (no port, or a port that did not parse) is not a host name.
+            (valid_host_pattern(&host)
+                && !host.starts_with("*.")
+                && host.parse::<IpAddr>().is_err())
+            .then_some(HostPort { host, port })
+        });
+        match named {
+            Some(n) => Some(Endpoint::Name(n)),
+            None => {
+                self.err(
+                    Some(v.span()),
+                    field,
+                    format!("`{text}` is not an address"),
+                    Some("write an IP literal or a host name, and a port: \"127.0.0.1:8080\", \"[::1]:8080\" or \"api.internal:8080\""),
+                );
+                None
+            }
+        }
+    }
+
+    pub(super) fn dns(&mut self, raw: &RawDns) -> DnsSettings {
+        let mut nameservers = Vec::new();
+        for (i, ns) in raw.nameservers.iter().enumerate() {
+            let text = ns.get_ref();
+            let parsed = text
+                .parse::<SocketAddr>()
+                .or_else(|_| text.parse::<IpAddr>().map(|ip| SocketAddr::new(ip, 53)));
+            match parsed {
+                Ok(a) => nameservers.push(a),
+                Err(_) => self.err(
+                    Some(ns.span()),
+                    format!("dns.nameservers[{i}]"),
+                    format!("`{text}` is not a name server address"),
+                    Some("write an IP literal, optionally with a port: \"10.0.0.2\" or \"127.0.0.1:5353\""),
+                ),
+            }
+        }
+        let min_refresh = self.duration(
+            &raw.min_refresh,
+            "dns.min_refresh".into(),
+            Duration::from_secs(1),
+        );
+        let max_refresh = self.duration(
+            &raw.max_refresh,
+            "dns.max_refresh".into(),
+            Duration::from_secs(300),
+        );
+        if min_refresh < Duration::from_millis(10) {
+            self.err(
+                raw.min_refresh.as_ref().map(Spanned::span),
+                "dns.min_refresh".into(),
+                "must be at least 10ms".into(),
+                Some("a name is re-resolved at most this often; \"1s\" is a good default"),
+            );
+        }
+        if max_refresh < min_refresh {
+            self.err(
+                raw.max_refresh.as_ref().map(Spanned::span),
+                "dns.max_refresh".into(),
+                format!("{max_refresh:?} is shorter than dns.min_refresh ({min_refresh:?})"),
+                Some("make max_refresh at least min_refresh"),
+            );
+        }
+        let query_timeout = self.duration(
+            &raw.query_timeout,
+            "dns.query_timeout".into(),
+            Duration::from_secs(2),
+        );
+        let startup_timeout = self.duration(
+            &raw.startup_timeout,
+            "dns.startup_timeout".into(),
+            Duration::from_secs(5),
+        );
+        for (v, d, f) in [
+            (&raw.query_timeout, query_timeout, "dns.query_timeout"),
+            (&raw.startup_timeout, startup_timeout, "dns.startup_timeout"),
+        ] {
+            if d.is_zero() {
+                self.err(
+                    v.as_ref().map(Spanned::span),
+                    f.into(),
+                    "must be longer than 0".into(),
+                    Some("write a duration such as \"2s\""),
+                );
+            }
+        }
+        DnsSettings {
+            nameservers,
+            min_refresh,
+            max_refresh,
+            query_timeout,
+            startup_timeout,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use crate::Config;
+
+    fn errors(toml: &str) -> String {
+        let text = format!("[[listener]]\naddress = \"127.0.0.1:0\"\n{toml}");
+        match Config::parse(Path::new("t.toml"), &text) {
+            Ok(_) => String::new(),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn host_name_endpoints_are_kept_apart_from_addresses() {
+        let text = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"10.0.0.1:80\", \"API.internal.:8080\"]\n";
+        let cfg = Config::parse(Path::new("t.toml"), text).expect("valid");
+        let c = &cfg.clusters[0];
+        assert_eq!(c.endpoints, vec!["10.0.0.1:80".parse().expect("addr")]);
+        assert_eq!(c.hostnames.len(), 1);
+        assert_eq!(c.hostnames[0].host, "api.internal");
+        assert_eq!(c.hostnames[0].port, 8080);
+    }
+
+    #[test]
+    fn bad_endpoints_and_dns_settings_point_at_the_place() {
+        let e = errors(
+            "[[cluster]]\nname = \"c\"\nendpoints = [\"api.internal\", \"10.0.0.1\", \"a b:80\", \"x.y:0\"]\n",
+        );
+        for i in 0..4 {
+            assert!(e.contains(&format!("cluster[0].endpoints[{i}]")), "{e}");
+        }
+        assert!(e.contains("t.toml:5:14"), "{e}");
+        let e = errors(
+            "[dns]\nnameservers = [\"resolver\"]\nmin_refresh = \"5s\"\nmax_refresh = \"1s\"\nquery_timeout = \"0s\"\n",
+        );
+        assert!(e.contains("t.toml:4:16: dns.nameservers[0]"), "{e}");
+        assert!(e.contains("t.toml:6:15: dns.max_refresh"), "{e}");
+        assert!(
+            e.contains("dns.query_timeout: must be longer than 0"),
+            "{e}"
+        );
+        assert!(e.contains("help:"), "{e}");
+    }
+}

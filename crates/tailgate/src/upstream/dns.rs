@@ -1,0 +1,390 @@
+//! Host-name endpoints (seeds 003 and 004): names are resolved on a dedicated `tailgate-dns`
+//! thread with its own current-thread runtime, never on a request's path, and each cluster's
+//! resulting address list is published on a `watch` channel that every worker follows (see
+//! [`super::ClusterPools::set_addrs`]).
+//!
+//! hickory-resolver is here for its async, TTL-aware resolver (it reads `/etc/resolv.conf`
+//! or takes explicit name servers); tailgate schedules the refreshes itself:
+//! - a name is re-resolved when its answer's TTL runs out, clamped to
+//!   `[dns.min_refresh, dns.max_refresh]`;
+//! - a failed lookup keeps the last addresses (serve stale), is logged and counted, and is
+//!   retried with a backoff starting at `min_refresh`;
+//! - a connect failure to an endpoint of a cluster asks for an early re-resolution of that
+//!   cluster's names (at most once per `min_refresh`), so a failover that moved the name to
+//!   a new address is followed quickly (seed 004).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use hickory_resolver::TokioResolver;
+use hickory_resolver::config::{NameServerConfig, ResolverConfig, ResolverOpts};
+use hickory_resolver::net::runtime::TokioRuntimeProvider;
+use hickory_resolver::proto::rr::RecordType;
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+
+use crate::config::{Config, DnsSettings};
+
+/// A cluster's current endpoint addresses (IP literals and resolved names), sorted.
+pub type Addrs = Arc<Vec<SocketAddr>>;
+
+/// Resolver events, over all names.
+#[derive(Debug, Default)]
+pub struct DnsStats {
+    /// Lookups that returned addresses.
+    pub lookups: AtomicU64,
+    /// Lookups that failed (timeout, no answer, no records); the last addresses were kept.
+    pub failures: AtomicU64,
+    /// Times a cluster's address list changed and was published to the workers.
+    pub changes: AtomicU64,
+    /// Re-resolutions asked for by connect failures.
+    pub early_refreshes: AtomicU64,
+}
+
+/// Early re-resolution requests, by cluster index.
+struct Early {
+    notify: Notify,
+    requested: Vec<AtomicBool>,
+}
+
+/// What a worker needs to follow one cluster's addresses.
+#[derive(Clone)]
+pub struct ClusterFeed {
+    pub addrs: watch::Receiver<Addrs>,
+    early: Arc<Early>,
+    cluster: usize,
+}
+
+impl ClusterFeed {
+    /// Asks the resolver thread to re-resolve this cluster's names soon (after a connect
+    /// failure). Cheap and non-blocking: a flag and a wake-up.
+    pub fn request_refresh(&self) {
+        if let Some(flag) = self.early.requested.get(self.cluster)
+            && !flag.swap(true, Ordering::Relaxed)
+        {
+            self.early.notify.notify_one();
+        }
+    }
+}
+
+/// The resolver thread and one feed per cluster that has host-name endpoints.
+pub struct Dns {
+    pub stats: Arc<DnsStats>,
+    feeds: Vec<Option<ClusterFeed>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Dns {
+    /// No resolver: every endpoint is an IP literal.
+    pub fn none() -> Dns {
+        Dns {
+            stats: Arc::default(),
+            feeds: Vec::new(),
+            thread: None,
+        }
+    }
+
+    /// Starts the resolver thread if any cluster has a host-name endpoint, and waits (at most
+    /// `dns.startup_timeout`) for the first resolution of every name. A name that does not
+    /// resolve is logged; its cluster has only its other endpoints until it does.
+    pub fn start(config: &Config, shutdown: watch::Receiver<bool>) -> std::io::Result<Dns> {
+        if config.clusters.iter().all(|c| c.hostnames.is_empty()) {
+            return Ok(Dns::none());
+        }
+        let stats = Arc::new(DnsStats::default());
+        let early = Arc::new(Early {
+            notify: Notify::new(),
+            requested: config
+                .clusters
+                .iter()
+                .map(|_| AtomicBool::new(false))
+                .collect(),
+        });
+        let mut feeds = Vec::new();
+        let mut targets = Vec::new();
+        for (i, c) in config.clusters.iter().enumerate() {
+            if c.hostnames.is_empty() {
+                feeds.push(None);
+                continue;
+            }
+            let mut initial = c.endpoints.clone();
+            initial.sort();
+            initial.dedup();
+            let (tx, rx) = watch::channel(Arc::new(initial.clone()));
+            feeds.push(Some(ClusterFeed {
+                addrs: rx,
+                early: early.clone(),
+                cluster: i,
+            }));
+            targets.push(Target {
+                cluster: i,
+                name: c.name.clone(),
+                fixed: initial,
+                names: c
+                    .hostnames
+                    .iter()
+                    .map(|h| (h.host.clone(), h.port))
+                    .collect(),
+                tx,
+            });
+        }
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let settings = config.dns.clone();
+        let wait = settings.startup_timeout + Duration::from_secs(1);
+        let (st, ea) = (stats.clone(), early.clone());
+        let thread = std::thread::Builder::new()
+            .name("tailgate-dns".into())
+            .spawn(move || run(settings, targets, st, ea, shutdown, ready_tx))?;
+        if ready_rx.recv_timeout(wait).is_err() {
+            tracing::warn!(
+                "the first DNS resolution did not finish in time; starting with what is resolved"
+            );
+        }
+        Ok(Dns {
+            stats,
+            feeds,
+            thread: Some(thread),
+        })
+    }
+
+    /// The feed of cluster `i`, if it has host-name endpoints.
+    pub fn feed(&self, i: usize) -> Option<&ClusterFeed> {
+        self.feeds.get(i).and_then(Option::as_ref)
+    }
+
+    /// Waits for the resolver thread to exit (after the gateway's shutdown signal).
+    pub fn join(&mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One cluster the resolver publishes to.
+struct Target {
+    cluster: usize,
+    name: String,
+    /// Its IP-literal endpoints.
+    fixed: Vec<SocketAddr>,
+    names: Vec<(String, u16)>,
+    tx: watch::Sender<Addrs>,
+}
+
+/// One name's resolution state.
+struct NameState {
+    addrs: Vec<IpAddr>,
+    resolved: bool,
+    due: Instant,
+    last: Option<Instant>,
+    failures_in_row: u32,
+}
+
+fn build_resolver(s: &DnsSettings) -> Result<TokioResolver, String> {
+    let mut builder = if s.nameservers.is_empty() {
+        TokioResolver::builder_tokio().map_err(|e| e.to_string())?
+    } else {
+        let servers = s
+            .nameservers
+            .iter()
+            .map(|a| {
+                let mut ns = NameServerConfig::udp_and_tcp(a.ip());
+                for c in &mut ns.connections {
+                    c.port = a.port();
+                }
+                ns
+            })
+            .collect();
+        TokioResolver::builder_with_config(
+            ResolverConfig::from_name_servers(servers),
+            TokioRuntimeProvider::default(),
+        )
+    };
+    let opts: &mut ResolverOpts = builder.options_mut();
+    opts.timeout = s.query_timeout;
+    opts.attempts = 1;
+    // Our refresh schedule is the cache that matters; the resolver's must not outlive it.
+    opts.positive_max_ttl = Some(s.max_refresh);
+    opts.negative_max_ttl = Some(s.min_refresh);
+    builder.build().map_err(|e| e.to_string())
+}
+
+fn run(
+    settings: DnsSettings,
+    targets: Vec<Target>,
+    stats: Arc<DnsStats>,
+    early: Arc<Early>,
+    mut shutdown: watch::Receiver<bool>,
+    ready: std::sync::mpsc::Sender<()>,
+) {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot build the DNS runtime; host-name endpoints will not resolve");
+            return;
+        }
+    };
+    rt.block_on(async move {
+        let resolver = match build_resolver(&settings) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot build the DNS resolver; host-name endpoints will not resolve");
+                let _ = ready.send(());
+                return;
+            }
+        };
+        let now = Instant::now();
+        let mut names: HashMap<String, NameState> = HashMap::new();
+        for t in &targets {
+            for (host, _) in &t.names {
+                names.entry(host.clone()).or_insert(NameState {
+                    addrs: Vec::new(),
+                    resolved: false,
+                    due: now,
+                    last: None,
+                    failures_in_row: 0,
+                });
+            }
+        }
+        let first_timeout = settings.query_timeout.min(settings.startup_timeout);
+        refresh_due(&resolver, &settings, &mut names, &stats, first_timeout).await;
+        for (host, n) in &names {
+            if !n.resolved {
+                tracing::warn!(dns.name = %host, "host name did not resolve at start; its cluster has no endpoints from it until it does");
+            }
+        }
+        publish(&targets, &names, &stats);
+        let _ = ready.send(());
+        loop {
+            let next = names
+                .values()
+                .map(|n| n.due)
+                .min()
+                .unwrap_or_else(|| Instant::now() + settings.max_refresh);
+            tokio::select! {
+                _ = tokio::time::sleep_until(next) => {}
+                _ = early.notify.notified() => {
+                    let now = Instant::now();
+                    for t in &targets {
+                        if !early.requested[t.cluster].swap(false, Ordering::Relaxed) {
+                            continue;
+                        }
+                        stats.early_refreshes.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(cluster = %t.name, "connect failure; re-resolving the cluster's names early");
+                        for (host, _) in &t.names {
+                            // Ask the name servers again, not the resolver's cache.
+                            for rt in [RecordType::A, RecordType::AAAA] {
+                                resolver.clear_lookup_cache(host.as_str(), rt);
+                            }
+                            if let Some(n) = names.get_mut(host) {
+                                let earliest = n.last.map_or(now, |l| l + settings.min_refresh);
+                                n.due = n.due.min(earliest.max(now));
+                            }
+                        }
+                    }
+                    continue;
+                }
+                _ = shutdown.wait_for(|stop| *stop) => return,
+            }
+            refresh_due(&resolver, &settings, &mut names, &stats, settings.query_timeout).await;
+            publish(&targets, &names, &stats);
+        }
+    });
+}
+
+/// Resolves every name that is due, concurrently; keeps the last addresses on failure.
+async fn refresh_due(
+    resolver: &TokioResolver,
+    s: &DnsSettings,
+    names: &mut HashMap<String, NameState>,
+    stats: &DnsStats,
+    timeout: Duration,
+) {
+    let now = Instant::now();
+    let due: Vec<String> = names
+        .iter()
+        .filter(|(_, n)| n.due <= now)
+        .map(|(h, _)| h.clone())
+        .collect();
+    let lookups = due.iter().map(|host| async move {
+        let r = match tokio::time::timeout(timeout, resolver.lookup_ip(host.as_str())).await {
+            Ok(Ok(l)) => {
+                let mut ips: Vec<IpAddr> = l.iter().collect();
+                ips.sort();
+                ips.dedup();
+                if ips.is_empty() {
+                    Err("no addresses in the answer".to_owned())
+                } else {
+                    Ok((ips, Instant::from_std(l.valid_until())))
+                }
+            }
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("no answer within {timeout:?}")),
+        };
+        (host, r)
+    });
+    let results = futures_util::future::join_all(lookups).await;
+    let now = Instant::now();
+    for (host, r) in results {
+        let Some(n) = names.get_mut(host) else {
+            continue;
+        };
+        n.last = Some(now);
+        match r {
+            Ok((ips, valid_until)) => {
+                stats.lookups.fetch_add(1, Ordering::Relaxed);
+                let ttl = valid_until.saturating_duration_since(now);
+                n.due = now + ttl.clamp(s.min_refresh, s.max_refresh);
+                n.addrs = ips;
+                n.resolved = true;
+                n.failures_in_row = 0;
+            }
+            Err(e) => {
+                stats.failures.fetch_add(1, Ordering::Relaxed);
+                let backoff = s
+                    .min_refresh
+                    .saturating_mul(1 << n.failures_in_row.min(10))
+                    .min(s.max_refresh);
+                n.failures_in_row += 1;
+                n.due = now + backoff;
+                if n.failures_in_row == 1 {
+                    tracing::warn!(dns.name = %host, error = %e, stale = ?n.addrs, "DNS lookup failed; keeping the last addresses");
+                } else {
+                    tracing::debug!(dns.name = %host, error = %e, "DNS lookup failed again");
+                }
+            }
+        }
+    }
+}
+
+/// Sends each cluster's address list to the workers when it changed.
+fn publish(targets: &[Target], names: &HashMap<String, NameState>, stats: &DnsStats) {
+    for t in targets {
+        let mut addrs = t.fixed.clone();
+        for (host, port) in &t.names {
+            if let Some(n) = names.get(host) {
+                addrs.extend(n.addrs.iter().map(|&ip| SocketAddr::new(ip, *port)));
+            }
+        }
+        addrs.sort();
+        addrs.dedup();
+        let changed = t.tx.send_if_modified(|cur| {
+            if **cur == addrs {
+                false
+            } else {
+                *cur = Arc::new(addrs.clone());
+                true
+            }
+        });
+        if changed {
+            stats.changes.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(cluster = %t.name, endpoints = ?addrs, "cluster endpoints changed (DNS)");
+        }
+    }
+}

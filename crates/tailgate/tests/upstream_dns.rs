@@ -1,0 +1,319 @@
+//! Host-name endpoints (seeds 003 and 004): a real DNS server on a free UDP port answers
+//! `svc.test.` with an A record the test controls; test upstreams listen on distinct loopback
+//! addresses (127.0.0.x, same port), so a changed record means a different endpoint.
+//! Behaviour is asserted on request outcomes and counters, never on timings.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use hickory_proto::op::Message;
+use hickory_proto::rr::rdata::A;
+use hickory_proto::rr::{RData, Record, RecordType};
+use tokio::net::UdpSocket;
+
+/// A minimal authoritative DNS server: `svc.test.` → the current A record (TTL `ttl`, 1 s
+/// unless set) while `answering`, an empty answer otherwise; AAAA and other names get empty
+/// answers. It runs on its own thread: the gateway's start-up waits for the first answer
+/// while the test's runtime is blocked.
+struct DnsServer {
+    addr: SocketAddr,
+    a: Arc<Mutex<Ipv4Addr>>,
+    ttl: Arc<AtomicU32>,
+    answering: Arc<AtomicBool>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl DnsServer {
+    async fn start(ip: Ipv4Addr) -> DnsServer {
+        let std_sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        std_sock.set_nonblocking(true).unwrap();
+        let addr = std_sock.local_addr().unwrap();
+        let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+        let a = Arc::new(Mutex::new(ip));
+        let answering = Arc::new(AtomicBool::new(true));
+        let ttl = Arc::new(AtomicU32::new(1));
+        let (a2, on, ttl2) = (a.clone(), answering.clone(), ttl.clone());
+        let serve = async move {
+            let sock = UdpSocket::from_std(std_sock).unwrap();
+            let mut buf = [0u8; 2048];
+            loop {
+                let got = tokio::select! {
+                    r = sock.recv_from(&mut buf) => r,
+                    _ = &mut stopped => return,
+                };
+                let Ok((n, peer)) = got else {
+                    return;
+                };
+                let Ok(q) = Message::from_vec(&buf[..n]) else {
+                    continue;
+                };
+                let mut resp = Message::response(q.metadata.id, q.metadata.op_code);
+                resp.metadata.authoritative = true;
+                resp.metadata.recursion_desired = q.metadata.recursion_desired;
+                resp.metadata.recursion_available = true;
+                for query in &q.queries {
+                    resp.add_query(query.clone());
+                    let name = query.name().to_string().to_ascii_lowercase();
+                    if query.query_type() == RecordType::A
+                        && name == "svc.test."
+                        && on.load(Ordering::SeqCst)
+                    {
+                        let ip = *a2.lock().unwrap();
+                        resp.add_answer(Record::from_rdata(
+                            query.name().clone(),
+                            ttl2.load(Ordering::SeqCst),
+                            RData::A(A(ip)),
+                        ));
+                    }
+                }
+                if let Ok(bytes) = resp.to_vec() {
+                    let _ = sock.send_to(&bytes, peer).await;
+                }
+            }
+        };
+        std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(serve)
+        });
+        DnsServer {
+            addr,
+            a,
+            ttl,
+            answering,
+            stop: Some(stop),
+        }
+    }
+
+    /// Stops answering: the port is closed.
+    fn stop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+
+    fn set(&self, ip: Ipv4Addr) {
+        *self.a.lock().unwrap() = ip;
+    }
+}
+
+/// An upstream on `ip:port` (port 0: any) that counts its requests.
+async fn counting_on(ip: Ipv4Addr, port: u16) -> Option<(SocketAddr, Arc<AtomicUsize>)> {
+    let hits = Arc::new(AtomicUsize::new(0));
+    let h = hits.clone();
+    // Binding may fail when the port is taken on this address: the caller picks another.
+    let probe = std::net::TcpListener::bind((ip, port)).ok()?;
+    let bind = probe.local_addr().unwrap();
+    drop(probe);
+    let addr = upstream_on(&bind.to_string(), move |_| {
+        h.fetch_add(1, Ordering::SeqCst);
+        async { http::Response::new(full("ok")) }
+    })
+    .await;
+    Some((addr, hits))
+}
+
+/// Two counting upstreams on 127.0.0.2 and 127.0.0.3, same port.
+async fn twin_upstreams() -> (u16, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    for _ in 0..20 {
+        let (a, a_hits) = counting_on(Ipv4Addr::new(127, 0, 0, 2), 0).await.unwrap();
+        if let Some((_, b_hits)) = counting_on(Ipv4Addr::new(127, 0, 0, 3), a.port()).await {
+            return (a.port(), a_hits, b_hits);
+        }
+    }
+    panic!("no port free on both 127.0.0.2 and 127.0.0.3");
+}
+
+fn gateway(dns: SocketAddr, port: u16, extra: &str) -> TestGateway {
+    TestGateway::start(&format!(
+        "[dns]\nnameservers = [\"{dns}\"]\nmin_refresh = \"50ms\"\nmax_refresh = \"1s\"\nquery_timeout = \"300ms\"\nstartup_timeout = \"2s\"\n{extra}\n[[cluster]]\nname = \"up\"\nendpoints = [\"svc.test:{port}\"]\nmin_warm_connections = 1\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ))
+}
+
+async fn get_status(c: &mut hyper::client::conn::http1::SendRequest<TestBody>) -> http::StatusCode {
+    use http_body_util::BodyExt;
+    let r = c
+        .send_request(
+            http::Request::get("/")
+                .header("host", "a")
+                .body(full(""))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let status = r.status();
+    r.into_body().collect().await.unwrap();
+    status
+}
+
+async fn wait_for(what: &str, f: impl Fn() -> bool) {
+    for _ in 0..1000 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// The A record moves from upstream A to upstream B under steady traffic: B starts getting
+/// requests, A stops, no request fails, and the counters show the refresh.
+#[tokio::test]
+async fn hostname_endpoint_whose_address_changes_is_followed_without_a_failed_request() {
+    let (port, a_hits, b_hits) = twin_upstreams().await;
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    let gw = gateway(dns.addr, port, "");
+    let g = gw.gw.as_ref().unwrap();
+    let mut c = h1_client(gw.addr).await;
+    for i in 0..20 {
+        assert_eq!(get_status(&mut c).await, 200, "request {i}");
+    }
+    assert_eq!(a_hits.load(Ordering::SeqCst), 20, "resolved at start, to A");
+    assert_eq!(b_hits.load(Ordering::SeqCst), 0);
+
+    dns.set(Ipv4Addr::new(127, 0, 0, 3));
+    let mut sent = 0;
+    while b_hits.load(Ordering::SeqCst) < 20 {
+        assert_eq!(
+            get_status(&mut c).await,
+            200,
+            "request {sent} after the change"
+        );
+        sent += 1;
+        assert!(sent < 2000, "B never got traffic after the record changed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // A was removed: no more requests reach it.
+    let a_before = a_hits.load(Ordering::SeqCst);
+    for _ in 0..20 {
+        assert_eq!(get_status(&mut c).await, 200);
+    }
+    assert_eq!(
+        a_hits.load(Ordering::SeqCst),
+        a_before,
+        "A gets nothing after the change"
+    );
+
+    let stats = g.dns_stats();
+    assert!(
+        stats.lookups.load(Ordering::Relaxed) >= 2,
+        "refreshed by TTL"
+    );
+    assert_eq!(stats.failures.load(Ordering::Relaxed), 0);
+    assert_eq!(
+        stats.changes.load(Ordering::Relaxed),
+        2,
+        "published at start, then once for the change"
+    );
+    assert_eq!(
+        g.cluster_stat(|s| s.endpoint_updates.load(Ordering::Relaxed)),
+        1
+    );
+    assert_eq!(
+        g.cluster_stat(|s| s.endpoints_added.load(Ordering::Relaxed)),
+        1
+    );
+    assert_eq!(
+        g.cluster_stat(|s| s.endpoints_removed.load(Ordering::Relaxed)),
+        1
+    );
+    let pools = g.endpoint_pools();
+    assert_eq!(pools.len(), 1);
+    assert_eq!(pools[0].addr, SocketAddr::from(([127, 0, 0, 3], port)));
+}
+
+/// The DNS server goes away: lookups fail and are counted, and requests keep going to the
+/// last resolved address.
+#[tokio::test]
+async fn resolver_failure_serves_the_last_addresses() {
+    let (port, a_hits, _) = twin_upstreams().await;
+    let mut dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    let gw = gateway(dns.addr, port, "");
+    let g = gw.gw.as_ref().unwrap();
+    let mut c = h1_client(gw.addr).await;
+    assert_eq!(get_status(&mut c).await, 200);
+    dns.stop();
+    wait_for("failed lookups", || {
+        g.dns_stats().failures.load(Ordering::Relaxed) >= 2
+    })
+    .await;
+    for i in 0..20 {
+        assert_eq!(
+            get_status(&mut c).await,
+            200,
+            "request {i} while DNS is down"
+        );
+    }
+    assert_eq!(a_hits.load(Ordering::SeqCst), 21);
+    assert_eq!(
+        g.cluster_stat(|s| s.endpoints_removed.load(Ordering::Relaxed)),
+        0
+    );
+    assert_eq!(g.endpoint_pools().len(), 1, "the stale address is kept");
+}
+
+/// A name that does not resolve at start: the gateway starts, the cluster answers 502
+/// (no endpoints) without crashing, and serves once the name resolves.
+#[tokio::test]
+async fn unresolved_name_at_start_is_502_until_it_resolves() {
+    let (port, a_hits, _) = twin_upstreams().await;
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    dns.answering.store(false, Ordering::SeqCst);
+    let gw = gateway(dns.addr, port, "");
+    let g = gw.gw.as_ref().unwrap();
+    let resp = get(gw.addr, "/").await;
+    assert_eq!(resp.status(), 502);
+    assert!(
+        String::from_utf8_lossy(resp.body()).contains("no_endpoints"),
+        "{:?}",
+        resp.body()
+    );
+    assert!(g.dns_stats().failures.load(Ordering::Relaxed) >= 1);
+    dns.answering.store(true, Ordering::SeqCst);
+    wait_for("the name to resolve", || g.endpoint_pools().len() == 1).await;
+    assert_eq!(get(gw.addr, "/").await.status(), 200);
+    assert_eq!(a_hits.load(Ordering::SeqCst), 1);
+}
+
+/// Failover (seed 004): the name moved to a new address while the cached answer is still
+/// valid for a long time. A connect failure to the old address asks for an early
+/// re-resolution, so traffic follows the name long before `max_refresh` (60 s here).
+#[tokio::test]
+async fn connect_failure_re_resolves_early() {
+    // Only B listens; the name first points at 127.0.0.2, where nothing does.
+    let (b, b_hits) = counting_on(Ipv4Addr::new(127, 0, 0, 3), 0).await.unwrap();
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    // A long TTL: the next refresh by TTL is due only after max_refresh (60 s).
+    dns.ttl.store(3600, Ordering::SeqCst);
+    let gw = TestGateway::start(&format!(
+        "[dns]\nnameservers = [\"{}\"]\nmin_refresh = \"50ms\"\nmax_refresh = \"60s\"\nquery_timeout = \"300ms\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"svc.test:{}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
+        dns.addr,
+        b.port()
+    ));
+    let g = gw.gw.as_ref().unwrap();
+    assert_eq!(g.dns_stats().lookups.load(Ordering::Relaxed), 1);
+    // Failover: the name moves. Only a re-resolution before the TTL runs out finds it.
+    dns.set(Ipv4Addr::new(127, 0, 0, 3));
+    let status = get(gw.addr, "/").await.status();
+    assert_eq!(status, 502, "the old address refuses connections");
+    wait_for("an early refresh", || {
+        g.dns_stats().early_refreshes.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    wait_for("the new address", || {
+        g.endpoint_pools()
+            .iter()
+            .any(|p| p.addr.ip() == Ipv4Addr::new(127, 0, 0, 3))
+    })
+    .await;
+    assert_eq!(get(gw.addr, "/").await.status(), 200);
+    assert_eq!(b_hits.load(Ordering::SeqCst), 1);
+}
