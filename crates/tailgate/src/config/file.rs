@@ -119,6 +119,7 @@ pub struct RawCluster {
     pub eject_after_failures: Option<u32>,
     pub eject_duration: Option<Spanned<String>>,
     pub retry_budget_percent: Option<u32>,
+    pub hedge_budget_percent: Option<Spanned<u32>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -133,4 +134,5 @@ pub struct RawRoute {
     pub response_timeout: Option<Spanned<String>>,
     pub total_timeout: Option<Spanned<String>>,
     pub idempotent: Option<bool>,
+    pub hedge_delay: Option<Spanned<String>>,
 }

@@ -143,6 +143,8 @@ pub struct Cluster {
     pub eject_duration: Duration,
     /// Retries may be at most this percentage of requests.
     pub retry_budget_percent: u32,
+    /// Hedged requests may be at most this percentage of requests (they also spend retries).
+    pub hedge_budget_percent: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -163,6 +165,17 @@ pub struct Route {
     /// Every request on this route may be sent twice (the upstream deduplicates, or its
     /// POSTs are safe to repeat): replayed after a stale pooled connection like a GET.
     pub idempotent: bool,
+    /// Send a second copy to another endpoint when no response head came by then.
+    pub hedge_delay: Option<HedgeDelay>,
+}
+
+/// When a hedged request's second copy is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HedgeDelay {
+    Fixed(Duration),
+    /// This percentile (in tenths of a percent) of the route's observed time to response
+    /// head, per worker.
+    Percentile(u32),
 }
 
 impl Config {

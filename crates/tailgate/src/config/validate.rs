@@ -10,6 +10,7 @@ use std::time::Duration;
 use toml::Spanned;
 
 mod dns;
+mod hedge;
 
 use super::file::{RawConfig, RawRoute};
 use super::{
@@ -434,6 +435,14 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             },
             eject_after_failures: cl.eject_after_failures.unwrap_or(5),
             retry_budget_percent: cl.retry_budget_percent.unwrap_or(10),
+            hedge_budget_percent: match &cl.hedge_budget_percent {
+                Some(p) if *p.get_ref() > 100 => {
+                    c.err(Some(p.span()), format!("cluster[{i}].hedge_budget_percent"), "must be between 0 and 100".into(), Some("10 hedges at most one request in ten"));
+                    10
+                }
+                Some(p) => *p.get_ref(),
+                None => 10,
+            },
             eject_duration: c.duration(&cl.eject_duration, format!("cluster[{i}].eject_duration"), Duration::from_secs(1)),
         });
     }
@@ -512,6 +521,10 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 Duration::from_secs(60),
             )
         });
+        let hedge_delay = r
+            .hedge_delay
+            .as_ref()
+            .and_then(|v| c.hedge_delay(v, format!("route[{i}].hedge_delay")));
         if let Some(cluster) = cluster {
             routes.push(Route {
                 name: route_name(c, r, i, &mut route_names),
@@ -523,6 +536,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 response_timeout,
                 total_timeout,
                 idempotent: r.idempotent.unwrap_or(false),
+                hedge_delay,
             });
         }
     }

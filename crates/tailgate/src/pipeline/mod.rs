@@ -31,7 +31,7 @@ use self::route::{Match, RouteEntry, RouteTable};
 use crate::config::ServerSettings;
 use crate::observe::metrics::WorkerMetrics;
 use crate::observe::{ConnActivity, Exchange, ExchangeRecorder, Observers, StageTimings};
-use crate::upstream::Upstreams;
+use crate::upstream::{Upstreams, hedge};
 
 /// What every worker shares for one config version.
 pub struct Shared {
@@ -296,6 +296,17 @@ async fn forward(
             parts.headers.clone(),
         )
     });
+    // Opt-in per route: a second copy to another endpoint if the head is slow to come.
+    let hedge = hedge::Hedge::plan(
+        route.hedge_delay,
+        worker.upstreams.latency(route.id),
+        cluster,
+        pool.addr,
+        &parts,
+        !upgrade
+            && http_body::Body::is_end_stream(&body)
+            && (route.idempotent || is_idempotent(&parts.method)),
+    );
     let body = ReqBody::new(body, settings.max_body_bytes);
     let body = if http_body::Body::is_end_stream(&body) {
         body
@@ -310,8 +321,17 @@ async fn forward(
 
     let response_timeout = remaining(route.response_timeout, total_deadline);
     let t_send = Instant::now();
-    let sent =
-        tokio::time::timeout(response_timeout, up.sender.try_send_request(upstream_req)).await;
+    let mut hedged = false;
+    let primary = up.sender.try_send_request(upstream_req);
+    let sent = match tokio::time::timeout(response_timeout, hedge::race(hedge, primary)).await {
+        Ok(hedge::Raced::Primary(r)) => Ok(r),
+        Ok(hedge::Raced::Hedge(resp, conn)) => {
+            hedged = true;
+            up = conn;
+            Ok(Ok(resp))
+        }
+        Err(e) => Err(e),
+    };
     let result = match sent {
         Err(_) => {
             in_flight.failed();
@@ -350,6 +370,10 @@ async fn forward(
         },
     };
     let mut resp = match result.map_err(classify_send_error) {
+        Ok(resp) if hedged => {
+            in_flight.abandoned();
+            resp
+        }
         Ok(resp) => {
             in_flight.responded(resp.status());
             resp
@@ -363,6 +387,9 @@ async fn forward(
     };
     // The server will close this connection after the response: do not pool it.
     up.closing = headers::connection_has(resp.headers(), "close");
+    if let Some(l) = worker.upstreams.latency(route.id) {
+        l.record(t_send.elapsed());
+    }
     if let Some(ex) = rec.exchange_mut() {
         ex.timings.upstream_ttfb = t_send.elapsed();
         ex.status = resp.status().as_u16();

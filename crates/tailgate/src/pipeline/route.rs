@@ -20,6 +20,7 @@ pub struct RouteEntry {
     pub total_timeout: Option<Duration>,
     /// Requests of every method may be sent twice (see [`config::Route::idempotent`]).
     pub idempotent: bool,
+    pub hedge_delay: Option<config::HedgeDelay>,
 }
 
 /// Routes that share a scope, longest path prefix first.
@@ -102,6 +103,7 @@ impl RouteTable {
                 response_timeout: r.response_timeout,
                 total_timeout: r.total_timeout,
                 idempotent: r.idempotent,
+                hedge_delay: r.hedge_delay,
             });
             match (&r.host, r.tenant) {
                 (Some(h), _) => t.by_host.entry(h.clone()).or_default().push(entry),

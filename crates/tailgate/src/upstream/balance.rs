@@ -154,6 +154,12 @@ impl InFlight<'_> {
         }
     }
 
+    /// Given up on because another copy answered first (a hedge): the time waited is a
+    /// lower bound of this endpoint's latency; its health is unchanged.
+    pub fn abandoned(self) {
+        self.load.sample(self.started.elapsed());
+    }
+
     /// No response (connect failure, reset, timeout).
     pub fn failed(self) {
         self.load.sample(self.started.elapsed());

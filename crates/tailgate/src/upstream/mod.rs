@@ -10,6 +10,7 @@
 
 mod balance;
 pub mod dns;
+pub mod hedge;
 mod pool;
 
 pub use balance::Balance;
@@ -33,6 +34,12 @@ pub struct ClusterStats {
     pub endpoints_added: AtomicU64,
     /// Endpoints removed; their pools are drained (idle connections closed, keeper stopped).
     pub endpoints_removed: AtomicU64,
+    /// Second copies sent ([`hedge`]).
+    pub hedges_fired: AtomicU64,
+    /// Hedges whose response came first.
+    pub hedges_won: AtomicU64,
+    /// Hedges not sent because the hedge or retry budget was spent.
+    pub hedges_refused: AtomicU64,
 }
 
 /// The retry budget's window, and the retries it always allows per second of it.
@@ -54,6 +61,8 @@ pub struct ClusterPools {
     requests: AtomicU64,
     retries_spent: AtomicU64,
     budget_percent: u32,
+    hedges_spent: AtomicU64,
+    hedge_budget_percent: u32,
     epoch: std::time::Instant,
     window_start: AtomicU64,
     /// Retries refused by the budget.
@@ -84,6 +93,22 @@ impl ClusterPools {
         }
     }
 
+    /// May a hedge be sent? Hedges stay within `hedge_budget_percent` of the requests in the
+    /// window (no floor), and each one also spends a retry, so retries and hedges together
+    /// stay within the retry budget.
+    pub fn try_spend_hedge(&self) -> bool {
+        self.roll_window();
+        let allowed =
+            self.requests.load(Ordering::Relaxed) * u64::from(self.hedge_budget_percent) / 100;
+        if self.hedges_spent.load(Ordering::Relaxed) < allowed && self.try_spend_retry() {
+            self.hedges_spent.fetch_add(1, Ordering::Relaxed);
+            true
+        } else {
+            self.stats.hedges_refused.fetch_add(1, Ordering::Relaxed);
+            false
+        }
+    }
+
     fn roll_window(&self) {
         let now = self.epoch.elapsed().as_secs();
         let start = self.window_start.load(Ordering::Relaxed);
@@ -92,6 +117,7 @@ impl ClusterPools {
             self.window_start.store(now, Ordering::Relaxed);
             self.requests.store(0, Ordering::Relaxed);
             self.retries_spent.store(0, Ordering::Relaxed);
+            self.hedges_spent.store(0, Ordering::Relaxed);
         }
     }
 
@@ -109,6 +135,23 @@ impl ClusterPools {
             exclude,
         );
         Ok((i, endpoints[i].clone()))
+    }
+
+    /// An endpoint other than `avoid`, by the balancer; an error when there is none.
+    pub fn pick_other(&self, avoid: SocketAddr) -> Result<Arc<EndpointPool>, ProxyError> {
+        let endpoints = self.endpoints.load();
+        let exclude = endpoints.iter().position(|p| p.addr == avoid);
+        if endpoints.len() < 2 {
+            return Err(ProxyError::NoEndpoints);
+        }
+        let i = balance::pick(
+            self.balance,
+            endpoints.len(),
+            |i| &endpoints[i].load,
+            &self.next,
+            exclude,
+        );
+        Ok(endpoints[i].clone())
     }
 
     /// How many endpoints the cluster has now.
@@ -175,6 +218,8 @@ async fn follow(cluster: Arc<ClusterPools>, mut rx: tokio::sync::watch::Receiver
 /// All clusters' pools for one worker, indexed like the config's clusters.
 pub struct Upstreams {
     pub clusters: Vec<Arc<ClusterPools>>,
+    /// Per route (by id): its time to response head, for routes that hedge at a percentile.
+    latency: Vec<Option<hedge::LatencyHistogram>>,
 }
 
 impl Upstreams {
@@ -197,6 +242,11 @@ impl Upstreams {
             .iter()
             .map(|c| c.endpoints.load().iter().map(|e| f(&e.stats)).sum::<u64>())
             .sum()
+    }
+
+    /// The latency histogram of a route that hedges at a percentile.
+    pub fn latency(&self, route: usize) -> Option<&hedge::LatencyHistogram> {
+        self.latency.get(route).and_then(Option::as_ref)
     }
 
     /// Sums one statistic over every cluster.
@@ -232,10 +282,22 @@ impl Upstreams {
                         requests: AtomicU64::new(0),
                         retries_spent: AtomicU64::new(0),
                         budget_percent: c.retry_budget_percent,
+                        hedges_spent: AtomicU64::new(0),
+                        hedge_budget_percent: c.hedge_budget_percent,
                         epoch: std::time::Instant::now(),
                         window_start: AtomicU64::new(0),
                         budget_exhausted: AtomicU64::new(0),
                     })
+                })
+                .collect(),
+            latency: config
+                .routes
+                .iter()
+                .map(|r| match r.hedge_delay {
+                    Some(crate::config::HedgeDelay::Percentile(p)) => {
+                        Some(hedge::LatencyHistogram::new(p))
+                    }
+                    _ => None,
                 })
                 .collect(),
         }

@@ -1,0 +1,308 @@
+//! Hedged requests (seed 004; Dean and Barroso, "The Tail at Scale"): when a route opts in
+//! and no response head has come back after the hedge delay, a second copy of the request
+//! goes to another endpoint of the cluster; the first response wins and the other exchange
+//! is dropped (its connection closed, so the upstream sees the cancel).
+//!
+//! Only requests that may be sent twice (idempotent methods, or routes marked
+//! `idempotent`) and have no body are hedged. Hedges are bounded per worker by the cluster's
+//! `hedge_budget_percent` and also spend from its retry budget, so retries plus hedges stay
+//! a fraction of the traffic and cannot multiply an overload.
+//!
+//! The delay is fixed (`hedge_delay = "50ms"`) or a percentile of the route's observed
+//! time to response head (`hedge_delay = "p95"`), from [`LatencyHistogram`]: per route and per
+//! worker, atomics written by that worker's thread only, no lock.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use http::Request;
+use hyper::body::Incoming;
+
+use super::{ClusterPools, Conn};
+use crate::config::HedgeDelay;
+use crate::pipeline::body::ReqBody;
+use crate::pipeline::error::ProxyError;
+
+/// Samples a percentile delay needs before hedging starts.
+const MIN_SAMPLES: u32 = 20;
+/// Past this many samples, all counts are halved, so the histogram follows recent latency.
+const DECAY_AT: u32 = 2048;
+/// Sub-buckets per power of two (relative error ≤ 25 %).
+const SUB: u32 = 4;
+/// Values below 2^FLOOR_EXP ns (~16 µs) share bucket 0.
+const FLOOR_EXP: u32 = 14;
+const BUCKETS: usize = (SUB * (40 - FLOOR_EXP)) as usize + 1;
+
+/// A small log-scale histogram of one route's time to response head on one worker.
+pub struct LatencyHistogram {
+    buckets: [AtomicU32; BUCKETS],
+    count: AtomicU32,
+    /// The percentile to report, in tenths of a percent.
+    permille: u32,
+    /// Its current value in ns (0: not enough samples yet); recomputed every 16 samples.
+    cached_ns: AtomicU64,
+}
+
+fn bucket_of(ns: u64) -> usize {
+    if ns < 1 << FLOOR_EXP {
+        return 0;
+    }
+    let exp = 63 - ns.leading_zeros();
+    let sub = ((ns >> (exp - 2)) & u64::from(SUB - 1)) as u32;
+    (((exp - FLOOR_EXP) * SUB + sub + 1) as usize).min(BUCKETS - 1)
+}
+
+/// The upper bound of a bucket, in ns.
+fn bucket_top(i: usize) -> u64 {
+    if i == 0 {
+        return 1 << FLOOR_EXP;
+    }
+    let i = (i - 1) as u32;
+    let exp = i / SUB + FLOOR_EXP;
+    u64::from(SUB + i % SUB + 1) << (exp - 2)
+}
+
+impl LatencyHistogram {
+    pub fn new(permille: u32) -> LatencyHistogram {
+        LatencyHistogram {
+            buckets: std::array::from_fn(|_| AtomicU32::new(0)),
+            count: AtomicU32::new(0),
+            permille: permille.min(1000),
+            cached_ns: AtomicU64::new(0),
+        }
+    }
+
+    /// Records one time to response head. One worker thread writes; readers are the same
+    /// thread, so relaxed loads and stores are enough.
+    pub fn record(&self, d: Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.buckets[bucket_of(ns)].fetch_add(1, Ordering::Relaxed);
+        let n = self.count.fetch_add(1, Ordering::Relaxed) + 1;
+        if n >= DECAY_AT {
+            let mut total = 0;
+            for b in &self.buckets {
+                let v = b.load(Ordering::Relaxed) / 2;
+                b.store(v, Ordering::Relaxed);
+                total += v;
+            }
+            self.count.store(total, Ordering::Relaxed);
+        }
+        if n % 16 == 0 || n == MIN_SAMPLES {
+            self.cached_ns.store(self.compute(), Ordering::Relaxed);
+        }
+    }
+
+    fn compute(&self) -> u64 {
+        let total: u64 = self
+            .buckets
+            .iter()
+            .map(|b| u64::from(b.load(Ordering::Relaxed)))
+            .sum();
+        if total < u64::from(MIN_SAMPLES) {
+            return 0;
+        }
+        let target = (total * u64::from(self.permille)).div_ceil(1000).max(1);
+        let mut seen = 0;
+        for (i, b) in self.buckets.iter().enumerate() {
+            seen += u64::from(b.load(Ordering::Relaxed));
+            if seen >= target {
+                return bucket_top(i);
+            }
+        }
+        bucket_top(BUCKETS - 1)
+    }
+
+    /// The percentile, once enough samples came in.
+    pub fn value(&self) -> Option<Duration> {
+        match self.cached_ns.load(Ordering::Relaxed) {
+            0 => None,
+            ns => Some(Duration::from_nanos(ns)),
+        }
+    }
+}
+
+/// A hedge ready to fire: what is needed to send the request again elsewhere.
+pub struct Hedge<'a> {
+    cluster: &'a ClusterPools,
+    /// The endpoint the first copy went to; the hedge goes anywhere else.
+    avoid: SocketAddr,
+    delay: Duration,
+    method: http::Method,
+    uri: http::Uri,
+    headers: http::HeaderMap,
+}
+
+/// Which copy answered first.
+pub enum Raced<T> {
+    Primary(T),
+    /// The hedge: its response head and the connection it came on.
+    Hedge(http::Response<Incoming>, Conn),
+}
+
+impl<'a> Hedge<'a> {
+    /// A hedge for this request if its route asks for one and it may be sent twice: the
+    /// caller has checked that (`may_repeat`: idempotent method or route, no body, no
+    /// upgrade). `None` too while a percentile delay has too few samples, or the cluster has
+    /// a single endpoint.
+    pub fn plan(
+        delay: Option<HedgeDelay>,
+        latency: Option<&LatencyHistogram>,
+        cluster: &'a ClusterPools,
+        avoid: SocketAddr,
+        parts: &http::request::Parts,
+        may_repeat: bool,
+    ) -> Option<Hedge<'a>> {
+        let delay = match delay? {
+            HedgeDelay::Fixed(d) => d,
+            HedgeDelay::Percentile(_) => latency?.value()?,
+        };
+        if !may_repeat || cluster.endpoint_count() < 2 {
+            return None;
+        }
+        Some(Hedge {
+            cluster,
+            avoid,
+            delay,
+            method: parts.method.clone(),
+            uri: parts.uri.clone(),
+            headers: parts.headers.clone(),
+        })
+    }
+
+    /// Sends the copy to another endpoint; records the outcome on that endpoint's load.
+    async fn send(self) -> Result<(http::Response<Incoming>, Conn), ProxyError> {
+        let pool = self.cluster.pick_other(self.avoid)?;
+        let in_flight = pool.load.start();
+        let mut conn = match self.cluster.checkout(&pool).await {
+            Ok(c) => c,
+            Err(e) => {
+                in_flight.failed();
+                return Err(e);
+            }
+        };
+        let mut req = Request::new(ReqBody::empty());
+        *req.method_mut() = self.method;
+        *req.uri_mut() = self.uri;
+        *req.headers_mut() = self.headers;
+        match conn.sender.send_request(req).await {
+            Ok(resp) => {
+                in_flight.responded(resp.status());
+                Ok((resp, conn))
+            }
+            Err(e) => {
+                in_flight.failed();
+                Err(ProxyError::UpstreamReset(e))
+            }
+        }
+    }
+}
+
+/// Runs `primary`; with a hedge, fires it after the delay (budget permitting) and returns
+/// whichever response head comes first. A failed copy waits for the other one. The loser is
+/// dropped: its request is cancelled and its connection closed.
+pub async fn race<T, E>(
+    hedge: Option<Hedge<'_>>,
+    primary: impl Future<Output = Result<T, E>>,
+) -> Raced<Result<T, E>> {
+    let Some(hedge) = hedge else {
+        return Raced::Primary(primary.await);
+    };
+    let mut primary = std::pin::pin!(primary);
+    tokio::select! {
+        biased;
+        r = &mut primary => return Raced::Primary(r),
+        _ = tokio::time::sleep(hedge.delay) => {}
+    }
+    let cluster = hedge.cluster;
+    if !cluster.try_spend_hedge() {
+        return Raced::Primary(primary.await);
+    }
+    cluster.stats.hedges_fired.fetch_add(1, Ordering::Relaxed);
+    let mut second = std::pin::pin!(hedge.send());
+    let won = |(resp, conn)| {
+        cluster.stats.hedges_won.fetch_add(1, Ordering::Relaxed);
+        Raced::Hedge(resp, conn)
+    };
+    tokio::select! {
+        biased;
+        r = &mut primary => match r {
+            Ok(_) => Raced::Primary(r),
+            Err(_) => match (&mut second).await {
+                Ok(h) => won(h),
+                Err(_) => Raced::Primary(r),
+            },
+        },
+        h = &mut second => match h {
+            Ok(h) => won(h),
+            Err(e) => {
+                tracing::debug!(error = %e, "hedged request failed; waiting for the first");
+                Raced::Primary(primary.await)
+            }
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_ordered_and_cover_their_values() {
+        let mut last = 0;
+        for ns in [
+            0u64,
+            20_000,
+            100_000,
+            1_000_000,
+            7_500_000,
+            50_000_000,
+            2_000_000_000,
+        ] {
+            let b = bucket_of(ns);
+            assert!(b >= last);
+            last = b;
+            assert!(
+                bucket_top(b) >= ns,
+                "{ns} ns in bucket {b} (top {})",
+                bucket_top(b)
+            );
+            assert!(
+                bucket_top(b) <= ns.max(1 << FLOOR_EXP) * 5 / 4 + 1,
+                "{ns}: {}",
+                bucket_top(b)
+            );
+        }
+    }
+
+    #[test]
+    fn percentile_follows_the_samples() {
+        let h = LatencyHistogram::new(950);
+        for _ in 0..(MIN_SAMPLES - 1) {
+            h.record(Duration::from_millis(1));
+        }
+        assert_eq!(h.value(), None, "too few samples");
+        for _ in 0..(100 - MIN_SAMPLES + 1) {
+            h.record(Duration::from_millis(1));
+        }
+        let p = h.value().expect("enough samples");
+        assert!(
+            p >= Duration::from_millis(1) && p <= Duration::from_micros(1250),
+            "{p:?}"
+        );
+        // A third of the samples slow: the p95 is one of them.
+        for i in 0..200 {
+            h.record(if i % 2 == 0 {
+                Duration::from_millis(40)
+            } else {
+                Duration::from_millis(1)
+            });
+        }
+        let p = h.value().expect("enough samples");
+        assert!(
+            p >= Duration::from_millis(40) && p <= Duration::from_millis(50),
+            "{p:?}"
+        );
+    }
+}

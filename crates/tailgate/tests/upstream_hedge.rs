@@ -1,0 +1,199 @@
+//! Hedged requests: two endpoints, one slow. With `hedge_delay` on the route, a request the
+//! slow endpoint sits on gets a second copy on the other one, which answers first. Counts,
+//! never timings: the response timeout (1 s) is shorter than the slow endpoint's delay, so
+//! a request that was not hedged would fail.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::*;
+use http_body_util::BodyExt;
+
+/// Counts requests; sleeps `delay` before answering anything but `/warm`.
+async fn counting(delay: Duration) -> (SocketAddr, Arc<AtomicUsize>) {
+    let hits = Arc::new(AtomicUsize::new(0));
+    let h = hits.clone();
+    let addr = upstream(move |req| {
+        h.fetch_add(1, Ordering::SeqCst);
+        let wait = req.uri().path() != "/warm";
+        async move {
+            if wait {
+                tokio::time::sleep(delay).await;
+            }
+            http::Response::new(full("ok"))
+        }
+    })
+    .await;
+    (addr, hits)
+}
+
+struct Setup {
+    gw: TestGateway,
+    fast: Arc<AtomicUsize>,
+    slow: Arc<AtomicUsize>,
+}
+
+/// Round-robin over [slow, fast], so half the first copies go to the slow one.
+async fn setup(slow_delay: Duration, cluster_extra: &str, route_extra: &str) -> Setup {
+    let (slow_addr, slow) = counting(slow_delay).await;
+    let (fast_addr, fast) = counting(Duration::ZERO).await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{slow_addr}\", \"{fast_addr}\"]\nbalance = \"round_robin\"\n{cluster_extra}\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n{route_extra}\n"
+    ));
+    Setup { gw, fast, slow }
+}
+
+async fn send(addr: SocketAddr, method: http::Method, path: &str, body: &'static str) -> u16 {
+    let mut c = h1_client(addr).await;
+    let r = c
+        .send_request(
+            http::Request::builder()
+                .method(method)
+                .uri(path)
+                .header("host", "a")
+                .body(full(body))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    r.into_body().collect().await.unwrap();
+    status
+}
+
+fn stat(
+    s: &Setup,
+    f: impl Fn(&tailgate::upstream::ClusterStats) -> &std::sync::atomic::AtomicU64,
+) -> u64 {
+    s.gw.gw
+        .as_ref()
+        .unwrap()
+        .cluster_stat(|c| f(c).load(Ordering::Relaxed))
+}
+
+/// Every request the slow endpoint sits on is hedged to the fast one, which wins; all
+/// requests succeed although the slow endpoint answers after the response timeout.
+#[tokio::test]
+async fn slow_endpoint_is_hedged_to_the_other_one() {
+    let s = setup(
+        Duration::from_secs(2),
+        "hedge_budget_percent = 100",
+        "hedge_delay = \"50ms\"\nresponse_timeout = \"1s\"",
+    )
+    .await;
+    for i in 0..20 {
+        assert_eq!(
+            send(s.gw.addr, http::Method::GET, "/x", "").await,
+            200,
+            "request {i}"
+        );
+    }
+    let fired = stat(&s, |c| &c.hedges_fired);
+    assert!(fired >= 5, "hedges fired: {fired}");
+    assert_eq!(
+        stat(&s, |c| &c.hedges_won),
+        fired,
+        "the fast copy always wins"
+    );
+    assert_eq!(
+        s.slow.load(Ordering::SeqCst) as u64,
+        fired,
+        "every first copy on the slow endpoint was hedged"
+    );
+    assert_eq!(s.fast.load(Ordering::SeqCst) as u64 + fired, 20 + fired);
+    assert_eq!(stat(&s, |c| &c.hedges_refused), 0);
+}
+
+/// `hedge_delay = "p95"`: once the route has enough samples, slow requests are hedged after
+/// its observed p95.
+#[tokio::test]
+async fn percentile_delay_hedges_once_it_has_samples() {
+    let s = setup(
+        Duration::from_secs(2),
+        "hedge_budget_percent = 100",
+        "hedge_delay = \"p95\"\nresponse_timeout = \"1s\"",
+    )
+    .await;
+    for _ in 0..40 {
+        assert_eq!(send(s.gw.addr, http::Method::GET, "/warm", "").await, 200);
+    }
+    assert_eq!(
+        stat(&s, |c| &c.hedges_fired),
+        0,
+        "fast requests need no hedge"
+    );
+    for i in 0..10 {
+        assert_eq!(
+            send(s.gw.addr, http::Method::GET, "/x", "").await,
+            200,
+            "request {i}"
+        );
+    }
+    let fired = stat(&s, |c| &c.hedges_fired);
+    assert!(fired >= 3, "hedges fired: {fired}");
+    assert_eq!(stat(&s, |c| &c.hedges_won), fired);
+}
+
+/// With a budget of 10 %, hedges stay within 10 % of the cluster's requests; the rest are
+/// refused (and those requests wait for the slow endpoint).
+#[tokio::test]
+async fn hedges_stay_within_the_budget() {
+    let s = setup(
+        Duration::from_millis(1500),
+        "hedge_budget_percent = 10",
+        "hedge_delay = \"50ms\"",
+    )
+    .await;
+    // 100 fast requests: the budget allows 10 hedges.
+    for _ in 0..100 {
+        assert_eq!(send(s.gw.addr, http::Method::GET, "/warm", "").await, 200);
+    }
+    let addr = s.gw.addr;
+    let all: Vec<_> = (0..40)
+        .map(|_| tokio::spawn(async move { send(addr, http::Method::GET, "/x", "").await }))
+        .collect();
+    for t in all {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    let (fired, refused) = (
+        stat(&s, |c| &c.hedges_fired),
+        stat(&s, |c| &c.hedges_refused),
+    );
+    assert!(fired >= 1, "some hedges fired");
+    assert!(fired <= 14, "at most 10 % of 140 requests: {fired}");
+    assert!(
+        refused >= 1,
+        "the rest were refused: fired {fired}, refused {refused}"
+    );
+    assert_eq!(stat(&s, |c| &c.hedges_won), fired);
+}
+
+/// A POST is never hedged, with or without a body: each reaches one endpoint once.
+#[tokio::test]
+async fn post_is_never_hedged() {
+    let s = setup(
+        Duration::from_millis(300),
+        "hedge_budget_percent = 100",
+        "hedge_delay = \"20ms\"",
+    )
+    .await;
+    for body in ["", "data", "", "data"] {
+        assert_eq!(send(s.gw.addr, http::Method::POST, "/x", body).await, 200);
+    }
+    assert_eq!(stat(&s, |c| &c.hedges_fired), 0);
+    assert_eq!(
+        s.slow.load(Ordering::SeqCst) + s.fast.load(Ordering::SeqCst),
+        4,
+        "each POST sent once"
+    );
+    assert_eq!(
+        s.slow.load(Ordering::SeqCst),
+        2,
+        "half went to the slow endpoint and waited"
+    );
+}
