@@ -325,7 +325,8 @@ async fn forward(
     let primary = up.sender.try_send_request(upstream_req);
     let sent = match tokio::time::timeout(response_timeout, hedge::race(hedge, primary)).await {
         Ok(hedge::Raced::Primary(r)) => Ok(r),
-        Ok(hedge::Raced::Hedge(resp, conn)) => {
+        Ok(hedge::Raced::Hedge(won)) => {
+            let (resp, conn) = *won;
             hedged = true;
             up = conn;
             Ok(Ok(resp))

@@ -89,7 +89,7 @@ impl LatencyHistogram {
             }
             self.count.store(total, Ordering::Relaxed);
         }
-        if n % 16 == 0 || n == MIN_SAMPLES {
+        if n.is_multiple_of(16) || n == MIN_SAMPLES {
             self.cached_ns.store(self.compute(), Ordering::Relaxed);
         }
     }
@@ -137,8 +137,8 @@ pub struct Hedge<'a> {
 /// Which copy answered first.
 pub enum Raced<T> {
     Primary(T),
-    /// The hedge: its response head and the connection it came on.
-    Hedge(http::Response<Incoming>, Conn),
+    /// The hedge: its response head and the connection it came on (boxed: rare and large).
+    Hedge(Box<(http::Response<Incoming>, Conn)>),
 }
 
 impl<'a> Hedge<'a> {
@@ -221,9 +221,9 @@ pub async fn race<T, E>(
     }
     cluster.stats.hedges_fired.fetch_add(1, Ordering::Relaxed);
     let mut second = std::pin::pin!(hedge.send());
-    let won = |(resp, conn)| {
+    let won = |h| {
         cluster.stats.hedges_won.fetch_add(1, Ordering::Relaxed);
-        Raced::Hedge(resp, conn)
+        Raced::Hedge(Box::new(h))
     };
     tokio::select! {
         biased;
