@@ -44,3 +44,56 @@ impl Checker<'_> {
         Some(HedgeDelay::Fixed(d))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::time::Duration;
+
+    use crate::Config;
+    use crate::config::HedgeDelay;
+
+    const BASE: &str = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\", \"127.0.0.1:2\"]\n";
+
+    fn parse(extra: &str) -> Result<Config, String> {
+        Config::parse(Path::new("t.toml"), &format!("{BASE}{extra}")).map_err(|e| e.to_string())
+    }
+
+    fn route(delay: &str) -> String {
+        format!("[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\nhedge_delay = \"{delay}\"\n")
+    }
+
+    #[test]
+    fn hedge_delay_is_a_duration_or_a_percentile() {
+        let cfg = parse(&route("50ms")).expect("valid");
+        assert_eq!(
+            cfg.routes[0].hedge_delay,
+            Some(HedgeDelay::Fixed(Duration::from_millis(50)))
+        );
+        let cfg = parse(&route("p95")).expect("valid");
+        assert_eq!(cfg.routes[0].hedge_delay, Some(HedgeDelay::Percentile(950)));
+        let cfg = parse(&route("p99.9")).expect("valid");
+        assert_eq!(cfg.routes[0].hedge_delay, Some(HedgeDelay::Percentile(999)));
+        assert_eq!(
+            parse("").expect("valid").clusters[0].hedge_budget_percent,
+            10
+        );
+    }
+
+    #[test]
+    fn bad_hedge_settings_point_at_the_place() {
+        for bad in ["p10", "p100", "0ms", "soon"] {
+            let e = parse(&route(bad)).expect_err(bad);
+            assert!(
+                e.contains("t.toml:9:15: route[0].hedge_delay"),
+                "{bad}: {e}"
+            );
+            assert!(e.contains("help:"), "{e}");
+        }
+        let e = parse("hedge_budget_percent = 150\n").expect_err("over 100");
+        assert!(
+            e.contains("t.toml:6:24: cluster[0].hedge_budget_percent"),
+            "{e}"
+        );
+    }
+}
