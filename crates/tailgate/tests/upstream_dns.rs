@@ -134,7 +134,7 @@ async fn twin_upstreams() -> (u16, Arc<AtomicUsize>, Arc<AtomicUsize>) {
 
 fn gateway(dns: SocketAddr, port: u16, extra: &str) -> TestGateway {
     TestGateway::start(&format!(
-        "[dns]\nnameservers = [\"{dns}\"]\nmin_refresh = \"50ms\"\nmax_refresh = \"1s\"\nquery_timeout = \"300ms\"\nstartup_timeout = \"2s\"\n{extra}\n[[cluster]]\nname = \"up\"\nendpoints = [\"svc.test:{port}\"]\nmin_warm_connections = 1\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+        "[dns]\nnameservers = [\"{dns}\"]\nmin_refresh = \"50ms\"\nmax_refresh = \"1s\"\nquery_timeout = \"2s\"\nstartup_timeout = \"3s\"\n{extra}\n[[cluster]]\nname = \"up\"\nendpoints = [\"svc.test:{port}\"]\nmin_warm_connections = 1\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
     ))
 }
 
@@ -294,7 +294,7 @@ async fn connect_failure_re_resolves_early() {
     // A long TTL: the next refresh by TTL is due only after max_refresh (60 s).
     dns.ttl.store(3600, Ordering::SeqCst);
     let gw = TestGateway::start(&format!(
-        "[dns]\nnameservers = [\"{}\"]\nmin_refresh = \"50ms\"\nmax_refresh = \"60s\"\nquery_timeout = \"300ms\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"svc.test:{}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
+        "[dns]\nnameservers = [\"{}\"]\nmin_refresh = \"50ms\"\nmax_refresh = \"60s\"\nquery_timeout = \"2s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"svc.test:{}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
         dns.addr,
         b.port()
     ));
