@@ -21,7 +21,8 @@ fn gateway(up: std::net::SocketAddr, cluster_extra: &str) -> TestGateway {
 
 /// A raw HTTP/1.1 upstream. `decide(conn_request_index, request_line)` returns what to do
 /// with each request: answer it (keep-alive), answer with `Connection: close`, or drop the
-/// connection without answering. Counts accepted connections and records request lines.
+/// connection without answering. Counts accepted connections and records request lines
+/// (with ` body=` and the body).
 #[derive(Clone, Copy, PartialEq)]
 enum Act {
     Answer,
@@ -80,9 +81,10 @@ async fn raw_upstream(decide: fn(usize, &str) -> Act) -> RawUpstream {
                             Ok(n) => buf.extend_from_slice(&chunk[..n]),
                         }
                     }
+                    let body = String::from_utf8_lossy(&buf[head_end..head_end + len]).to_string();
                     buf.drain(..head_end + len);
                     index += 1;
-                    ls.lock().unwrap().push(line.clone());
+                    ls.lock().unwrap().push(format!("{line} body={body}"));
                     match decide(index, &line) {
                         Act::Answer => {
                             if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
@@ -257,13 +259,12 @@ async fn reset_pooled_connection_retries_get_but_not_post() {
     assert_eq!(g.pool_stat(|s| s.retries.load(Ordering::Relaxed)), 1);
 }
 
-/// `idempotent = true` on a route: a bodiless POST that a pooled connection drops is
-/// replayed on a fresh connection like a GET. Without it the same POST gets a 502 and
+/// `idempotent = true` on a route: a POST that a pooled connection drops is replayed on a
+/// fresh connection like a GET, with its body. Without it the same POST gets a 502 and
 /// reaches the upstream once.
 #[tokio::test]
 async fn route_marked_idempotent_replays_post_unmarked_does_not() {
-    use http_body_util::BodyExt;
-    for marked in [true, false] {
+    for (marked, body) in [(true, ""), (true, "data"), (false, ""), (false, "data")] {
         let up = raw_upstream(|i, _| if i == 1 { Act::Answer } else { Act::Drop }).await;
         let gw = TestGateway::start(&format!(
             "[[cluster]]\nname = \"up\"\nendpoints = [\"{}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nidempotent = {marked}\n",
@@ -273,36 +274,83 @@ async fn route_marked_idempotent_replays_post_unmarked_does_not() {
         let mut c = h1_client(gw.addr).await;
         assert_eq!(get_on(&mut c, "/warm").await, 200);
         // The pooled connection reads this POST and drops it without answering.
-        let r = c
-            .send_request(
-                http::Request::post("/jobs/7/run")
-                    .header("host", "a")
-                    .header("content-length", "0")
-                    .body(full(""))
-                    .unwrap(),
-            )
-            .await
-            .unwrap();
-        let status = r.status();
-        r.into_body().collect().await.unwrap();
-        let posts = up
+        let status = post_on(&mut c, "/jobs/7/run", body.to_owned()).await;
+        let posts: Vec<String> = up
             .lines
             .lock()
             .unwrap()
             .iter()
             .filter(|l| l.starts_with("POST /jobs/7/run"))
-            .count();
+            .cloned()
+            .collect();
         let retries = g.pool_stat(|s| s.retries.load(Ordering::Relaxed));
+        let case = format!("marked {marked}, body {body:?}");
         if marked {
-            assert_eq!(status, 200, "replayed on a fresh connection");
-            assert_eq!(posts, 2, "sent on the stale connection, then once more");
-            assert_eq!(retries, 1);
+            assert_eq!(status, 200, "{case}: replayed on a fresh connection");
+            assert_eq!(
+                posts.len(),
+                2,
+                "{case}: sent on the stale connection, then once more"
+            );
+            assert!(
+                posts[1].ends_with(&format!("body={body}")),
+                "{case}: the replay carries the body: {posts:?}"
+            );
+            assert_eq!(retries, 1, "{case}");
         } else {
-            assert_eq!(status, 502);
-            assert_eq!(posts, 1, "a POST is never sent twice by default");
-            assert_eq!(retries, 0);
+            assert_eq!(status, 502, "{case}");
+            assert_eq!(
+                posts.len(),
+                1,
+                "{case}: a POST is never sent twice by default"
+            );
+            assert_eq!(retries, 0, "{case}");
         }
     }
+}
+
+/// A body longer than the replay copy's limit (64 KiB) streams as usual but is not replayed,
+/// even on a route marked `idempotent`.
+#[tokio::test]
+async fn body_over_the_replay_limit_is_not_replayed() {
+    let up = raw_upstream(|i, _| if i == 1 { Act::Answer } else { Act::Drop }).await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nidempotent = true\n",
+        up.addr
+    ));
+    let mut c = h1_client(gw.addr).await;
+    assert_eq!(get_on(&mut c, "/warm").await, 200);
+    assert_eq!(post_on(&mut c, "/big", "x".repeat(100 * 1024)).await, 502);
+    let posts = up
+        .lines
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|l| l.starts_with("POST /big"))
+        .count();
+    assert_eq!(posts, 1, "too long to keep a copy of: sent once");
+}
+
+/// Sends `POST path` with `body` on `c` and reads the whole answer; returns the status.
+async fn post_on(
+    c: &mut hyper::client::conn::http1::SendRequest<TestBody>,
+    path: &str,
+    body: String,
+) -> http::StatusCode {
+    use http_body_util::BodyExt;
+    let r = c
+        .send_request(
+            http::Request::post(path)
+                .header("host", "a")
+                .header("content-length", body.len().to_string())
+                .body(full(body))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let status = r.status();
+    r.into_body().collect().await.unwrap();
+    status
 }
 
 /// An upstream that closes idle connections on its own: the next request finds the pooled

@@ -1,10 +1,11 @@
 //! The two body types of a proxied exchange, both streamed frame by frame (never buffered):
-//! [`ReqBody`] carries the client's body upstream under the size limit; [`RespBody`] carries
+//! [`ReqBody`] carries the client's body upstream under the size limit (keeping a bounded
+//! [`ReplayCopy`] on routes whose requests may be replayed); [`RespBody`] carries
 //! the upstream's body back, enforces the route's total deadline, returns the upstream
 //! connection to its pool at end of stream, and finishes the [`Exchange`] record.
 
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
@@ -34,6 +35,65 @@ pub struct ReqBody {
     seen: u64,
     /// Where the bytes read are counted (the route's `received bytes` series).
     counter: Option<BytesIn>,
+    /// A whole body to send (a replay), before `inner`.
+    buffered: Option<Bytes>,
+    /// Where a copy of the bytes sent is kept, for a replay.
+    copy: Option<ReplayCopy>,
+}
+
+/// A bounded copy of a request body as it streams upstream, so that a request on a route
+/// marked `idempotent` can be replayed after a stale pooled connection failed under it.
+/// Only a body that was read to its end within the limit can be replayed; the copy holds
+/// refcounted slices of the frames already read (no extra copy of the bytes).
+#[derive(Debug, Clone)]
+pub struct ReplayCopy(Arc<Mutex<CopyState>>);
+
+#[derive(Debug, Default)]
+struct CopyState {
+    chunks: Vec<Bytes>,
+    len: usize,
+    limit: usize,
+    complete: bool,
+    /// Past the limit, or trailers: not replayable.
+    given_up: bool,
+}
+
+impl ReplayCopy {
+    fn with<R>(&self, f: impl FnOnce(&mut CopyState) -> R) -> R {
+        // One request's body: only this exchange's tasks touch it, never another request.
+        f(&mut self.0.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    fn push(&self, data: &Bytes) {
+        self.with(|s| {
+            if s.given_up {
+                return;
+            }
+            if s.len + data.len() > s.limit {
+                s.given_up = true;
+                s.chunks = Vec::new();
+            } else {
+                s.len += data.len();
+                s.chunks.push(data.clone());
+            }
+        });
+    }
+
+    /// The whole body, if it was read to its end within the limit.
+    pub fn body(&self) -> Option<ReqBody> {
+        self.with(|s| {
+            if !s.complete || s.given_up {
+                return None;
+            }
+            let mut all = bytes::BytesMut::with_capacity(s.len);
+            for c in &s.chunks {
+                all.extend_from_slice(c);
+            }
+            let mut body = ReqBody::empty();
+            body.buffered = Some(all.freeze());
+            Some(body)
+        })
+    }
 }
 
 /// A route's received-bytes counter on one worker, counted as the body streams.
@@ -52,7 +112,19 @@ impl ReqBody {
             limit: if limit == 0 { u64::MAX } else { limit },
             seen: 0,
             counter: None,
+            buffered: None,
+            copy: None,
         }
+    }
+
+    /// Keeps a copy of up to `limit` bytes of the body as it streams, for a replay.
+    pub fn keep_copy(mut self, limit: usize) -> (ReqBody, ReplayCopy) {
+        let copy = ReplayCopy(Arc::new(Mutex::new(CopyState {
+            limit,
+            ..CopyState::default()
+        })));
+        self.copy = Some(copy.clone());
+        (self, copy)
     }
 
     /// Counts the body's bytes into `counter` as they pass.
@@ -67,6 +139,8 @@ impl ReqBody {
             limit: u64::MAX,
             seen: 0,
             counter: None,
+            buffered: None,
+            copy: None,
         }
     }
 }
@@ -80,11 +154,24 @@ impl Body for ReqBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, ReqBodyError>>> {
         let this = &mut *self;
+        if let Some(b) = this.buffered.take() {
+            return Poll::Ready(Some(Ok(Frame::data(b))));
+        }
         let Some(inner) = this.inner.as_mut() else {
             return Poll::Ready(None);
         };
         match ready!(Pin::new(inner).poll_frame(cx)) {
             Some(Ok(frame)) => {
+                if let Some(copy) = &this.copy {
+                    match frame.data_ref() {
+                        Some(data) => copy.push(data),
+                        None => copy.with(|s| s.given_up = true),
+                    }
+                    // hyper stops polling once the body says it has ended (Content-Length).
+                    if this.inner.as_ref().is_some_and(Body::is_end_stream) {
+                        copy.with(|s| s.complete = true);
+                    }
+                }
                 if let Some(data) = frame.data_ref() {
                     this.seen += data.len() as u64;
                     if let Some(c) = &this.counter {
@@ -100,15 +187,23 @@ impl Body for ReqBody {
                 Poll::Ready(Some(Ok(frame)))
             }
             Some(Err(e)) => Poll::Ready(Some(Err(e.into()))),
-            None => Poll::Ready(None),
+            None => {
+                if let Some(copy) = &this.copy {
+                    copy.with(|s| s.complete = true);
+                }
+                Poll::Ready(None)
+            }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.as_ref().is_none_or(Body::is_end_stream)
+        self.buffered.is_none() && self.inner.as_ref().is_none_or(Body::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
+        if let Some(b) = &self.buffered {
+            return SizeHint::with_exact(b.len() as u64);
+        }
         self.inner
             .as_ref()
             .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)

@@ -285,10 +285,11 @@ async fn forward(
 
     // A reused connection may have been closed by the server just as the request was
     // written to it (Envoy #1979, hyper #2136). A bodiless idempotent request can then be
-    // replayed on a fresh connection; keep what is needed to rebuild it.
+    // replayed on a fresh connection; keep what is needed to rebuild it. On a route marked
+    // `idempotent`, a request with a body can be too: a bounded copy is kept as it streams.
     let replay = (up.reused
         && (route.idempotent || is_idempotent(&parts.method))
-        && http_body::Body::is_end_stream(&body))
+        && (route.idempotent || http_body::Body::is_end_stream(&body)))
     .then(|| {
         (
             parts.method.clone(),
@@ -308,6 +309,12 @@ async fn forward(
             && (route.idempotent || is_idempotent(&parts.method)),
     );
     let body = ReqBody::new(body, settings.max_body_bytes);
+    let (body, replay_copy) = if replay.is_some() && !http_body::Body::is_end_stream(&body) {
+        let (body, copy) = body.keep_copy(REPLAY_COPY_BYTES);
+        (body, Some(copy))
+    } else {
+        (body, None)
+    };
     let body = if http_body::Body::is_end_stream(&body) {
         body
     } else {
@@ -352,13 +359,18 @@ async fn forward(
             None => match replay {
                 // Written, then the connection failed before a response: replay it once on
                 // a fresh connection (idempotent and bodiless only; never a POST unless the
-                // route says its requests are idempotent).
+                // route says its requests are idempotent, then with its body if it was
+                // read whole within the copy's limit).
                 Some((method, uri, headers))
-                    if req_body_error(e.error()).is_none() && cluster.try_spend_retry() =>
+                    if req_body_error(e.error()).is_none()
+                        && let Some(replay_body) = replay_copy
+                            .as_ref()
+                            .map_or_else(|| Some(ReqBody::empty()), |c| c.body())
+                        && cluster.try_spend_retry() =>
                 {
                     tracing::debug!(upstream.addr = %pool.addr, error = %e.error(), "pooled connection failed under a request; retrying it on a new one");
                     pool.count_retry();
-                    let mut req = Request::new(ReqBody::empty());
+                    let mut req = Request::new(replay_body);
                     *req.method_mut() = method;
                     *req.uri_mut() = uri;
                     *req.headers_mut() = headers;
@@ -444,6 +456,10 @@ async fn forward(
     }));
     Ok(Response::from_parts(parts, body))
 }
+
+/// The most of a request body kept for a replay (routes marked `idempotent`); a longer body
+/// streams as usual but is not replayed.
+const REPLAY_COPY_BYTES: usize = 64 * 1024;
 
 /// Methods that may be sent twice without changing the outcome (RFC 9110 §9.2.2).
 fn is_idempotent(m: &http::Method) -> bool {
