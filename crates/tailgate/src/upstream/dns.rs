@@ -272,7 +272,11 @@ fn run(
                 _ = early.notify.notified() => {
                     let now = Instant::now();
                     for t in &targets {
-                        if !early.requested[t.cluster].swap(false, Ordering::Relaxed) {
+                        let asked = early
+                            .requested
+                            .get(t.cluster)
+                            .is_some_and(|f| f.swap(false, Ordering::Relaxed));
+                        if !asked {
                             continue;
                         }
                         stats.early_refreshes.fetch_add(1, Ordering::Relaxed);
