@@ -360,10 +360,7 @@ fn watchdog_outside_systemd_is_a_clear_error() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("--watchdog needs NOTIFY_SOCKET and WATCHDOG_USEC"),
-        "{err}"
-    );
+    assert!(err.contains("--watchdog needs NOTIFY_SOCKET"), "{err}");
 }
 
 /// Under systemd (`Type=notify`, `WatchdogSec=`): READY=1, WATCHDOG=1 at half the
@@ -418,4 +415,37 @@ fn watchdog_notifies_systemd() {
         assert!(Instant::now() < deadline, "did not exit");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// `Type=notify` without `WatchdogSec=`: readiness and stopping, no pings.
+#[test]
+fn notify_without_a_watchdog_sends_ready_and_no_pings() {
+    use std::os::unix::net::UnixDatagram;
+    let up = slow_upstream(Duration::from_millis(0));
+    let dir = tmpdir();
+    let cfg = serve_config(&dir, free_port(), up, "");
+    let sock_path = dir.join("notify.sock");
+    let sock = UnixDatagram::bind(&sock_path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let p = Proc(
+        Command::new(BIN)
+            .args(["serve", "--watchdog", "--config"])
+            .arg(&cfg)
+            .env("NOTIFY_SOCKET", &sock_path)
+            .env_remove("WATCHDOG_USEC")
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut buf = [0u8; 128];
+    let n = sock.recv(&mut buf).expect("READY=1");
+    assert_eq!(&buf[..n], b"READY=1");
+    sock.set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    assert!(
+        sock.recv(&mut buf).is_err(),
+        "no watchdog ping without WATCHDOG_USEC"
+    );
+    drop(p);
 }

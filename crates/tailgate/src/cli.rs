@@ -47,7 +47,14 @@ pub fn serve(path: &Path, watchdog: bool) -> Result<(), CliError> {
     let mut gateway = Gateway::start(config)?;
     if let Some((target, interval)) = watchdog {
         gateway.start_watchdog(target, interval)?;
-        tracing::info!(interval = ?interval, "feeding the systemd watchdog while the workers are responsive");
+        match interval {
+            Some(i) => {
+                tracing::info!(interval = ?i, "feeding the systemd watchdog while the workers are responsive")
+            }
+            None => {
+                tracing::info!("notifying systemd (no WatchdogSec: readiness and stopping only)")
+            }
+        }
     }
     wait_for_signal()?;
     tracing::info!(grace = ?grace, "shutting down: no new connections; finishing requests in flight");

@@ -173,7 +173,12 @@ impl Gateway {
                 handles.push(h);
             }
         }
-        let state = Arc::new(AdminState::new(config.clone(), plan, workers.clone()));
+        let state = Arc::new(AdminState::new(
+            config.clone(),
+            plan,
+            workers.clone(),
+            dns.stats.clone(),
+        ));
         let admin = match &config.admin {
             Some(settings) => {
                 Some(
@@ -213,11 +218,12 @@ impl Gateway {
         self.handles.get(i)
     }
 
-    /// Starts feeding the systemd watchdog at `interval` while no worker is stalled.
+    /// Starts notifying systemd: ready, stopping, and (with an `interval`) feeding its
+    /// watchdog while no worker is stalled.
     pub fn start_watchdog(
         &mut self,
         target: NotifySocket,
-        interval: std::time::Duration,
+        interval: Option<std::time::Duration>,
     ) -> std::io::Result<()> {
         self.watchdog = Some(Watchdog::start(self.state.clone(), target, interval)?);
         Ok(())

@@ -157,6 +157,7 @@ async fn metrics_parse_back_with_the_requests_counted() {
     );
     assert_eq!(ex.types["tailgate_request_duration_seconds"], "histogram");
     assert_eq!(ex.types["tailgate_requests_in_flight"], "gauge");
+    assert_eq!(ex.value("tailgate_requests_in_flight", &[]), 0.0);
     // Upstream pool events, per cluster and endpoint.
     let ep = up.to_string();
     let on_request = ex.value(
@@ -216,6 +217,15 @@ async fn openmetrics_when_asked_and_gzip_when_allowed() {
             &[("route", "acme-api"), ("status_class", "2xx")]
         ),
         1.0
+    );
+
+    assert_eq!(
+        ex.value(
+            "tailgate_response_body_bytes_total",
+            &[("route", "acme-api")]
+        ),
+        2.0,
+        "the upstream's \"ok\""
     );
 
     let r = admin_get(admin, "/metrics", &[("accept-encoding", "gzip")]).await;
@@ -287,9 +297,21 @@ async fn consumer_series_reach_100k_without_errors() {
             .len(),
         CONSUMERS
     );
-    // A second scrape reads the same series (the merge is incremental, nothing is lost).
-    let again = scrape(admin_addr(&gw)).await;
+    // A scraper that asks and never reads (the output is far larger than the socket
+    // buffers) does not hold up the next scrape, which reads the same series: the merge is
+    // incremental and nothing is lost.
+    let mut stuck = tokio::net::TcpStream::connect(admin_addr(&gw))
+        .await
+        .unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut stuck, b"GET /metrics HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let again = tokio::time::timeout(Duration::from_secs(20), scrape(admin_addr(&gw)))
+        .await
+        .expect("a scrape behind a stuck one completes");
     assert!(again.samples.len() >= ex.samples.len());
+    drop(stuck);
 }
 
 #[tokio::test]
@@ -308,6 +330,14 @@ async fn consumers_past_the_limit_count_as_other() {
             .unwrap();
         assert_eq!(c.send_request(req).await.unwrap().status(), 200);
     }
+    // A client naming itself `_other` is counted with the overflow, not as a consumer.
+    let mut c = h1_client(gw.addr).await;
+    let req = http::Request::get("/api/")
+        .header("host", "acme.test")
+        .header("x-consumer", "_other")
+        .body(full(""))
+        .unwrap();
+    assert_eq!(c.send_request(req).await.unwrap().status(), 200);
     let ex = scrape(admin_addr(&gw)).await;
     assert_eq!(ex.value("tailgate_metrics_consumers", &[]), 3.0);
     assert_eq!(
@@ -317,6 +347,20 @@ async fn consumers_past_the_limit_count_as_other() {
     assert!(
         ex.find("tailgate_consumer_requests_total", &[("consumer", "c4")])
             .is_empty()
+    );
+    assert_eq!(
+        ex.value(
+            "tailgate_consumer_requests_total",
+            &[("consumer", "_other"), ("status_class", "2xx")]
+        ),
+        3.0
+    );
+    assert_eq!(
+        ex.value(
+            "tailgate_consumer_request_duration_seconds_count",
+            &[("consumer", "_other")]
+        ),
+        3.0
     );
 }
 
@@ -507,7 +551,7 @@ async fn the_watchdog_is_fed_only_while_workers_respond() {
         .unwrap()
         .start_watchdog(
             tailgate::admin::watchdog::NotifySocket::Path(path.clone()),
-            Duration::from_millis(50),
+            Some(Duration::from_millis(50)),
         )
         .unwrap();
     let recv_until = |until: Instant| {
@@ -538,4 +582,144 @@ async fn the_watchdog_is_fed_only_while_workers_respond() {
         "pings never resumed"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn two_workers_are_summed_and_their_consumers_merged() {
+    let up = ok_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "[server]\nworkers = 2\n{ADMIN}[metrics]\nconsumer_header = \"x-consumer\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\nname = \"all\"\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    // One request on each of 24 connections: the kernel spreads them over both workers.
+    for _ in 0..24 {
+        let mut c = h1_client(gw.addr).await;
+        let req = http::Request::get("/")
+            .header("host", "a")
+            .header("x-consumer", "shared")
+            .body(full(""))
+            .unwrap();
+        let resp = c.send_request(req).await.unwrap();
+        let _ = resp.into_body().collect().await;
+    }
+    let admin = admin_addr(&gw);
+    let stats: serde_json::Value =
+        serde_json::from_slice(admin_get(admin, "/stats", &[]).await.body()).unwrap();
+    let served: Vec<u64> = stats["clusters"][0]["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["reuses"].as_u64().unwrap() + e["connects_on_request"].as_u64().unwrap())
+        .collect();
+    assert_eq!(served.len(), 2, "one pool per worker");
+    assert!(
+        served.iter().all(|&n| n > 0),
+        "both workers served: {served:?}"
+    );
+    let ex = scrape(admin).await;
+    assert_eq!(
+        ex.value(
+            "tailgate_requests_total",
+            &[("route", "all"), ("status_class", "2xx")]
+        ),
+        24.0
+    );
+    assert_eq!(
+        ex.value("tailgate_metrics_consumers", &[]),
+        1.0,
+        "merged by name"
+    );
+    assert_eq!(
+        ex.value(
+            "tailgate_consumer_requests_total",
+            &[("consumer", "shared"), ("status_class", "2xx")]
+        ),
+        24.0
+    );
+    assert_eq!(ex.value("tailgate_requests_in_flight", &[]), 0.0);
+}
+
+#[tokio::test]
+async fn a_client_gone_mid_response_leaves_nothing_in_flight() {
+    // The upstream sends a head and one chunk, then holds the body open.
+    let up = upstream(|_req| async {
+        let (tx, mut rx) =
+            tokio::sync::mpsc::channel::<Result<http_body::Frame<Bytes>, std::io::Error>>(1);
+        tokio::spawn(async move {
+            let _ = tx
+                .send(Ok(http_body::Frame::data(Bytes::from_static(b"first"))))
+                .await;
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            drop(tx);
+        });
+        let stream = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
+        let body = http_body_util::StreamBody::new(stream)
+            .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+            .boxed();
+        http::Response::new(body)
+    })
+    .await;
+    let gw = TestGateway::to(up, ADMIN);
+    let admin = admin_addr(&gw);
+    let mut c = h1_client(gw.addr).await;
+    let resp = c
+        .send_request(
+            http::Request::get("/")
+                .header("host", "a")
+                .body(full(""))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let ex = scrape(admin).await;
+    assert_eq!(ex.value("tailgate_requests_in_flight", &[]), 1.0);
+    drop(resp);
+    drop(c);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let ex = scrape(admin).await;
+        if ex.value("tailgate_requests_in_flight", &[]) == 0.0 {
+            assert_eq!(
+                ex.value("tailgate_request_errors_total", &[("kind", "client_gone")]),
+                1.0
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the abandoned exchange stayed in flight"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn hedge_and_dns_counters_are_exported() {
+    let slow = upstream(|_req| async {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        http::Response::new(full("slow"))
+    })
+    .await;
+    let fast = ok_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{slow}\", \"{fast}\"]\nbalance = \"round_robin\"\nhedge_budget_percent = 100\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"50ms\"\n"
+    ));
+    for _ in 0..4 {
+        assert_eq!(get(gw.addr, "/").await.status(), 200);
+    }
+    let g = gw.gw.as_ref().unwrap();
+    let fired = g.cluster_stat(|c| c.hedges_fired.load(std::sync::atomic::Ordering::Relaxed));
+    let won = g.cluster_stat(|c| c.hedges_won.load(std::sync::atomic::Ordering::Relaxed));
+    assert!(fired >= 1);
+    let ex = scrape(admin_addr(&gw)).await;
+    assert_eq!(
+        ex.value("tailgate_upstream_hedges_fired_total", &[("cluster", "up")]),
+        fired as f64
+    );
+    assert_eq!(
+        ex.value("tailgate_upstream_hedges_won_total", &[("cluster", "up")]),
+        won as f64
+    );
+    assert_eq!(ex.value("tailgate_dns_lookups_total", &[]), 0.0);
+    assert_eq!(ex.types["tailgate_dns_failures_total"], "counter");
 }

@@ -7,6 +7,7 @@ use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 
+use crate::observe::metrics::consumers::OVERFLOW;
 use crate::observe::metrics::histogram::Snapshot;
 use crate::observe::metrics::render::{Closed, Kind, TextWriter};
 use crate::observe::metrics::{CLASSES, ERROR_KINDS, METHODS, STAGES, escape_label};
@@ -26,6 +27,9 @@ pub struct ConsumerMerge {
 
 /// One consumer's label and where its cells are: (worker, cell index) pairs.
 type ConsumerRow = (Box<str>, Vec<(usize, usize)>);
+
+/// The cell index that stands for a worker's overflow (`_other`) cell.
+const OVERFLOW_CELL: usize = usize::MAX;
 
 impl ConsumerMerge {
     fn update(&mut self, state: &AdminState) {
@@ -191,16 +195,40 @@ async fn consumers(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
     if state.plan.consumer_header.is_none() {
         return Ok(());
     }
-    // The admin thread's own lock: a concurrent scrape waits here, never a worker.
-    let mut merge = state.consumers.lock().await;
-    merge.update(state);
-    let rows = &merge.rows;
+    // The admin thread's own lock, held only to merge and copy the index (never while
+    // streaming, so a scraper that stops reading cannot hold up the next one).
+    let mut rows: Vec<ConsumerRow> = {
+        let mut merge = state.consumers.lock().await;
+        merge.update(state);
+        merge.rows.clone()
+    };
+    // The `_other` row: every worker's overflow cell (index OVERFLOW_CELL), when used.
+    let overflow_used = state
+        .workers
+        .iter()
+        .filter_map(|wk| wk.metrics.consumers.as_ref())
+        .any(|c| {
+            c.overflow
+                .requests
+                .iter()
+                .any(|n| n.load(Ordering::Relaxed) > 0)
+        });
+    if overflow_used {
+        rows.push((
+            OVERFLOW.into(),
+            (0..state.workers.len())
+                .map(|w| (w, OVERFLOW_CELL))
+                .collect(),
+        ));
+    }
+    let rows = &rows;
     let cell = |wk: usize, i: usize| {
-        state.workers[wk]
-            .metrics
-            .consumers
-            .as_ref()
-            .and_then(|c| c.cells.get(i))
+        let c = state.workers[wk].metrics.consumers.as_ref()?;
+        if i == OVERFLOW_CELL {
+            Some(&c.overflow)
+        } else {
+            c.cells.get(i)
+        }
     };
 
     w.family(
@@ -266,7 +294,11 @@ async fn consumers(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
         Kind::Gauge,
         "Distinct consumers with their own series.",
     );
-    w.gauge("tailgate_metrics_consumers", &[], rows.len());
+    w.gauge(
+        "tailgate_metrics_consumers",
+        &[],
+        rows.len() - usize::from(overflow_used),
+    );
     w.family(
         "tailgate_metrics_consumers_overflow",
         Kind::Counter,
@@ -452,6 +484,74 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
                 u8::from(e.ejected),
             );
         }
+    }
+    // Per cluster, summed over workers: hedging and endpoint-list changes.
+    type ClusterGet = fn(&crate::upstream::ClusterStats) -> &std::sync::atomic::AtomicU64;
+    let cluster_families: [(&str, &str, ClusterGet); 5] = [
+        (
+            "tailgate_upstream_hedges_fired",
+            "Second copies of a request sent to another endpoint after the hedge delay.",
+            |c| &c.hedges_fired,
+        ),
+        (
+            "tailgate_upstream_hedges_won",
+            "Hedges whose response came first.",
+            |c| &c.hedges_won,
+        ),
+        (
+            "tailgate_upstream_hedges_refused",
+            "Hedges not sent because the hedge or retry budget was spent.",
+            |c| &c.hedges_refused,
+        ),
+        (
+            "tailgate_upstream_endpoints_added",
+            "Endpoints added to the cluster by DNS.",
+            |c| &c.endpoints_added,
+        ),
+        (
+            "tailgate_upstream_endpoints_removed",
+            "Endpoints removed from the cluster by DNS (their pools drained).",
+            |c| &c.endpoints_removed,
+        ),
+    ];
+    for (name, help, get) in cluster_families {
+        w.family(name, Kind::Counter, help);
+        for (ci, (c, _, _)) in clusters.iter().enumerate() {
+            let n: u64 = state
+                .workers
+                .iter()
+                .filter_map(|wk| wk.upstreams.clusters.get(ci))
+                .map(|p| get(&p.stats).load(Ordering::Relaxed))
+                .sum();
+            w.counter(name, &[&format!("cluster=\"{c}\"")], n);
+        }
+    }
+    let d = &state.dns;
+    let dns: [(&str, &str, u64); 4] = [
+        (
+            "tailgate_dns_lookups",
+            "Host-name lookups that returned addresses.",
+            d.lookups.load(Ordering::Relaxed),
+        ),
+        (
+            "tailgate_dns_failures",
+            "Lookups that failed; the last addresses were kept (served stale).",
+            d.failures.load(Ordering::Relaxed),
+        ),
+        (
+            "tailgate_dns_changes",
+            "Times a cluster's address list changed and was published to the workers.",
+            d.changes.load(Ordering::Relaxed),
+        ),
+        (
+            "tailgate_dns_early_refreshes",
+            "Re-resolutions asked for by connect failures.",
+            d.early_refreshes.load(Ordering::Relaxed),
+        ),
+    ];
+    for (name, help, v) in dns {
+        w.family(name, Kind::Counter, help);
+        w.counter(name, &[], v);
     }
     w.family(
         "tailgate_upstream_retry_budget_exhausted",

@@ -39,12 +39,19 @@ use crate::observe::metrics::MetricsPlan;
 use crate::observe::metrics::render::{Format, TextWriter};
 use crate::pipeline::Worker;
 
+/// Admin connections open at once; more are refused (DESIGN.md rule 4: bounded).
+const MAX_CONNECTIONS: usize = 64;
+/// How long an admin connection is kept before it is closed (after its current response).
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
+
 /// What the admin plane reads: the config, every worker (their metrics and pools), and
 /// whether the gateway is draining. Built once per gateway.
 pub struct AdminState {
     pub config: Arc<Config>,
     pub plan: Arc<MetricsPlan>,
     pub workers: Vec<Arc<Worker>>,
+    /// The resolver's counters (all zero without host-name endpoints).
+    pub dns: Arc<crate::upstream::dns::DnsStats>,
     /// Set when shutdown begins (an atomic, not the workers' shutdown channel, so the admin
     /// thread takes no lock the data plane takes).
     pub draining: AtomicBool,
@@ -63,6 +70,7 @@ impl AdminState {
         config: Arc<Config>,
         plan: Arc<MetricsPlan>,
         workers: Vec<Arc<Worker>>,
+        dns: Arc<crate::upstream::dns::DnsStats>,
     ) -> AdminState {
         let stall_threshold = config
             .admin
@@ -72,6 +80,7 @@ impl AdminState {
             config,
             plan,
             workers,
+            dns,
             draining: AtomicBool::new(false),
             stall_threshold,
             started: Instant::now(),
@@ -185,12 +194,18 @@ fn run(listener: std::net::TcpListener, state: Arc<AdminState>, mut stop: watch:
                 return;
             }
         };
+        let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         loop {
             tokio::select! {
                 accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => {
-                        tokio::spawn(serve(stream, state.clone()));
-                    }
+                    Ok((stream, peer)) => match permits.clone().try_acquire_owned() {
+                        Ok(permit) => {
+                            tokio::spawn(serve(stream, state.clone(), permit));
+                        }
+                        Err(_) => {
+                            tracing::warn!(client = %peer, limit = MAX_CONNECTIONS, "admin connection refused: too many open");
+                        }
+                    },
                     Err(e) => {
                         tracing::debug!(error = %e, "admin accept failed");
                         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -210,7 +225,11 @@ fn lower_priority() {
     }
 }
 
-async fn serve(stream: tokio::net::TcpStream, state: Arc<AdminState>) {
+async fn serve(
+    stream: tokio::net::TcpStream,
+    state: Arc<AdminState>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+) {
     let _ = stream.set_nodelay(true);
     let svc = hyper::service::service_fn(move |req| {
         let state = state.clone();
@@ -220,7 +239,17 @@ async fn serve(stream: tokio::net::TcpStream, state: Arc<AdminState>) {
         .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_secs(10))
         .serve_connection(TokioIo::new(stream), svc);
-    if let Err(e) = conn.await {
+    let mut conn = std::pin::pin!(conn);
+    // Connections are recycled after a while so idle ones cannot hold every slot; the
+    // response in flight finishes first.
+    let result = tokio::select! {
+        r = conn.as_mut() => r,
+        _ = tokio::time::sleep(CONNECTION_LIFETIME) => {
+            conn.as_mut().graceful_shutdown();
+            conn.await
+        }
+    };
+    if let Err(e) = result {
         tracing::debug!(error = %e, "admin connection ended with an error");
     }
 }
@@ -289,7 +318,12 @@ fn metrics(state: Arc<AdminState>, req: &Request<Incoming>) -> Response<AdminBod
             }
         });
     }
-    let mut resp = Response::new(AdminBody::Stream(rx));
+    let body = if req.method() == Method::GET {
+        AdminBody::Stream(rx)
+    } else {
+        AdminBody::Full(None)
+    };
+    let mut resp = Response::new(body);
     resp.headers_mut().insert(
         header::CONTENT_TYPE,
         http::HeaderValue::from_static(format.content_type()),
@@ -300,6 +334,10 @@ fn metrics(state: Arc<AdminState>, req: &Request<Incoming>) -> Response<AdminBod
             http::HeaderValue::from_static("gzip"),
         );
     }
+    resp.headers_mut().insert(
+        header::VARY,
+        http::HeaderValue::from_static("Accept, Accept-Encoding"),
+    );
     resp
 }
 
@@ -440,22 +478,37 @@ fn json(status: StatusCode, v: &serde_json::Value) -> Response<AdminBody> {
 }
 
 /// An admin response body: a whole JSON document, or `/metrics` chunks as they render.
+/// The stream ends at an empty chunk; if the renderer goes away without sending it, the body
+/// fails, so hyper aborts the response instead of ending a truncated exposition cleanly.
 pub enum AdminBody {
     Full(Option<Bytes>),
     Stream(mpsc::Receiver<Bytes>),
 }
 
+/// `/metrics` rendering stopped before the end.
+#[derive(Debug, thiserror::Error)]
+#[error("the metrics rendering ended before the exposition was complete")]
+pub struct Truncated;
+
 impl Body for AdminBody {
     type Data = Bytes;
-    type Error = Infallible;
+    type Error = Truncated;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, Truncated>>> {
         match self.get_mut() {
             AdminBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-            AdminBody::Stream(rx) => rx.poll_recv(cx).map(|c| c.map(|b| Ok(Frame::data(b)))),
+            AdminBody::Stream(rx) => match rx.poll_recv(cx) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(Some(b)) if b.is_empty() => {
+                    rx.close();
+                    Poll::Ready(None)
+                }
+                Poll::Ready(Some(b)) => Poll::Ready(Some(Ok(Frame::data(b)))),
+                Poll::Ready(None) => Poll::Ready(Some(Err(Truncated))),
+            },
         }
     }
 }

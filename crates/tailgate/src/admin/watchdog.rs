@@ -1,6 +1,7 @@
-//! The systemd watchdog (`tailgate serve --watchdog`): a dedicated thread sends
-//! `WATCHDOG=1` every half `WatchdogSec`, but only while every data-plane worker is running
-//! its lag probe on time. A stalled worker stops the pings, so systemd restarts a gateway
+//! The systemd watchdog (`tailgate serve --watchdog`): a dedicated thread sends `READY=1`
+//! once the gateway is ready (as `/readyz` decides), `WATCHDOG=1` every half `WatchdogSec`
+//! but only while every data-plane worker is running its lag probe on time, and
+//! `STOPPING=1` when the drain begins. A stalled worker stops the pings, so systemd restarts a gateway
 //! that is alive but not serving (seed 002) — and does not restart one that is merely busy
 //! on another thread.
 //!
@@ -17,6 +18,9 @@ use std::time::Duration;
 
 use super::AdminState;
 
+/// The shortest ping interval, whatever `WATCHDOG_USEC` says.
+const MIN_INTERVAL: Duration = Duration::from_millis(10);
+
 /// Where notifications go: a socket path, or a Linux abstract socket name.
 #[derive(Debug, Clone)]
 pub enum NotifySocket {
@@ -27,7 +31,7 @@ pub enum NotifySocket {
 #[derive(Debug, thiserror::Error)]
 pub enum WatchdogError {
     #[error(
-        "--watchdog needs NOTIFY_SOCKET and WATCHDOG_USEC in the environment (systemd sets them for a unit with Type=notify and WatchdogSec=)"
+        "--watchdog needs NOTIFY_SOCKET in the environment (systemd sets it for a unit with Type=notify; WatchdogSec= adds WATCHDOG_USEC)"
     )]
     NotUnderSystemd,
     #[error("WATCHDOG_USEC=`{0}` is not a positive number of microseconds")]
@@ -35,21 +39,31 @@ pub enum WatchdogError {
 }
 
 impl NotifySocket {
-    /// `$NOTIFY_SOCKET` and half of `$WATCHDOG_USEC`, as systemd documents.
-    pub fn from_env() -> Result<(NotifySocket, Duration), WatchdogError> {
+    /// `$NOTIFY_SOCKET`, and half of `$WATCHDOG_USEC` when the watchdog is ours (as
+    /// `sd_watchdog_enabled` decides: no `WATCHDOG_PID`, or our pid). Without a watchdog
+    /// only `READY=1` and `STOPPING=1` are sent.
+    pub fn from_env() -> Result<(NotifySocket, Option<Duration>), WatchdogError> {
         let socket = std::env::var_os("NOTIFY_SOCKET").ok_or(WatchdogError::NotUnderSystemd)?;
-        let usec = std::env::var("WATCHDOG_USEC").map_err(|_| WatchdogError::NotUnderSystemd)?;
-        let us: u64 = usec
-            .parse()
-            .ok()
-            .filter(|&u| u > 0)
-            .ok_or(WatchdogError::BadInterval(usec))?;
+        let ours = std::env::var("WATCHDOG_PID")
+            .map_or(true, |p| p.trim() == std::process::id().to_string());
+        let interval = match std::env::var("WATCHDOG_USEC") {
+            Ok(usec) if ours => {
+                let us: u64 = usec
+                    .parse()
+                    .ok()
+                    .filter(|&u| u > 0)
+                    .ok_or(WatchdogError::BadInterval(usec))?;
+                // Half the timeout, as systemd asks; never a busy loop.
+                Some(Duration::from_micros(us / 2).max(MIN_INTERVAL))
+            }
+            _ => None,
+        };
         let bytes = socket.as_encoded_bytes();
         let target = match bytes.strip_prefix(b"@") {
             Some(name) => NotifySocket::Abstract(name.to_vec()),
             None => NotifySocket::Path(PathBuf::from(socket)),
         };
-        Ok((target, Duration::from_micros(us / 2)))
+        Ok((target, interval))
     }
 
     /// Sends one notification (`READY=1`, `WATCHDOG=1`, `STOPPING=1`, …).
@@ -73,37 +87,50 @@ pub struct Watchdog {
 }
 
 impl Watchdog {
-    /// Sends `READY=1`, then `WATCHDOG=1` every `interval` while no worker is stalled.
+    /// Sends `READY=1` once ready, `WATCHDOG=1` every `interval` (when there is a watchdog)
+    /// while no worker is stalled, and `STOPPING=1` when the drain begins.
     pub fn start(
         state: Arc<AdminState>,
         target: NotifySocket,
-        interval: Duration,
+        interval: Option<Duration>,
     ) -> std::io::Result<Watchdog> {
         let stop = Arc::new(AtomicBool::new(false));
         let stopping = stop.clone();
+        let notify = move |msg: &str| {
+            if let Err(e) = target.notify(msg) {
+                tracing::warn!(error = %e, msg, "cannot notify systemd");
+            }
+        };
         let thread = std::thread::Builder::new()
             .name("tailgate-watchdog".into())
             .spawn(move || {
-                if let Err(e) = target.notify("READY=1") {
-                    tracing::warn!(error = %e, "cannot notify systemd");
-                }
-                let mut was_stalled = false;
+                let (mut ready, mut draining, mut was_stalled) = (false, false, false);
                 while !stopping.load(Ordering::Relaxed) {
+                    if !ready && state.not_ready().is_none() {
+                        notify("READY=1");
+                        ready = true;
+                    }
+                    if !draining && state.draining.load(Ordering::Relaxed) {
+                        notify("STOPPING=1");
+                        draining = true;
+                    }
                     let stalled = state.stalled_workers();
                     if stalled.is_empty() {
                         if was_stalled {
                             tracing::info!("every worker is responsive again; feeding the watchdog");
                         }
-                        if let Err(e) = target.notify("WATCHDOG=1") {
-                            tracing::warn!(error = %e, "cannot notify systemd");
+                        if interval.is_some() {
+                            notify("WATCHDOG=1");
                         }
-                    } else if !was_stalled {
+                    } else if !was_stalled && ready {
                         tracing::error!(workers = ?stalled, "workers stalled; not feeding the systemd watchdog");
                     }
-                    was_stalled = !stalled.is_empty();
-                    sleep_unless_stopped(interval, &stopping);
+                    was_stalled = ready && !stalled.is_empty();
+                    sleep_unless_stopped(interval.unwrap_or(MIN_INTERVAL * 10), &stopping);
                 }
-                let _ = target.notify("STOPPING=1");
+                if !draining {
+                    notify("STOPPING=1");
+                }
             })?;
         Ok(Watchdog { stop, thread })
     }

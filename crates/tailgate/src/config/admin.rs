@@ -9,6 +9,15 @@ use super::{AdminSettings, MetricsSettings};
 
 /// Per-worker consumers tracked by default when `consumer_header` is set.
 const DEFAULT_MAX_CONSUMERS: usize = 100_000;
+/// The most a worker tracks: its index is allocated for all of them at start (about 40 MB).
+const MAX_CONSUMERS: usize = 1_000_000;
+/// Headers whose values are secrets, never to be published as label values.
+const SECRET_HEADERS: [&str; 4] = [
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "x-api-key",
+];
 
 pub(super) fn check(
     c: &mut Checker<'_>,
@@ -37,14 +46,21 @@ pub(super) fn check(
             "admin.stall_threshold".into(),
             Duration::from_secs(2),
         );
-        if let Some(v) = &a.stall_threshold
-            && stall_threshold <= lag_probe_interval
-        {
+        // Checked on the effective values: a probe interval above the default threshold
+        // would make every worker look stalled between two ticks.
+        if stall_threshold < lag_probe_interval * 2 {
+            let (span, field) = match (&a.stall_threshold, &a.lag_probe_interval) {
+                (Some(v), _) => (Some(v.span()), "admin.stall_threshold"),
+                (None, Some(v)) => (Some(v.span()), "admin.lag_probe_interval"),
+                (None, None) => (None, "admin.stall_threshold"),
+            };
             c.err(
-                Some(v.span()),
-                "admin.stall_threshold".into(),
-                "must be longer than admin.lag_probe_interval".into(),
-                Some("write a few seconds, e.g. \"2s\""),
+                span,
+                field.into(),
+                format!(
+                    "stall_threshold ({stall_threshold:?}) must be at least twice lag_probe_interval ({lag_probe_interval:?})"
+                ),
+                Some("keep the probe interval short (\"10ms\") and the threshold a few seconds (\"2s\")"),
             );
         }
         Some(AdminSettings {
@@ -56,6 +72,15 @@ pub(super) fn check(
 
     let consumer_header = metrics.consumer_header.as_ref().and_then(|h| {
         match http::HeaderName::from_bytes(h.get_ref().as_bytes()) {
+            Ok(n) if SECRET_HEADERS.contains(&n.as_str()) => {
+                c.err(
+                    Some(h.span()),
+                    "metrics.consumer_header".into(),
+                    format!("`{}` carries credentials; its values would be published in /metrics", h.get_ref()),
+                    Some("name a header that identifies the consumer without being a secret, e.g. \"x-consumer-id\""),
+                );
+                None
+            }
             Ok(n) => Some(n),
             Err(_) => {
                 c.err(
@@ -69,11 +94,11 @@ pub(super) fn check(
         }
     });
     let max_consumers = match &metrics.max_consumers {
-        Some(m) if *m.get_ref() == 0 || *m.get_ref() > 10_000_000 => {
+        Some(m) if *m.get_ref() == 0 || *m.get_ref() > MAX_CONSUMERS => {
             c.err(
                 Some(m.span()),
                 "metrics.max_consumers".into(),
-                "must be between 1 and 10000000".into(),
+                format!("must be between 1 and {MAX_CONSUMERS}"),
                 Some("remove it for the default of 100000 per worker"),
             );
             DEFAULT_MAX_CONSUMERS
@@ -121,6 +146,32 @@ mod tests {
             "{errs}"
         );
         assert!(errs.contains("help: "), "{errs}");
+    }
+
+    #[test]
+    fn the_stall_threshold_is_checked_against_the_effective_interval() {
+        let errs = Config::parse(
+            Path::new("t.toml"),
+            &format!("{BASE}[admin]\naddress = \"127.0.0.1:0\"\nlag_probe_interval = \"3s\"\n"),
+        )
+        .expect_err("3s probe with the 2s default threshold")
+        .to_string();
+        assert!(
+            errs.contains(
+                "t.toml:5:22: admin.lag_probe_interval: stall_threshold (2s) must be at least twice"
+            ),
+            "{errs}"
+        );
+        let errs = Config::parse(
+            Path::new("t.toml"),
+            &format!("{BASE}[metrics]\nconsumer_header = \"Authorization\"\n"),
+        )
+        .expect_err("a credential header")
+        .to_string();
+        assert!(
+            errs.contains("metrics.consumer_header: `Authorization` carries credentials"),
+            "{errs}"
+        );
     }
 
     #[test]

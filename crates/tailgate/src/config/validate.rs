@@ -458,7 +458,14 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         Range<usize>,
     );
     let mut seen_routes: Vec<RouteKey> = Vec::new();
-    let mut route_names: HashSet<String> = HashSet::new();
+    // Unnamed routes are labelled `route<index>`: those names are taken too.
+    let mut route_names: HashSet<String> = raw
+        .route
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.name.is_none())
+        .map(|(j, _)| format!("route{j}"))
+        .collect();
     for (i, r) in raw.route.iter().enumerate() {
         let tenant = tenant_ref(c, &r.tenant, format!("route[{i}].tenant"));
         let cluster = match cluster_index.get(r.cluster.get_ref()) {
@@ -575,7 +582,7 @@ fn route_name(c: &mut Checker<'_>, r: &RawRoute, i: usize, seen: &mut HashSet<St
             Some(n.span()),
             format!("route[{i}].name"),
             format!("route name `{name}` is used twice"),
-            Some("give each route a unique name"),
+            Some("give each route a unique name (an unnamed route N is named `routeN`)"),
         );
     }
     name
@@ -688,6 +695,18 @@ mod tests {
         assert_eq!(line_col(t, 0), (1, 1));
         assert_eq!(line_col(t, 6), (2, 1));
         assert_eq!(line_col(t, 9), (2, 4));
+    }
+
+    #[test]
+    fn an_explicit_route_name_cannot_take_a_default_one() {
+        let text = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\n[[route]]\nname = \"route1\"\npath_prefix = \"/a\"\ncluster = \"c\"\n[[route]]\npath_prefix = \"/b\"\ncluster = \"c\"\n";
+        let errs = parse_and_validate(Path::new("t.toml"), text)
+            .expect_err("duplicate label")
+            .to_string();
+        assert!(
+            errs.contains("t.toml:7:8: route[0].name: route name `route1` is used twice"),
+            "{errs}"
+        );
     }
 
     #[test]

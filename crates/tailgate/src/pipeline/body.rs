@@ -174,14 +174,15 @@ impl Body for ReqBody {
                 }
                 if let Some(data) = frame.data_ref() {
                     this.seen += data.len() as u64;
+                    if this.seen > this.limit {
+                        this.inner = None;
+                        return Poll::Ready(Some(Err(ReqBodyError::TooLarge(this.limit))));
+                    }
+                    // Counted once it is passed on (an over-limit frame never is).
                     if let Some(c) = &this.counter {
                         c.metrics
                             .slot(c.route, c.tenant)
                             .add_bytes_in(data.len() as u64);
-                    }
-                    if this.seen > this.limit {
-                        this.inner = None;
-                        return Poll::Ready(Some(Err(ReqBodyError::TooLarge(this.limit))));
                     }
                 }
                 Poll::Ready(Some(Ok(frame)))

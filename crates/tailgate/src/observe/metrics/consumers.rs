@@ -3,7 +3,9 @@
 //! than a map lookup on its own thread.
 //!
 //! - The worker finds a consumer's cell in a map that only its own thread ever locks (the
-//!   lock is uncontended; the renderer never takes it).
+//!   lock is uncontended; the renderer never takes it). The map is sized for
+//!   `max_consumers` when the config loads, so it never rehashes under a request, and it
+//!   hashes with foldhash (seeded, several times cheaper than SipHash on short keys).
 //! - A new consumer's cell is pushed to an append-only, lock-free list (`boxcar`, chosen
 //!   because a reader on another thread can walk it while the worker appends, with no lock
 //!   and no copy); cells are never moved or removed, so the renderer reads them in place.
@@ -17,6 +19,9 @@ use std::time::Duration;
 
 use super::histogram::Histogram;
 use super::{CLASSES, escape_label};
+
+/// The consumer that requests past the table's limit are counted as.
+pub const OVERFLOW: &str = "_other";
 
 /// Longest consumer name kept; longer values are cut (at a character boundary).
 const MAX_NAME: usize = 128;
@@ -52,7 +57,7 @@ impl ConsumerCell {
 pub struct Consumers {
     max: usize,
     /// Locked only by the owning worker's thread.
-    index: Mutex<HashMap<Box<[u8]>, usize>>,
+    index: Mutex<HashMap<Box<[u8]>, usize, foldhash::fast::RandomState>>,
     pub cells: boxcar::Vec<ConsumerCell>,
     pub overflow: ConsumerCell,
     /// Requests counted under `_other` because the table was full.
@@ -63,14 +68,22 @@ impl Consumers {
     pub fn new(max: usize) -> Consumers {
         Consumers {
             max,
-            index: Mutex::new(HashMap::new()),
+            index: Mutex::new(HashMap::with_capacity_and_hasher(
+                max,
+                foldhash::fast::RandomState::default(),
+            )),
             cells: boxcar::Vec::new(),
-            overflow: ConsumerCell::new("_other".into()),
+            overflow: ConsumerCell::new(OVERFLOW.into()),
             overflowed: AtomicU64::new(0),
         }
     }
 
     pub fn record(&self, name: &[u8], class: usize, bytes_out: u64, total: Duration) {
+        // A client cannot take the overflow row's name for a consumer of its own.
+        if name == OVERFLOW.as_bytes() {
+            self.overflow.record(class, bytes_out, total);
+            return;
+        }
         let mut index = self.index.lock().unwrap_or_else(PoisonError::into_inner);
         let cell = match index.get(name) {
             Some(&i) => self.cells.get(i),

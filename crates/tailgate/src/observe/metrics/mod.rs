@@ -5,7 +5,7 @@
 //! - Every series a request touches is resolved when the config loads: a [`RouteSlot`] per
 //!   route (and one per tenant for requests no route matched), indexed by the route id the
 //!   router already returns. Recording is a few relaxed atomic adds; there is no registry
-//!   lookup and no hashing per request.
+//!   lookup and no hashing per request (except the consumer lookup below, when configured).
 //! - Each worker owns its own [`WorkerMetrics`], so even the atomics are uncontended; the
 //!   renderer sums the workers.
 //! - Per-consumer series ([`consumers`]) are the one dynamic set: each worker indexes its
@@ -233,7 +233,10 @@ impl WorkerMetrics {
         slot.bytes_out.fetch_add(ex.bytes_out, Ordering::Relaxed);
         let t = &ex.timings;
         slot.total.record(t.total);
-        slot.stages[0].record(t.route);
+        // Routing ran to a match (an early 400/413, or no route, has no route time).
+        if ex.route.is_some() {
+            slot.stages[0].record(t.route);
+        }
         if let Some(d) = t.auth {
             slot.stages[1].record(d);
         }
@@ -247,7 +250,8 @@ impl WorkerMetrics {
         if !t.upstream_ttfb.is_zero() {
             slot.stages[4].record(t.upstream_ttfb);
         }
-        if let (Some(c), Some(name)) = (&self.consumers, &ex.consumer) {
+        // Only routed requests: a stream of 404s with made-up names cannot fill the table.
+        if let (Some(c), Some(name), Some(_)) = (&self.consumers, &ex.consumer, ex.route) {
             c.record(name.as_bytes(), class, ex.bytes_out, t.total);
         }
     }

@@ -17,6 +17,8 @@ use super::histogram::{BUCKETS, Snapshot};
 
 /// Bytes written before a chunk is sent on.
 const CHUNK: usize = 64 * 1024;
+/// A reader that takes no chunk for this long is dropped (it would hold a render open).
+const SEND_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// `le` label values of the latency buckets, in seconds.
 pub const LE: [&str; BUCKETS] = [
@@ -33,11 +35,25 @@ pub enum Format {
 }
 
 impl Format {
-    /// The format asked for by an `Accept` header (OpenMetrics only when named).
+    /// The format asked for by an `Accept` header: OpenMetrics only when it is listed
+    /// without `q=0`.
     pub fn from_accept(accept: Option<&str>) -> Format {
-        match accept {
-            Some(a) if a.contains("application/openmetrics-text") => Format::OpenMetrics,
-            _ => Format::Prometheus,
+        let wants = accept.is_some_and(|a| {
+            a.split(',').any(|item| {
+                let mut parts = item.split(';').map(str::trim);
+                let media = parts.next().unwrap_or("");
+                let refused = parts.any(|p| {
+                    p.strip_prefix("q=")
+                        .and_then(|q| q.parse::<f32>().ok())
+                        .is_some_and(|q| q == 0.0)
+                });
+                media.eq_ignore_ascii_case("application/openmetrics-text") && !refused
+            })
+        });
+        if wants {
+            Format::OpenMetrics
+        } else {
+            Format::Prometheus
         }
     }
 
@@ -169,10 +185,19 @@ impl TextWriter {
         if chunk.is_empty() {
             return Ok(());
         }
-        self.tx.send(chunk).await.map_err(|_| Closed)
+        self.send(chunk).await
     }
 
-    /// Ends the exposition (`# EOF` for OpenMetrics) and sends what is left.
+    async fn send(&self, chunk: Bytes) -> Result<(), Closed> {
+        match tokio::time::timeout(SEND_TIMEOUT, self.tx.send(chunk)).await {
+            Ok(Ok(())) => Ok(()),
+            _ => Err(Closed),
+        }
+    }
+
+    /// Ends the exposition (`# EOF` for OpenMetrics), sends what is left, then the end
+    /// marker: an empty chunk. A stream that closes without it was cut short, and the body
+    /// reports an error instead of ending cleanly.
     pub async fn finish(mut self) -> Result<(u64, u64), Closed> {
         if self.format == Format::OpenMetrics {
             self.buf.extend_from_slice(b"# EOF\n");
@@ -181,9 +206,10 @@ impl TextWriter {
         if let Some(gz) = self.gz.take() {
             let tail = gz.finish().unwrap_or_default();
             if !tail.is_empty() {
-                self.tx.send(Bytes::from(tail)).await.map_err(|_| Closed)?;
+                self.send(Bytes::from(tail)).await?;
             }
         }
+        self.send(Bytes::new()).await?;
         Ok((self.samples, self.bytes))
     }
 }
@@ -199,5 +225,29 @@ impl std::fmt::Display for Shown<'_> {
             Shown::Plain(n) => f.write_str(n),
             Shown::Total(n) => write!(f, "{n}_total"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Format;
+
+    #[test]
+    fn openmetrics_only_when_listed_and_not_refused() {
+        let f = |a: &str| Format::from_accept(Some(a));
+        assert_eq!(
+            f("application/openmetrics-text; version=1.0.0"),
+            Format::OpenMetrics
+        );
+        assert_eq!(
+            f("text/plain;q=0.5, application/openmetrics-text;q=0.9"),
+            Format::OpenMetrics
+        );
+        assert_eq!(
+            f("application/openmetrics-text;q=0, text/plain"),
+            Format::Prometheus
+        );
+        assert_eq!(f("*/*"), Format::Prometheus);
+        assert_eq!(Format::from_accept(None), Format::Prometheus);
     }
 }
