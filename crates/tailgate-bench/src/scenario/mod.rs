@@ -195,9 +195,22 @@ pub fn measure(
     rate: Option<f64>,
     opts: &Options,
 ) -> Result<Measured, ScenarioError> {
+    measure_with(target, variant, connections, rate, opts, Vec::new())
+}
+
+/// [`measure`] with extra request headers.
+pub fn measure_with(
+    target: &Target,
+    variant: &str,
+    connections: usize,
+    rate: Option<f64>,
+    opts: &Options,
+    headers: Vec<(http::HeaderName, http::HeaderValue)>,
+) -> Result<Measured, ScenarioError> {
     let url = Url::parse(&format!("http://{}/", target.addr))?;
     let mut spec = Spec::get(vec![url], connections, rate, Stop::Duration(opts.duration));
     spec.warmup = opts.warmup;
+    spec.request.headers = headers;
     eprintln!(
         "  measuring {:<9} {:<32} ({} s + {} s warm-up)",
         target.name,

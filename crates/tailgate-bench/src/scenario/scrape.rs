@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use super::procs::{free_port, io_err};
 use super::{
-    Options, Outcome, ScenarioError, Target, check, combine, measure, median, new_env, peers,
+    Options, Outcome, ScenarioError, Target, check, combine, measure_with, median, new_env, peers,
     rotation,
 };
 
@@ -66,12 +66,17 @@ pub fn run(opts: &Options, tailgate_exe: &std::path::Path) -> Result<Outcome, Sc
         eprintln!("  round {}/{rounds} of {variant}", round + 1);
         for i in rotation(targets.len(), round) {
             let scraper = (i == 1).then(|| Scraper::start(admin));
-            let m = measure(
+            // The measured requests name a consumer too: the per-consumer path is timed.
+            let m = measure_with(
                 &targets[i],
                 &variant,
                 opts.connections,
                 Some(opts.rate),
                 opts,
+                vec![(
+                    http::HeaderName::from_static(CONSUMER_HEADER),
+                    http::HeaderValue::from_static("consumer-00042"),
+                )],
             );
             if let Some(s) = scraper {
                 scrapes.extend(s.stop());
