@@ -6,6 +6,7 @@
 
 mod admin;
 mod file;
+mod upstream_tls;
 mod validate;
 
 use std::fmt;
@@ -145,6 +146,8 @@ pub struct Cluster {
     pub retry_budget_percent: u32,
     /// Hedged requests may be at most this percentage of requests (they also spend retries).
     pub hedge_budget_percent: u32,
+    /// Set when the endpoints are `https://` (a cluster's endpoints share one scheme).
+    pub tls: Option<crate::upstream::UpstreamTls>,
 }
 
 #[derive(Debug, Clone)]

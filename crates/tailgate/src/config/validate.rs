@@ -13,6 +13,7 @@ mod dns;
 mod hedge;
 
 use super::file::{RawConfig, RawRoute};
+use super::upstream_tls;
 use super::{
     Cluster, Config, ConfigError, ConfigErrors, Listener, LogFormat, LogSettings, Route,
     ServerSettings, Tenant, TlsFiles,
@@ -371,6 +372,8 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     // [[cluster]]
     let mut cluster_index: HashMap<String, usize> = HashMap::new();
     let mut clusters = Vec::new();
+    // The system's trusted roots, read once for every https cluster that names no CA.
+    let mut system_roots = None;
     for (i, cl) in raw.cluster.iter().enumerate() {
         let name = cl.name.get_ref().clone();
         if cluster_index.insert(name.clone(), i).is_some() {
@@ -391,13 +394,25 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             );
         }
         let mut hostnames = Vec::new();
+        let mut schemes = Vec::new();
         for (j, e) in cl.endpoints.get_ref().iter().enumerate() {
-            match c.endpoint(e, format!("cluster[{i}].endpoints[{j}]")) {
+            let (https, e) = upstream_tls::strip_scheme(e);
+            match c.endpoint(&e, format!("cluster[{i}].endpoints[{j}]")) {
                 Some(dns::Endpoint::Addr(a)) => endpoints.push(a),
                 Some(dns::Endpoint::Name(n)) => hostnames.push(n),
-                None => {}
+                None => continue,
             }
+            schemes.push((https, e.span()));
         }
+        let tls = upstream_tls::cluster_tls(
+            c,
+            cl,
+            i,
+            &base_dir,
+            &schemes,
+            &hostnames,
+            &mut system_roots,
+        );
         clusters.push(Cluster {
             name,
             endpoints,
@@ -444,6 +459,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 None => 10,
             },
             eject_duration: c.duration(&cl.eject_duration, format!("cluster[{i}].eject_duration"), Duration::from_secs(1)),
+            tls,
         });
     }
 
@@ -664,7 +680,7 @@ pub fn host_matches(pattern: &str, host: &str) -> bool {
     }
 }
 
-fn resolve(base: &Path, p: &str) -> PathBuf {
+pub(super) fn resolve(base: &Path, p: &str) -> PathBuf {
     let p = Path::new(p);
     if p.is_absolute() {
         p.to_path_buf()

@@ -17,6 +17,8 @@ pub enum ProxyError {
     BodyTooLarge(u64),
     #[error("upstream connect failed: {0}")]
     UpstreamConnect(std::io::Error),
+    #[error("upstream TLS handshake failed: {0}")]
+    UpstreamTls(std::io::Error),
     #[error("upstream connect timed out")]
     ConnectTimeout,
     #[error("upstream closed or reset the connection: {0}")]
@@ -35,6 +37,7 @@ impl ProxyError {
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::UpstreamConnect(_)
+            | ProxyError::UpstreamTls(_)
             | ProxyError::UpstreamReset(_)
             | ProxyError::NoEndpoints => StatusCode::BAD_GATEWAY,
             ProxyError::ConnectTimeout | ProxyError::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
@@ -49,6 +52,7 @@ impl ProxyError {
             ProxyError::BadRequest(_) => "bad_request",
             ProxyError::BodyTooLarge(_) => "body_too_large",
             ProxyError::UpstreamConnect(_) => "upstream_connect_failed",
+            ProxyError::UpstreamTls(_) => "upstream_tls_failed",
             ProxyError::ConnectTimeout => "upstream_connect_timeout",
             ProxyError::UpstreamReset(_) => "upstream_reset",
             ProxyError::UpstreamTimeout => "upstream_timeout",
@@ -61,6 +65,7 @@ impl ProxyError {
         matches!(
             self,
             ProxyError::UpstreamConnect(_)
+                | ProxyError::UpstreamTls(_)
                 | ProxyError::ConnectTimeout
                 | ProxyError::UpstreamReset(_)
                 | ProxyError::UpstreamTimeout

@@ -256,9 +256,11 @@ async fn forward(
     let mut up = match cluster.checkout(&pool).await {
         Ok(up) => up,
         // Nothing was sent: trying another endpoint is always safe.
-        Err(e @ (ProxyError::UpstreamConnect(_) | ProxyError::ConnectTimeout))
-            if cluster.endpoint_count() > 1 && cluster.try_spend_retry() =>
-        {
+        Err(
+            e @ (ProxyError::UpstreamConnect(_)
+            | ProxyError::UpstreamTls(_)
+            | ProxyError::ConnectTimeout),
+        ) if cluster.endpoint_count() > 1 && cluster.try_spend_retry() => {
             in_flight.failed();
             tracing::debug!(upstream.addr = %pool.addr, error = %e, "connect failed; trying another endpoint");
             pool.count_retry();

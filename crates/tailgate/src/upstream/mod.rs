@@ -12,6 +12,7 @@ mod balance;
 pub mod dns;
 pub mod hedge;
 mod pool;
+pub(crate) mod tls;
 
 pub use balance::Balance;
 
@@ -22,6 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use arc_swap::ArcSwap;
 
 pub use pool::{Conn, EndpointPool, PoolStats};
+pub use tls::UpstreamTls;
 
 use crate::config::{Cluster, Config};
 use crate::pipeline::error::ProxyError;

@@ -10,6 +10,9 @@
 //! - Rotation: a connection is retired after `max_requests` requests or `max_lifetime`,
 //!   before the server's own limit; the server's limit is learned from its closes (the same
 //!   count twice in a row) and the pool then rotates one request earlier.
+//! - `https://` endpoints: TCP, then a TLS handshake with the cluster's shared client config
+//!   (see [`super::tls`]), so replacements resume the TLS session; all of the above works
+//!   the same over TLS.
 //! - Every event is counted in [`PoolStats`].
 
 use std::collections::VecDeque;
@@ -23,6 +26,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
+use super::tls::{EndpointTls, Handshake};
 use crate::config::Cluster;
 use crate::pipeline::body::ReqBody;
 use crate::pipeline::error::ProxyError;
@@ -49,7 +53,15 @@ pub struct PoolStats {
     pub closed_by_server: AtomicU64,
     /// Requests sent again on a fresh connection after a pooled one failed.
     pub retries: AtomicU64,
+    /// Connects that failed: refused, timed out, or a failed TLS handshake.
     pub connect_failures: AtomicU64,
+    /// TLS handshakes that paid the full price (certificate chain, key exchange).
+    pub tls_full_handshakes: AtomicU64,
+    /// TLS handshakes that resumed an earlier session (a ticket or session id).
+    pub tls_resumed_handshakes: AtomicU64,
+    /// TLS handshakes that failed (certificate not trusted, wrong name, protocol error);
+    /// also counted in `connect_failures`.
+    pub tls_handshake_failures: AtomicU64,
     /// The server's requests-per-connection limit as learned from its closes (0: none seen).
     pub learned_limit: AtomicU32,
 }
@@ -68,6 +80,8 @@ pub struct EndpointPool {
     max_requests: u32,
     max_lifetime: Option<Duration>,
     min_warm: usize,
+    /// `Some` for an `https://` endpoint.
+    tls: Option<EndpointTls>,
     refill: Notify,
     /// Uses at the last server close, to learn its limit.
     last_close_uses: AtomicU32,
@@ -111,6 +125,7 @@ impl EndpointPool {
             max_requests: cluster.max_requests_per_connection,
             max_lifetime: cluster.max_connection_lifetime,
             min_warm: cluster.min_warm_connections,
+            tls: cluster.tls.as_ref().map(|t| EndpointTls::new(t, addr)),
             refill: Notify::new(),
             last_close_uses: AtomicU32::new(0),
             retired: AtomicBool::new(false),
@@ -261,30 +276,50 @@ impl EndpointPool {
     }
 
     async fn open(&self) -> Result<http1::SendRequest<ReqBody>, ProxyError> {
-        let stream =
-            match tokio::time::timeout(self.connect_timeout, TcpStream::connect(self.addr)).await {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    self.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
-                    return Err(ProxyError::UpstreamConnect(e));
-                }
-                Err(_) => {
-                    self.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
-                    return Err(ProxyError::ConnectTimeout);
-                }
-            };
-        let _ = stream.set_nodelay(true);
-        let (sender, conn) = http1::Builder::new()
-            .handshake(TokioIo::new(stream))
-            .await
-            .map_err(ProxyError::UpstreamReset)?;
-        let addr = self.addr;
-        tokio::spawn(async move {
-            if let Err(e) = conn.with_upgrades().await {
-                tracing::debug!(upstream.addr = %addr, error = %e, "upstream connection ended with an error");
+        // The connect timeout covers the TLS handshake too: a server that accepts and then
+        // stalls must not hold a request (or the warm keeper) forever.
+        let dialed = tokio::time::timeout(self.connect_timeout, self.dial()).await;
+        let sender = match dialed {
+            Ok(Ok(Stream::Plain(s))) => handshake_h1(s, self.addr).await?,
+            Ok(Ok(Stream::Tls(s))) => handshake_h1(*s, self.addr).await?,
+            Ok(Err(e)) => {
+                self.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
+                return Err(e);
             }
-        });
+            Err(_) => {
+                self.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
+                return Err(ProxyError::ConnectTimeout);
+            }
+        };
         Ok(sender)
+    }
+
+    /// TCP connect, then the TLS handshake for an `https://` endpoint.
+    async fn dial(&self) -> Result<Stream, ProxyError> {
+        let tcp = TcpStream::connect(self.addr)
+            .await
+            .map_err(ProxyError::UpstreamConnect)?;
+        let _ = tcp.set_nodelay(true);
+        let Some(tls) = &self.tls else {
+            return Ok(Stream::Plain(tcp));
+        };
+        match tls.handshake(tcp).await {
+            Ok((s, kind)) => {
+                let counter = match kind {
+                    Handshake::Full => &self.stats.tls_full_handshakes,
+                    Handshake::Resumed => &self.stats.tls_resumed_handshakes,
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+                Ok(Stream::Tls(Box::new(s)))
+            }
+            Err(e) => {
+                self.stats
+                    .tls_handshake_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(upstream.addr = %self.addr, error = %e, "upstream TLS handshake failed");
+                Err(ProxyError::UpstreamTls(e))
+            }
+        }
     }
 
     /// Keeps `min_warm` idle connections open, for as long as the worker runs: opens them at
@@ -340,4 +375,27 @@ impl EndpointPool {
         }
         list.len()
     }
+}
+
+/// A connected transport, before the HTTP handshake.
+enum Stream {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+/// The HTTP/1.1 handshake over any transport; the connection runs on its own task.
+async fn handshake_h1<I>(io: I, addr: SocketAddr) -> Result<http1::SendRequest<ReqBody>, ProxyError>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, conn) = http1::Builder::new()
+        .handshake(TokioIo::new(io))
+        .await
+        .map_err(ProxyError::UpstreamReset)?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.with_upgrades().await {
+            tracing::debug!(upstream.addr = %addr, error = %e, "upstream connection ended with an error");
+        }
+    });
+    Ok(sender)
 }

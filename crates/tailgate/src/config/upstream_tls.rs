@@ -1,0 +1,303 @@
+//! A cluster's endpoint schemes and `tls_*` fields, checked and turned into one shared
+//! [`UpstreamTls`] at load, so that a missing file, bad PEM or a certificate without its
+//! key is a `file:line:col` error rather than a failing connect at runtime.
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+use rustls::RootCertStore;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use toml::Spanned;
+
+use super::HostPort;
+use super::file::RawCluster;
+use super::validate::{Checker, resolve};
+use crate::upstream::UpstreamTls;
+use crate::upstream::tls::{client_config, system_roots};
+
+/// Splits an endpoint's scheme off: `https://…` is TLS; `http://…` and a bare address are
+/// plain HTTP. The rest keeps the endpoint's span, for errors about the address.
+pub(super) fn strip_scheme(e: &Spanned<String>) -> (bool, Spanned<String>) {
+    let text = e.get_ref();
+    let (https, rest) = if let Some(r) = text.strip_prefix("https://") {
+        (true, r)
+    } else if let Some(r) = text.strip_prefix("http://") {
+        (false, r)
+    } else {
+        (false, text.as_str())
+    };
+    (
+        https,
+        Spanned::new(e.span(), rest.trim_end_matches('/').to_owned()),
+    )
+}
+
+/// The cluster's TLS settings: `Some` when its endpoints are `https://`. `schemes` holds
+/// (is https, span) of each endpoint that parsed.
+pub(super) fn cluster_tls(
+    c: &mut Checker<'_>,
+    cl: &RawCluster,
+    i: usize,
+    base_dir: &Path,
+    schemes: &[(bool, Range<usize>)],
+    hostnames: &[HostPort],
+    system: &mut Option<Arc<RootCertStore>>,
+) -> Option<UpstreamTls> {
+    let https = schemes.first().is_some_and(|(t, _)| *t);
+    if let Some((_, span)) = schemes.iter().find(|(t, _)| *t != https) {
+        c.err(
+            Some(span.clone()),
+            format!("cluster[{i}].endpoints"),
+            "mixes https:// and plain HTTP endpoints".into(),
+            Some("a cluster's endpoints share one scheme and one TLS setting; put the others in their own [[cluster]]"),
+        );
+        return None;
+    }
+    let fields = [
+        ("tls_server_name", &cl.tls_server_name),
+        ("tls_ca", &cl.tls_ca),
+        ("tls_client_cert", &cl.tls_client_cert),
+        ("tls_client_key", &cl.tls_client_key),
+    ];
+    if !https {
+        for (name, v) in fields {
+            if let Some(v) = v {
+                c.err(
+                    Some(v.span()),
+                    format!("cluster[{i}].{name}"),
+                    "is set but no endpoint uses TLS".into(),
+                    Some("write the endpoints as \"https://IP:port\", or remove this field"),
+                );
+            }
+        }
+        return None;
+    }
+
+    let server_name = match &cl.tls_server_name {
+        Some(_) => configured_name(c, cl, i),
+        None => default_name(c, cl, i, schemes, hostnames)?,
+    };
+
+    let roots = match &cl.tls_ca {
+        Some(v) => {
+            let ca = roots_from_file(c, v, format!("cluster[{i}].tls_ca"), base_dir)?;
+            Arc::new(ca)
+        }
+        None => match system {
+            Some(r) => r.clone(),
+            None => {
+                let (roots, bad) = system_roots();
+                if bad > 0 {
+                    tracing::debug!(unusable = bad, "some system root certificates were skipped");
+                }
+                if roots.is_empty() {
+                    let span = schemes.first().map(|(_, s)| s.clone());
+                    c.err(
+                        span,
+                        format!("cluster[{i}].endpoints"),
+                        "https endpoints need trusted roots, and none were found in the system store".into(),
+                        Some("set tls_ca = \"path/to/ca.pem\", or install the system's CA certificates (SSL_CERT_FILE/SSL_CERT_DIR are honoured)"),
+                    );
+                    return None;
+                }
+                let roots = Arc::new(roots);
+                *system = Some(roots.clone());
+                roots
+            }
+        },
+    };
+
+    let client_auth = match (&cl.tls_client_cert, &cl.tls_client_key) {
+        (None, None) => None,
+        (Some(cert), None) => {
+            c.err(
+                Some(cert.span()),
+                format!("cluster[{i}].tls_client_cert"),
+                "a client certificate needs its private key".into(),
+                Some("add tls_client_key = \"path/to/key.pem\""),
+            );
+            return None;
+        }
+        (None, Some(key)) => {
+            c.err(
+                Some(key.span()),
+                format!("cluster[{i}].tls_client_key"),
+                "a private key without a client certificate".into(),
+                Some("add tls_client_cert = \"path/to/cert.pem\" (the chain, leaf first)"),
+            );
+            return None;
+        }
+        (Some(cert), Some(key)) => {
+            let chain = certs_from_file(c, cert, format!("cluster[{i}].tls_client_cert"), base_dir);
+            let key = key_from_file(c, key, format!("cluster[{i}].tls_client_key"), base_dir);
+            Some((chain?, key?))
+        }
+    };
+
+    match client_config(roots, client_auth, vec![b"http/1.1".to_vec()]) {
+        Ok(config) => Some(UpstreamTls {
+            config: Arc::new(config),
+            server_name,
+        }),
+        Err(e) => {
+            // The roots were checked above: what remains is the client certificate and key.
+            let span = cl.tls_client_key.as_ref().map(Spanned::span);
+            c.err(
+                span,
+                format!("cluster[{i}].tls_client_key"),
+                format!("the client certificate and key cannot be used together: {e}"),
+                Some("check that the key is the private key of the first certificate in tls_client_cert"),
+            );
+            None
+        }
+    }
+}
+
+fn certs_from_file(
+    c: &mut Checker<'_>,
+    v: &Spanned<String>,
+    field: String,
+    base_dir: &Path,
+) -> Option<Vec<CertificateDer<'static>>> {
+    let path = resolve(base_dir, v.get_ref());
+    if !path.is_file() {
+        c.err(
+            Some(v.span()),
+            field,
+            format!("no such file: {}", path.display()),
+            Some("write the path of a PEM file (relative paths are relative to the config file)"),
+        );
+        return None;
+    }
+    match CertificateDer::pem_file_iter(&path).and_then(|it| it.collect::<Result<Vec<_>, _>>()) {
+        Ok(certs) if certs.is_empty() => {
+            c.err(
+                Some(v.span()),
+                field,
+                format!("no certificate in {}", path.display()),
+                Some("the file must hold PEM blocks starting with `-----BEGIN CERTIFICATE-----`"),
+            );
+            None
+        }
+        Ok(certs) => Some(certs),
+        Err(e) => {
+            c.err(
+                Some(v.span()),
+                field,
+                format!("cannot read certificates from {}: {e}", path.display()),
+                Some("the file must hold PEM blocks starting with `-----BEGIN CERTIFICATE-----`"),
+            );
+            None
+        }
+    }
+}
+
+fn roots_from_file(
+    c: &mut Checker<'_>,
+    v: &Spanned<String>,
+    field: String,
+    base_dir: &Path,
+) -> Option<RootCertStore> {
+    let certs = certs_from_file(c, v, field.clone(), base_dir)?;
+    let mut roots = RootCertStore::empty();
+    for (n, cert) in certs.into_iter().enumerate() {
+        if let Err(e) = roots.add(cert) {
+            c.err(
+                Some(v.span()),
+                field,
+                format!("certificate #{} is not a usable CA certificate: {e}", n + 1),
+                Some("list only CA certificates (PEM) that sign the upstream's certificate"),
+            );
+            return None;
+        }
+    }
+    Some(roots)
+}
+
+fn key_from_file(
+    c: &mut Checker<'_>,
+    v: &Spanned<String>,
+    field: String,
+    base_dir: &Path,
+) -> Option<PrivateKeyDer<'static>> {
+    let path = resolve(base_dir, v.get_ref());
+    if !path.is_file() {
+        c.err(
+            Some(v.span()),
+            field,
+            format!("no such file: {}", path.display()),
+            Some("write the path of a PEM private key (relative paths are relative to the config file)"),
+        );
+        return None;
+    }
+    match PrivateKeyDer::from_pem_file(&path) {
+        Ok(k) => Some(k),
+        Err(e) => {
+            c.err(
+                Some(v.span()),
+                field,
+                format!("cannot read a private key from {}: {e}", path.display()),
+                Some("the file must hold one PEM private key (`-----BEGIN PRIVATE KEY-----`, PKCS#8, PKCS#1 or SEC1)"),
+            );
+            None
+        }
+    }
+}
+
+/// `tls_server_name` as written, checked.
+fn configured_name(c: &mut Checker<'_>, cl: &RawCluster, i: usize) -> Option<ServerName<'static>> {
+    let v = cl.tls_server_name.as_ref()?;
+    match ServerName::try_from(v.get_ref().as_str()) {
+        Ok(n) => Some(n.to_owned()),
+        Err(_) => {
+            c.err(
+                Some(v.span()),
+                format!("cluster[{i}].tls_server_name"),
+                format!("`{}` is not a DNS name or IP address", v.get_ref()),
+                Some("write the name the upstream's certificate is issued for, e.g. \"api.internal.example\""),
+            );
+            None
+        }
+    }
+}
+
+/// The name to verify when `tls_server_name` is not set: each endpoint's own IP for IP
+/// literals (`Some(None)`), or the host name when every endpoint is that one name (its
+/// resolved addresses cannot say which name they came from, so several names, or names and
+/// IPs together, need `tls_server_name`; `None` after an error).
+fn default_name(
+    c: &mut Checker<'_>,
+    cl: &RawCluster,
+    i: usize,
+    schemes: &[(bool, Range<usize>)],
+    hostnames: &[HostPort],
+) -> Option<Option<ServerName<'static>>> {
+    let Some(first) = hostnames.first() else {
+        return Some(None);
+    };
+    let one_name = hostnames.iter().all(|h| h.host == first.host)
+        && schemes.len() == hostnames.len();
+    if !one_name {
+        c.err(
+            Some(cl.endpoints.span()),
+            format!("cluster[{i}].endpoints"),
+            "https:// endpoints of different host names (or names and IPs together) need one name to verify".into(),
+            Some("set tls_server_name = \"…\" to the name the upstreams' certificates are issued for, or split the endpoints into clusters"),
+        );
+        return None;
+    }
+    match ServerName::try_from(first.host.clone()) {
+        Ok(n) => Some(Some(n)),
+        Err(_) => {
+            c.err(
+                Some(cl.endpoints.span()),
+                format!("cluster[{i}].endpoints"),
+                format!("`{}` cannot be verified as a TLS server name", first.host),
+                Some("set tls_server_name to the name the upstream's certificate is issued for"),
+            );
+            None
+        }
+    }
+}
