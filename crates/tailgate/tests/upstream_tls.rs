@@ -553,6 +553,98 @@ async fn get_is_retried_on_a_fresh_tls_connection() {
     assert_eq!(seen.kinds(), [HandshakeKind::Full, HandshakeKind::Resumed]);
 }
 
+/// `protocol = "auto"`: ALPN offers h2 and http/1.1; an h2 server gets one multiplexed
+/// HTTP/2 connection that concurrent requests share.
+#[tokio::test]
+async fn auto_speaks_h2_over_tls_when_alpn_picks_it() {
+    let pki = Pki::new();
+    let (up, seen) = tls_ok_upstream(
+        &pki,
+        ServerOpts {
+            alpn: &[b"h2", b"http/1.1"],
+            ..ServerOpts::default()
+        },
+    )
+    .await;
+    let gw = https_gateway(&pki, up, "protocol = \"auto\"");
+    assert_eq!(get(gw.addr, "/").await.status(), 200);
+    let tasks: Vec<_> = (0..6)
+        .map(|_| {
+            let addr = gw.addr;
+            tokio::spawn(async move { get(addr, "/").await.status().as_u16() })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    assert_eq!(seen.requests.load(Ordering::SeqCst), 7);
+    assert_eq!(
+        seen.conns.load(Ordering::SeqCst),
+        1,
+        "one shared connection"
+    );
+    let hs = seen.handshakes.lock().unwrap().clone();
+    assert_eq!(hs[0].alpn.as_deref(), Some(&b"h2"[..]));
+    assert_eq!(stat(&gw, |s| s.h2_connections.load(Ordering::Relaxed)), 1);
+    assert_eq!(stat(&gw, |s| s.reuses.load(Ordering::Relaxed)), 6);
+}
+
+/// `protocol = "auto"` against a server that only speaks http/1.1: ALPN picks it and the
+/// pool works as an HTTP/1.1 pool.
+#[tokio::test]
+async fn auto_falls_back_to_http1_when_alpn_picks_it() {
+    let pki = Pki::new();
+    let (up, seen) = tls_ok_upstream(&pki, ServerOpts::default()).await;
+    let gw = https_gateway(&pki, up, "protocol = \"auto\"");
+    for _ in 0..3 {
+        assert_eq!(get(gw.addr, "/").await.status(), 200);
+    }
+    let hs = seen.handshakes.lock().unwrap().clone();
+    assert_eq!(hs.len(), 1);
+    assert_eq!(hs[0].alpn.as_deref(), Some(&b"http/1.1"[..]));
+    assert_eq!(stat(&gw, |s| s.h2_connections.load(Ordering::Relaxed)), 0);
+    assert_eq!(stat(&gw, |s| s.reuses.load(Ordering::Relaxed)), 2);
+}
+
+/// `protocol = "http2"` over TLS offers only h2; rotation of HTTP/2 connections resumes the
+/// TLS session too.
+#[tokio::test]
+async fn http2_over_tls_offers_only_h2_and_resumes_on_rotation() {
+    let pki = Pki::new();
+    let (up, seen) = tls_ok_upstream(
+        &pki,
+        ServerOpts {
+            alpn: &[b"h2", b"http/1.1"],
+            ..ServerOpts::default()
+        },
+    )
+    .await;
+    let gw = https_gateway(
+        &pki,
+        up,
+        "protocol = \"http2\"\nmax_requests_per_connection = 2",
+    );
+    for i in 0..2 {
+        assert_eq!(get(gw.addr, &format!("/{i}")).await.status(), 200);
+    }
+    // The third finds the connection due; the keeper opens the successor.
+    assert_eq!(get(gw.addr, "/2").await.status(), 200);
+    wait_for("the successor", || {
+        seen.handshakes.lock().unwrap().len() >= 2
+    })
+    .await;
+    assert_eq!(get(gw.addr, "/3").await.status(), 200);
+    let hs = seen.handshakes.lock().unwrap().clone();
+    assert!(hs.iter().all(|h| h.alpn.as_deref() == Some(&b"h2"[..])));
+    assert_eq!(hs[0].kind, HandshakeKind::Full);
+    assert_eq!(hs[1].kind, HandshakeKind::Resumed);
+    assert_eq!(
+        stat(&gw, |s| s.tls_resumed_handshakes.load(Ordering::Relaxed)),
+        1
+    );
+    assert_eq!(seen.requests.load(Ordering::SeqCst), 4);
+}
+
 // ---- config ----------------------------------------------------------------------------
 
 fn check(pki: &Pki, cluster: &str) -> String {
@@ -626,6 +718,17 @@ fn config_errors_name_the_place_and_the_fix() {
     ));
     assert!(
         e.contains("cluster[0].tls_server_name: `not a name` is not a DNS name or IP address"),
+        "{e}"
+    );
+
+    let e = t("endpoints = [\"127.0.0.1:1\"]\nprotocol = \"auto\"");
+    assert!(
+        e.contains(":6:12: cluster[0].protocol: \"auto\" chooses by TLS ALPN"),
+        "{e}"
+    );
+    let e = t("endpoints = [\"127.0.0.1:1\"]\nprotocol = \"h3\"");
+    assert!(
+        e.contains("cluster[0].protocol: `h3` is not an upstream protocol"),
         "{e}"
     );
 

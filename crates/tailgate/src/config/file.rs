@@ -120,6 +120,7 @@ pub struct RawCluster {
     pub eject_duration: Option<Spanned<String>>,
     pub retry_budget_percent: Option<u32>,
     pub hedge_budget_percent: Option<Spanned<u32>>,
+    pub protocol: Option<Spanned<String>>,
     pub tls_server_name: Option<Spanned<String>>,
     pub tls_ca: Option<Spanned<String>>,
     pub tls_client_cert: Option<Spanned<String>>,

@@ -148,6 +148,8 @@ pub struct Cluster {
     pub hedge_budget_percent: u32,
     /// Set when the endpoints are `https://` (a cluster's endpoints share one scheme).
     pub tls: Option<crate::upstream::UpstreamTls>,
+    /// HTTP/1.1, HTTP/2 (multiplexed), or chosen by ALPN.
+    pub protocol: crate::upstream::Protocol,
 }
 
 #[derive(Debug, Clone)]

@@ -14,8 +14,8 @@ use toml::Spanned;
 use super::HostPort;
 use super::file::RawCluster;
 use super::validate::{Checker, resolve};
-use crate::upstream::UpstreamTls;
 use crate::upstream::tls::{client_config, system_roots};
+use crate::upstream::{Protocol, UpstreamTls};
 
 /// Splits an endpoint's scheme off: `https://…` is TLS; `http://…` and a bare address are
 /// plain HTTP. The rest keeps the endpoint's span, for errors about the address.
@@ -34,6 +34,42 @@ pub(super) fn strip_scheme(e: &Spanned<String>) -> (bool, Spanned<String>) {
     )
 }
 
+/// The cluster's `protocol`: `"http1"` (default), `"http2"` (h2c by prior knowledge, or
+/// ALPN `h2` over TLS), or `"auto"` (TLS only: ALPN offers both, the server picks).
+pub(super) fn protocol(
+    c: &mut Checker<'_>,
+    cl: &RawCluster,
+    i: usize,
+    schemes: &[(bool, Range<usize>)],
+) -> Protocol {
+    let Some(v) = &cl.protocol else {
+        return Protocol::Http1;
+    };
+    match v.get_ref().as_str() {
+        "http1" => Protocol::Http1,
+        "http2" => Protocol::Http2,
+        "auto" if schemes.iter().all(|(https, _)| *https) => Protocol::Auto,
+        "auto" => {
+            c.err(
+                Some(v.span()),
+                format!("cluster[{i}].protocol"),
+                "\"auto\" chooses by TLS ALPN, and these endpoints are plain HTTP".into(),
+                Some("use \"http2\" for h2c by prior knowledge, \"http1\", or https:// endpoints"),
+            );
+            Protocol::Http1
+        }
+        other => {
+            c.err(
+                Some(v.span()),
+                format!("cluster[{i}].protocol"),
+                format!("`{other}` is not an upstream protocol"),
+                Some("write \"http1\", \"http2\" or (for https:// endpoints) \"auto\""),
+            );
+            Protocol::Http1
+        }
+    }
+}
+
 /// The cluster's TLS settings: `Some` when its endpoints are `https://`. `schemes` holds
 /// (is https, span) of each endpoint that parsed.
 pub(super) fn cluster_tls(
@@ -43,6 +79,7 @@ pub(super) fn cluster_tls(
     base_dir: &Path,
     schemes: &[(bool, Range<usize>)],
     hostnames: &[HostPort],
+    protocol: Protocol,
     system: &mut Option<Arc<RootCertStore>>,
 ) -> Option<UpstreamTls> {
     let https = schemes.first().is_some_and(|(t, _)| *t);
@@ -136,7 +173,7 @@ pub(super) fn cluster_tls(
         }
     };
 
-    match client_config(roots, client_auth, vec![b"http/1.1".to_vec()]) {
+    match client_config(roots, client_auth, protocol.alpn()) {
         Ok(config) => Some(UpstreamTls {
             config: Arc::new(config),
             server_name,
@@ -277,8 +314,8 @@ fn default_name(
     let Some(first) = hostnames.first() else {
         return Some(None);
     };
-    let one_name = hostnames.iter().all(|h| h.host == first.host)
-        && schemes.len() == hostnames.len();
+    let one_name =
+        hostnames.iter().all(|h| h.host == first.host) && schemes.len() == hostnames.len();
     if !one_name {
         c.err(
             Some(cl.endpoints.span()),

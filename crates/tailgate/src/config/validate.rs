@@ -404,6 +404,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             }
             schemes.push((https, e.span()));
         }
+        let protocol = upstream_tls::protocol(c, cl, i, &schemes);
         let tls = upstream_tls::cluster_tls(
             c,
             cl,
@@ -411,6 +412,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             &base_dir,
             &schemes,
             &hostnames,
+            protocol,
             &mut system_roots,
         );
         clusters.push(Cluster {
@@ -460,6 +462,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             },
             eject_duration: c.duration(&cl.eject_duration, format!("cluster[{i}].eject_duration"), Duration::from_secs(1)),
             tls,
+            protocol,
         });
     }
 

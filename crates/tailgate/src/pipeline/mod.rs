@@ -286,19 +286,21 @@ async fn forward(
     }
 
     // A reused connection may have been closed by the server just as the request was
-    // written to it (Envoy #1979, hyper #2136). A bodiless idempotent request can then be
-    // replayed on a fresh connection; keep what is needed to rebuild it. On a route marked
-    // `idempotent`, a request with a body can be too: a bounded copy is kept as it streams.
-    let replay = (up.reused
-        && (route.idempotent || is_idempotent(&parts.method))
-        && (route.idempotent || http_body::Body::is_end_stream(&body)))
-    .then(|| {
-        (
-            parts.method.clone(),
-            parts.uri.clone(),
-            parts.headers.clone(),
-        )
-    });
+    // written to it (Envoy #1979, hyper #2136): a bodiless idempotent request can then be
+    // replayed on a fresh connection. On a route marked `idempotent`, a request with a body
+    // can be too: a bounded copy is kept as it streams. An HTTP/2 upstream may refuse a
+    // stream unprocessed (REFUSED_STREAM, GOAWAY): a bodiless request of any method can be
+    // sent again. Keep what is needed to rebuild it.
+    let may_replay = up.reused && (route.idempotent || is_idempotent(&parts.method));
+    let bodiless = http_body::Body::is_end_stream(&body);
+    let replay =
+        ((may_replay && (route.idempotent || bodiless)) || (bodiless && up.is_h2())).then(|| {
+            (
+                parts.method.clone(),
+                parts.uri.clone(),
+                parts.headers.clone(),
+            )
+        });
     // Opt-in per route: a second copy to another endpoint if the head is slow to come.
     let hedge = hedge::Hedge::plan(
         route.hedge_delay,
@@ -331,7 +333,7 @@ async fn forward(
     let response_timeout = remaining(route.response_timeout, total_deadline);
     let t_send = Instant::now();
     let mut hedged = false;
-    let primary = up.sender.try_send_request(upstream_req);
+    let primary = up.try_send(upstream_req);
     let sent = match tokio::time::timeout(response_timeout, hedge::race(hedge, primary)).await {
         Ok(hedge::Raced::Primary(r)) => Ok(r),
         Ok(hedge::Raced::Hedge(won)) => {
@@ -359,12 +361,32 @@ async fn forward(
             }
             Some(_) => Err(e.into_error()),
             None => match replay {
+                // Refused unprocessed by an HTTP/2 upstream: sending it again is safe
+                // whatever the method, and costs no retry budget (with its body only when a
+                // copy was kept whole: routes marked `idempotent`).
+                Some((method, uri, headers))
+                    if crate::upstream::refused_before_processing(e.error())
+                        && let Some(resend_body) = replay_copy
+                            .as_ref()
+                            .map_or_else(|| Some(ReqBody::empty()), |c| c.body()) =>
+                {
+                    tracing::debug!(upstream.addr = %pool.addr, error = %e.error(), "upstream refused the request unprocessed; resending on a new connection");
+                    pool.count_refused_resend();
+                    let mut req = Request::new(resend_body);
+                    *req.method_mut() = method;
+                    *req.uri_mut() = uri;
+                    *req.headers_mut() = headers;
+                    let left = remaining(route.response_timeout, total_deadline)
+                        .saturating_sub(t_send.elapsed());
+                    send_on_new(&pool, &mut up, req, left).await?
+                }
                 // Written, then the connection failed before a response: replay it once on
                 // a fresh connection (idempotent and bodiless only; never a POST unless the
                 // route says its requests are idempotent, then with its body if it was
                 // read whole within the copy's limit).
                 Some((method, uri, headers))
-                    if req_body_error(e.error()).is_none()
+                    if may_replay
+                        && req_body_error(e.error()).is_none()
                         && let Some(replay_body) = replay_copy
                             .as_ref()
                             .map_or_else(|| Some(ReqBody::empty()), |c| c.body())
@@ -484,7 +506,7 @@ async fn send_on_new(
     left: Duration,
 ) -> Result<Result<Response<Incoming>, hyper::Error>, ProxyError> {
     *up = pool.connect().await?;
-    tokio::time::timeout(left, up.sender.send_request(req))
+    tokio::time::timeout(left, up.send(req))
         .await
         .map_err(|_| ProxyError::UpstreamTimeout)
 }

@@ -186,7 +186,7 @@ impl<'a> Hedge<'a> {
         *req.method_mut() = self.method;
         *req.uri_mut() = self.uri;
         *req.headers_mut() = self.headers;
-        match conn.sender.send_request(req).await {
+        match conn.send(req).await {
             Ok(resp) => {
                 in_flight.responded(resp.status());
                 Ok((resp, conn))

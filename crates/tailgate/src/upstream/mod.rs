@@ -9,8 +9,10 @@
 //! pools (connections, counters, balancer state) of addresses that stay.
 
 mod balance;
+mod conn;
 pub mod dns;
 pub mod hedge;
+mod multiplex;
 mod pool;
 pub(crate) mod tls;
 
@@ -22,7 +24,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 
-pub use pool::{Conn, EndpointPool, PoolStats};
+pub use conn::{Conn, Protocol, refused_before_processing};
+pub use pool::{EndpointPool, PoolStats};
 pub use tls::UpstreamTls;
 
 use crate::config::{Cluster, Config};

@@ -1,18 +1,23 @@
-//! A per-endpoint pool of HTTP/1.1 keep-alive connections, built on `hyper::client::conn`
-//! (hyper-util's legacy pool cannot cap requests per connection or lifetime, nor pre-connect).
+//! A per-endpoint pool of upstream connections, built on `hyper::client::conn` (hyper-util's
+//! legacy pool cannot cap requests per connection or lifetime, nor pre-connect).
 //!
 //! What it does so that a request never pays for a connect (seed 004: a spike on every 80th
 //! request when the server sent `Connection: close`):
-//! - Idle connections are kept most-recently-used first; the coldest expire after
+//! - HTTP/1.1: idle connections are kept most-recently-used first; the coldest expire after
 //!   `idle_timeout` (kept below common server keep-alive timeouts).
-//! - Warm spares: a background task per endpoint keeps `min_warm` idle connections open,
-//!   opening them at start and replacing each one as soon as it is taken, retired or closed.
+//! - HTTP/2: a few connections shared by all requests ([`super::multiplex`]); a request
+//!   takes a stream, and only opens a connection when every open one is at the server's
+//!   stream limit. While one is being opened, requests wait for it rather than open more.
+//! - Warm spares: a background task per endpoint keeps `min_warm` connections open (idle
+//!   HTTP/1.1 ones, or open HTTP/2 ones), opening them at start and replacing each one as
+//!   soon as it is taken, retired or closed; it also opens an HTTP/2 connection's successor
+//!   when it is due for rotation.
 //! - Rotation: a connection is retired after `max_requests` requests or `max_lifetime`,
-//!   before the server's own limit; the server's limit is learned from its closes (the same
-//!   count twice in a row) and the pool then rotates one request earlier.
+//!   before the server's own limit; for HTTP/1.1 the server's limit is learned from its
+//!   closes (the same count twice in a row) and the pool then rotates one request earlier.
 //! - `https://` endpoints: TCP, then a TLS handshake with the cluster's shared client config
 //!   (see [`super::tls`]), so replacements resume the TLS session; all of the above works
-//!   the same over TLS.
+//!   the same over TLS. With [`Protocol::Auto`], ALPN picks the protocol per connection.
 //! - Every event is counted in [`PoolStats`].
 
 use std::collections::VecDeque;
@@ -22,10 +27,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use hyper::client::conn::http1;
-use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
+use super::conn::{Conn, Protocol, Sender, handshake_h1, handshake_h2};
+use super::multiplex::H2Set;
 use super::tls::{EndpointTls, Handshake};
 use crate::config::Cluster;
 use crate::pipeline::body::ReqBody;
@@ -43,16 +49,21 @@ struct Idle {
 pub struct PoolStats {
     /// Connections opened on a request's path (the request waited for the connect).
     pub connects_on_request: AtomicU64,
-    /// Connections opened ahead of need (warm spares, replacements).
+    /// Connections opened ahead of need (warm spares, replacements, HTTP/2 successors).
     pub preconnects: AtomicU64,
+    /// Requests sent on a connection that already existed (for HTTP/2, a stream on an open
+    /// connection).
     pub reuses: AtomicU64,
     pub retired_max_requests: AtomicU64,
     pub retired_lifetime: AtomicU64,
     pub retired_idle: AtomicU64,
-    /// The server closed it (`Connection: close`, FIN or reset).
+    /// The server closed it (`Connection: close`, FIN, reset, or an HTTP/2 GOAWAY).
     pub closed_by_server: AtomicU64,
     /// Requests sent again on a fresh connection after a pooled one failed.
     pub retries: AtomicU64,
+    /// Requests the server refused before processing them (HTTP/2 `REFUSED_STREAM`, or
+    /// above a GOAWAY's last stream id), sent again on a fresh connection.
+    pub refused_resends: AtomicU64,
     /// Connects that failed: refused, timed out, or a failed TLS handshake.
     pub connect_failures: AtomicU64,
     /// TLS handshakes that paid the full price (certificate chain, key exchange).
@@ -62,6 +73,11 @@ pub struct PoolStats {
     /// TLS handshakes that failed (certificate not trusted, wrong name, protocol error);
     /// also counted in `connect_failures`.
     pub tls_handshake_failures: AtomicU64,
+    /// HTTP/2 connections opened.
+    pub h2_connections: AtomicU64,
+    /// Requests that waited for an HTTP/2 connection being opened by another request
+    /// instead of opening one more.
+    pub h2_waits_for_connect: AtomicU64,
     /// The server's requests-per-connection limit as learned from its closes (0: none seen).
     pub learned_limit: AtomicU32,
 }
@@ -72,8 +88,17 @@ pub struct EndpointPool {
     pub stats: PoolStats,
     /// Load and health, for the balancer and outlier detection.
     pub load: super::balance::EndpointLoad,
+    protocol: Protocol,
     // Held only for a push or pop, never across an await; one worker uses it.
     idle: Mutex<VecDeque<Idle>>,
+    h2: H2Set,
+    /// HTTP/2 connects under way, and their end (success or not).
+    h2_connecting: AtomicU32,
+    h2_opened: Notify,
+    /// An HTTP/2 connection was made to this endpoint (for [`Protocol::Auto`]).
+    h2_seen: AtomicBool,
+    /// The server's concurrent-stream limit as its connections last saw it (0: unknown).
+    h2_stream_limit: Arc<std::sync::atomic::AtomicUsize>,
     max_idle: usize,
     idle_timeout: Duration,
     connect_timeout: Duration,
@@ -89,26 +114,6 @@ pub struct EndpointPool {
     retired: AtomicBool,
 }
 
-/// A connection checked out of the pool for one request.
-pub struct Conn {
-    pub sender: http1::SendRequest<ReqBody>,
-    pub pool: Arc<EndpointPool>,
-    /// It had served a request before (no connect was paid).
-    pub reused: bool,
-    created: Instant,
-    uses: u32,
-    /// The response said `Connection: close`: the server ends it after this exchange.
-    pub closing: bool,
-}
-
-impl Conn {
-    /// Gives the connection back after its response was read to the end, or retires it.
-    pub fn release(self) {
-        let pool = self.pool.clone();
-        pool.give_back(self);
-    }
-}
-
 impl EndpointPool {
     pub fn new(addr: SocketAddr, cluster: &Cluster) -> EndpointPool {
         EndpointPool {
@@ -118,7 +123,16 @@ impl EndpointPool {
                 cluster.eject_after_failures,
                 cluster.eject_duration,
             ),
+            protocol: cluster.protocol,
             idle: Mutex::new(VecDeque::new()),
+            h2: H2Set::new(
+                cluster.max_requests_per_connection,
+                cluster.max_connection_lifetime,
+            ),
+            h2_connecting: AtomicU32::new(0),
+            h2_opened: Notify::new(),
+            h2_seen: AtomicBool::new(false),
+            h2_stream_limit: Arc::default(),
             max_idle: cluster.max_idle_per_endpoint,
             idle_timeout: cluster.idle_timeout,
             connect_timeout: cluster.connect_timeout,
@@ -133,14 +147,20 @@ impl EndpointPool {
     }
 
     /// Drains the pool of an endpoint removed from its cluster: idle connections close, the
-    /// warm keeper stops, and connections still serving requests close when they finish.
+    /// warm keeper stops, HTTP/2 connections take no new streams, and connections still
+    /// serving requests close when they finish.
     pub fn retire(&self) {
         self.retired.store(true, Ordering::Relaxed);
         self.idle
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clear();
+        self.h2.clear();
         self.refill.notify_one();
+    }
+
+    pub(super) fn tls_enabled(&self) -> bool {
+        self.tls.is_some()
     }
 
     /// Requests a connection may serve: the configured cap, or one less than the server's
@@ -155,9 +175,14 @@ impl EndpointPool {
         }
     }
 
-    fn give_back(&self, conn: Conn) {
+    pub(super) fn give_back(&self, conn: Conn) {
+        let sender = match conn.sender {
+            // Dropping the slot frees the stream; the connection stays shared.
+            Sender::H2(_) => return,
+            Sender::H1(s) => s,
+        };
         let uses = conn.uses + 1;
-        if conn.closing || conn.sender.is_closed() {
+        if conn.closing || sender.is_closed() {
             self.stats.closed_by_server.fetch_add(1, Ordering::Relaxed);
             // The same count twice in a row is the server's limit.
             if self.last_close_uses.swap(uses, Ordering::Relaxed) == uses {
@@ -183,7 +208,7 @@ impl EndpointPool {
             return;
         }
         self.put(Idle {
-            sender: conn.sender,
+            sender,
             since: Instant::now(),
             created: conn.created,
             uses,
@@ -215,8 +240,14 @@ impl EndpointPool {
         Some((idle, list.len()))
     }
 
-    /// A ready connection: the most recently used idle one that is still open, else a new one.
+    /// A ready connection: a stream on a shared HTTP/2 connection, or the most recently used
+    /// idle HTTP/1.1 one that is still open, else a new one.
     pub async fn checkout(self: &Arc<Self>) -> Result<Conn, ProxyError> {
+        if self.protocol != Protocol::Http1
+            && let Some(conn) = self.checkout_h2().await
+        {
+            return Ok(conn);
+        }
         while let Some((mut idle, left)) = self.pop() {
             if idle.since.elapsed() >= self.idle_timeout {
                 self.stats.retired_idle.fetch_add(1, Ordering::Relaxed);
@@ -241,12 +272,13 @@ impl EndpointPool {
                     self.refill.notify_one();
                 }
                 return Ok(Conn {
-                    sender: idle.sender,
+                    sender: Sender::H1(idle.sender),
                     pool: self.clone(),
                     reused: true,
                     created: idle.created,
                     uses: idle.uses,
                     closing: false,
+                    _slot: None,
                 });
             }
         }
@@ -257,41 +289,147 @@ impl EndpointPool {
         self.connect().await
     }
 
+    /// A stream on an open HTTP/2 connection. While none has room and one is being opened,
+    /// waits for it (up to the connect timeout in all) rather than open another: a burst
+    /// on a cold endpoint shares one new connection. `None`: the caller opens one.
+    async fn checkout_h2(self: &Arc<Self>) -> Option<Conn> {
+        let mut deadline = None;
+        loop {
+            let (fresh, due) = self.h2.tidy(&self.stats);
+            if fresh < self.min_warm || (fresh == 0 && due > 0) {
+                self.refill.notify_one();
+            }
+            if let Some((sender, slot, created)) = self.h2.take() {
+                self.stats.reuses.fetch_add(1, Ordering::Relaxed);
+                return Some(Conn {
+                    sender: Sender::H2(sender),
+                    pool: self.clone(),
+                    reused: true,
+                    created,
+                    uses: 0,
+                    closing: false,
+                    _slot: Some(slot),
+                });
+            }
+            let h2_expected =
+                self.protocol == Protocol::Http2 || self.h2_seen.load(Ordering::Relaxed);
+            if !h2_expected || self.h2_connecting.load(Ordering::Relaxed) == 0 {
+                return None;
+            }
+            let now = Instant::now();
+            let deadline = *deadline.get_or_insert_with(|| {
+                self.stats
+                    .h2_waits_for_connect
+                    .fetch_add(1, Ordering::Relaxed);
+                now + self.connect_timeout
+            });
+            let left = deadline.saturating_duration_since(now);
+            if left.is_zero() {
+                return None;
+            }
+            // Registered before the next await, so the end of that connect is not missed
+            // (this worker runs nothing else in between).
+            let opened = self.h2_opened.notified();
+            let _ = tokio::time::timeout(left, opened).await;
+        }
+    }
+
     /// Counts a request sent again after a failure.
     pub fn count_retry(&self) {
         self.stats.retries.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A new connection, bypassing the idle list.
-    pub async fn connect(self: &Arc<Self>) -> Result<Conn, ProxyError> {
-        let sender = self.open().await?;
-        Ok(Conn {
-            sender,
-            pool: self.clone(),
-            reused: false,
-            created: Instant::now(),
-            uses: 0,
-            closing: false,
-        })
+    /// Counts a request sent again because the server refused it unprocessed.
+    pub fn count_refused_resend(&self) {
+        self.stats.refused_resends.fetch_add(1, Ordering::Relaxed);
     }
 
-    async fn open(&self) -> Result<http1::SendRequest<ReqBody>, ProxyError> {
+    /// A new connection, bypassing the idle list (an HTTP/2 one joins the shared set).
+    pub async fn connect(self: &Arc<Self>) -> Result<Conn, ProxyError> {
+        let conn = match self.open(true).await? {
+            Opened::H1(s) => Conn {
+                sender: Sender::H1(s),
+                pool: self.clone(),
+                reused: false,
+                created: Instant::now(),
+                uses: 0,
+                closing: false,
+                _slot: None,
+            },
+            Opened::H2(sender, slot, created) => Conn {
+                sender: Sender::H2(sender),
+                pool: self.clone(),
+                reused: false,
+                created,
+                uses: 0,
+                closing: false,
+                _slot: slot,
+            },
+        };
+        Ok(conn)
+    }
+
+    /// Opens a connection and runs the handshakes. An HTTP/2 one joins the shared set (with
+    /// a stream taken on it when `take`), and the requests waiting for it are woken.
+    async fn open(&self, take: bool) -> Result<Opened, ProxyError> {
+        let h2_possible = self.protocol != Protocol::Http1;
+        if h2_possible {
+            self.h2_connecting.fetch_add(1, Ordering::Relaxed);
+        }
+        let result = match self.open_inner().await {
+            Ok(Handshaken::H1(s)) => Ok(Opened::H1(s)),
+            Ok(Handshaken::H2(s, max)) => {
+                self.h2_seen.store(true, Ordering::Relaxed);
+                self.stats.h2_connections.fetch_add(1, Ordering::Relaxed);
+                Ok(if take {
+                    let (sender, slot, created) = self.h2.add_and_take(s, max);
+                    Opened::H2(sender, Some(slot), created)
+                } else {
+                    let created = self.h2.add(s.clone(), max);
+                    Opened::H2(s, None, created)
+                })
+            }
+            Err(e) => Err(e),
+        };
+        if h2_possible {
+            self.h2_connecting.fetch_sub(1, Ordering::Relaxed);
+            self.h2_opened.notify_waiters();
+        }
+        result
+    }
+
+    async fn open_inner(&self) -> Result<Handshaken, ProxyError> {
         // The connect timeout covers the TLS handshake too: a server that accepts and then
         // stalls must not hold a request (or the warm keeper) forever.
         let dialed = tokio::time::timeout(self.connect_timeout, self.dial()).await;
-        let sender = match dialed {
-            Ok(Ok(Stream::Plain(s))) => handshake_h1(s, self.addr).await?,
-            Ok(Ok(Stream::Tls(s))) => handshake_h1(*s, self.addr).await?,
+        match dialed {
+            Ok(Ok(Stream::Plain(s))) => match self.protocol {
+                Protocol::Http2 => {
+                    as_h2(handshake_h2(s, self.addr, self.h2_stream_limit.clone()).await)
+                }
+                Protocol::Http1 | Protocol::Auto => as_h1(handshake_h1(s, self.addr).await),
+            },
+            Ok(Ok(Stream::Tls(s))) => {
+                let h2 = match self.protocol {
+                    Protocol::Http1 => false,
+                    Protocol::Http2 => true,
+                    Protocol::Auto => s.get_ref().1.alpn_protocol() == Some(b"h2"),
+                };
+                if h2 {
+                    as_h2(handshake_h2(*s, self.addr, self.h2_stream_limit.clone()).await)
+                } else {
+                    as_h1(handshake_h1(*s, self.addr).await)
+                }
+            }
             Ok(Err(e)) => {
                 self.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
-                return Err(e);
+                Err(e)
             }
             Err(_) => {
                 self.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
-                return Err(ProxyError::ConnectTimeout);
+                Err(ProxyError::ConnectTimeout)
             }
-        };
-        Ok(sender)
+        }
     }
 
     /// TCP connect, then the TLS handshake for an `https://` endpoint.
@@ -322,11 +460,12 @@ impl EndpointPool {
         }
     }
 
-    /// Keeps `min_warm` idle connections open, for as long as the worker runs: opens them at
-    /// start, and replaces each one taken, retired or closed. Backs off while the endpoint
-    /// refuses connections.
+    /// Keeps `min_warm` connections open, for as long as the worker runs: opens them at
+    /// start, and replaces each one taken, retired or closed; opens an HTTP/2 connection's
+    /// successor when it is due for rotation. Backs off while the endpoint refuses
+    /// connections.
     pub async fn keep_warm(self: Arc<Self>) {
-        if self.min_warm == 0 {
+        if self.min_warm == 0 && self.protocol == Protocol::Http1 {
             return;
         }
         let mut backoff = Duration::from_millis(100);
@@ -334,9 +473,9 @@ impl EndpointPool {
             if self.retired.load(Ordering::Relaxed) {
                 return;
             }
-            while self.idle_len() < self.min_warm && !self.retired.load(Ordering::Relaxed) {
-                match self.open().await {
-                    Ok(sender) => {
+            while self.warm_missing() && !self.retired.load(Ordering::Relaxed) {
+                match self.open(false).await {
+                    Ok(Opened::H1(sender)) => {
                         self.stats.preconnects.fetch_add(1, Ordering::Relaxed);
                         let now = Instant::now();
                         self.put(Idle {
@@ -345,6 +484,10 @@ impl EndpointPool {
                             created: now,
                             uses: 0,
                         });
+                        backoff = Duration::from_millis(100);
+                    }
+                    Ok(Opened::H2(..)) => {
+                        self.stats.preconnects.fetch_add(1, Ordering::Relaxed);
                         backoff = Duration::from_millis(100);
                     }
                     Err(e) => {
@@ -363,7 +506,23 @@ impl EndpointPool {
         }
     }
 
-    /// Idle connections held now (still open).
+    /// Does the keeper need to open a connection: fewer than `min_warm` ready, or an HTTP/2
+    /// connection due for rotation with no successor yet?
+    fn warm_missing(&self) -> bool {
+        let (fresh, due) = if self.protocol == Protocol::Http1 {
+            (0, 0)
+        } else {
+            self.h2.tidy(&self.stats)
+        };
+        let idle = if self.protocol == Protocol::Http2 {
+            0
+        } else {
+            self.idle_len()
+        };
+        idle + fresh < self.min_warm || (fresh == 0 && due > 0)
+    }
+
+    /// Idle HTTP/1.1 connections held now (still open).
     pub fn idle_len(&self) -> usize {
         let mut list = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         let before = list.len();
@@ -375,27 +534,52 @@ impl EndpointPool {
         }
         list.len()
     }
+
+    /// Open HTTP/2 connections now (shared; due ones still draining included).
+    pub fn h2_len(&self) -> usize {
+        self.h2.len()
+    }
+}
+
+/// A connection after its HTTP handshake.
+enum Handshaken {
+    H1(http1::SendRequest<ReqBody>),
+    /// With the server's concurrent-stream limit as the connection task last saw it.
+    H2(
+        hyper::client::conn::http2::SendRequest<ReqBody>,
+        Arc<std::sync::atomic::AtomicUsize>,
+    ),
+}
+
+fn as_h1(r: Result<http1::SendRequest<ReqBody>, ProxyError>) -> Result<Handshaken, ProxyError> {
+    r.map(Handshaken::H1)
+}
+
+fn as_h2(
+    r: Result<
+        (
+            hyper::client::conn::http2::SendRequest<ReqBody>,
+            Arc<std::sync::atomic::AtomicUsize>,
+        ),
+        ProxyError,
+    >,
+) -> Result<Handshaken, ProxyError> {
+    r.map(|(s, m)| Handshaken::H2(s, m))
+}
+
+/// A connection just opened.
+enum Opened {
+    H1(http1::SendRequest<ReqBody>),
+    /// Its sender, the stream taken on it (if asked for), and when it was opened.
+    H2(
+        hyper::client::conn::http2::SendRequest<ReqBody>,
+        Option<super::multiplex::StreamSlot>,
+        Instant,
+    ),
 }
 
 /// A connected transport, before the HTTP handshake.
 enum Stream {
     Plain(TcpStream),
     Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
-}
-
-/// The HTTP/1.1 handshake over any transport; the connection runs on its own task.
-async fn handshake_h1<I>(io: I, addr: SocketAddr) -> Result<http1::SendRequest<ReqBody>, ProxyError>
-where
-    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let (sender, conn) = http1::Builder::new()
-        .handshake(TokioIo::new(io))
-        .await
-        .map_err(ProxyError::UpstreamReset)?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.with_upgrades().await {
-            tracing::debug!(upstream.addr = %addr, error = %e, "upstream connection ended with an error");
-        }
-    });
-    Ok(sender)
 }

@@ -1,0 +1,226 @@
+//! The connection the pipeline holds for one exchange, over either protocol: an HTTP/1.1
+//! connection checked out of the idle list, or a stream slot on a shared HTTP/2 connection.
+//! The request is adapted to the connection's protocol here (origin-form + `Host` for
+//! HTTP/1.1; absolute-form, whose authority becomes `:authority`, for HTTP/2), so the
+//! pipeline does not care which one it got — even when a resend lands on the other kind.
+
+use std::error::Error as _;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use http::{Request, Response, Uri, Version, header};
+use hyper::body::Incoming;
+use hyper::client::conn::{TrySendError, http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use super::multiplex::StreamSlot;
+use super::pool::EndpointPool;
+use crate::pipeline::body::ReqBody;
+use crate::pipeline::error::ProxyError;
+
+/// The HTTP version spoken to a cluster's endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// HTTP/1.1 keep-alive connections, one request at a time each.
+    Http1,
+    /// HTTP/2, multiplexed: prior knowledge (h2c) for plain endpoints, ALPN `h2` over TLS.
+    Http2,
+    /// TLS only: offer `h2` and `http/1.1` by ALPN and speak what the server picks.
+    Auto,
+}
+
+impl Protocol {
+    /// The ALPN protocols a TLS connection offers, in order of preference.
+    pub fn alpn(self) -> Vec<Vec<u8>> {
+        match self {
+            Protocol::Http1 => vec![b"http/1.1".to_vec()],
+            Protocol::Http2 => vec![b"h2".to_vec()],
+            Protocol::Auto => vec![b"h2".to_vec(), b"http/1.1".to_vec()],
+        }
+    }
+}
+
+/// A connection's request sender, by protocol.
+pub(super) enum Sender {
+    H1(http1::SendRequest<ReqBody>),
+    H2(http2::SendRequest<ReqBody>),
+}
+
+/// A connection checked out of the pool for one exchange.
+pub struct Conn {
+    pub(super) sender: Sender,
+    pub pool: Arc<EndpointPool>,
+    /// It existed before this request (no connect was paid for it).
+    pub reused: bool,
+    pub(super) created: Instant,
+    pub(super) uses: u32,
+    /// The response said `Connection: close`: the server ends it after this exchange.
+    pub closing: bool,
+    /// HTTP/2: this exchange's stream on the shared connection, freed when it ends.
+    pub(super) _slot: Option<StreamSlot>,
+}
+
+impl Conn {
+    /// Is this a stream on a multiplexed HTTP/2 connection?
+    pub fn is_h2(&self) -> bool {
+        matches!(self.sender, Sender::H2(_))
+    }
+
+    /// Sends `req`; if the connection turned out closed before it was written, the request
+    /// comes back in the error so it can be sent elsewhere.
+    pub async fn try_send(
+        &mut self,
+        req: Request<ReqBody>,
+    ) -> Result<Response<Incoming>, TrySendError<Request<ReqBody>>> {
+        let req = adapt(req, self.is_h2(), self.pool.tls_enabled(), self.pool.addr);
+        match &mut self.sender {
+            Sender::H1(s) => s.try_send_request(req).await,
+            Sender::H2(s) => s.try_send_request(req).await,
+        }
+    }
+
+    /// Sends `req` (on a connection just opened for it).
+    pub async fn send(
+        &mut self,
+        req: Request<ReqBody>,
+    ) -> Result<Response<Incoming>, hyper::Error> {
+        let req = adapt(req, self.is_h2(), self.pool.tls_enabled(), self.pool.addr);
+        match &mut self.sender {
+            Sender::H1(s) => s.send_request(req).await,
+            Sender::H2(s) => s.send_request(req).await,
+        }
+    }
+
+    /// Ends the exchange after its response was read to the end: an HTTP/1.1 connection
+    /// goes back to the idle list (or is retired); an HTTP/2 stream slot is freed.
+    pub fn release(self) {
+        let pool = self.pool.clone();
+        pool.give_back(self);
+    }
+}
+
+/// Fits the request to the connection's protocol.
+fn adapt(mut req: Request<ReqBody>, h2: bool, https: bool, addr: SocketAddr) -> Request<ReqBody> {
+    if h2 {
+        *req.version_mut() = Version::HTTP_2;
+        if req.uri().authority().is_none() {
+            // The client's Host becomes `:authority` (RFC 9113 §8.3.1); without one (or an
+            // unusable one), the endpoint's address.
+            let host = req
+                .headers_mut()
+                .remove(header::HOST)
+                .and_then(|h| http::uri::Authority::try_from(h.as_bytes()).ok());
+            let authority = host.or_else(|| addr.to_string().parse().ok());
+            let pq = req.uri().path_and_query().cloned();
+            let mut b = Uri::builder().scheme(if https { "https" } else { "http" });
+            if let Some(a) = authority {
+                b = b.authority(a);
+            }
+            if let Ok(uri) = b
+                .path_and_query(pq.map_or("/".into(), |p| p.to_string()))
+                .build()
+            {
+                *req.uri_mut() = uri;
+            }
+        }
+    } else {
+        *req.version_mut() = Version::HTTP_11;
+        if let Some(a) = req.uri().authority().cloned() {
+            if !req.headers().contains_key(header::HOST)
+                && let Ok(v) = http::HeaderValue::from_str(a.as_str())
+            {
+                req.headers_mut().insert(header::HOST, v);
+            }
+            *req.uri_mut() = req
+                .uri()
+                .path_and_query()
+                .map_or_else(|| Uri::from_static("/"), |pq| Uri::from(pq.clone()));
+        }
+    }
+    req
+}
+
+/// Did the upstream refuse this request before processing any of it? HTTP/2 says so with
+/// `REFUSED_STREAM`, or with a GOAWAY whose last stream id is below the request's stream
+/// (h2 fails exactly those streams with the peer's GOAWAY) — RFC 9113 §8.7. Such a request
+/// may be sent again whatever its method.
+pub fn refused_before_processing(e: &hyper::Error) -> bool {
+    let mut source = e.source();
+    while let Some(s) = source {
+        if let Some(h2) = s.downcast_ref::<h2::Error>() {
+            return h2.reason() == Some(h2::Reason::REFUSED_STREAM) && h2.is_remote()
+                || h2.is_go_away() && h2.is_remote();
+        }
+        source = s.source();
+    }
+    false
+}
+
+/// The HTTP/1.1 handshake over any transport; the connection runs on its own task.
+pub(super) async fn handshake_h1<I>(
+    io: I,
+    addr: SocketAddr,
+) -> Result<http1::SendRequest<ReqBody>, ProxyError>
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, conn) = http1::Builder::new()
+        .handshake(TokioIo::new(io))
+        .await
+        .map_err(ProxyError::UpstreamReset)?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.with_upgrades().await {
+            tracing::debug!(upstream.addr = %addr, error = %e, "upstream connection ended with an error");
+        }
+    });
+    Ok(sender)
+}
+
+/// The HTTP/2 handshake (client preface and SETTINGS) over any transport; the connection
+/// runs on its own task, and keeps running for the streams in flight after the last sender
+/// is dropped. Also returns the server's `SETTINGS_MAX_CONCURRENT_STREAMS` as last seen by
+/// that task (it is known only to the connection, so the task publishes it on every poll).
+///
+/// `endpoint_limit` is the limit the endpoint's other connections last saw (0: none yet):
+/// a new connection assumes it until the server's SETTINGS arrive, rather than hyper's
+/// default of 100 — and the task keeps it up to date.
+pub(super) async fn handshake_h2<I>(
+    io: I,
+    addr: SocketAddr,
+    endpoint_limit: Arc<AtomicUsize>,
+) -> Result<(http2::SendRequest<ReqBody>, Arc<AtomicUsize>), ProxyError>
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let mut builder = http2::Builder::new(TokioExecutor::new());
+    let assumed = match endpoint_limit.load(Ordering::Relaxed) {
+        0 => 100,
+        n => n,
+    };
+    builder.initial_max_send_streams(assumed);
+    let (sender, conn) = builder
+        .handshake(TokioIo::new(io))
+        .await
+        .map_err(ProxyError::UpstreamReset)?;
+    let max_streams = Arc::new(AtomicUsize::new(assumed));
+    let published = max_streams.clone();
+    let mut conn = Box::pin(conn);
+    tokio::spawn(async move {
+        let ended = std::future::poll_fn(|cx| {
+            let r = conn.as_mut().poll(cx);
+            let limit = conn.current_max_send_streams();
+            published.store(limit, Ordering::Relaxed);
+            endpoint_limit.store(limit, Ordering::Relaxed);
+            r
+        })
+        .await;
+        if let Err(e) = ended {
+            tracing::debug!(upstream.addr = %addr, error = %e, "upstream HTTP/2 connection ended with an error");
+        }
+    });
+    Ok((sender, max_streams))
+}

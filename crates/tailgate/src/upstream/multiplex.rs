@@ -1,0 +1,181 @@
+//! HTTP/2 connections shared by every request of one endpoint on one worker. A request
+//! takes a stream slot on the first connection with room under the server's
+//! `SETTINGS_MAX_CONCURRENT_STREAMS`; a connection never goes back to an idle list.
+//!
+//! Rotation (`max_requests_per_connection` counts streams, `max_connection_lifetime`) hands
+//! over gracefully: a connection that is due keeps taking streams until a successor is open
+//! (the keeper opens it), then takes no new ones and closes once its streams end. A
+//! connection the server closed or sent GOAWAY on is dropped from the set at once.
+
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use hyper::client::conn::http2;
+
+use super::pool::PoolStats;
+use crate::pipeline::body::ReqBody;
+
+/// One shared HTTP/2 connection.
+pub(super) struct H2Conn {
+    pub(super) sender: http2::SendRequest<ReqBody>,
+    pub(super) created: Instant,
+    /// The server's concurrent-stream limit, as published by the connection's task.
+    max_concurrent: Arc<AtomicUsize>,
+    /// Streams started on it, for rotation.
+    streams: AtomicU32,
+    /// Streams in flight now.
+    active: AtomicU32,
+}
+
+/// A stream taken on a shared connection; frees its place when the exchange ends (the
+/// response read to the end, or dropped).
+pub(super) struct StreamSlot {
+    conn: Arc<H2Conn>,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.conn.active.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Why a connection is due for rotation.
+#[derive(Clone, Copy)]
+enum Due {
+    Requests,
+    Lifetime,
+}
+
+/// The shared connections of one endpoint on one worker.
+pub(super) struct H2Set {
+    // Held only for a scan, never across an await; one worker uses it.
+    conns: Mutex<Vec<Arc<H2Conn>>>,
+    max_streams: u32,
+    max_lifetime: Option<Duration>,
+}
+
+impl H2Set {
+    pub(super) fn new(max_streams: u32, max_lifetime: Option<Duration>) -> H2Set {
+        H2Set {
+            conns: Mutex::new(Vec::new()),
+            max_streams,
+            max_lifetime,
+        }
+    }
+
+    fn due(&self, c: &H2Conn) -> Option<Due> {
+        if self.max_streams > 0 && c.streams.load(Ordering::Relaxed) >= self.max_streams {
+            Some(Due::Requests)
+        } else if self.max_lifetime.is_some_and(|l| c.created.elapsed() >= l) {
+            Some(Due::Lifetime)
+        } else {
+            None
+        }
+    }
+
+    /// Drops closed connections and, once a successor is open, the ones due for rotation.
+    /// Returns (connections not due, connections due): the keeper opens a successor when
+    /// the first is 0 and the second is not.
+    pub(super) fn tidy(&self, stats: &PoolStats) -> (usize, usize) {
+        let mut list = self.conns.lock().unwrap_or_else(PoisonError::into_inner);
+        let before = list.len();
+        list.retain(|c| !c.sender.is_closed());
+        stats
+            .closed_by_server
+            .fetch_add((before - list.len()) as u64, Ordering::Relaxed);
+        let fresh = list.iter().filter(|c| self.due(c).is_none()).count();
+        if fresh == 0 {
+            return (0, list.len());
+        }
+        list.retain(|c| match self.due(c) {
+            None => true,
+            Some(Due::Requests) => {
+                stats.retired_max_requests.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+            Some(Due::Lifetime) => {
+                stats.retired_lifetime.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        });
+        (fresh, 0)
+    }
+
+    /// A stream on the first open connection with room for one more, if any.
+    pub(super) fn take(&self) -> Option<(http2::SendRequest<ReqBody>, StreamSlot, Instant)> {
+        let list = self.conns.lock().unwrap_or_else(PoisonError::into_inner);
+        let c = list.iter().find(|c| {
+            (c.active.load(Ordering::Relaxed) as usize) < c.max_concurrent.load(Ordering::Relaxed)
+        })?;
+        Some(Self::slot(c))
+    }
+
+    /// Adds a new connection; returns when it was opened.
+    pub(super) fn add(
+        &self,
+        sender: http2::SendRequest<ReqBody>,
+        max_concurrent: Arc<AtomicUsize>,
+    ) -> Instant {
+        let c = Self::new_conn(sender, max_concurrent);
+        let created = c.created;
+        self.push(c);
+        created
+    }
+
+    /// Adds a new connection with a stream taken on it for the request that opened it
+    /// (others share it from now on).
+    pub(super) fn add_and_take(
+        &self,
+        sender: http2::SendRequest<ReqBody>,
+        max_concurrent: Arc<AtomicUsize>,
+    ) -> (http2::SendRequest<ReqBody>, StreamSlot, Instant) {
+        let c = Self::new_conn(sender, max_concurrent);
+        let taken = Self::slot(&c);
+        self.push(c);
+        taken
+    }
+
+    fn new_conn(
+        sender: http2::SendRequest<ReqBody>,
+        max_concurrent: Arc<AtomicUsize>,
+    ) -> Arc<H2Conn> {
+        Arc::new(H2Conn {
+            sender,
+            created: Instant::now(),
+            max_concurrent,
+            streams: AtomicU32::new(0),
+            active: AtomicU32::new(0),
+        })
+    }
+
+    /// Forgets every connection: no new streams go on them, and each closes when its last
+    /// stream ends.
+    pub(super) fn clear(&self) {
+        self.conns
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+    }
+
+    fn push(&self, c: Arc<H2Conn>) {
+        self.conns
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(c);
+    }
+
+    fn slot(c: &Arc<H2Conn>) -> (http2::SendRequest<ReqBody>, StreamSlot, Instant) {
+        c.active.fetch_add(1, Ordering::Relaxed);
+        c.streams.fetch_add(1, Ordering::Relaxed);
+        (c.sender.clone(), StreamSlot { conn: c.clone() }, c.created)
+    }
+
+    /// Open connections now (due or not).
+    pub(super) fn len(&self) -> usize {
+        self.conns
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+}

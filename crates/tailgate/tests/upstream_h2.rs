@@ -1,0 +1,385 @@
+//! HTTP/2 to upstreams (`protocol = "http2"`, h2c by prior knowledge here; over TLS in
+//! `upstream_tls.rs`): requests share connections up to the server's stream limit, GOAWAY
+//! and REFUSED_STREAM move requests to a new connection without failing them, rotation hands
+//! over to a successor. Asserted on counts on both sides, never on timings.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, watch};
+
+fn gateway(up: SocketAddr, cluster_extra: &str) -> TestGateway {
+    TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nprotocol = \"http2\"\n{cluster_extra}\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ))
+}
+
+fn stat(gw: &TestGateway, f: impl Fn(&tailgate::upstream::PoolStats) -> u64) -> u64 {
+    gw.gw.as_ref().unwrap().pool_stat(f)
+}
+
+async fn wait_for(what: &str, f: impl Fn() -> bool) {
+    for _ in 0..500 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// Holds requests at the upstream until `expect` of them are in flight at once (or 5 s
+/// pass, so a gateway that does not multiplex fails the assertion instead of hanging).
+#[derive(Clone)]
+struct Gate {
+    in_flight: Arc<AtomicUsize>,
+    max_seen: Arc<AtomicUsize>,
+    expect: Arc<AtomicUsize>,
+    open: Arc<watch::Sender<bool>>,
+}
+
+impl Gate {
+    /// `expect` 0: an open gate.
+    fn new(expect: usize) -> Gate {
+        Gate {
+            in_flight: Arc::default(),
+            max_seen: Arc::default(),
+            expect: Arc::new(AtomicUsize::new(expect)),
+            open: Arc::new(watch::channel(expect == 0).0),
+        }
+    }
+
+    /// Closes the gate until `expect` requests are in flight; counts from zero again.
+    fn arm(&self, expect: usize) {
+        self.expect.store(expect, Ordering::SeqCst);
+        self.max_seen.store(0, Ordering::SeqCst);
+        self.open.send_replace(false);
+    }
+
+    async fn pass(&self) {
+        let n = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_seen.fetch_max(n, Ordering::SeqCst);
+        if n >= self.expect.load(Ordering::SeqCst) {
+            self.open.send_replace(true);
+        }
+        let mut rx = self.open.subscribe();
+        let _ = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|o| *o)).await;
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// What an h2c upstream saw.
+#[derive(Clone, Default)]
+struct Seen {
+    conns: Arc<AtomicUsize>,
+    /// Requests processed (answered), as `METHOD path`.
+    processed: Arc<Mutex<Vec<String>>>,
+    /// Paths refused once.
+    refused: Arc<Mutex<std::collections::HashSet<String>>>,
+}
+
+/// An h2c (prior knowledge) upstream served by hyper. Every request passes `gate`; after
+/// `goaway_after` requests on one connection (0: never) the server shuts that connection
+/// down gracefully (GOAWAY, in-flight streams finish). `max_streams` is its
+/// SETTINGS_MAX_CONCURRENT_STREAMS.
+async fn h2c_upstream(gate: Gate, goaway_after: usize, max_streams: u32) -> (SocketAddr, Seen) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let seen = Seen::default();
+    let s = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = l.accept().await else {
+                return;
+            };
+            s.conns.fetch_add(1, Ordering::SeqCst);
+            let (s, gate) = (s.clone(), gate.clone());
+            tokio::spawn(async move {
+                let count = Arc::new(AtomicUsize::new(0));
+                let shutdown = Arc::new(Notify::new());
+                let sd = shutdown.clone();
+                let svc = service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                    let (s, gate, count, sd) = (s.clone(), gate.clone(), count.clone(), sd.clone());
+                    async move {
+                        gate.pass().await;
+                        s.processed.lock().unwrap().push(format!(
+                            "{} {}",
+                            req.method(),
+                            req.uri().path()
+                        ));
+                        if count.fetch_add(1, Ordering::SeqCst) + 1 == goaway_after {
+                            sd.notify_one();
+                        }
+                        Ok::<_, Infallible>(http::Response::new(full("ok")))
+                    }
+                });
+                let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .max_concurrent_streams(max_streams)
+                    .serve_connection(TokioIo::new(tcp), svc);
+                let mut conn = std::pin::pin!(conn);
+                tokio::select! {
+                    _ = conn.as_mut() => return,
+                    _ = shutdown.notified() => {}
+                }
+                conn.as_mut().graceful_shutdown();
+                let _ = conn.await;
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// Sends `n` GETs at once, each on its own client connection; returns their statuses.
+async fn concurrent_gets(gw: SocketAddr, n: usize) -> Vec<u16> {
+    let tasks: Vec<_> = (0..n)
+        .map(|i| tokio::spawn(async move { get(gw, &format!("/c{i}")).await.status().as_u16() }))
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+/// A cold endpoint and a burst of 10 requests: one connection is opened and all ten
+/// streams share it, in flight at the upstream at the same time.
+#[tokio::test]
+async fn concurrent_requests_share_one_h2c_connection() {
+    let gate = Gate::new(10);
+    let (up, seen) = h2c_upstream(gate.clone(), 0, 100).await;
+    let gw = gateway(up, "");
+    assert_eq!(concurrent_gets(gw.addr, 10).await, vec![200; 10]);
+    assert_eq!(
+        seen.conns.load(Ordering::SeqCst),
+        1,
+        "one upstream connection"
+    );
+    assert_eq!(
+        gate.max_seen.load(Ordering::SeqCst),
+        10,
+        "all ten multiplexed at once"
+    );
+    assert_eq!(stat(&gw, |s| s.h2_connections.load(Ordering::Relaxed)), 1);
+    assert_eq!(
+        stat(&gw, |s| s.connects_on_request.load(Ordering::Relaxed)),
+        1
+    );
+    assert_eq!(stat(&gw, |s| s.reuses.load(Ordering::Relaxed)), 9);
+}
+
+/// The server allows 4 concurrent streams: 10 concurrent requests need 3 connections, and
+/// the gateway opens them instead of queueing behind the limit.
+#[tokio::test]
+async fn the_servers_stream_limit_is_respected() {
+    let gate = Gate::new(0);
+    let (up, seen) = h2c_upstream(gate.clone(), 0, 4).await;
+    let gw = gateway(up, "");
+    // Two requests first: the limit is read by the connection's dispatch task when it
+    // takes a request, and the second is taken after the server's SETTINGS arrived
+    // (they came before the first response).
+    assert_eq!(get(gw.addr, "/warm1").await.status(), 200);
+    assert_eq!(get(gw.addr, "/warm2").await.status(), 200);
+    gate.arm(10);
+    assert_eq!(concurrent_gets(gw.addr, 10).await, vec![200; 10]);
+    assert_eq!(
+        gate.max_seen.load(Ordering::SeqCst),
+        10,
+        "all ten in flight at once"
+    );
+    assert_eq!(seen.conns.load(Ordering::SeqCst), 3, "4 + 4 + 2 streams");
+    assert_eq!(stat(&gw, |s| s.h2_connections.load(Ordering::Relaxed)), 3);
+}
+
+/// The server sends GOAWAY after every 5 requests on a connection: subsequent requests go on
+/// a new connection and none fails, sequential or concurrent.
+#[tokio::test]
+async fn goaway_moves_requests_to_a_new_connection() {
+    let (up, seen) = h2c_upstream(Gate::new(0), 5, 100).await;
+    let gw = gateway(up, "");
+    for i in 0..20 {
+        assert_eq!(
+            get(gw.addr, &format!("/s{i}")).await.status(),
+            200,
+            "request {i}"
+        );
+    }
+    assert!(
+        seen.conns.load(Ordering::SeqCst) >= 4,
+        "a new connection after each GOAWAY"
+    );
+    assert!(stat(&gw, |s| s.closed_by_server.load(Ordering::Relaxed)) >= 3);
+    for round in 0..5 {
+        assert_eq!(
+            concurrent_gets(gw.addr, 8).await,
+            vec![200; 8],
+            "round {round}"
+        );
+    }
+    assert_eq!(
+        seen.processed.lock().unwrap().len(),
+        60,
+        "each request processed once"
+    );
+}
+
+/// An h2 upstream (the h2 crate, for control over resets) that refuses the first attempt at
+/// any path starting with `/refuse` with REFUSED_STREAM and answers everything else.
+async fn refusing_upstream() -> (SocketAddr, Seen) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let seen = Seen::default();
+    let s = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = l.accept().await else {
+                return;
+            };
+            s.conns.fetch_add(1, Ordering::SeqCst);
+            let s = s.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(tcp).await else {
+                    return;
+                };
+                while let Some(Ok((req, mut respond))) = conn.accept().await {
+                    let path = req.uri().path().to_owned();
+                    if path.starts_with("/refuse") && s.refused.lock().unwrap().insert(path) {
+                        respond.send_reset(h2::Reason::REFUSED_STREAM);
+                        continue;
+                    }
+                    s.processed.lock().unwrap().push(format!(
+                        "{} {}",
+                        req.method(),
+                        req.uri().path()
+                    ));
+                    let Ok(mut body) = respond.send_response(http::Response::new(()), false) else {
+                        continue;
+                    };
+                    let _ = body.send_data(Bytes::from_static(b"ok"), true);
+                }
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// A refused stream was not processed: a bodiless request of any method is sent again on a
+/// fresh connection (without spending the retry budget) and succeeds, processed once. A
+/// request with a body cannot be sent again (its body was streamed, not kept): 502.
+#[tokio::test]
+async fn refused_streams_are_resent_on_a_new_connection() {
+    let (up, seen) = refusing_upstream().await;
+    let gw = gateway(up, "");
+    let mut c = h1_client(gw.addr).await;
+    let send = |method: &str, path: &str, body: &'static str| {
+        http::Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", "a")
+            .body(full(body))
+            .unwrap()
+    };
+    use http_body_util::BodyExt;
+    for (i, (m, p)) in [
+        ("GET", "/refuse-a"),
+        ("GET", "/b"),
+        ("POST", "/refuse-c"),
+        ("DELETE", "/refuse-d"),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let resp = c.send_request(send(m, p, "")).await.unwrap();
+        assert_eq!(resp.status(), 200, "request {i}");
+        resp.into_body().collect().await.unwrap();
+    }
+    assert_eq!(
+        *seen.processed.lock().unwrap(),
+        [
+            "GET /refuse-a",
+            "GET /b",
+            "POST /refuse-c",
+            "DELETE /refuse-d"
+        ],
+        "each processed once"
+    );
+    assert_eq!(stat(&gw, |s| s.refused_resends.load(Ordering::Relaxed)), 3);
+    assert_eq!(stat(&gw, |s| s.retries.load(Ordering::Relaxed)), 0);
+    assert_eq!(
+        seen.conns.load(Ordering::SeqCst),
+        4,
+        "each resend on a new connection"
+    );
+
+    let resp = c
+        .send_request(send("POST", "/refuse-e", "hello"))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 502);
+    resp.into_body().collect().await.unwrap();
+    assert!(
+        !seen
+            .processed
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|p| p == "POST /refuse-e")
+    );
+    assert_eq!(stat(&gw, |s| s.refused_resends.load(Ordering::Relaxed)), 3);
+}
+
+/// `max_requests_per_connection` counts streams: a connection that reached it keeps serving
+/// until its successor (opened by the keeper, not by a request) is there, then is retired.
+#[tokio::test]
+async fn h2_rotation_hands_over_to_a_preopened_successor() {
+    let (up, seen) = h2c_upstream(Gate::new(0), 0, 100).await;
+    let gw = gateway(up, "max_requests_per_connection = 3");
+    for i in 0..3 {
+        assert_eq!(get(gw.addr, &format!("/r{i}")).await.status(), 200);
+    }
+    // The fourth finds the connection due: it still uses it and the keeper opens the next.
+    assert_eq!(get(gw.addr, "/r3").await.status(), 200);
+    wait_for("the successor", || {
+        stat(&gw, |s| s.preconnects.load(Ordering::Relaxed)) >= 1
+    })
+    .await;
+    for i in 4..12 {
+        assert_eq!(get(gw.addr, &format!("/r{i}")).await.status(), 200);
+    }
+    assert_eq!(
+        stat(&gw, |s| s.connects_on_request.load(Ordering::Relaxed)),
+        1,
+        "only the first connection was opened on a request's path"
+    );
+    assert!(stat(&gw, |s| s.retired_max_requests.load(Ordering::Relaxed)) >= 2);
+    assert!(seen.conns.load(Ordering::SeqCst) >= 3);
+    assert_eq!(seen.processed.lock().unwrap().len(), 12);
+}
+
+/// Warm HTTP/2 connections are opened at start; the first requests share one of them.
+#[tokio::test]
+async fn warm_h2_connections_are_open_before_the_first_request() {
+    let (up, seen) = h2c_upstream(Gate::new(0), 0, 100).await;
+    let gw = gateway(up, "min_warm_connections = 2");
+    wait_for("2 warm connections", || {
+        seen.conns.load(Ordering::SeqCst) >= 2
+    })
+    .await;
+    assert_eq!(concurrent_gets(gw.addr, 4).await, vec![200; 4]);
+    assert_eq!(
+        stat(&gw, |s| s.connects_on_request.load(Ordering::Relaxed)),
+        0
+    );
+    assert_eq!(stat(&gw, |s| s.preconnects.load(Ordering::Relaxed)), 2);
+    assert_eq!(seen.conns.load(Ordering::SeqCst), 2);
+}
