@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
+use http::uri::{PathAndQuery, Scheme};
 use http::{Request, Response, Uri, Version, header};
 use hyper::body::Incoming;
 use hyper::client::conn::{TrySendError, http1, http2};
@@ -115,15 +116,16 @@ fn adapt(mut req: Request<ReqBody>, h2: bool, https: bool, addr: SocketAddr) -> 
                 .remove(header::HOST)
                 .and_then(|h| http::uri::Authority::try_from(h.as_bytes()).ok());
             let authority = host.or_else(|| addr.to_string().parse().ok());
-            let pq = req.uri().path_and_query().cloned();
-            let mut b = Uri::builder().scheme(if https { "https" } else { "http" });
+            let pq = req
+                .uri()
+                .path_and_query()
+                .cloned()
+                .unwrap_or_else(|| PathAndQuery::from_static("/"));
+            let mut b = Uri::builder().scheme(if https { Scheme::HTTPS } else { Scheme::HTTP });
             if let Some(a) = authority {
                 b = b.authority(a);
             }
-            if let Ok(uri) = b
-                .path_and_query(pq.map_or("/".into(), |p| p.to_string()))
-                .build()
-            {
+            if let Ok(uri) = b.path_and_query(pq).build() {
                 *req.uri_mut() = uri;
             }
         }
@@ -223,4 +225,48 @@ where
         }
     });
     Ok((sender, max_streams))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(uri: &str, host: Option<&str>) -> Request<ReqBody> {
+        let mut b = Request::get(uri);
+        if let Some(h) = host {
+            b = b.header(header::HOST, h);
+        }
+        b.body(ReqBody::empty()).expect("valid request")
+    }
+
+    fn addr() -> SocketAddr {
+        SocketAddr::from(([10, 0, 0, 5], 8443))
+    }
+
+    #[test]
+    fn h2_requests_carry_the_host_as_authority() {
+        let r = adapt(req("/a?b=1", Some("api.example")), true, true, addr());
+        assert_eq!(r.version(), Version::HTTP_2);
+        assert_eq!(r.uri(), "https://api.example/a?b=1");
+        assert!(r.headers().get(header::HOST).is_none());
+
+        let r = adapt(req("/", None), true, false, addr());
+        assert_eq!(r.uri(), "http://10.0.0.5:8443/");
+    }
+
+    #[test]
+    fn h1_requests_are_origin_form_with_a_host() {
+        let r = adapt(req("/a", Some("api.example")), false, false, addr());
+        assert_eq!(r.version(), Version::HTTP_11);
+        assert_eq!(r.uri(), "/a");
+        // A request first fitted for HTTP/2 and resent on an HTTP/1.1 connection.
+        let r = adapt(
+            adapt(req("/a", Some("api.example")), true, true, addr()),
+            false,
+            true,
+            addr(),
+        );
+        assert_eq!(r.uri(), "/a");
+        assert_eq!(r.headers()[header::HOST], "api.example");
+    }
 }

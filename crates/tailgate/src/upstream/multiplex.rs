@@ -170,12 +170,4 @@ impl H2Set {
         c.streams.fetch_add(1, Ordering::Relaxed);
         (c.sender.clone(), StreamSlot { conn: c.clone() }, c.created)
     }
-
-    /// Open connections now (due or not).
-    pub(super) fn len(&self) -> usize {
-        self.conns
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len()
-    }
 }

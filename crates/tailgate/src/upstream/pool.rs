@@ -534,11 +534,6 @@ impl EndpointPool {
         }
         list.len()
     }
-
-    /// Open HTTP/2 connections now (shared; due ones still draining included).
-    pub fn h2_len(&self) -> usize {
-        self.h2.len()
-    }
 }
 
 /// A connection after its HTTP handshake.
