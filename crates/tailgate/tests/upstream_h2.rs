@@ -1,7 +1,7 @@
-//! HTTP/2 to upstreams (`protocol = "http2"`, h2c by prior knowledge here; over TLS in
-//! `upstream_tls.rs`): requests share connections up to the server's stream limit, GOAWAY
-//! and REFUSED_STREAM move requests to a new connection without failing them, rotation hands
-//! over to a successor. Asserted on counts on both sides, never on timings.
+//! HTTP/2 to upstreams (`protocol = "http2"`: h2c by prior knowledge, or ALPN h2 over TLS;
+//! `"auto"`: ALPN decides): requests share connections up to the server's stream limit,
+//! GOAWAY and REFUSED_STREAM move requests to a new connection without failing them,
+//! rotation hands over to a successor. Asserted on counts on both sides, never on timings.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::tls;
 use common::*;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -382,4 +383,98 @@ async fn warm_h2_connections_are_open_before_the_first_request() {
     );
     assert_eq!(stat(&gw, |s| s.preconnects.load(Ordering::Relaxed)), 2);
     assert_eq!(seen.conns.load(Ordering::SeqCst), 2);
+}
+
+// ---- over TLS ----------------------------------------------------------------------
+
+/// `protocol = "auto"`: ALPN offers h2 and http/1.1; an h2 server gets one multiplexed
+/// HTTP/2 connection that concurrent requests share.
+#[tokio::test]
+async fn auto_speaks_h2_over_tls_when_alpn_picks_it() {
+    let pki = tls::Pki::new();
+    let (up, seen) = tls::tls_ok_upstream(
+        &pki,
+        tls::ServerOpts {
+            alpn: &[b"h2", b"http/1.1"],
+            ..tls::ServerOpts::default()
+        },
+    )
+    .await;
+    let gw = tls::https_gateway(&pki, up, "protocol = \"auto\"");
+    assert_eq!(get(gw.addr, "/").await.status(), 200);
+    let tasks: Vec<_> = (0..6)
+        .map(|_| {
+            let addr = gw.addr;
+            tokio::spawn(async move { get(addr, "/").await.status().as_u16() })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    assert_eq!(seen.requests.load(Ordering::SeqCst), 7);
+    assert_eq!(
+        seen.conns.load(Ordering::SeqCst),
+        1,
+        "one shared connection"
+    );
+    let hs = seen.handshakes.lock().unwrap().clone();
+    assert_eq!(hs[0].alpn.as_deref(), Some(&b"h2"[..]));
+    assert_eq!(stat(&gw, |s| s.h2_connections.load(Ordering::Relaxed)), 1);
+    assert_eq!(stat(&gw, |s| s.reuses.load(Ordering::Relaxed)), 6);
+}
+
+/// `protocol = "auto"` against a server that only speaks http/1.1: ALPN picks it and the
+/// pool works as an HTTP/1.1 pool.
+#[tokio::test]
+async fn auto_falls_back_to_http1_when_alpn_picks_it() {
+    let pki = tls::Pki::new();
+    let (up, seen) = tls::tls_ok_upstream(&pki, tls::ServerOpts::default()).await;
+    let gw = tls::https_gateway(&pki, up, "protocol = \"auto\"");
+    for _ in 0..3 {
+        assert_eq!(get(gw.addr, "/").await.status(), 200);
+    }
+    let hs = seen.handshakes.lock().unwrap().clone();
+    assert_eq!(hs.len(), 1);
+    assert_eq!(hs[0].alpn.as_deref(), Some(&b"http/1.1"[..]));
+    assert_eq!(stat(&gw, |s| s.h2_connections.load(Ordering::Relaxed)), 0);
+    assert_eq!(stat(&gw, |s| s.reuses.load(Ordering::Relaxed)), 2);
+}
+
+/// `protocol = "http2"` over TLS offers only h2; rotation of HTTP/2 connections resumes the
+/// TLS session too.
+#[tokio::test]
+async fn http2_over_tls_offers_only_h2_and_resumes_on_rotation() {
+    let pki = tls::Pki::new();
+    let (up, seen) = tls::tls_ok_upstream(
+        &pki,
+        tls::ServerOpts {
+            alpn: &[b"h2", b"http/1.1"],
+            ..tls::ServerOpts::default()
+        },
+    )
+    .await;
+    let gw = tls::https_gateway(
+        &pki,
+        up,
+        "protocol = \"http2\"\nmax_requests_per_connection = 2",
+    );
+    for i in 0..2 {
+        assert_eq!(get(gw.addr, &format!("/{i}")).await.status(), 200);
+    }
+    // The third finds the connection due; the keeper opens the successor.
+    assert_eq!(get(gw.addr, "/2").await.status(), 200);
+    wait_for("the successor", || {
+        seen.handshakes.lock().unwrap().len() >= 2
+    })
+    .await;
+    assert_eq!(get(gw.addr, "/3").await.status(), 200);
+    let hs = seen.handshakes.lock().unwrap().clone();
+    assert!(hs.iter().all(|h| h.alpn.as_deref() == Some(&b"h2"[..])));
+    assert_eq!(hs[0].kind, rustls::HandshakeKind::Full);
+    assert_eq!(hs[1].kind, rustls::HandshakeKind::Resumed);
+    assert_eq!(
+        stat(&gw, |s| s.tls_resumed_handshakes.load(Ordering::Relaxed)),
+        1
+    );
+    assert_eq!(seen.requests.load(Ordering::SeqCst), 4);
 }

@@ -6,247 +6,19 @@
 
 mod common;
 
-use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use common::tls::*;
 use common::*;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use rustls::HandshakeKind;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tailgate::Config;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
-
-/// Test certificates written to a fresh directory: a CA (`ca.pem`), a server certificate it
-/// signed for `127.0.0.1` and `upstream.test` (`server.pem`, `server.key`), a second CA that
-/// signed nothing the server has (`other-ca.pem`), a server certificate for a DNS name only
-/// (`dns-only.pem`, `dns-only.key`), and a client CA with one client (`client-ca.pem`,
-/// `client.pem`, `client.key`).
-struct Pki {
-    dir: PathBuf,
-}
-
-fn ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
-    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, name);
-    CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
-}
-
-fn leaf(issuer: &CertifiedIssuer<'static, KeyPair>, names: &[&str]) -> (String, String) {
-    let params =
-        CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
-    let key = KeyPair::generate().unwrap();
-    let cert = params.signed_by(&key, issuer).unwrap();
-    (cert.pem(), key.serialize_pem())
-}
-
-impl Pki {
-    fn new() -> Pki {
-        let dir = std::env::temp_dir().join(format!(
-            "tailgate-uptls-{}-{}",
-            std::process::id(),
-            fastrand::u64(..)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let w = |name: &str, text: &str| std::fs::write(dir.join(name), text).unwrap();
-        let server_ca = ca("tailgate test server CA");
-        w("ca.pem", &server_ca.pem());
-        let (cert, key) = leaf(&server_ca, &["127.0.0.1", "::1", "upstream.test"]);
-        w("server.pem", &cert);
-        w("server.key", &key);
-        let (cert, key) = leaf(&server_ca, &["upstream.test"]);
-        w("dns-only.pem", &cert);
-        w("dns-only.key", &key);
-        w("other-ca.pem", &ca("some other CA").pem());
-        let client_ca = ca("tailgate test client CA");
-        w("client-ca.pem", &client_ca.pem());
-        let (cert, key) = leaf(&client_ca, &["gateway.test"]);
-        w("client.pem", &cert);
-        w("client.key", &key);
-        Pki { dir }
-    }
-
-    fn path(&self, name: &str) -> String {
-        self.dir.join(name).display().to_string()
-    }
-
-    fn certs(&self, name: &str) -> Vec<CertificateDer<'static>> {
-        CertificateDer::pem_file_iter(self.dir.join(name))
-            .unwrap()
-            .collect::<Result<_, _>>()
-            .unwrap()
-    }
-
-    fn key(&self, name: &str) -> PrivateKeyDer<'static> {
-        PrivateKeyDer::from_pem_file(self.dir.join(name)).unwrap()
-    }
-}
-
-/// One handshake a TLS upstream completed.
-#[derive(Clone, Debug)]
-struct Handshake {
-    kind: HandshakeKind,
-    sni: Option<String>,
-    client_cert: bool,
-    alpn: Option<Vec<u8>>,
-}
-
-/// What a TLS upstream saw.
-#[derive(Clone, Default)]
-struct Seen {
-    /// TCP connections accepted.
-    conns: Arc<AtomicUsize>,
-    /// Handshakes completed, in order.
-    handshakes: Arc<Mutex<Vec<Handshake>>>,
-    failed_handshakes: Arc<AtomicUsize>,
-    requests: Arc<AtomicUsize>,
-}
-
-impl Seen {
-    fn kinds(&self) -> Vec<HandshakeKind> {
-        self.handshakes
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|h| h.kind)
-            .collect()
-    }
-}
-
-struct ServerOpts<'a> {
-    cert: &'a str,
-    key: &'a str,
-    /// Require a client certificate signed by this CA file.
-    client_ca: Option<&'a str>,
-    alpn: &'a [&'a [u8]],
-}
-
-impl Default for ServerOpts<'_> {
-    fn default() -> Self {
-        ServerOpts {
-            cert: "server.pem",
-            key: "server.key",
-            client_ca: None,
-            alpn: &[b"http/1.1"],
-        }
-    }
-}
-
-fn server_config(pki: &Pki, opts: &ServerOpts<'_>) -> Arc<rustls::ServerConfig> {
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
-        .unwrap();
-    let builder = match opts.client_ca {
-        Some(ca) => {
-            let mut roots = rustls::RootCertStore::empty();
-            for c in pki.certs(ca) {
-                roots.add(c).unwrap();
-            }
-            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-                Arc::new(roots),
-                provider,
-            )
-            .build()
-            .unwrap();
-            builder.with_client_cert_verifier(verifier)
-        }
-        None => builder.with_no_client_auth(),
-    };
-    let mut cfg = builder
-        .with_single_cert(pki.certs(opts.cert), pki.key(opts.key))
-        .unwrap();
-    cfg.alpn_protocols = opts.alpn.iter().map(|p| p.to_vec()).collect();
-    Arc::new(cfg)
-}
-
-/// Accepts TLS on `bind`, records each handshake, then hands the stream to `serve`.
-async fn tls_server<F, Fut>(
-    bind: &str,
-    pki: &Pki,
-    opts: ServerOpts<'_>,
-    serve: F,
-) -> (SocketAddr, Seen)
-where
-    F: Fn(tokio_rustls::server::TlsStream<tokio::net::TcpStream>, Seen) -> Fut
-        + Send
-        + Sync
-        + 'static,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let acceptor = tokio_rustls::TlsAcceptor::from(server_config(pki, &opts));
-    let listener = TcpListener::bind(bind).await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let seen = Seen::default();
-    let s = seen.clone();
-    let serve = Arc::new(serve);
-    tokio::spawn(async move {
-        loop {
-            let Ok((tcp, _)) = listener.accept().await else {
-                return;
-            };
-            s.conns.fetch_add(1, Ordering::SeqCst);
-            let (acceptor, s, serve) = (acceptor.clone(), s.clone(), serve.clone());
-            tokio::spawn(async move {
-                let tls = match acceptor.accept(tcp).await {
-                    Ok(tls) => tls,
-                    Err(_) => {
-                        s.failed_handshakes.fetch_add(1, Ordering::SeqCst);
-                        return;
-                    }
-                };
-                let c = tls.get_ref().1;
-                s.handshakes.lock().unwrap().push(Handshake {
-                    kind: c.handshake_kind().unwrap(),
-                    sni: c.server_name().map(str::to_owned),
-                    client_cert: c.peer_certificates().is_some_and(|p| !p.is_empty()),
-                    alpn: c.alpn_protocol().map(<[u8]>::to_vec),
-                });
-                serve(tls, s).await;
-            });
-        }
-    });
-    (addr, seen)
-}
-
-/// An upstream over TLS answering 200 "ok" (HTTP/1.1, or HTTP/2 when ALPN picks it).
-async fn tls_ok_upstream(pki: &Pki, opts: ServerOpts<'_>) -> (SocketAddr, Seen) {
-    tls_ok_upstream_on("127.0.0.1:0", pki, opts).await
-}
-
-async fn tls_ok_upstream_on(bind: &str, pki: &Pki, opts: ServerOpts<'_>) -> (SocketAddr, Seen) {
-    tls_server(bind, pki, opts, |tls, seen| async move {
-        let svc = service_fn(move |_req| {
-            seen.requests.fetch_add(1, Ordering::SeqCst);
-            async { Ok::<_, std::convert::Infallible>(http::Response::new(full("ok"))) }
-        });
-        let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-            .serve_connection(TokioIo::new(tls), svc)
-            .await;
-    })
-    .await
-}
 
 fn gateway(endpoints: &str, cluster_extra: &str) -> TestGateway {
     TestGateway::start(&format!(
         "[[cluster]]\nname = \"up\"\nendpoints = [{endpoints}]\n{cluster_extra}\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
     ))
-}
-
-fn https_gateway(pki: &Pki, up: SocketAddr, cluster_extra: &str) -> TestGateway {
-    gateway(
-        &format!("\"https://{up}\""),
-        &format!("tls_ca = \"{}\"\n{cluster_extra}", pki.path("ca.pem")),
-    )
 }
 
 fn stat(gw: &TestGateway, f: impl Fn(&tailgate::upstream::PoolStats) -> u64) -> u64 {
@@ -344,6 +116,41 @@ async fn untrusted_upstream_certificate_is_a_502_and_a_connect_failure() {
         0
     );
     assert_eq!(seen.requests.load(Ordering::SeqCst), 0, "nothing was sent");
+}
+
+/// A failed handshake sent nothing: the request is tried on another endpoint and succeeds.
+#[tokio::test]
+async fn tls_failure_is_tried_on_another_endpoint() {
+    let pki = Pki::new();
+    let (good, seen) = tls_ok_upstream(&pki, ServerOpts::default()).await;
+    // Its certificate has no IP SAN: verification of the endpoint's IP fails.
+    let (bad, bad_seen) = tls_ok_upstream(
+        &pki,
+        ServerOpts {
+            cert: "dns-only.pem",
+            key: "dns-only.key",
+            ..ServerOpts::default()
+        },
+    )
+    .await;
+    let gw = gateway(
+        &format!("\"https://{bad}\", \"https://{good}\""),
+        &format!(
+            "tls_ca = \"{}\"\nbalance = \"round_robin\"",
+            pki.path("ca.pem")
+        ),
+    );
+    for i in 0..4 {
+        assert_eq!(get(gw.addr, "/").await.status(), 200, "request {i}");
+    }
+    assert_eq!(seen.requests.load(Ordering::SeqCst), 4);
+    assert_eq!(bad_seen.requests.load(Ordering::SeqCst), 0);
+    assert!(stat(&gw, |s| s.tls_handshake_failures.load(Ordering::Relaxed)) >= 1);
+    assert_eq!(
+        stat(&gw, |s| s.tls_handshake_failures.load(Ordering::Relaxed)),
+        stat(&gw, |s| s.retries.load(Ordering::Relaxed)),
+        "each failed handshake was retried elsewhere"
+    );
 }
 
 /// The certificate must match `tls_server_name` (which is also the SNI); without it, the
@@ -551,98 +358,6 @@ async fn get_is_retried_on_a_fresh_tls_connection() {
     assert_eq!(stat(&gw, |s| s.retries.load(Ordering::Relaxed)), 1);
     assert_eq!(seen.conns.load(Ordering::SeqCst), 2);
     assert_eq!(seen.kinds(), [HandshakeKind::Full, HandshakeKind::Resumed]);
-}
-
-/// `protocol = "auto"`: ALPN offers h2 and http/1.1; an h2 server gets one multiplexed
-/// HTTP/2 connection that concurrent requests share.
-#[tokio::test]
-async fn auto_speaks_h2_over_tls_when_alpn_picks_it() {
-    let pki = Pki::new();
-    let (up, seen) = tls_ok_upstream(
-        &pki,
-        ServerOpts {
-            alpn: &[b"h2", b"http/1.1"],
-            ..ServerOpts::default()
-        },
-    )
-    .await;
-    let gw = https_gateway(&pki, up, "protocol = \"auto\"");
-    assert_eq!(get(gw.addr, "/").await.status(), 200);
-    let tasks: Vec<_> = (0..6)
-        .map(|_| {
-            let addr = gw.addr;
-            tokio::spawn(async move { get(addr, "/").await.status().as_u16() })
-        })
-        .collect();
-    for t in tasks {
-        assert_eq!(t.await.unwrap(), 200);
-    }
-    assert_eq!(seen.requests.load(Ordering::SeqCst), 7);
-    assert_eq!(
-        seen.conns.load(Ordering::SeqCst),
-        1,
-        "one shared connection"
-    );
-    let hs = seen.handshakes.lock().unwrap().clone();
-    assert_eq!(hs[0].alpn.as_deref(), Some(&b"h2"[..]));
-    assert_eq!(stat(&gw, |s| s.h2_connections.load(Ordering::Relaxed)), 1);
-    assert_eq!(stat(&gw, |s| s.reuses.load(Ordering::Relaxed)), 6);
-}
-
-/// `protocol = "auto"` against a server that only speaks http/1.1: ALPN picks it and the
-/// pool works as an HTTP/1.1 pool.
-#[tokio::test]
-async fn auto_falls_back_to_http1_when_alpn_picks_it() {
-    let pki = Pki::new();
-    let (up, seen) = tls_ok_upstream(&pki, ServerOpts::default()).await;
-    let gw = https_gateway(&pki, up, "protocol = \"auto\"");
-    for _ in 0..3 {
-        assert_eq!(get(gw.addr, "/").await.status(), 200);
-    }
-    let hs = seen.handshakes.lock().unwrap().clone();
-    assert_eq!(hs.len(), 1);
-    assert_eq!(hs[0].alpn.as_deref(), Some(&b"http/1.1"[..]));
-    assert_eq!(stat(&gw, |s| s.h2_connections.load(Ordering::Relaxed)), 0);
-    assert_eq!(stat(&gw, |s| s.reuses.load(Ordering::Relaxed)), 2);
-}
-
-/// `protocol = "http2"` over TLS offers only h2; rotation of HTTP/2 connections resumes the
-/// TLS session too.
-#[tokio::test]
-async fn http2_over_tls_offers_only_h2_and_resumes_on_rotation() {
-    let pki = Pki::new();
-    let (up, seen) = tls_ok_upstream(
-        &pki,
-        ServerOpts {
-            alpn: &[b"h2", b"http/1.1"],
-            ..ServerOpts::default()
-        },
-    )
-    .await;
-    let gw = https_gateway(
-        &pki,
-        up,
-        "protocol = \"http2\"\nmax_requests_per_connection = 2",
-    );
-    for i in 0..2 {
-        assert_eq!(get(gw.addr, &format!("/{i}")).await.status(), 200);
-    }
-    // The third finds the connection due; the keeper opens the successor.
-    assert_eq!(get(gw.addr, "/2").await.status(), 200);
-    wait_for("the successor", || {
-        seen.handshakes.lock().unwrap().len() >= 2
-    })
-    .await;
-    assert_eq!(get(gw.addr, "/3").await.status(), 200);
-    let hs = seen.handshakes.lock().unwrap().clone();
-    assert!(hs.iter().all(|h| h.alpn.as_deref() == Some(&b"h2"[..])));
-    assert_eq!(hs[0].kind, HandshakeKind::Full);
-    assert_eq!(hs[1].kind, HandshakeKind::Resumed);
-    assert_eq!(
-        stat(&gw, |s| s.tls_resumed_handshakes.load(Ordering::Relaxed)),
-        1
-    );
-    assert_eq!(seen.requests.load(Ordering::SeqCst), 4);
 }
 
 // ---- config ----------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 pub mod prom;
+pub mod tls;
 
 use std::convert::Infallible;
 use std::future::Future;
