@@ -385,6 +385,66 @@ async fn warm_h2_connections_are_open_before_the_first_request() {
     assert_eq!(seen.conns.load(Ordering::SeqCst), 2);
 }
 
+/// An h2 upstream whose first connection goes silent (no frame read or answered, socket
+/// left open) when `silence` is notified; later connections serve normally.
+async fn silencing_upstream() -> (SocketAddr, Seen, Arc<Notify>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let seen = Seen::default();
+    let silence = Arc::new(Notify::new());
+    let (s, quiet) = (seen.clone(), silence.clone());
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = l.accept().await else {
+                return;
+            };
+            let n = s.conns.fetch_add(1, Ordering::SeqCst) + 1;
+            let (s, quiet) = (s.clone(), quiet.clone());
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(tcp).await else {
+                    return;
+                };
+                loop {
+                    tokio::select! {
+                        r = conn.accept() => {
+                            let Some(Ok((req, mut respond))) = r else { return };
+                            s.processed.lock().unwrap().push(req.uri().path().to_owned());
+                            if let Ok(mut body) = respond.send_response(http::Response::new(()), false) {
+                                let _ = body.send_data(Bytes::from_static(b"ok"), true);
+                            }
+                        }
+                        _ = quiet.notified(), if n == 1 => {
+                            // Hold the connection without polling it.
+                            std::future::pending::<()>().await;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr, seen, silence)
+}
+
+/// A connection whose server went silent is found by an unanswered PING and replaced, so the
+/// next request does not hang on it.
+#[tokio::test]
+async fn silent_connection_is_found_by_ping_and_replaced() {
+    let (up, seen, silence) = silencing_upstream().await;
+    let gw = gateway(
+        up,
+        "http2_keepalive_interval = \"200ms\"\nconnect_timeout = \"300ms\"\nidle_timeout = \"100ms\"",
+    );
+    assert_eq!(get(gw.addr, "/1").await.status(), 200);
+    silence.notify_one();
+    wait_for("the silent connection to be closed", || {
+        stat(&gw, |s| s.closed_by_server.load(Ordering::Relaxed)) >= 1
+    })
+    .await;
+    assert_eq!(get(gw.addr, "/2").await.status(), 200);
+    assert_eq!(seen.conns.load(Ordering::SeqCst), 2);
+    assert_eq!(*seen.processed.lock().unwrap(), ["/1", "/2"]);
+}
+
 // ---- over TLS ----------------------------------------------------------------------
 
 /// `protocol = "auto"`: ALPN offers h2 and http/1.1; an h2 server gets one multiplexed

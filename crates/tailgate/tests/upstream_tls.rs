@@ -441,6 +441,11 @@ fn config_errors_name_the_place_and_the_fix() {
         e.contains(":6:12: cluster[0].protocol: \"auto\" chooses by TLS ALPN"),
         "{e}"
     );
+    let e = t("endpoints = [\"127.0.0.1:1\"]\nhttp2_keepalive_interval = \"5s\"");
+    assert!(
+        e.contains(":6:28: cluster[0].http2_keepalive_interval: has no effect"),
+        "{e}"
+    );
     let e = t("endpoints = [\"127.0.0.1:1\"]\nprotocol = \"h3\"");
     assert!(
         e.contains("cluster[0].protocol: `h3` is not an upstream protocol"),

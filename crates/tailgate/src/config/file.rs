@@ -121,6 +121,7 @@ pub struct RawCluster {
     pub retry_budget_percent: Option<u32>,
     pub hedge_budget_percent: Option<Spanned<u32>>,
     pub protocol: Option<Spanned<String>>,
+    pub http2_keepalive_interval: Option<Spanned<String>>,
     pub tls_server_name: Option<Spanned<String>>,
     pub tls_ca: Option<Spanned<String>>,
     pub tls_client_cert: Option<Spanned<String>>,

@@ -150,6 +150,9 @@ pub struct Cluster {
     pub tls: Option<crate::upstream::UpstreamTls>,
     /// HTTP/1.1, HTTP/2 (multiplexed), or chosen by ALPN.
     pub protocol: crate::upstream::Protocol,
+    /// HTTP/2: ping a connection after this long without a frame from the server, and close
+    /// it when the ping is not answered within `connect_timeout` (`None`: never).
+    pub http2_keepalive_interval: Option<Duration>,
 }
 
 #[derive(Debug, Clone)]

@@ -1,6 +1,7 @@
-//! A cluster's endpoint schemes and `tls_*` fields, checked and turned into one shared
-//! [`UpstreamTls`] at load, so that a missing file, bad PEM or a certificate without its
-//! key is a `file:line:col` error rather than a failing connect at runtime.
+//! How a cluster talks to its endpoints: their scheme, the `protocol`, and the `tls_*` fields
+//! checked and turned into one shared [`UpstreamTls`] at load, so that a missing file, bad
+//! PEM or a certificate without its key is a `file:line:col` error rather than a failing
+//! connect at runtime.
 
 use std::ops::Range;
 use std::path::Path;

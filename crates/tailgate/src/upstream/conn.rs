@@ -9,13 +9,13 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use http::uri::{PathAndQuery, Scheme};
 use http::{Request, Response, Uri, Version, header};
 use hyper::body::Incoming;
 use hyper::client::conn::{TrySendError, http1, http2};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::multiplex::StreamSlot;
@@ -190,10 +190,14 @@ where
 /// `endpoint_limit` is the limit the endpoint's other connections last saw (0: none yet):
 /// a new connection assumes it until the server's SETTINGS arrive, rather than hyper's
 /// default of 100 — and the task keeps it up to date.
+///
+/// `keepalive`: (interval, timeout) of PINGs, sent also while no stream is open, so a dead
+/// peer or path is found before a request is put on it.
 pub(super) async fn handshake_h2<I>(
     io: I,
     addr: SocketAddr,
     endpoint_limit: Arc<AtomicUsize>,
+    keepalive: Option<(Duration, Duration)>,
 ) -> Result<(http2::SendRequest<ReqBody>, Arc<AtomicUsize>), ProxyError>
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -204,6 +208,13 @@ where
         n => n,
     };
     builder.initial_max_send_streams(assumed);
+    if let Some((interval, timeout)) = keepalive {
+        builder
+            .timer(TokioTimer::new())
+            .keep_alive_interval(interval)
+            .keep_alive_timeout(timeout)
+            .keep_alive_while_idle(true);
+    }
     let (sender, conn) = builder
         .handshake(TokioIo::new(io))
         .await

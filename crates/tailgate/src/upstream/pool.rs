@@ -99,6 +99,8 @@ pub struct EndpointPool {
     h2_seen: AtomicBool,
     /// The server's concurrent-stream limit as its connections last saw it (0: unknown).
     h2_stream_limit: Arc<std::sync::atomic::AtomicUsize>,
+    /// HTTP/2 PING interval (`None`: no pings).
+    h2_keepalive_interval: Option<Duration>,
     max_idle: usize,
     idle_timeout: Duration,
     connect_timeout: Duration,
@@ -133,6 +135,7 @@ impl EndpointPool {
             h2_opened: Notify::new(),
             h2_seen: AtomicBool::new(false),
             h2_stream_limit: Arc::default(),
+            h2_keepalive_interval: cluster.http2_keepalive_interval,
             max_idle: cluster.max_idle_per_endpoint,
             idle_timeout: cluster.idle_timeout,
             connect_timeout: cluster.connect_timeout,
@@ -157,6 +160,13 @@ impl EndpointPool {
             .clear();
         self.h2.clear();
         self.refill.notify_one();
+    }
+
+    /// PING interval and timeout for HTTP/2 connections: a ping unanswered within the
+    /// connect timeout (both measure a round trip to the server) closes the connection.
+    fn h2_keepalive(&self) -> Option<(Duration, Duration)> {
+        self.h2_keepalive_interval
+            .map(|interval| (interval, self.connect_timeout))
     }
 
     pub(super) fn tls_enabled(&self) -> bool {
@@ -404,10 +414,10 @@ impl EndpointPool {
         let dialed = tokio::time::timeout(self.connect_timeout, self.dial()).await;
         match dialed {
             Ok(Ok(Stream::Plain(s))) => match self.protocol {
-                Protocol::Http2 => {
-                    as_h2(handshake_h2(s, self.addr, self.h2_stream_limit.clone()).await)
+                Protocol::Http2 => self.handshake_h2(s).await,
+                Protocol::Http1 | Protocol::Auto => {
+                    handshake_h1(s, self.addr).await.map(Handshaken::H1)
                 }
-                Protocol::Http1 | Protocol::Auto => as_h1(handshake_h1(s, self.addr).await),
             },
             Ok(Ok(Stream::Tls(s))) => {
                 let h2 = match self.protocol {
@@ -416,9 +426,9 @@ impl EndpointPool {
                     Protocol::Auto => s.get_ref().1.alpn_protocol() == Some(b"h2"),
                 };
                 if h2 {
-                    as_h2(handshake_h2(*s, self.addr, self.h2_stream_limit.clone()).await)
+                    self.handshake_h2(*s).await
                 } else {
-                    as_h1(handshake_h1(*s, self.addr).await)
+                    handshake_h1(*s, self.addr).await.map(Handshaken::H1)
                 }
             }
             Ok(Err(e)) => {
@@ -430,6 +440,15 @@ impl EndpointPool {
                 Err(ProxyError::ConnectTimeout)
             }
         }
+    }
+
+    async fn handshake_h2<I>(&self, io: I) -> Result<Handshaken, ProxyError>
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let limit = self.h2_stream_limit.clone();
+        let (sender, max) = handshake_h2(io, self.addr, limit, self.h2_keepalive()).await?;
+        Ok(Handshaken::H2(sender, max))
     }
 
     /// TCP connect, then the TLS handshake for an `https://` endpoint.
@@ -544,22 +563,6 @@ enum Handshaken {
         hyper::client::conn::http2::SendRequest<ReqBody>,
         Arc<std::sync::atomic::AtomicUsize>,
     ),
-}
-
-fn as_h1(r: Result<http1::SendRequest<ReqBody>, ProxyError>) -> Result<Handshaken, ProxyError> {
-    r.map(Handshaken::H1)
-}
-
-fn as_h2(
-    r: Result<
-        (
-            hyper::client::conn::http2::SendRequest<ReqBody>,
-            Arc<std::sync::atomic::AtomicUsize>,
-        ),
-        ProxyError,
-    >,
-) -> Result<Handshaken, ProxyError> {
-    r.map(|(s, m)| Handshaken::H2(s, m))
 }
 
 /// A connection just opened.
