@@ -6,6 +6,7 @@
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use rustls::RootCertStore;
 use rustls_pki_types::pem::PemObject;
@@ -68,6 +69,29 @@ pub(super) fn protocol(
             );
             Protocol::Http1
         }
+    }
+}
+
+/// The cluster's `http2_keepalive_interval` (default 10 s; `"0s"`: off), refused on an
+/// HTTP/1.1 cluster where it would do nothing.
+pub(super) fn http2_keepalive(
+    c: &mut Checker<'_>,
+    cl: &RawCluster,
+    i: usize,
+    protocol: Protocol,
+) -> Option<Duration> {
+    let field = format!("cluster[{i}].http2_keepalive_interval");
+    match &cl.http2_keepalive_interval {
+        Some(v) if protocol == Protocol::Http1 => {
+            c.err(
+                Some(v.span()),
+                field,
+                "has no effect: this cluster speaks HTTP/1.1".into(),
+                Some("remove it, or set protocol = \"http2\" (or \"auto\" for https:// endpoints)"),
+            );
+            None
+        }
+        v => Some(c.duration(v, field, Duration::from_secs(10))).filter(|d| !d.is_zero()),
     }
 }
 

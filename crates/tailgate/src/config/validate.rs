@@ -405,23 +405,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             schemes.push((https, e.span()));
         }
         let protocol = upstream_tls::protocol(c, cl, i, &schemes);
-        let http2_keepalive_interval = match &cl.http2_keepalive_interval {
-            Some(v) if protocol == crate::upstream::Protocol::Http1 => {
-                c.err(
-                    Some(v.span()),
-                    format!("cluster[{i}].http2_keepalive_interval"),
-                    "has no effect: this cluster speaks HTTP/1.1".into(),
-                    Some("remove it, or set protocol = \"http2\" (or \"auto\" for https:// endpoints)"),
-                );
-                None
-            }
-            v => Some(c.duration(
-                v,
-                format!("cluster[{i}].http2_keepalive_interval"),
-                Duration::from_secs(10),
-            ))
-            .filter(|d| !d.is_zero()),
-        };
+        let http2_keepalive_interval = upstream_tls::http2_keepalive(c, cl, i, protocol);
         let tls = upstream_tls::cluster_tls(
             c,
             cl,
