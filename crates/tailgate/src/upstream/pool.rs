@@ -382,11 +382,11 @@ impl EndpointPool {
     /// Opens a connection and runs the handshakes. An HTTP/2 one joins the shared set (with
     /// a stream taken on it when `take`), and the requests waiting for it are woken.
     async fn open(&self, take: bool) -> Result<Opened, ProxyError> {
-        let h2_possible = self.protocol != Protocol::Http1;
-        if h2_possible {
-            self.h2_connecting.fetch_add(1, Ordering::Relaxed);
-        }
-        let result = match self.open_inner().await {
+        // Counted while under way, and announced when it ends — also when the request that
+        // opened it goes away mid-connect (the guard's drop), or the waiters would wait for
+        // a connect that never ends.
+        let _announce = (self.protocol != Protocol::Http1).then(|| H2Connecting::start(self));
+        match self.open_inner().await {
             Ok(Handshaken::H1(s)) => Ok(Opened::H1(s)),
             Ok(Handshaken::H2(s, max)) => {
                 self.h2_seen.store(true, Ordering::Relaxed);
@@ -400,12 +400,7 @@ impl EndpointPool {
                 })
             }
             Err(e) => Err(e),
-        };
-        if h2_possible {
-            self.h2_connecting.fetch_sub(1, Ordering::Relaxed);
-            self.h2_opened.notify_waiters();
         }
-        result
     }
 
     async fn open_inner(&self) -> Result<Handshaken, ProxyError> {
@@ -555,6 +550,24 @@ impl EndpointPool {
     }
 }
 
+/// An HTTP/2-capable connect under way: counted while it lives; its end (success, failure or
+/// cancellation) wakes the requests waiting for it.
+struct H2Connecting<'a>(&'a EndpointPool);
+
+impl<'a> H2Connecting<'a> {
+    fn start(pool: &'a EndpointPool) -> H2Connecting<'a> {
+        pool.h2_connecting.fetch_add(1, Ordering::Relaxed);
+        H2Connecting(pool)
+    }
+}
+
+impl Drop for H2Connecting<'_> {
+    fn drop(&mut self) {
+        self.0.h2_connecting.fetch_sub(1, Ordering::Relaxed);
+        self.0.h2_opened.notify_waiters();
+    }
+}
+
 /// A connection after its HTTP handshake.
 enum Handshaken {
     H1(http1::SendRequest<ReqBody>),
@@ -580,4 +593,38 @@ enum Opened {
 enum Stream {
     Plain(TcpStream),
     Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request that goes away while its connect is under way must not leave the pool
+    /// believing a connect is still coming (later requests would wait for it in vain).
+    #[tokio::test]
+    async fn a_cancelled_connect_is_no_longer_awaited() {
+        // Accepts TCP and never answers the TLS handshake.
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr");
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = l.accept().await {
+                held.push(s);
+            }
+        });
+        let ck = rcgen::generate_simple_self_signed(vec!["ca.test".to_owned()]).expect("cert");
+        let dir = std::env::temp_dir().join(format!("tailgate-pool-{}", fastrand::u64(..)));
+        std::fs::create_dir_all(&dir).expect("dir");
+        std::fs::write(dir.join("ca.pem"), ck.cert.pem()).expect("write");
+        let text = format!(
+            "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"https://{addr}\"]\nprotocol = \"http2\"\ntls_ca = \"ca.pem\"\nconnect_timeout = \"10s\"\n"
+        );
+        let cfg = crate::Config::parse(&dir.join("t.toml"), &text).expect("valid config");
+        let pool = Arc::new(EndpointPool::new(addr, &cfg.clusters[0]));
+        let cancelled = tokio::time::timeout(Duration::from_millis(50), pool.checkout()).await;
+        assert!(cancelled.is_err(), "the handshake never completes");
+        assert_eq!(pool.h2_connecting.load(Ordering::Relaxed), 0);
+    }
 }
