@@ -345,26 +345,60 @@ async fn refused_streams_are_resent_on_a_new_connection() {
 async fn h2_rotation_hands_over_to_a_preopened_successor() {
     let (up, seen) = h2c_upstream(Gate::new(0), 0, 100).await;
     let gw = gateway(up, "max_requests_per_connection = 3");
+    let preconnects = || stat(&gw, |s| s.preconnects.load(Ordering::Relaxed));
     for i in 0..3 {
         assert_eq!(get(gw.addr, &format!("/r{i}")).await.status(), 200);
     }
     // The fourth finds the connection due: it still uses it and the keeper opens the next.
     assert_eq!(get(gw.addr, "/r3").await.status(), 200);
-    wait_for("the successor", || {
-        stat(&gw, |s| s.preconnects.load(Ordering::Relaxed)) >= 1
-    })
-    .await;
-    for i in 4..12 {
+    wait_for("the first successor", || preconnects() >= 1).await;
+    // The fifth retires the first connection and starts on its successor.
+    for i in 4..7 {
         assert_eq!(get(gw.addr, &format!("/r{i}")).await.status(), 200);
     }
+    assert_eq!(
+        stat(&gw, |s| s.retired_max_requests.load(Ordering::Relaxed)),
+        1
+    );
+    assert_eq!(get(gw.addr, "/r7").await.status(), 200);
+    wait_for("the second successor", || preconnects() >= 2).await;
+    assert_eq!(get(gw.addr, "/r8").await.status(), 200);
+    assert_eq!(
+        stat(&gw, |s| s.retired_max_requests.load(Ordering::Relaxed)),
+        2
+    );
     assert_eq!(
         stat(&gw, |s| s.connects_on_request.load(Ordering::Relaxed)),
         1,
         "only the first connection was opened on a request's path"
     );
-    assert!(stat(&gw, |s| s.retired_max_requests.load(Ordering::Relaxed)) >= 2);
-    assert!(seen.conns.load(Ordering::SeqCst) >= 3);
-    assert_eq!(seen.processed.lock().unwrap().len(), 12);
+    assert_eq!(seen.conns.load(Ordering::SeqCst), 3);
+    assert_eq!(seen.processed.lock().unwrap().len(), 9);
+}
+
+/// `max_connection_lifetime` on HTTP/2: an expired connection gets a successor in the
+/// background, and requests move to it without any of them paying for a connect.
+#[tokio::test]
+async fn h2_lifetime_rotation_moves_requests_to_the_successor() {
+    let (up, seen) = h2c_upstream(Gate::new(0), 0, 100).await;
+    let gw = gateway(
+        up,
+        "max_connection_lifetime = \"500ms\"\nidle_timeout = \"100ms\"",
+    );
+    assert_eq!(get(gw.addr, "/1").await.status(), 200);
+    // The keeper's tick finds it expired and opens the successor.
+    wait_for("the successor", || {
+        stat(&gw, |s| s.preconnects.load(Ordering::Relaxed)) >= 1
+    })
+    .await;
+    assert_eq!(get(gw.addr, "/2").await.status(), 200);
+    assert_eq!(stat(&gw, |s| s.retired_lifetime.load(Ordering::Relaxed)), 1);
+    assert_eq!(
+        stat(&gw, |s| s.connects_on_request.load(Ordering::Relaxed)),
+        1
+    );
+    assert_eq!(stat(&gw, |s| s.preconnects.load(Ordering::Relaxed)), 1);
+    assert_eq!(seen.conns.load(Ordering::SeqCst), 2);
 }
 
 /// Warm HTTP/2 connections are opened at start; the first requests share one of them.
