@@ -7,16 +7,19 @@
 use std::error::Error as _;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use futures_util::task::AtomicWaker;
 use http::uri::{PathAndQuery, Scheme};
 use http::{Request, Response, Uri, Version, header};
 use hyper::body::Incoming;
 use hyper::client::conn::{TrySendError, http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::multiplex::StreamSlot;
 use super::pool::EndpointPool;
@@ -185,7 +188,9 @@ where
 /// The HTTP/2 handshake (client preface and SETTINGS) over any transport; the connection
 /// runs on its own task, and keeps running for the streams in flight after the last sender
 /// is dropped. Also returns the server's `SETTINGS_MAX_CONCURRENT_STREAMS` as last seen by
-/// that task (it is known only to the connection, so the task publishes it on every poll).
+/// that task (it is known only to the connection, so the task publishes it on every poll;
+/// the first reads from the server wake it, so the limit in the server's first SETTINGS is
+/// published when it arrives rather than at the next request).
 ///
 /// `endpoint_limit` is the limit the endpoint's other connections last saw (0: none yet):
 /// a new connection assumes it until the server's SETTINGS arrive, rather than hyper's
@@ -215,6 +220,12 @@ where
             .keep_alive_timeout(timeout)
             .keep_alive_while_idle(true);
     }
+    let kick = Arc::new(AtomicWaker::new());
+    let io = KickOnRead {
+        io,
+        kick: kick.clone(),
+        left: KICKED_READS,
+    };
     let (sender, conn) = builder
         .handshake(TokioIo::new(io))
         .await
@@ -224,6 +235,7 @@ where
     let mut conn = Box::pin(conn);
     tokio::spawn(async move {
         let ended = std::future::poll_fn(|cx| {
+            kick.register(cx.waker());
             let r = conn.as_mut().poll(cx);
             let limit = conn.current_max_send_streams();
             published.store(limit, Ordering::Relaxed);
@@ -236,6 +248,63 @@ where
         }
     });
     Ok((sender, max_streams))
+}
+
+/// Reads from an HTTP/2 server that wake the connection's dispatch task: enough to cover the
+/// server's first SETTINGS, few enough to cost nothing per request afterwards.
+const KICKED_READS: u8 = 4;
+
+/// A transport that wakes `kick` on its first `left` reads.
+struct KickOnRead<I> {
+    io: I,
+    kick: Arc<AtomicWaker>,
+    left: u8,
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for KickOnRead<I> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = &mut *self;
+        let r = Pin::new(&mut this.io).poll_read(cx, buf);
+        if this.left > 0 && matches!(r, Poll::Ready(Ok(()))) {
+            this.left -= 1;
+            this.kick.wake();
+        }
+        r
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for KickOnRead<I> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
 }
 
 #[cfg(test)]
