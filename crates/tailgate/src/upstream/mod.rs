@@ -1,8 +1,11 @@
 //! Step 5 of the pipeline: pick an endpoint of the route's cluster and get a connection to
-//! it — a warm pooled one when there is one.
+//! it — a warm pooled one when there is one: an idle HTTP/1.1 connection (`pool.rs`) or a
+//! stream on a shared HTTP/2 one (`multiplex.rs`), handed to the pipeline as a [`Conn`]
+//! (`conn.rs`); `https://` endpoints add TLS (`tls.rs`).
 //!
 //! Pools are per data-plane worker (each worker is one thread with its own runtime), so a
-//! checkout takes only an uncontended per-endpoint lock and never crosses threads.
+//! checkout takes only an uncontended per-endpoint lock and never crosses threads. The one
+//! thing workers share is a cluster's TLS session cache, touched once per TLS connect.
 //!
 //! A cluster's endpoint list can change while requests run (host-name endpoints, [`dns`]):
 //! it sits behind an `ArcSwap`, so a request loads it without a lock, and an update keeps the
