@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::tls;
 use common::*;
 use hickory_proto::op::Message;
 use hickory_proto::rr::rdata::A;
@@ -316,4 +317,24 @@ async fn connect_failure_re_resolves_early() {
     .await;
     assert_eq!(get(gw.addr, "/").await.status(), 200);
     assert_eq!(b_hits.load(Ordering::SeqCst), 1);
+}
+
+/// An `https://` host-name endpoint: the name is the SNI and what the certificate is verified
+/// against (the resolved address is not).
+#[tokio::test]
+async fn https_host_name_endpoint_is_verified_against_its_name() {
+    let pki = tls::Pki::new();
+    let (up, seen) = tls::tls_ok_upstream(&pki, tls::ServerOpts::default()).await;
+    let dns = DnsServer::start(Ipv4Addr::LOCALHOST).await;
+    let gw = TestGateway::start(&format!(
+        "[dns]\nnameservers = [\"{}\"]\nquery_timeout = \"2s\"\nstartup_timeout = \"3s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"https://svc.test:{}\"]\ntls_ca = \"{}\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
+        dns.addr,
+        up.port(),
+        pki.path("ca.pem")
+    ));
+    let resp = get(gw.addr, "/").await;
+    assert_eq!(resp.status(), 200);
+    let hs = seen.handshakes.lock().unwrap().clone();
+    assert_eq!(hs.len(), 1);
+    assert_eq!(hs[0].sni.as_deref(), Some("svc.test"));
 }

@@ -454,9 +454,23 @@ fn config_errors_name_the_place_and_the_fix() {
 
     let e = t("endpoints = [\"ftp://127.0.0.1:1\"]");
     assert!(
-        e.contains("cluster[0].endpoints[0]: `ftp://127.0.0.1:1` is not an endpoint address"),
+        e.contains("cluster[0].endpoints[0]: `ftp://127.0.0.1:1` is not an address"),
         "{e}"
     );
+
+    // Resolved addresses cannot say which name they came from: one name to verify.
+    let e = t(&format!(
+        "endpoints = [\"https://a.test:1\", \"https://b.test:1\"]\ntls_ca = \"{ca}\""
+    ));
+    assert!(
+        e.contains(":5:13: cluster[0].endpoints: https:// endpoints of different host names"),
+        "{e}"
+    );
+    assert!(e.contains("help: set tls_server_name"), "{e}");
+    let ok = t(&format!(
+        "endpoints = [\"https://a.test:1\", \"https://b.test:1\"]\ntls_ca = \"{ca}\"\ntls_server_name = \"api.test\""
+    ));
+    assert_eq!(ok, "");
 
     // Relative paths are relative to the config file; a good config has no errors.
     let ok = t(

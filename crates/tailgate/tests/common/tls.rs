@@ -17,7 +17,7 @@ use tokio::net::TcpListener;
 use super::full;
 
 /// Test certificates written to a fresh directory: a CA (`ca.pem`), a server certificate it
-/// signed for `127.0.0.1` and `upstream.test` (`server.pem`, `server.key`), a second CA that
+/// signed for `127.0.0.1`, `::1`, `upstream.test` and `svc.test` (`server.pem`, `server.key`), a second CA that
 /// signed nothing the server has (`other-ca.pem`), a server certificate for a DNS name only
 /// (`dns-only.pem`, `dns-only.key`), and a client CA with one client (`client-ca.pem`,
 /// `client.pem`, `client.key`).
@@ -53,7 +53,10 @@ impl Pki {
         let w = |name: &str, text: &str| std::fs::write(dir.join(name), text).unwrap();
         let server_ca = ca("tailgate test server CA");
         w("ca.pem", &server_ca.pem());
-        let (cert, key) = leaf(&server_ca, &["127.0.0.1", "::1", "upstream.test"]);
+        let (cert, key) = leaf(
+            &server_ca,
+            &["127.0.0.1", "::1", "upstream.test", "svc.test"],
+        );
         w("server.pem", &cert);
         w("server.key", &key);
         let (cert, key) = leaf(&server_ca, &["upstream.test"]);
