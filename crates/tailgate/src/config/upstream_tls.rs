@@ -95,6 +95,14 @@ pub(super) fn http2_keepalive(
     }
 }
 
+/// A cluster's endpoints as written: (is https, span) of each that parsed, and the host names
+/// among them.
+#[derive(Clone, Copy)]
+pub(super) struct Written<'a> {
+    pub schemes: &'a [(bool, Range<usize>)],
+    pub hostnames: &'a [HostPort],
+}
+
 /// The cluster's TLS settings: `Some` when its endpoints are `https://`. `schemes` holds
 /// (is https, span) of each endpoint that parsed.
 pub(super) fn cluster_tls(
@@ -102,11 +110,11 @@ pub(super) fn cluster_tls(
     cl: &RawCluster,
     i: usize,
     base_dir: &Path,
-    schemes: &[(bool, Range<usize>)],
-    hostnames: &[HostPort],
+    written: Written<'_>,
     protocol: Protocol,
     system: &mut Option<Arc<RootCertStore>>,
 ) -> Option<UpstreamTls> {
+    let Written { schemes, hostnames } = written;
     let https = schemes.first().is_some_and(|(t, _)| *t);
     if let Some((_, span)) = schemes.iter().find(|(t, _)| *t != https) {
         c.err(

@@ -411,8 +411,10 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             cl,
             i,
             &base_dir,
-            &schemes,
-            &hostnames,
+            upstream_tls::Written {
+                schemes: &schemes,
+                hostnames: &hostnames,
+            },
             protocol,
             &mut system_roots,
         );
