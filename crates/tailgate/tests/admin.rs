@@ -725,3 +725,37 @@ async fn hedge_and_dns_counters_are_exported() {
     assert_eq!(ex.value("tailgate_dns_lookups_total", &[]), 0.0);
     assert_eq!(ex.types["tailgate_dns_failures_total"], "counter");
 }
+
+#[tokio::test]
+async fn tls_handshakes_to_upstreams_are_exported() {
+    use common::tls::{Pki, ServerOpts, https_gateway, tls_ok_upstream};
+    let pki = Pki::new();
+    let (up, _seen) = tls_ok_upstream(&pki, ServerOpts::default()).await;
+    // `[admin]` after the cluster's own fields ends the cluster table.
+    let gw = https_gateway(
+        &pki,
+        up,
+        "max_requests_per_connection = 1\n[admin]\naddress = \"127.0.0.1:0\"\n",
+    );
+    for _ in 0..3 {
+        assert_eq!(get(gw.addr, "/").await.status(), 200);
+    }
+    let ex = scrape(admin_addr(&gw)).await;
+    let ep = up.to_string();
+    let tls = |kind: &str| {
+        ex.value(
+            "tailgate_upstream_tls_handshakes_total",
+            &[("cluster", "up"), ("endpoint", &ep), ("kind", kind)],
+        )
+    };
+    assert_eq!(tls("full"), 1.0);
+    assert_eq!(tls("resumed"), 2.0);
+    assert_eq!(tls("failed"), 0.0);
+    assert_eq!(
+        ex.value(
+            "tailgate_upstream_connections_retired_total",
+            &[("endpoint", &ep), ("reason", "max_requests")]
+        ),
+        3.0
+    );
+}

@@ -317,7 +317,11 @@ struct EndpointSums {
     reuses: u64,
     retired: [u64; 4],
     retries: u64,
+    refused_resends: u64,
     connect_failures: u64,
+    tls: [u64; 3],
+    h2_connections: u64,
+    h2_waits: u64,
     learned_limit: u64,
     ejections: u64,
     ejected: bool,
@@ -337,7 +341,13 @@ impl EndpointSums {
         self.retired[2] += l(&s.retired_idle);
         self.retired[3] += l(&s.closed_by_server);
         self.retries += l(&s.retries);
+        self.refused_resends += l(&s.refused_resends);
         self.connect_failures += l(&s.connect_failures);
+        self.tls[0] += l(&s.tls_full_handshakes);
+        self.tls[1] += l(&s.tls_resumed_handshakes);
+        self.tls[2] += l(&s.tls_handshake_failures);
+        self.h2_connections += l(&s.h2_connections);
+        self.h2_waits += l(&s.h2_waits_for_connect);
         self.learned_limit = self
             .learned_limit
             .max(u64::from(s.learned_limit.load(Ordering::Relaxed)));
@@ -378,7 +388,25 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
         )
     };
     type Get = fn(&EndpointSums) -> u64;
-    let families: [(&str, Kind, &str, Get); 6] = [
+    let families: [(&str, Kind, &str, Get); 9] = [
+        (
+            "tailgate_upstream_refused_resends",
+            Kind::Counter,
+            "Requests the server refused before processing them (HTTP/2 REFUSED_STREAM or past a GOAWAY), sent again on a new connection.",
+            |e| e.refused_resends,
+        ),
+        (
+            "tailgate_upstream_h2_connections",
+            Kind::Counter,
+            "HTTP/2 connections opened.",
+            |e| e.h2_connections,
+        ),
+        (
+            "tailgate_upstream_h2_waits_for_connect",
+            Kind::Counter,
+            "Requests that waited for an HTTP/2 connection another request was opening instead of opening one more.",
+            |e| e.h2_waits,
+        ),
         (
             "tailgate_upstream_connection_reuses",
             Kind::Counter,
@@ -470,6 +498,20 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
             }
         }
         w.maybe_flush().await?;
+    }
+    w.family(
+        "tailgate_upstream_tls_handshakes",
+        Kind::Counter,
+        "TLS handshakes to upstreams: full, resumed (session ticket or id), failed.",
+    );
+    for (c, eps, _) in &clusters {
+        for e in eps {
+            let l = label(c, e);
+            for (i, kind) in ["full", "resumed", "failed"].iter().enumerate() {
+                let k = format!("kind=\"{kind}\"");
+                w.counter("tailgate_upstream_tls_handshakes", &[&l, &k], e.tls[i]);
+            }
+        }
     }
     w.family(
         "tailgate_upstream_ejected",
