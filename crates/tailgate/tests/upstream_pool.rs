@@ -176,6 +176,51 @@ async fn closing_every_80_never_makes_a_request_wait_for_a_connect() {
     assert!(g.pool_stat(|s| s.closed_by_server.load(Ordering::Relaxed)) >= 2);
 }
 
+/// Concurrent bursts against a server that closes every 10th response: the pool grows to
+/// the burst's size once, and every connection rotated or closed after that is replaced in
+/// the background, so later bursts never wait for a connect.
+#[tokio::test]
+async fn rotation_under_concurrency_keeps_the_pool_at_its_size() {
+    let up = raw_upstream(|i, _| {
+        if i % 10 == 0 {
+            Act::AnswerAndClose
+        } else {
+            Act::Answer
+        }
+    })
+    .await;
+    let gw = gateway(up.addr, "min_warm_connections = 2");
+    let g = gw.gw.as_ref().unwrap();
+    const BURST: usize = 6;
+    let mut clients = Vec::new();
+    for _ in 0..BURST {
+        clients.push(h1_client(gw.addr).await);
+    }
+    let mut on_request_after_warmup = 0;
+    for round in 0..30 {
+        let before = g.pool_stat(|s| s.connects_on_request.load(Ordering::Relaxed));
+        let burst = clients.iter_mut().enumerate().map(|(i, c)| {
+            let path = format!("/r{round}-{i}");
+            async move { get_on(c, &path).await }
+        });
+        for status in futures_util::future::join_all(burst).await {
+            assert_eq!(status, 200);
+        }
+        let after = g.pool_stat(|s| s.connects_on_request.load(Ordering::Relaxed));
+        // Rounds 0–1 grow the pool to the burst size (and learn the limit).
+        if round >= 2 {
+            on_request_after_warmup += after - before;
+        }
+        // Time for the keeper to open the replacements it owes.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        on_request_after_warmup, 0,
+        "a burst waited for a connect after warm-up"
+    );
+    assert!(g.pool_stat(|s| s.retired_max_requests.load(Ordering::Relaxed)) >= 10);
+}
+
 #[tokio::test]
 async fn warm_connections_open_at_start() {
     let up = raw_upstream(|_, _| Act::Answer).await;

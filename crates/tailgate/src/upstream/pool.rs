@@ -112,6 +112,8 @@ pub struct EndpointPool {
     refill: Notify,
     /// Uses at the last server close, to learn its limit.
     last_close_uses: AtomicU32,
+    /// Replacements the keeper owes for busy connections that ended (see `owe_replacement`).
+    owed: AtomicU32,
     /// Removed from its cluster (DNS): keeps no idle connections, opens no spares.
     retired: AtomicBool,
 }
@@ -145,6 +147,7 @@ impl EndpointPool {
             tls: cluster.tls.as_ref().map(|t| EndpointTls::new(t, addr)),
             refill: Notify::new(),
             last_close_uses: AtomicU32::new(0),
+            owed: AtomicU32::new(0),
             retired: AtomicBool::new(false),
         }
     }
@@ -198,7 +201,7 @@ impl EndpointPool {
             if self.last_close_uses.swap(uses, Ordering::Relaxed) == uses {
                 self.stats.learned_limit.store(uses, Ordering::Relaxed);
             }
-            self.refill.notify_one();
+            self.owe_replacement();
             return;
         }
         let cap = self.request_cap();
@@ -206,7 +209,7 @@ impl EndpointPool {
             self.stats
                 .retired_max_requests
                 .fetch_add(1, Ordering::Relaxed);
-            self.refill.notify_one();
+            self.owe_replacement();
             return;
         }
         if self
@@ -214,7 +217,7 @@ impl EndpointPool {
             .is_some_and(|l| conn.created.elapsed() >= l)
         {
             self.stats.retired_lifetime.fetch_add(1, Ordering::Relaxed);
-            self.refill.notify_one();
+            self.owe_replacement();
             return;
         }
         self.put(Idle {
@@ -223,6 +226,27 @@ impl EndpointPool {
             created: conn.created,
             uses,
         });
+    }
+
+    /// A busy connection ended (rotated, or closed by the server): with warm spares on, the
+    /// keeper opens one in its place, so rotation never shrinks the pool below the size its
+    /// traffic grew it to (only idle expiry does) and a burst still finds warm connections.
+    fn owe_replacement(&self) {
+        if self.min_warm > 0 {
+            let _ = self
+                .owed
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                    (n < self.max_idle as u32).then_some(n + 1)
+                });
+        }
+        self.refill.notify_one();
+    }
+
+    /// Takes one owed replacement, if any.
+    fn take_owed(&self) -> bool {
+        self.owed
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok()
     }
 
     fn put(&self, idle: Idle) {
@@ -487,7 +511,8 @@ impl EndpointPool {
             if self.retired.load(Ordering::Relaxed) {
                 return;
             }
-            while self.warm_missing() && !self.retired.load(Ordering::Relaxed) {
+            while (self.warm_missing() || self.take_owed()) && !self.retired.load(Ordering::Relaxed)
+            {
                 match self.open(false).await {
                     Ok(Opened::H1(sender)) => {
                         self.stats.preconnects.fetch_add(1, Ordering::Relaxed);
