@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, as the README states it: installs what the tests need (Debian
-# packages, when run as root and missing), then formatting, lints, and every test.
+# packages, when run as root and missing), then formatting, lints, docs, and every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,4 +22,5 @@ fi
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
 cargo test --workspace --locked

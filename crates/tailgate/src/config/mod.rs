@@ -1,5 +1,5 @@
 //! The TOML config: the file's shape ([`file`]), its validation into a checked [`Config`]
-//! with `file:line:col` errors ([`validate`]), and duration/size parsing.
+//! with `file:line:col` errors (`validate`), and duration/size parsing.
 //!
 //! Loading never panics on input: every problem becomes a [`ConfigError`] that names the
 //! place, the field, what is wrong and what to write instead.

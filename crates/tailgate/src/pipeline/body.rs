@@ -2,7 +2,7 @@
 //! [`ReqBody`] carries the client's body upstream under the size limit (keeping a bounded
 //! [`ReplayCopy`] on routes whose requests may be replayed); [`RespBody`] carries
 //! the upstream's body back, enforces the route's total deadline, returns the upstream
-//! connection to its pool at end of stream, and finishes the [`Exchange`] record.
+//! connection to its pool at end of stream, and finishes the [`Exchange`](crate::observe::Exchange) record.
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
