@@ -759,3 +759,33 @@ async fn tls_handshakes_to_upstreams_are_exported() {
         3.0
     );
 }
+
+#[tokio::test]
+async fn a_route_without_a_tenant_counts_each_tenant_apart() {
+    let up = ok_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "{ADMIN}[[tenant]]\nname = \"acme\"\nhosts = [\"acme.test\"]\n[[tenant]]\nname = \"beta\"\nhosts = [\"*.beta.test\"]\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\nname = \"shared\"\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    for (host, n) in [("acme.test", 2), ("api.beta.test", 3), ("nobody.test", 1)] {
+        for _ in 0..n {
+            assert_eq!(send(gw.addr, "GET", "/x", host, "").await, 200);
+        }
+    }
+    let ex = scrape(admin_addr(&gw)).await;
+    let count = |tenant: &str| {
+        ex.value(
+            "tailgate_requests_total",
+            &[
+                ("tenant", tenant),
+                ("route", "shared"),
+                ("status_class", "2xx"),
+            ],
+        )
+    };
+    assert_eq!(count("acme"), 2.0);
+    assert_eq!(count("beta"), 3.0);
+    assert_eq!(count(""), 1.0);
+    let stats: serde_json::Value =
+        serde_json::from_slice(admin_get(admin_addr(&gw), "/stats", &[]).await.body()).unwrap();
+    assert_eq!(stats["routes"][0]["requests"], 6);
+}

@@ -386,11 +386,12 @@ fn stats(state: &AdminState) -> serde_json::Value {
         .map(|(ri, r)| {
             let (mut requests, mut errors, mut bytes_in, mut bytes_out) = (0, 0, 0, 0);
             for w in &state.workers {
-                let s = &w.metrics.slots()[ri];
-                requests += s.requests.iter().map(l).sum::<u64>();
-                errors += s.errors.iter().map(l).sum::<u64>();
-                bytes_in += l(&s.bytes_in);
-                bytes_out += l(&s.bytes_out);
+                for s in &w.metrics.slots()[state.plan.route_slot_range(ri)] {
+                    requests += s.requests.iter().map(l).sum::<u64>();
+                    errors += s.errors.iter().map(l).sum::<u64>();
+                    bytes_in += l(&s.bytes_in);
+                    bytes_out += l(&s.bytes_out);
+                }
             }
             json!({
                 "name": r.name,

@@ -166,7 +166,11 @@ async fn run(
     };
     if let Some(ex) = rec.exchange_mut() {
         ex.route = Some(route.id);
-        ex.tenant = route.tenant.or(conn.tenant);
+        // A route without a tenant serves whichever tenant the Host (or connection) names.
+        ex.tenant = route
+            .tenant
+            .or_else(|| shared.routes.tenant_of_host(host))
+            .or(conn.tenant);
         ex.timings.route = started.elapsed();
     }
 
@@ -325,7 +329,7 @@ async fn forward(
         body.counting(BytesIn {
             metrics: worker.metrics.clone(),
             route: Some(route.id),
-            tenant: route.tenant.or(conn.tenant),
+            tenant: rec.exchange_mut().and_then(|ex| ex.tenant),
         })
     };
     let upstream_req = Request::from_parts(parts, body);

@@ -120,9 +120,14 @@ impl RouteSlot {
 /// What a config version's metrics look like: the label text of every slot, escaped once.
 #[derive(Debug)]
 pub struct MetricsPlan {
-    /// `tenant="…",route="…"` per slot: routes first, then one per tenant for unrouted
-    /// requests, then one for requests with neither.
+    /// `tenant="…",route="…"` per slot: the routes' slots first (one for a route with a
+    /// tenant; one per tenant plus one for none for a route without), then one per tenant
+    /// for unrouted requests, then one for requests with neither.
     pub slot_labels: Vec<String>,
+    /// Per route: its first slot, and whether it has one slot per tenant.
+    route_slots: Vec<(usize, bool)>,
+    /// Where the unrouted slots start.
+    unrouted: usize,
     pub routes: usize,
     pub tenants: usize,
     pub consumer_header: Option<http::HeaderName>,
@@ -137,23 +142,35 @@ impl MetricsPlan {
             t.and_then(|t| config.tenants.get(t))
                 .map_or(String::new(), |t| escape_label(&t.name))
         };
-        let mut slot_labels: Vec<String> = config
-            .routes
-            .iter()
-            .map(|r| {
-                format!(
-                    "tenant=\"{}\",route=\"{}\"",
-                    tenant_name(r.tenant),
-                    escape_label(&r.name)
-                )
-            })
-            .collect();
+        let mut slot_labels = Vec::new();
+        let mut route_slots = Vec::new();
+        for r in &config.routes {
+            let name = escape_label(&r.name);
+            match r.tenant {
+                Some(t) => {
+                    route_slots.push((slot_labels.len(), false));
+                    slot_labels.push(format!(
+                        "tenant=\"{}\",route=\"{name}\"",
+                        tenant_name(Some(t))
+                    ));
+                }
+                None => {
+                    route_slots.push((slot_labels.len(), true));
+                    for t in (0..config.tenants.len()).map(Some).chain([None]) {
+                        slot_labels.push(format!("tenant=\"{}\",route=\"{name}\"", tenant_name(t)));
+                    }
+                }
+            }
+        }
+        let unrouted = slot_labels.len();
         for t in 0..config.tenants.len() {
             slot_labels.push(format!("tenant=\"{}\",route=\"\"", tenant_name(Some(t))));
         }
         slot_labels.push("tenant=\"\",route=\"\"".to_owned());
         MetricsPlan {
             slot_labels,
+            route_slots,
+            unrouted,
             routes: config.routes.len(),
             tenants: config.tenants.len(),
             consumer_header: config.metrics.consumer_header.clone(),
@@ -163,10 +180,21 @@ impl MetricsPlan {
     }
 
     fn slot_index(&self, route: Option<usize>, tenant: Option<usize>) -> usize {
-        match (route, tenant) {
-            (Some(r), _) if r < self.routes => r,
-            (_, Some(t)) if t < self.tenants => self.routes + t,
-            _ => self.routes + self.tenants,
+        let tenant = tenant.filter(|&t| t < self.tenants);
+        match (route.and_then(|r| self.route_slots.get(r)), tenant) {
+            (Some(&(start, false)), _) => start,
+            (Some(&(start, true)), t) => start + t.unwrap_or(self.tenants),
+            (None, Some(t)) => self.unrouted + t,
+            (None, None) => self.unrouted + self.tenants,
+        }
+    }
+
+    /// The slots of route `r` (one, or one per tenant for a route without a tenant).
+    pub fn route_slot_range(&self, r: usize) -> std::ops::Range<usize> {
+        match self.route_slots.get(r) {
+            Some(&(start, false)) => start..start + 1,
+            Some(&(start, true)) => start..start + self.tenants + 1,
+            None => 0..0,
         }
     }
 
