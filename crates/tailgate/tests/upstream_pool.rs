@@ -27,6 +27,7 @@ fn gateway(up: std::net::SocketAddr, cluster_extra: &str) -> TestGateway {
 enum Act {
     Answer,
     AnswerAndClose,
+    FailAndClose,
     Drop,
 }
 
@@ -96,6 +97,10 @@ async fn raw_upstream(decide: fn(usize, &str) -> Act) -> RawUpstream {
                         }
                         Act::AnswerAndClose => {
                             let _ = s.write_all(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok").await;
+                            return;
+                        }
+                        Act::FailAndClose => {
+                            let _ = s.write_all(b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 2\r\n\r\nno").await;
                             return;
                         }
                         Act::Drop => return,
@@ -219,6 +224,42 @@ async fn rotation_under_concurrency_keeps_the_pool_at_its_size() {
         "a burst waited for a connect after warm-up"
     );
     assert!(g.pool_stat(|s| s.retired_max_requests.load(Ordering::Relaxed)) >= 10);
+}
+
+/// Regression (review finding): errors answered with `Connection: close` at the same
+/// request count must not teach a per-connection limit (it would cut every later
+/// connection to one or two requests). Only closes after successes teach one.
+#[tokio::test]
+async fn closes_after_errors_teach_no_limit() {
+    let up = raw_upstream(|_, line| {
+        if line.contains("/fail") {
+            Act::FailAndClose
+        } else {
+            Act::Answer
+        }
+    })
+    .await;
+    let gw = gateway(up.addr, "");
+    let g = gw.gw.as_ref().unwrap();
+    let mut c = h1_client(gw.addr).await;
+    for round in 0..4 {
+        assert_eq!(get_on(&mut c, &format!("/a{round}")).await, 200);
+        assert_eq!(get_on(&mut c, &format!("/fail{round}")).await, 503);
+    }
+    assert_eq!(
+        g.pool_stat(|s| s.learned_limit.load(Ordering::Relaxed) as u64),
+        0,
+        "no limit learned from error closes"
+    );
+    let before = up.conns.load(Ordering::SeqCst);
+    for i in 0..30 {
+        assert_eq!(get_on(&mut c, &format!("/ok{i}")).await, 200);
+    }
+    assert_eq!(
+        up.conns.load(Ordering::SeqCst) - before,
+        1,
+        "healthy requests share one connection again"
+    );
 }
 
 #[tokio::test]

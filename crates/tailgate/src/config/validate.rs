@@ -468,6 +468,9 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             protocol,
             http2_keepalive_interval,
         });
+        if let Some(last) = clusters.last() {
+            pool_limits(c, cl, i, last);
+        }
     }
 
     // [[route]]
@@ -585,6 +588,41 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         routes,
         admin,
         metrics,
+    }
+}
+
+/// Pool settings that would make the warm keeper open connections in a loop, or rotate
+/// connections faster than they can be opened.
+fn pool_limits(c: &mut Checker<'_>, raw: &super::file::RawCluster, i: usize, cl: &Cluster) {
+    let at = Some(raw.name.span());
+    if cl.min_warm_connections > 0 && cl.min_warm_connections > cl.max_idle_per_endpoint {
+        c.err(
+            at.clone(),
+            format!("cluster[{i}].min_warm_connections"),
+            format!(
+                "{} warm connections cannot be kept with max_idle_per_endpoint = {}",
+                cl.min_warm_connections, cl.max_idle_per_endpoint
+            ),
+            Some("keep min_warm_connections at or below max_idle_per_endpoint"),
+        );
+    }
+    if cl.min_warm_connections > 0 && cl.idle_timeout.is_zero() {
+        c.err(
+            at.clone(),
+            format!("cluster[{i}].idle_timeout"),
+            "warm connections with an idle timeout of 0 would expire as soon as they open".into(),
+            Some("write an idle timeout such as \"4s\", or remove min_warm_connections"),
+        );
+    }
+    if let (Some(life), Some(v)) = (cl.max_connection_lifetime, &raw.max_connection_lifetime)
+        && life < Duration::from_millis(100)
+    {
+        c.err(
+            Some(v.span()),
+            format!("cluster[{i}].max_connection_lifetime"),
+            format!("a lifetime of {life:?} would rotate connections as fast as they open"),
+            Some("write at least \"100ms\"; minutes (\"5m\") are usual"),
+        );
     }
 }
 
@@ -718,6 +756,21 @@ mod tests {
         assert_eq!(line_col(t, 0), (1, 1));
         assert_eq!(line_col(t, 6), (2, 1));
         assert_eq!(line_col(t, 9), (2, 4));
+    }
+
+    #[test]
+    fn pool_settings_that_would_loop_are_refused() {
+        let text = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\nmin_warm_connections = 4\nmax_idle_per_endpoint = 2\nmax_connection_lifetime = \"0s\"\n";
+        let errs = parse_and_validate(Path::new("t.toml"), text)
+            .expect_err("looping pool")
+            .to_string();
+        assert!(errs.contains("cluster[0].min_warm_connections: 4 warm connections cannot be kept with max_idle_per_endpoint = 2"), "{errs}");
+        assert!(
+            errs.contains(
+                "t.toml:8:27: cluster[0].max_connection_lifetime: a lifetime of 0ns would rotate"
+            ),
+            "{errs}"
+        );
     }
 
     #[test]

@@ -27,6 +27,10 @@ pub enum ProxyError {
     UpstreamTimeout,
     #[error("cluster has no endpoints")]
     NoEndpoints,
+    #[error(
+        "a protocol upgrade (WebSocket) needs an HTTP/1.1 upstream; this cluster speaks HTTP/2"
+    )]
+    UpgradeNeedsHttp1,
 }
 
 impl ProxyError {
@@ -39,7 +43,8 @@ impl ProxyError {
             ProxyError::UpstreamConnect(_)
             | ProxyError::UpstreamTls(_)
             | ProxyError::UpstreamReset(_)
-            | ProxyError::NoEndpoints => StatusCode::BAD_GATEWAY,
+            | ProxyError::NoEndpoints
+            | ProxyError::UpgradeNeedsHttp1 => StatusCode::BAD_GATEWAY,
             ProxyError::ConnectTimeout | ProxyError::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
         }
     }
@@ -57,6 +62,7 @@ impl ProxyError {
             ProxyError::UpstreamReset(_) => "upstream_reset",
             ProxyError::UpstreamTimeout => "upstream_timeout",
             ProxyError::NoEndpoints => "no_endpoints",
+            ProxyError::UpgradeNeedsHttp1 => "upgrade_needs_http1",
         }
     }
 

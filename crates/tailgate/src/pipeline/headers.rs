@@ -199,3 +199,16 @@ mod tests {
         assert_ne!(ids.keep_or_new(Some(&bad)), bad);
     }
 }
+
+/// Does a `TE` header list `trailers`?
+pub fn te_has_trailers(h: &http::HeaderMap) -> bool {
+    h.get_all(http::header::TE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| {
+            t.split(';')
+                .next()
+                .is_some_and(|t| t.trim().eq_ignore_ascii_case("trailers"))
+        })
+}

@@ -230,7 +230,15 @@ async fn forward(
         }
         _ => parts.headers.get(header::HOST).cloned(),
     };
+    // `TE: trailers` is kept for HTTP/2 upstreams (gRPC servers require it); the
+    // connection drops it for HTTP/1.1 ones, where TE is hop-by-hop.
+    let te_trailers = headers::te_has_trailers(&parts.headers);
     headers::remove_hop_by_hop(&mut parts.headers, upgrade);
+    if te_trailers {
+        parts
+            .headers
+            .insert(header::TE, HeaderValue::from_static("trailers"));
+    }
     // 100-continue is answered to the client here (when the body is first read), so the
     // expectation is not forwarded.
     parts.headers.remove(header::EXPECT);
@@ -283,6 +291,12 @@ async fn forward(
             return Err(e);
         }
     };
+    // An upgrade (WebSocket) cannot cross an HTTP/2 connection: refuse it clearly rather
+    // than send a plain request the client did not ask for.
+    if upgrade && up.is_h2() {
+        in_flight.abandoned();
+        return Err(ProxyError::UpgradeNeedsHttp1);
+    }
     let connect_time = t_connect.elapsed();
     if let Some(ex) = rec.exchange_mut() {
         ex.timings.upstream_connect = connect_time;
@@ -297,14 +311,15 @@ async fn forward(
     // sent again. Keep what is needed to rebuild it.
     let may_replay = up.reused && (route.idempotent || is_idempotent(&parts.method));
     let bodiless = http_body::Body::is_end_stream(&body);
-    let replay =
-        ((may_replay && (route.idempotent || bodiless)) || (bodiless && up.is_h2())).then(|| {
-            (
-                parts.method.clone(),
-                parts.uri.clone(),
-                parts.headers.clone(),
-            )
-        });
+    // On HTTP/2 every request keeps one: a stream the server refused was never processed,
+    // so even a POST with a body is sent again (from the bounded copy).
+    let replay = ((may_replay && (route.idempotent || bodiless)) || up.is_h2()).then(|| {
+        (
+            parts.method.clone(),
+            parts.uri.clone(),
+            parts.headers.clone(),
+        )
+    });
     // Opt-in per route: a second copy to another endpoint if the head is slow to come.
     let hedge = hedge::Hedge::plan(
         route.hedge_delay,
@@ -428,6 +443,7 @@ async fn forward(
     };
     // The server will close this connection after the response: do not pool it.
     up.closing = headers::connection_has(resp.headers(), "close");
+    up.response_ok = resp.status().is_success() || resp.status().is_redirection();
     if let Some(l) = worker.upstreams.latency(route.id) {
         l.record(t_send.elapsed());
     }

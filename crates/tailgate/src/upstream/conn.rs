@@ -64,6 +64,9 @@ pub struct Conn {
     pub(super) uses: u32,
     /// The response said `Connection: close`: the server ends it after this exchange.
     pub closing: bool,
+    /// The response was a success (2xx/3xx): a close after it can teach the server's
+    /// requests-per-connection limit (a close after an error cannot).
+    pub response_ok: bool,
     /// HTTP/2: this exchange's stream on the shared connection, freed when it ends.
     pub(super) _slot: Option<StreamSlot>,
 }
@@ -134,6 +137,8 @@ fn adapt(mut req: Request<ReqBody>, h2: bool, https: bool, addr: SocketAddr) -> 
         }
     } else {
         *req.version_mut() = Version::HTTP_11;
+        // Hop-by-hop for HTTP/1.1 (kept in the request only for HTTP/2 upstreams).
+        req.headers_mut().remove(header::TE);
         if let Some(a) = req.uri().authority().cloned() {
             if !req.headers().contains_key(header::HOST)
                 && let Ok(v) = http::HeaderValue::from_str(a.as_str())

@@ -37,6 +37,12 @@ use crate::config::Cluster;
 use crate::pipeline::body::ReqBody;
 use crate::pipeline::error::ProxyError;
 
+/// Closes in a row after the same number of successful requests that teach the server's
+/// limit.
+const LEARN_AGREEMENTS: u32 = 3;
+/// How long a learned limit is trusted before it is learned again.
+const LEARNED_TTL: Duration = Duration::from_secs(600);
+
 struct Idle {
     sender: http1::SendRequest<ReqBody>,
     since: Instant,
@@ -111,7 +117,12 @@ pub struct EndpointPool {
     tls: Option<EndpointTls>,
     refill: Notify,
     /// Uses at the last server close, to learn its limit.
-    last_close_uses: AtomicU32,
+    /// Uses at the last server close after a success, how many closes in a row agreed on
+    /// it, and when a limit was learned (seconds since `epoch`).
+    close_uses: AtomicU32,
+    close_agreements: AtomicU32,
+    learned_at_s: AtomicU64,
+    epoch: Instant,
     /// Replacements the keeper owes for busy connections that ended (see `owe_replacement`).
     owed: AtomicU32,
     /// Removed from its cluster (DNS): keeps no idle connections, opens no spares.
@@ -146,7 +157,10 @@ impl EndpointPool {
             min_warm: cluster.min_warm_connections,
             tls: cluster.tls.as_ref().map(|t| EndpointTls::new(t, addr)),
             refill: Notify::new(),
-            last_close_uses: AtomicU32::new(0),
+            close_uses: AtomicU32::new(0),
+            close_agreements: AtomicU32::new(0),
+            learned_at_s: AtomicU64::new(0),
+            epoch: Instant::now(),
             owed: AtomicU32::new(0),
             retired: AtomicBool::new(false),
         }
@@ -197,15 +211,15 @@ impl EndpointPool {
         let uses = conn.uses + 1;
         if conn.closing || sender.is_closed() {
             self.stats.closed_by_server.fetch_add(1, Ordering::Relaxed);
-            // The same count twice in a row is the server's limit.
-            if self.last_close_uses.swap(uses, Ordering::Relaxed) == uses {
-                self.stats.learned_limit.store(uses, Ordering::Relaxed);
+            if conn.response_ok {
+                self.learn_from_close(uses);
             }
             self.owe_replacement();
             return;
         }
         let cap = self.request_cap();
         if cap > 0 && uses >= cap {
+            self.expire_learned_limit();
             self.stats
                 .retired_max_requests
                 .fetch_add(1, Ordering::Relaxed);
@@ -226,6 +240,38 @@ impl EndpointPool {
             created: conn.created,
             uses,
         });
+    }
+
+    /// A close after `uses` successful responses. The same count [`LEARN_AGREEMENTS`] times
+    /// in a row is the server's limit; closes after errors never count, so a burst of
+    /// failures cannot teach a limit of one or two.
+    fn learn_from_close(&self, uses: u32) {
+        let prev = self.close_uses.swap(uses, Ordering::Relaxed);
+        let agreeing = if prev == uses {
+            self.close_agreements.fetch_add(1, Ordering::Relaxed) + 1
+        } else {
+            self.close_agreements.store(1, Ordering::Relaxed);
+            1
+        };
+        if agreeing >= LEARN_AGREEMENTS {
+            self.stats.learned_limit.store(uses, Ordering::Relaxed);
+            self.learned_at_s
+                .store(self.epoch.elapsed().as_secs(), Ordering::Relaxed);
+        }
+    }
+
+    /// A learned limit is forgotten after [`LEARNED_TTL`] (checked when a connection is
+    /// rotated by it): if the server's limit was raised, tailgate learns the new one; if not,
+    /// the server's next closes teach the same one again at no cost to a request (its
+    /// closes are graceful and the connection is replaced in the background).
+    fn expire_learned_limit(&self) {
+        if self.stats.learned_limit.load(Ordering::Relaxed) > 0
+            && self.epoch.elapsed().as_secs()
+                >= self.learned_at_s.load(Ordering::Relaxed) + LEARNED_TTL.as_secs()
+        {
+            self.stats.learned_limit.store(0, Ordering::Relaxed);
+            self.close_agreements.store(0, Ordering::Relaxed);
+        }
     }
 
     /// A busy connection ended (rotated, or closed by the server): with warm spares on, the
@@ -291,6 +337,15 @@ impl EndpointPool {
                 self.stats.closed_by_server.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
+            // Aged out while idle: never send on a connection past its lifetime.
+            if self
+                .max_lifetime
+                .is_some_and(|l| idle.created.elapsed() >= l)
+            {
+                self.stats.retired_lifetime.fetch_add(1, Ordering::Relaxed);
+                self.owe_replacement();
+                continue;
+            }
             // Usually ready at once. If not, the connection task has not caught up with the
             // end of the last response, or (rarely) the last request's body is still being
             // written after an early answer: wait a bounded time, never indefinitely.
@@ -312,6 +367,7 @@ impl EndpointPool {
                     created: idle.created,
                     uses: idle.uses,
                     closing: false,
+                    response_ok: false,
                     _slot: None,
                 });
             }
@@ -342,6 +398,7 @@ impl EndpointPool {
                     created,
                     uses: 0,
                     closing: false,
+                    response_ok: false,
                     _slot: Some(slot),
                 });
             }
@@ -388,6 +445,7 @@ impl EndpointPool {
                 created: Instant::now(),
                 uses: 0,
                 closing: false,
+                response_ok: false,
                 _slot: None,
             },
             Opened::H2(sender, slot, created) => Conn {
@@ -397,6 +455,7 @@ impl EndpointPool {
                 created,
                 uses: 0,
                 closing: false,
+                response_ok: false,
                 _slot: slot,
             },
         };

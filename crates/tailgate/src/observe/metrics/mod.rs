@@ -34,7 +34,7 @@ pub const METHODS: [&str; 8] = [
 /// Status classes; `none` is an exchange that ended before any status (client gone).
 pub const CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "none"];
 /// Error kinds with their own label value (the codes of `ProxyError` and of the bodies).
-pub const ERROR_KINDS: [&str; 13] = [
+pub const ERROR_KINDS: [&str; 15] = [
     "no_route",
     "method_not_allowed",
     "bad_request",
@@ -44,6 +44,8 @@ pub const ERROR_KINDS: [&str; 13] = [
     "upstream_reset",
     "upstream_timeout",
     "no_endpoints",
+    "upstream_tls_failed",
+    "upgrade_needs_http1",
     "total_timeout",
     "upstream_body",
     "client_gone",
