@@ -165,6 +165,19 @@ fn hex(out: &mut [u8], mut v: u64) {
     }
 }
 
+/// Does a `TE` header list `trailers`?
+pub fn te_has_trailers(h: &http::HeaderMap) -> bool {
+    h.get_all(http::header::TE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| {
+            t.split(';')
+                .next()
+                .is_some_and(|t| t.trim().eq_ignore_ascii_case("trailers"))
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -198,17 +211,16 @@ mod tests {
         let bad = HeaderValue::from_static("has space");
         assert_ne!(ids.keep_or_new(Some(&bad)), bad);
     }
-}
 
-/// Does a `TE` header list `trailers`?
-pub fn te_has_trailers(h: &http::HeaderMap) -> bool {
-    h.get_all(http::header::TE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| {
-            t.split(';')
-                .next()
-                .is_some_and(|t| t.trim().eq_ignore_ascii_case("trailers"))
-        })
+    #[test]
+    fn te_trailers_is_found_among_other_codings() {
+        let mut h = http::HeaderMap::new();
+        h.insert(
+            http::header::TE,
+            HeaderValue::from_static("gzip, Trailers;q=1"),
+        );
+        assert!(te_has_trailers(&h));
+        h.insert(http::header::TE, HeaderValue::from_static("gzip"));
+        assert!(!te_has_trailers(&h));
+    }
 }
