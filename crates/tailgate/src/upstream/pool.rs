@@ -436,7 +436,16 @@ impl EndpointPool {
     }
 
     /// A new connection, bypassing the idle list (an HTTP/2 one joins the shared set).
+    ///
+    /// The connect's state (TCP, TLS and HTTP/2 handshakes: kilobytes) lives on the heap,
+    /// allocated only when a connect happens: inline, it would make every future that may
+    /// connect (a checkout, and so each request's) that large, and moving those costs a
+    /// copy of it on every request.
     pub async fn connect(self: &Arc<Self>) -> Result<Conn, ProxyError> {
+        Box::pin(self.connect_inline()).await
+    }
+
+    async fn connect_inline(self: &Arc<Self>) -> Result<Conn, ProxyError> {
         let conn = match self.open(true).await? {
             Opened::H1(s) => Conn {
                 sender: Sender::H1(s),
