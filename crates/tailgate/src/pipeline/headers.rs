@@ -4,6 +4,7 @@
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use http::header::Entry;
 use http::{HeaderMap, HeaderName, HeaderValue, header};
 
 static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
@@ -15,14 +16,16 @@ static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host"
 /// Removes hop-by-hop headers: `Connection` and every header it names, `Keep-Alive`, `TE`,
 /// `Trailer`, `Transfer-Encoding`, `Upgrade`, `Proxy-*`. When `keep_upgrade` is set (a
 /// WebSocket handshake being passed through) `Connection: upgrade` and `Upgrade` stay.
-pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+///
+/// Returns false when the message carried none of them (nothing was removed).
+pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) -> bool {
     // Most messages carry none of these: one pass over the names (cheap comparisons for
     // standard headers) spares a dozen hashed removals per message.
     if !headers.keys().any(is_hop_by_hop) {
         if keep_upgrade {
             headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         }
-        return;
+        return false;
     }
     if headers.contains_key(header::CONNECTION) {
         let named: Vec<HeaderName> = headers
@@ -52,6 +55,7 @@ pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     } else {
         headers.remove(header::UPGRADE);
     }
+    true
 }
 
 fn is_hop_by_hop(n: &HeaderName) -> bool {
@@ -66,16 +70,21 @@ fn is_hop_by_hop(n: &HeaderName) -> bool {
         || n == PROXY_CONNECTION
 }
 
+/// The client's address as header text, rendered once per connection (see [`add_forwarded`]).
+pub fn client_addr_value(client: IpAddr) -> HeaderValue {
+    // An address's text is always a valid header value.
+    HeaderValue::try_from(client.to_string()).unwrap_or_else(|_| HeaderValue::from_static(""))
+}
+
 /// Adds `Via`, and `X-Forwarded-For/-Proto/-Host` the way nginx and Envoy do: the client
-/// address appended to any existing X-Forwarded-For.
+/// address (`client`, from [`client_addr_value`]) appended to any existing X-Forwarded-For.
 pub fn add_forwarded(
     headers: &mut HeaderMap,
     version: http::Version,
-    client: IpAddr,
+    client: &HeaderValue,
     tls: bool,
     host: Option<&HeaderValue>,
 ) {
-    use std::fmt::Write;
     let via = match version {
         http::Version::HTTP_2 => "2 tailgate",
         http::Version::HTTP_10 => "1.0 tailgate",
@@ -83,15 +92,27 @@ pub fn add_forwarded(
     };
     headers.append(header::VIA, HeaderValue::from_static(via));
 
-    // One allocation, handed to the header value without a copy.
-    let mut xff = String::with_capacity(48);
-    if let Some(prev) = headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-        xff.push_str(prev);
-        xff.push_str(", ");
-    }
-    let _ = write!(xff, "{client}");
-    if let Ok(v) = HeaderValue::from_maybe_shared(bytes::Bytes::from(xff)) {
-        headers.insert(&X_FORWARDED_FOR, v);
+    // One lookup; without an earlier X-Forwarded-For (the usual case) the connection's
+    // rendered address is shared, not formatted again.
+    match headers.entry(&X_FORWARDED_FOR) {
+        Entry::Vacant(e) => {
+            e.insert(client.clone());
+        }
+        Entry::Occupied(mut e) => {
+            let v = match e.get().to_str() {
+                Ok(prev) => {
+                    // One allocation, handed to the header value without a copy.
+                    let mut xff = String::with_capacity(prev.len() + 2 + client.len());
+                    xff.push_str(prev);
+                    xff.push_str(", ");
+                    xff.push_str(client.to_str().unwrap_or_default());
+                    HeaderValue::from_maybe_shared(bytes::Bytes::from(xff))
+                        .unwrap_or_else(|_| client.clone())
+                }
+                Err(_) => client.clone(),
+            };
+            e.insert(v);
+        }
     }
     headers.insert(
         &X_FORWARDED_PROTO,
@@ -197,6 +218,31 @@ mod tests {
         remove_hop_by_hop(&mut h, false);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn forwarded_for_is_set_or_appended() {
+        let client = client_addr_value(IpAddr::from([192, 0, 2, 7]));
+        let mut h = HeaderMap::new();
+        add_forwarded(&mut h, http::Version::HTTP_11, &client, false, None);
+        assert_eq!(h["x-forwarded-for"], "192.0.2.7");
+        assert_eq!(h["x-forwarded-proto"], "http");
+        assert_eq!(h["via"], "1.1 tailgate");
+        assert!(!h.contains_key("x-forwarded-host"));
+
+        let mut h = HeaderMap::new();
+        h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
+        h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.2"));
+        let host = HeaderValue::from_static("api.test");
+        add_forwarded(&mut h, http::Version::HTTP_2, &client, true, Some(&host));
+        let xff: Vec<_> = h.get_all("x-forwarded-for").iter().collect();
+        assert_eq!(xff, ["10.0.0.1, 192.0.2.7"]);
+        assert_eq!(h["x-forwarded-proto"], "https");
+        assert_eq!(h["x-forwarded-host"], "api.test");
+        assert_eq!(h["via"], "2 tailgate");
+
+        let v6 = client_addr_value("2001:db8::1".parse().expect("address"));
+        assert_eq!(v6, "2001:db8::1");
     }
 
     #[test]

@@ -52,6 +52,8 @@ pub struct Worker {
 /// What the pipeline knows of the client connection a request came on.
 pub struct ConnInfo {
     pub client: SocketAddr,
+    /// The client's address as header text (`X-Forwarded-For`), rendered once per connection.
+    pub client_addr: HeaderValue,
     pub tls: bool,
     /// The tenant the connection was classified to at accept (listener or SNI).
     pub tenant: Option<usize>,
@@ -224,16 +226,18 @@ async fn forward(
 
     // The upstream request: origin-form URI, the client's Host, hop-by-hop headers gone.
     let (mut parts, body) = req.into_parts();
-    let host_value = match parts.uri.authority() {
+    // The Host to send, and whether the headers lack it (an absolute-form request).
+    let (host_value, host_missing) = match parts.uri.authority() {
         Some(a) if !parts.headers.contains_key(header::HOST) => {
-            HeaderValue::from_str(a.as_str()).ok()
+            (HeaderValue::from_str(a.as_str()).ok(), true)
         }
-        _ => parts.headers.get(header::HOST).cloned(),
+        _ => (parts.headers.get(header::HOST).cloned(), false),
     };
     // `TE: trailers` is kept for HTTP/2 upstreams (gRPC servers require it); the
     // connection drops it for HTTP/1.1 ones, where TE is hop-by-hop.
     let te_trailers = headers::te_has_trailers(&parts.headers);
-    headers::remove_hop_by_hop(&mut parts.headers, upgrade);
+    // A `Connection` header may name `Host`: then it is put back below.
+    let removed = headers::remove_hop_by_hop(&mut parts.headers, upgrade);
     if te_trailers {
         parts
             .headers
@@ -245,11 +249,13 @@ async fn forward(
     headers::add_forwarded(
         &mut parts.headers,
         parts.version,
-        conn.client.ip(),
+        &conn.client_addr,
         conn.tls,
         host_value.as_ref(),
     );
-    if let Some(h) = host_value {
+    if (host_missing || removed)
+        && let Some(h) = host_value
+    {
         parts.headers.insert(header::HOST, h);
     }
     parts

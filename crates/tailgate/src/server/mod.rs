@@ -101,6 +101,7 @@ fn conn_info(
 ) -> Arc<ConnInfo> {
     Arc::new(ConnInfo {
         client: peer,
+        client_addr: crate::pipeline::headers::client_addr_value(peer.ip()),
         tls,
         tenant: ctx.listener.tenant.or(sni_tenant),
         activity: Arc::new(ConnActivity::default()),
