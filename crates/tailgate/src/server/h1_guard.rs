@@ -429,9 +429,6 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                 }
                 this.buf.resize(grown, 0);
             }
-            if this.state == State::Head && this.release < this.end && this.deadline.is_none() {
-                this.deadline = Some(Box::pin(tokio::time::sleep(this.header_timeout)));
-            }
             let mut rb = ReadBuf::new(&mut this.buf[this.end..]);
             match Pin::new(&mut this.inner).poll_read(cx, &mut rb) {
                 Poll::Ready(Ok(())) => {
@@ -445,16 +442,19 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                         }
                         return Poll::Ready(Ok(()));
                     }
-                    if this.state == State::Head
-                        && this.release == this.end
-                        && this.deadline.is_none()
-                    {
-                        this.deadline = Some(Box::pin(tokio::time::sleep(this.header_timeout)));
-                    }
                     this.end += n;
                 }
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                 Poll::Pending => {
+                    // The head timer is armed only for a head still incomplete when the
+                    // socket runs dry, not for the usual head that arrives whole in one
+                    // read: from its first bytes (read in this same call, or earlier) on.
+                    if this.state == State::Head
+                        && this.release < this.end
+                        && this.deadline.is_none()
+                    {
+                        this.deadline = Some(Box::pin(tokio::time::sleep(this.header_timeout)));
+                    }
                     if let Some(d) = this.deadline.as_mut()
                         && d.as_mut().poll(cx).is_ready()
                     {
