@@ -524,17 +524,25 @@ fn is_idempotent(m: &http::Method) -> bool {
     )
 }
 
+/// What a resend on a new connection gives: the upstream's answer, or why none came.
+type Resent = Result<Result<Response<Incoming>, hyper::Error>, ProxyError>;
+
 /// Sends `req` on a new connection to `pool`, which replaces `up`, within `left`.
-async fn send_on_new(
-    pool: &Arc<crate::upstream::EndpointPool>,
-    up: &mut crate::upstream::Conn,
+///
+/// A rare path: its state lives on the heap, so that it does not make every request's
+/// future larger (and every move of it dearer).
+fn send_on_new<'a>(
+    pool: &'a Arc<crate::upstream::EndpointPool>,
+    up: &'a mut crate::upstream::Conn,
     req: Request<ReqBody>,
     left: Duration,
-) -> Result<Result<Response<Incoming>, hyper::Error>, ProxyError> {
-    *up = pool.connect().await?;
-    tokio::time::timeout(left, up.send(req))
-        .await
-        .map_err(|_| ProxyError::UpstreamTimeout)
+) -> std::pin::Pin<Box<impl std::future::Future<Output = Resent> + 'a>> {
+    Box::pin(async move {
+        *up = pool.connect().await?;
+        tokio::time::timeout(left, up.send(req))
+            .await
+            .map_err(|_| ProxyError::UpstreamTimeout)
+    })
 }
 
 /// The client-body error behind a send error, if that is what failed.

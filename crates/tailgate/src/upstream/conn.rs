@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use futures_util::future::Either;
 use futures_util::task::AtomicWaker;
 use http::uri::{PathAndQuery, Scheme};
 use http::{Request, Response, Uri, Version, header};
@@ -79,14 +80,19 @@ impl Conn {
 
     /// Sends `req`; if the connection turned out closed before it was written, the request
     /// comes back in the error so it can be sent elsewhere.
-    pub async fn try_send(
+    ///
+    /// The request is handed to the connection now, not at the first poll: the future has
+    /// room for one request (given back if the connection was closed), not for two (an
+    /// argument and hyper's future), so it is half the size and cheaper to move.
+    pub fn try_send(
         &mut self,
         req: Request<ReqBody>,
-    ) -> Result<Response<Incoming>, TrySendError<Request<ReqBody>>> {
+    ) -> impl Future<Output = Result<Response<Incoming>, TrySendError<Request<ReqBody>>>> + use<>
+    {
         let req = adapt(req, self.is_h2(), self.pool.tls_enabled(), self.pool.addr);
         match &mut self.sender {
-            Sender::H1(s) => s.try_send_request(req).await,
-            Sender::H2(s) => s.try_send_request(req).await,
+            Sender::H1(s) => Either::Left(s.try_send_request(req)),
+            Sender::H2(s) => Either::Right(s.try_send_request(req)),
         }
     }
 

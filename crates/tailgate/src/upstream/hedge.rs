@@ -206,9 +206,19 @@ pub async fn race<T, E>(
     hedge: Option<Hedge<'_>>,
     primary: impl Future<Output = Result<T, E>>,
 ) -> Raced<Result<T, E>> {
-    let Some(hedge) = hedge else {
-        return Raced::Primary(primary.await);
-    };
+    match hedge {
+        None => Raced::Primary(primary.await),
+        // The race's state (two sends, a timer, the copy's request) is kilobytes: on the
+        // heap, and only for requests that may be hedged, so that it does not make every
+        // request's future larger (and every move of it dearer).
+        Some(hedge) => Box::pin(race_hedged(hedge, primary)).await,
+    }
+}
+
+async fn race_hedged<T, E>(
+    hedge: Hedge<'_>,
+    primary: impl Future<Output = Result<T, E>>,
+) -> Raced<Result<T, E>> {
     let mut primary = std::pin::pin!(primary);
     tokio::select! {
         biased;
