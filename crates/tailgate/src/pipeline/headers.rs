@@ -159,8 +159,11 @@ impl RequestIds {
         let mut buf = [0u8; 24];
         hex(&mut buf[..16], self.prefix ^ (n >> 32).rotate_left(17));
         hex(&mut buf[16..], n & 0xffff_ffff);
-        // Only hex digits: always a valid header value.
-        HeaderValue::from_bytes(&buf).unwrap_or_else(|_| HeaderValue::from_static("0"))
+        // Only hex digits: always a valid header value. The id is cloned into the exchange
+        // record and both messages: bytes that own a shared buffer from the start are
+        // cloned by a reference count (one allocation per id, not one more at first clone).
+        HeaderValue::from_maybe_shared(bytes::Bytes::from_owner(buf))
+            .unwrap_or_else(|_| HeaderValue::from_static("0"))
     }
 
     /// The client's id when it sent a usable one (printable, at most 128 bytes), else a new one.
