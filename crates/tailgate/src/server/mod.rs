@@ -213,7 +213,10 @@ async fn drive<C, E>(
     let idle_timer = tokio::time::sleep(idle);
     let mut idle_timer = std::pin::pin!(idle_timer);
     loop {
+        // Biased: the connection first, on every wake-up (it is what wakes this task on
+        // nearly every one); no random branch order to draw per poll.
         tokio::select! {
+            biased;
             res = conn.as_mut() => {
                 if let Err(e) = res {
                     tracing::debug!(client.addr = %info.client, error = %e, "client connection ended with an error");
