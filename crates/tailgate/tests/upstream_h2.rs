@@ -411,10 +411,7 @@ async fn h2_rotation_hands_over_to_a_preopened_successor() {
 #[tokio::test]
 async fn h2_lifetime_rotation_moves_requests_to_the_successor() {
     let (up, seen) = h2c_upstream(Gate::new(0), 0, 100).await;
-    let gw = gateway(
-        up,
-        "max_connection_lifetime = \"500ms\"\nidle_timeout = \"100ms\"",
-    );
+    let gw = gateway(up, "max_connection_lifetime = \"500ms\"");
     assert_eq!(get(gw.addr, "/1").await.status(), 200);
     // The keeper's tick finds it expired and opens the successor.
     wait_for("the successor", || {
@@ -496,7 +493,7 @@ async fn silent_connection_is_found_by_ping_and_replaced() {
     let (up, seen, silence) = silencing_upstream().await;
     let gw = gateway(
         up,
-        "http2_keepalive_interval = \"200ms\"\nconnect_timeout = \"300ms\"\nidle_timeout = \"100ms\"",
+        "http2_keepalive_interval = \"200ms\"\nconnect_timeout = \"300ms\"",
     );
     assert_eq!(get(gw.addr, "/1").await.status(), 200);
     silence.notify_one();
@@ -618,4 +615,24 @@ async fn an_upgrade_to_an_http2_cluster_is_refused_clearly() {
     assert!(text.starts_with("HTTP/1.1 502"), "{text}");
     assert!(text.contains("upgrade_needs_http1"), "{text}");
     assert!(seen.processed.lock().unwrap().is_empty());
+}
+
+/// `idle_timeout` applies to HTTP/2 connections too: connections a burst opened are closed
+/// once no stream has used them for that long (beyond `min_warm_connections`).
+#[tokio::test]
+async fn idle_h2_connections_expire() {
+    let gate = Gate::new(0);
+    let (up, seen) = h2c_upstream(gate.clone(), 0, 4).await;
+    let gw = gateway(up, "idle_timeout = \"300ms\"");
+    assert_eq!(get(gw.addr, "/warm").await.status(), 200);
+    gate.arm(10);
+    assert_eq!(concurrent_gets(gw.addr, 10).await, vec![200; 10]);
+    assert_eq!(seen.conns.load(Ordering::SeqCst), 3);
+    wait_for("idle HTTP/2 connections to expire", || {
+        stat(&gw, |s| s.retired_idle.load(Ordering::Relaxed)) >= 3
+    })
+    .await;
+    // A new request opens a fresh connection.
+    assert_eq!(get(gw.addr, "/after").await.status(), 200);
+    assert_eq!(seen.conns.load(Ordering::SeqCst), 4);
 }

@@ -5,9 +5,10 @@
 //! Rotation (`max_requests_per_connection` counts streams, `max_connection_lifetime`) hands
 //! over gracefully: a connection that is due keeps taking streams until a successor is open
 //! (the keeper opens it), then takes no new ones and closes once its streams end. A
-//! connection the server closed or sent GOAWAY on is dropped from the set at once.
+//! connection the server closed or sent GOAWAY on is dropped from the set at once. One with
+//! no stream for `idle_timeout` is dropped (closed once unused) beyond the warm ones.
 
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -26,6 +27,25 @@ pub(super) struct H2Conn {
     streams: AtomicU32,
     /// Streams in flight now.
     active: AtomicU32,
+    /// When a stream last started or ended, in ms since `created` (for idle expiry).
+    last_used_ms: AtomicU64,
+}
+
+impl H2Conn {
+    fn touch(&self) {
+        self.last_used_ms
+            .store(self.created.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// How long it has had no stream (zero while one is in flight).
+    fn idle_for(&self) -> Duration {
+        if self.active.load(Ordering::Relaxed) > 0 {
+            return Duration::ZERO;
+        }
+        self.created.elapsed().saturating_sub(Duration::from_millis(
+            self.last_used_ms.load(Ordering::Relaxed),
+        ))
+    }
 }
 
 /// A stream taken on a shared connection; frees its place when the exchange ends (the
@@ -37,6 +57,7 @@ pub(super) struct StreamSlot {
 impl Drop for StreamSlot {
     fn drop(&mut self) {
         self.conn.active.fetch_sub(1, Ordering::Relaxed);
+        self.conn.touch();
     }
 }
 
@@ -74,16 +95,39 @@ impl H2Set {
         }
     }
 
-    /// Drops closed connections and, once a successor is open, the ones due for rotation.
-    /// Returns (connections not due, connections due): the keeper opens a successor when
-    /// the first is 0 and the second is not.
-    pub(super) fn tidy(&self, stats: &PoolStats) -> (usize, usize) {
+    /// Drops closed connections, connections with no stream for `idle_timeout` beyond the
+    /// `keep` warm ones, and, once a successor is open, the ones due for rotation. Returns
+    /// (connections not due, connections due): the keeper opens a successor when the first
+    /// is 0 and the second is not.
+    pub(super) fn tidy(
+        &self,
+        stats: &PoolStats,
+        idle_timeout: Duration,
+        keep: usize,
+    ) -> (usize, usize) {
         let mut list = self.conns.lock().unwrap_or_else(PoisonError::into_inner);
         let before = list.len();
         list.retain(|c| !c.sender.is_closed());
         stats
             .closed_by_server
             .fetch_add((before - list.len()) as u64, Ordering::Relaxed);
+        // Idle expiry beyond the warm ones. Requests take the first connection with room,
+        // so the idle ones are those traffic no longer needs; the first of them are kept.
+        let busy = list.iter().filter(|c| c.idle_for() < idle_timeout).count();
+        let mut idle_kept = keep.saturating_sub(busy);
+        let mut expired = 0;
+        list.retain(|c| {
+            if c.idle_for() < idle_timeout {
+                return true;
+            }
+            if idle_kept > 0 {
+                idle_kept -= 1;
+                return true;
+            }
+            expired += 1;
+            false
+        });
+        stats.retired_idle.fetch_add(expired, Ordering::Relaxed);
         let fresh = list.iter().filter(|c| self.due(c).is_none()).count();
         if fresh == 0 {
             return (0, list.len());
@@ -146,6 +190,7 @@ impl H2Set {
             max_concurrent,
             streams: AtomicU32::new(0),
             active: AtomicU32::new(0),
+            last_used_ms: AtomicU64::new(0),
         })
     }
 
@@ -167,6 +212,7 @@ impl H2Set {
 
     fn slot(c: &Arc<H2Conn>) -> (http2::SendRequest<ReqBody>, StreamSlot, Instant) {
         c.active.fetch_add(1, Ordering::Relaxed);
+        c.touch();
         c.streams.fetch_add(1, Ordering::Relaxed);
         (c.sender.clone(), StreamSlot { conn: c.clone() }, c.created)
     }

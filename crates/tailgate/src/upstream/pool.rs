@@ -385,7 +385,7 @@ impl EndpointPool {
     async fn checkout_h2(self: &Arc<Self>) -> Option<Conn> {
         let mut deadline = None;
         loop {
-            let (fresh, due) = self.h2.tidy(&self.stats);
+            let (fresh, due) = self.h2.tidy(&self.stats, self.idle_timeout, self.min_warm);
             if fresh < self.min_warm || (fresh == 0 && due > 0) {
                 self.refill.notify_one();
             }
@@ -605,12 +605,17 @@ impl EndpointPool {
                 }
             }
             // Woken on every take, retirement and close; the tick catches idle expiry.
-            let _ = tokio::time::timeout(
-                self.idle_timeout.max(Duration::from_millis(100)),
-                self.refill.notified(),
-            )
-            .await;
+            let _ = tokio::time::timeout(self.keeper_tick(), self.refill.notified()).await;
         }
+    }
+
+    /// How often the keeper looks without being woken: often enough to see idle expiry and,
+    /// for HTTP/2, a connection's lifetime running out.
+    fn keeper_tick(&self) -> Duration {
+        let lifetime = self.max_lifetime.map_or(Duration::MAX, |l| l / 2);
+        self.idle_timeout
+            .min(lifetime)
+            .max(Duration::from_millis(100))
     }
 
     /// Does the keeper need to open a connection: fewer than `min_warm` ready, or an HTTP/2
@@ -619,7 +624,7 @@ impl EndpointPool {
         let (fresh, due) = if self.protocol == Protocol::Http1 {
             (0, 0)
         } else {
-            self.h2.tidy(&self.stats)
+            self.h2.tidy(&self.stats, self.idle_timeout, self.min_warm)
         };
         let idle = if self.protocol == Protocol::Http2 {
             0
