@@ -385,7 +385,9 @@ impl EndpointPool {
     async fn checkout_h2(self: &Arc<Self>) -> Option<Conn> {
         let mut deadline = None;
         loop {
-            let (fresh, due) = self.h2.tidy(&self.stats, self.idle_timeout, self.min_warm);
+            // Idle expiry is the keeper's job (`Duration::MAX` here): a request only drops
+            // closed connections and hands over rotated ones.
+            let (fresh, due) = self.h2.tidy(&self.stats, Duration::MAX, self.min_warm);
             if fresh < self.min_warm || (fresh == 0 && due > 0) {
                 self.refill.notify_one();
             }
