@@ -139,32 +139,6 @@ fn gateway(dns: SocketAddr, port: u16, extra: &str) -> TestGateway {
     ))
 }
 
-async fn get_status(c: &mut hyper::client::conn::http1::SendRequest<TestBody>) -> http::StatusCode {
-    use http_body_util::BodyExt;
-    let r = c
-        .send_request(
-            http::Request::get("/")
-                .header("host", "a")
-                .body(full(""))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-    let status = r.status();
-    r.into_body().collect().await.unwrap();
-    status
-}
-
-async fn wait_for(what: &str, f: impl Fn() -> bool) {
-    for _ in 0..1000 {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("timed out waiting for {what}");
-}
-
 /// The A record moves from upstream A to upstream B under steady traffic: B starts getting
 /// requests, A stops, no request fails, and the counters show the refresh.
 #[tokio::test]
@@ -175,7 +149,7 @@ async fn hostname_endpoint_whose_address_changes_is_followed_without_a_failed_re
     let g = gw.gw.as_ref().unwrap();
     let mut c = h1_client(gw.addr).await;
     for i in 0..20 {
-        assert_eq!(get_status(&mut c).await, 200, "request {i}");
+        assert_eq!(get_on(&mut c, "/").await, 200, "request {i}");
     }
     assert_eq!(a_hits.load(Ordering::SeqCst), 20, "resolved at start, to A");
     assert_eq!(b_hits.load(Ordering::SeqCst), 0);
@@ -184,7 +158,7 @@ async fn hostname_endpoint_whose_address_changes_is_followed_without_a_failed_re
     let mut sent = 0;
     while b_hits.load(Ordering::SeqCst) < 20 {
         assert_eq!(
-            get_status(&mut c).await,
+            get_on(&mut c, "/").await,
             200,
             "request {sent} after the change"
         );
@@ -195,7 +169,7 @@ async fn hostname_endpoint_whose_address_changes_is_followed_without_a_failed_re
     // A was removed: no more requests reach it.
     let a_before = a_hits.load(Ordering::SeqCst);
     for _ in 0..20 {
-        assert_eq!(get_status(&mut c).await, 200);
+        assert_eq!(get_on(&mut c, "/").await, 200);
     }
     assert_eq!(
         a_hits.load(Ordering::SeqCst),
@@ -240,7 +214,7 @@ async fn resolver_failure_serves_the_last_addresses() {
     let gw = gateway(dns.addr, port, "");
     let g = gw.gw.as_ref().unwrap();
     let mut c = h1_client(gw.addr).await;
-    assert_eq!(get_status(&mut c).await, 200);
+    assert_eq!(get_on(&mut c, "/").await, 200);
     dns.stop();
     wait_for("failed lookups", || {
         g.dns_stats().failures.load(Ordering::Relaxed) >= 2
@@ -248,7 +222,7 @@ async fn resolver_failure_serves_the_last_addresses() {
     .await;
     for i in 0..20 {
         assert_eq!(
-            get_status(&mut c).await,
+            get_on(&mut c, "/").await,
             200,
             "request {i} while DNS is down"
         );

@@ -26,20 +26,6 @@ fn gateway(up: SocketAddr, cluster_extra: &str) -> TestGateway {
     ))
 }
 
-fn stat(gw: &TestGateway, f: impl Fn(&tailgate::upstream::PoolStats) -> u64) -> u64 {
-    gw.gw.as_ref().unwrap().pool_stat(f)
-}
-
-async fn wait_for(what: &str, f: impl Fn() -> bool) {
-    for _ in 0..500 {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("timed out waiting for {what}");
-}
-
 /// Holds requests at the upstream until `expect` of them are in flight at once (or 5 s
 /// pass, so a gateway that does not multiplex fails the assertion instead of hanging).
 #[derive(Clone)]

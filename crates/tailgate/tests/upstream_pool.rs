@@ -112,36 +112,6 @@ async fn raw_upstream(decide: fn(usize, &str) -> Act) -> RawUpstream {
     RawUpstream { addr, conns, lines }
 }
 
-/// Sends `GET path` on `c` and reads the whole answer; returns the status.
-async fn get_on(
-    c: &mut hyper::client::conn::http1::SendRequest<TestBody>,
-    path: &str,
-) -> http::StatusCode {
-    use http_body_util::BodyExt;
-    let r = c
-        .send_request(
-            http::Request::get(path)
-                .header("host", "a")
-                .body(full(""))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-    let status = r.status();
-    r.into_body().collect().await.unwrap();
-    status
-}
-
-async fn wait_for(what: &str, f: impl Fn() -> bool) {
-    for _ in 0..500 {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("timed out waiting for {what}");
-}
-
 /// The seed-004 scenario: the server sends `Connection: close` on every 80th response.
 /// After warm-up no request waits for a connect, none fails, and the limit is learned.
 #[tokio::test]

@@ -7,7 +7,6 @@
 mod common;
 
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use common::tls::*;
 use common::*;
@@ -21,22 +20,8 @@ fn gateway(endpoints: &str, cluster_extra: &str) -> TestGateway {
     ))
 }
 
-fn stat(gw: &TestGateway, f: impl Fn(&tailgate::upstream::PoolStats) -> u64) -> u64 {
-    gw.gw.as_ref().unwrap().pool_stat(f)
-}
-
 fn json(resp: &http::Response<bytes::Bytes>) -> serde_json::Value {
     serde_json::from_slice(resp.body()).unwrap()
-}
-
-async fn wait_for(what: &str, f: impl Fn() -> bool) {
-    for _ in 0..500 {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("timed out waiting for {what}");
 }
 
 #[tokio::test]

@@ -194,6 +194,41 @@ pub async fn get(addr: SocketAddr, path: &str) -> http::Response<Bytes> {
     http::Response::from_parts(parts, body.collect().await.unwrap().to_bytes())
 }
 
+/// Sends `GET path` (Host `a`) on `c` and reads the whole answer; returns the status.
+pub async fn get_on(
+    c: &mut hyper::client::conn::http1::SendRequest<TestBody>,
+    path: &str,
+) -> http::StatusCode {
+    let r = c
+        .send_request(
+            http::Request::get(path)
+                .header("host", "a")
+                .body(full(""))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let status = r.status();
+    r.into_body().collect().await.unwrap();
+    status
+}
+
+/// Polls `f` every 10 ms until it holds; panics after 10 s.
+pub async fn wait_for(what: &str, f: impl Fn() -> bool) {
+    for _ in 0..1000 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// One upstream pool statistic summed over every endpoint and worker.
+pub fn stat(gw: &TestGateway, f: impl Fn(&tailgate::upstream::PoolStats) -> u64) -> u64 {
+    gw.gw.as_ref().unwrap().pool_stat(f)
+}
+
 /// A port nothing listens on.
 pub fn dead_port() -> SocketAddr {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
