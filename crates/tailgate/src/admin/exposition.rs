@@ -111,26 +111,26 @@ async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> 
     }
     w.maybe_flush().await?;
 
-    w.family(
-        "tailgate_request_body_bytes",
-        Kind::Counter,
-        "Request body bytes received from clients and sent upstream.",
-    );
-    for s in 0..slots {
-        let n = sum(&|slot| slot.bytes_in.load(Ordering::Relaxed), s);
-        if n > 0 {
-            w.counter("tailgate_request_body_bytes", &[&plan.slot_labels[s]], n);
-        }
-    }
-    w.family(
-        "tailgate_response_body_bytes",
-        Kind::Counter,
-        "Response body bytes sent to clients.",
-    );
-    for s in 0..slots {
-        let n = sum(&|slot| slot.bytes_out.load(Ordering::Relaxed), s);
-        if n > 0 {
-            w.counter("tailgate_response_body_bytes", &[&plan.slot_labels[s]], n);
+    type SlotGet = fn(&crate::observe::metrics::RouteSlot) -> &std::sync::atomic::AtomicU64;
+    let bytes: [(&str, &str, SlotGet); 2] = [
+        (
+            "tailgate_request_body_bytes",
+            "Request body bytes received from clients and sent upstream.",
+            |slot| &slot.bytes_in,
+        ),
+        (
+            "tailgate_response_body_bytes",
+            "Response body bytes sent to clients.",
+            |slot| &slot.bytes_out,
+        ),
+    ];
+    for (name, help, get) in bytes {
+        w.family(name, Kind::Counter, help);
+        for s in 0..slots {
+            let n = sum(&|slot| get(slot).load(Ordering::Relaxed), s);
+            if n > 0 {
+                w.counter(name, &[&plan.slot_labels[s]], n);
+            }
         }
     }
     w.maybe_flush().await?;
