@@ -15,7 +15,7 @@ use toml::Spanned;
 
 use super::HostPort;
 use super::file::RawCluster;
-use super::validate::{Checker, resolve};
+use super::validate::Checker;
 use crate::upstream::tls::{client_config, system_roots};
 use crate::upstream::{Protocol, UpstreamTls};
 
@@ -231,16 +231,7 @@ fn certs_from_file(
     field: String,
     base_dir: &Path,
 ) -> Option<Vec<CertificateDer<'static>>> {
-    let path = resolve(base_dir, v.get_ref());
-    if !path.is_file() {
-        c.err(
-            Some(v.span()),
-            field,
-            format!("no such file: {}", path.display()),
-            Some("write the path of a PEM file (relative paths are relative to the config file)"),
-        );
-        return None;
-    }
+    let path = c.existing_file(v, field.clone(), base_dir, "file")?;
     match CertificateDer::pem_file_iter(&path).and_then(|it| it.collect::<Result<Vec<_>, _>>()) {
         Ok(certs) if certs.is_empty() => {
             c.err(
@@ -292,16 +283,7 @@ fn key_from_file(
     field: String,
     base_dir: &Path,
 ) -> Option<PrivateKeyDer<'static>> {
-    let path = resolve(base_dir, v.get_ref());
-    if !path.is_file() {
-        c.err(
-            Some(v.span()),
-            field,
-            format!("no such file: {}", path.display()),
-            Some("write the path of a PEM private key (relative paths are relative to the config file)"),
-        );
-        return None;
-    }
+    let path = c.existing_file(v, field.clone(), base_dir, "private key")?;
     match PrivateKeyDer::from_pem_file(&path) {
         Ok(k) => Some(k),
         Err(e) => {

@@ -77,6 +77,30 @@ impl Checker<'_> {
         }
     }
 
+    /// The file `v` names (relative to `base_dir`), if it exists; else an error saying
+    /// to write the path of a PEM `what`.
+    pub(super) fn existing_file(
+        &mut self,
+        v: &Spanned<String>,
+        field: String,
+        base_dir: &Path,
+        what: &str,
+    ) -> Option<PathBuf> {
+        let path = resolve(base_dir, v.get_ref());
+        if path.is_file() {
+            return Some(path);
+        }
+        self.err(
+            Some(v.span()),
+            field,
+            format!("no such file: {}", path.display()),
+            Some(&format!(
+                "write the path of a PEM {what} (relative paths are relative to the config file)"
+            )),
+        );
+        None
+    }
+
     pub(super) fn address(&mut self, v: &Spanned<String>, field: String) -> Option<SocketAddr> {
         match v.get_ref().parse::<SocketAddr>() {
             Ok(a) => Some(a),
@@ -341,15 +365,23 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         }
         let tenant = tenant_ref(c, &l.tenant, format!("listener[{i}].tenant"));
         let tls = l.tls.as_ref().map(|t| {
-            let cert = resolve(&base_dir, t.cert.get_ref());
-            let key = resolve(&base_dir, t.key.get_ref());
-            if !cert.is_file() {
-                c.err(Some(t.cert.span()), format!("listener[{i}].tls.cert"), format!("no such file: {}", cert.display()), Some("write the path of a PEM certificate chain (relative paths are relative to the config file)"));
+            // A missing file is an error, so the config is never used with an empty path.
+            let cert = c.existing_file(
+                &t.cert,
+                format!("listener[{i}].tls.cert"),
+                &base_dir,
+                "certificate chain",
+            );
+            let key = c.existing_file(
+                &t.key,
+                format!("listener[{i}].tls.key"),
+                &base_dir,
+                "private key",
+            );
+            TlsFiles {
+                cert: cert.unwrap_or_default(),
+                key: key.unwrap_or_default(),
             }
-            if !key.is_file() {
-                c.err(Some(t.key.span()), format!("listener[{i}].tls.key"), format!("no such file: {}", key.display()), Some("write the path of a PEM private key (relative paths are relative to the config file)"));
-            }
-            TlsFiles { cert, key }
         });
         if let Some(address) = address {
             listeners.push(Listener {
@@ -725,7 +757,7 @@ pub fn host_matches(pattern: &str, host: &str) -> bool {
     }
 }
 
-pub(super) fn resolve(base: &Path, p: &str) -> PathBuf {
+fn resolve(base: &Path, p: &str) -> PathBuf {
     let p = Path::new(p);
     if p.is_absolute() {
         p.to_path_buf()
