@@ -130,11 +130,21 @@ pub fn wants_upgrade(headers: &HeaderMap) -> bool {
 
 /// Does a `Connection` header list `token` (case-insensitive)?
 pub fn connection_has(headers: &HeaderMap, token: &str) -> bool {
+    lists_token(headers, &header::CONNECTION, token)
+}
+
+/// Does a comma-separated header list `token` (parameters after `;` ignored)?
+fn lists_token(headers: &HeaderMap, name: &header::HeaderName, token: &str) -> bool {
     headers
-        .get_all(header::CONNECTION)
+        .get_all(name)
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .any(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
+        .flat_map(|v| v.split(','))
+        .any(|t| {
+            t.split(';')
+                .next()
+                .is_some_and(|t| t.trim().eq_ignore_ascii_case(token))
+        })
 }
 
 /// Request ids: a random per-process prefix and a counter, 24 hex digits; unique without
@@ -190,16 +200,8 @@ fn hex(out: &mut [u8], mut v: u64) {
 }
 
 /// Does a `TE` header list `trailers`?
-pub fn te_has_trailers(h: &http::HeaderMap) -> bool {
-    h.get_all(http::header::TE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| {
-            t.split(';')
-                .next()
-                .is_some_and(|t| t.trim().eq_ignore_ascii_case("trailers"))
-        })
+pub fn te_has_trailers(h: &HeaderMap) -> bool {
+    lists_token(h, &header::TE, "trailers")
 }
 
 #[cfg(test)]
