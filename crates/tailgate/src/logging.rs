@@ -28,8 +28,11 @@ pub fn init(settings: &LogSettings) -> Option<WorkerGuard> {
         .thread_name("tailgate-log")
         .finish(std::io::stderr());
     let counter = writer.error_counter();
+    // Colours only for a terminal: files and journald get plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(writer);
     let installed = match settings.format {
         LogFormat::Json => builder
