@@ -15,7 +15,7 @@ use tokio::time::Sleep;
 
 use crate::observe::ExchangeRecorder;
 use crate::observe::metrics::WorkerMetrics;
-use crate::upstream::Conn;
+use crate::upstream::{Conn, UpBody};
 
 /// Why a request body could not be read to the end.
 #[derive(Debug, thiserror::Error)]
@@ -220,7 +220,8 @@ pub enum RespBody {
 
 /// An upstream's response body in flight, with what must happen when it ends.
 pub struct UpstreamBody {
-    pub inner: Incoming,
+    /// Read by hyper (HTTP/2), or straight off `conn` (HTTP/1.1).
+    pub inner: UpBody,
     /// Returned to the pool at end of stream; dropped (and so closed) if the body is not
     /// read to the end.
     pub conn: Option<Conn>,
@@ -262,12 +263,23 @@ impl Body for RespBody {
                     up.recorder.fail("total_timeout");
                     return Poll::Ready(Some(Err(Box::new(TotalTimeout))));
                 }
-                match ready!(Pin::new(&mut up.inner).poll_frame(cx)) {
+                let polled: Option<Result<Frame<Bytes>, Self::Error>> = match &mut up.inner {
+                    UpBody::Hyper(b) => {
+                        ready!(Pin::new(b).poll_frame(cx)).map(|r| r.map_err(Into::into))
+                    }
+                    UpBody::H1 => match up.conn.as_mut() {
+                        Some(c) => {
+                            ready!(c.poll_body(cx)).map(|r| r.map(Frame::data).map_err(Into::into))
+                        }
+                        None => None,
+                    },
+                };
+                match polled {
                     Some(Ok(frame)) => {
                         if let Some(data) = frame.data_ref() {
                             up.recorder.add_bytes_out(data.len() as u64);
                         }
-                        if up.inner.is_end_stream() {
+                        if up.ended() {
                             up.finish();
                         }
                         Poll::Ready(Some(Ok(frame)))
@@ -275,7 +287,7 @@ impl Body for RespBody {
                     Some(Err(e)) => {
                         up.conn = None;
                         up.recorder.fail("upstream_body");
-                        Poll::Ready(Some(Err(Box::new(e))))
+                        Poll::Ready(Some(Err(e)))
                     }
                     None => {
                         up.finish();
@@ -289,7 +301,7 @@ impl Body for RespBody {
     fn is_end_stream(&self) -> bool {
         match self {
             RespBody::Full(b) => b.is_none(),
-            RespBody::Upstream(up) => up.inner.is_end_stream(),
+            RespBody::Upstream(up) => up.ended(),
         }
     }
 
@@ -297,12 +309,26 @@ impl Body for RespBody {
         match self {
             RespBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
             RespBody::Full(None) => SizeHint::with_exact(0),
-            RespBody::Upstream(up) => up.inner.size_hint(),
+            RespBody::Upstream(up) => match &up.inner {
+                UpBody::Hyper(b) => b.size_hint(),
+                UpBody::H1 => up
+                    .conn
+                    .as_ref()
+                    .map_or_else(SizeHint::default, Conn::body_size_hint),
+            },
         }
     }
 }
 
 impl UpstreamBody {
+    /// Has the upstream's body ended?
+    fn ended(&self) -> bool {
+        match &self.inner {
+            UpBody::Hyper(b) => b.is_end_stream(),
+            UpBody::H1 => self.conn.as_ref().is_none_or(Conn::body_done),
+        }
+    }
+
     fn finish(&mut self) {
         if let Some(conn) = self.conn.take() {
             conn.release();

@@ -22,7 +22,7 @@ pub enum ProxyError {
     #[error("upstream connect timed out")]
     ConnectTimeout,
     #[error("upstream closed or reset the connection: {0}")]
-    UpstreamReset(hyper::Error),
+    UpstreamReset(Box<dyn std::error::Error + Send + Sync>),
     #[error("upstream did not answer in time")]
     UpstreamTimeout,
     #[error("cluster has no endpoints")]

@@ -15,7 +15,6 @@ pub mod headers;
 pub mod route;
 
 use std::convert::Infallible;
-use std::error::Error as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,7 +30,7 @@ use self::route::{Match, RouteEntry, RouteTable};
 use crate::config::ServerSettings;
 use crate::observe::metrics::WorkerMetrics;
 use crate::observe::{ConnActivity, Exchange, ExchangeRecorder, Observers, StageTimings};
-use crate::upstream::{Upstreams, hedge};
+use crate::upstream::{NotSentBody, SendError, UpBody, Upstreams, hedge};
 
 /// What every worker shares for one config version.
 pub struct Shared {
@@ -313,19 +312,13 @@ async fn forward(
     // written to it (Envoy #1979, hyper #2136): a bodiless idempotent request can then be
     // replayed on a fresh connection. On a route marked `idempotent`, a request with a body
     // can be too: a bounded copy is kept as it streams. An HTTP/2 upstream may refuse a
-    // stream unprocessed (REFUSED_STREAM, GOAWAY): a bodiless request of any method can be
-    // sent again. Keep what is needed to rebuild it.
+    // stream unprocessed (REFUSED_STREAM, GOAWAY): the request is sent again whatever its
+    // method. The head is only borrowed by the sends, so it is at hand for that.
     let may_replay = up.reused && (route.idempotent || is_idempotent(&parts.method));
     let bodiless = http_body::Body::is_end_stream(&body);
-    // On HTTP/2 every request keeps one: a stream the server refused was never processed,
-    // so even a POST with a body is sent again (from the bounded copy).
-    let replay = ((may_replay && (route.idempotent || bodiless)) || up.is_h2()).then(|| {
-        (
-            parts.method.clone(),
-            parts.uri.clone(),
-            parts.headers.clone(),
-        )
-    });
+    // On HTTP/2 every request with a body keeps a copy: a stream the server refused was
+    // never processed, so even a POST with a body is sent again (from the bounded copy).
+    let keep_copy = !bodiless && ((may_replay && route.idempotent) || up.is_h2());
     // Opt-in per route: a second copy to another endpoint if the head is slow to come.
     let hedge = hedge::Hedge::plan(
         route.hedge_delay,
@@ -333,18 +326,16 @@ async fn forward(
         cluster,
         pool.addr,
         &parts,
-        !upgrade
-            && http_body::Body::is_end_stream(&body)
-            && (route.idempotent || is_idempotent(&parts.method)),
+        !upgrade && bodiless && (route.idempotent || is_idempotent(&parts.method)),
     );
     let body = ReqBody::new(body, settings.max_body_bytes);
-    let (body, replay_copy) = if replay.is_some() && !http_body::Body::is_end_stream(&body) {
+    let (body, replay_copy) = if keep_copy {
         let (body, copy) = body.keep_copy(REPLAY_COPY_BYTES);
         (body, Some(copy))
     } else {
         (body, None)
     };
-    let body = if http_body::Body::is_end_stream(&body) {
+    let body = if bodiless {
         body
     } else {
         body.counting(BytesIn {
@@ -353,85 +344,68 @@ async fn forward(
             tenant: rec.exchange_mut().and_then(|ex| ex.tenant),
         })
     };
-    let upstream_req = Request::from_parts(parts, body);
+    // The body to send again: none, or the whole copy (a body only partly kept is not).
+    let replay_body = || match &replay_copy {
+        Some(copy) => copy.body(),
+        None => bodiless.then(ReqBody::empty),
+    };
 
     let response_timeout = remaining(route.response_timeout, total_deadline);
     let t_send = Instant::now();
     let mut hedged = false;
-    let primary = up.try_send(upstream_req);
-    let sent = match tokio::time::timeout(response_timeout, hedge::race(hedge, primary)).await {
-        Ok(hedge::Raced::Primary(r)) => Ok(r),
+    let raced =
+        tokio::time::timeout(response_timeout, hedge::race(hedge, up.send(&parts, body))).await;
+    let sent = match raced {
+        Ok(hedge::Raced::Primary(r)) => r,
         Ok(hedge::Raced::Hedge(won)) => {
             let (resp, conn) = *won;
             hedged = true;
             up = conn;
-            Ok(Ok(resp))
+            Ok(resp)
         }
-        Err(e) => Err(e),
-    };
-    let result = match sent {
         Err(_) => {
             in_flight.failed();
             return Err(ProxyError::UpstreamTimeout);
         }
-        Ok(Ok(resp)) => Ok(resp),
-        Ok(Err(mut e)) => match e.take_message() {
-            // The connection closed before the request was written: sending it again on a
-            // fresh connection is always safe, whatever the method.
-            Some(req) if up.reused => {
-                tracing::debug!(upstream.addr = %pool.addr, "pooled connection closed before the request was sent; resending on a new one");
-                let left = remaining(route.response_timeout, total_deadline)
-                    .saturating_sub(t_send.elapsed());
-                send_on_new(&pool, &mut up, req, left).await?
-            }
-            Some(_) => Err(e.into_error()),
-            None => match replay {
-                // Refused unprocessed by an HTTP/2 upstream: sending it again is safe
-                // whatever the method, and costs no retry budget (with its body only when a
-                // copy was kept whole: routes marked `idempotent`).
-                Some((method, uri, headers))
-                    if crate::upstream::refused_before_processing(e.error())
-                        && let Some(resend_body) = replay_copy
-                            .as_ref()
-                            .map_or_else(|| Some(ReqBody::empty()), |c| c.body()) =>
-                {
-                    tracing::debug!(upstream.addr = %pool.addr, error = %e.error(), "upstream refused the request unprocessed; resending on a new connection");
-                    pool.count_refused_resend();
-                    let mut req = Request::new(resend_body);
-                    *req.method_mut() = method;
-                    *req.uri_mut() = uri;
-                    *req.headers_mut() = headers;
-                    let left = remaining(route.response_timeout, total_deadline)
-                        .saturating_sub(t_send.elapsed());
-                    send_on_new(&pool, &mut up, req, left).await?
-                }
-                // Written, then the connection failed before a response: replay it once on
-                // a fresh connection (idempotent and bodiless only; never a POST unless the
-                // route says its requests are idempotent, then with its body if it was
-                // read whole within the copy's limit).
-                Some((method, uri, headers))
-                    if may_replay
-                        && req_body_error(e.error()).is_none()
-                        && let Some(replay_body) = replay_copy
-                            .as_ref()
-                            .map_or_else(|| Some(ReqBody::empty()), |c| c.body())
-                        && cluster.try_spend_retry() =>
-                {
-                    tracing::debug!(upstream.addr = %pool.addr, error = %e.error(), "pooled connection failed under a request; retrying it on a new one");
-                    pool.count_retry();
-                    let mut req = Request::new(replay_body);
-                    *req.method_mut() = method;
-                    *req.uri_mut() = uri;
-                    *req.headers_mut() = headers;
-                    let left = remaining(route.response_timeout, total_deadline)
-                        .saturating_sub(t_send.elapsed());
-                    send_on_new(&pool, &mut up, req, left).await?
-                }
-                _ => Err(e.into_error()),
-            },
-        },
     };
-    let mut resp = match result.map_err(classify_send_error) {
+    let left =
+        || remaining(route.response_timeout, total_deadline).saturating_sub(t_send.elapsed());
+    let result = match sent {
+        Ok(resp) => Ok(resp),
+        // The connection closed before the request was written: sending it again on a
+        // fresh connection is always safe, whatever the method.
+        Err(SendError::NotSent(NotSentBody(body))) if up.reused => {
+            tracing::debug!(upstream.addr = %pool.addr, "pooled connection closed before the request was sent; resending on a new one");
+            send_on_new(&pool, &mut up, &parts, body, left()).await?
+        }
+        // Refused unprocessed by an HTTP/2 upstream: sending it again is safe whatever the
+        // method, and costs no retry budget (with its body only when the copy holds it
+        // whole).
+        Err(e)
+            if e.refused_before_processing()
+                && let Some(body) = replay_body() =>
+        {
+            tracing::debug!(upstream.addr = %pool.addr, error = %e, "upstream refused the request unprocessed; resending on a new connection");
+            pool.count_refused_resend();
+            send_on_new(&pool, &mut up, &parts, body, left()).await?
+        }
+        // Written, then the connection failed before a response: replay it once on a fresh
+        // connection (idempotent and bodiless only; never a POST unless the route says its
+        // requests are idempotent, then with its body if it was read whole within the
+        // copy's limit).
+        Err(e)
+            if may_replay
+                && e.req_body_error().is_none()
+                && let Some(body) = replay_body()
+                && cluster.try_spend_retry() =>
+        {
+            tracing::debug!(upstream.addr = %pool.addr, error = %e, "pooled connection failed under a request; retrying it on a new one");
+            pool.count_retry();
+            send_on_new(&pool, &mut up, &parts, body, left()).await?
+        }
+        Err(e) => Err(e),
+    };
+    let resp = match result.map_err(classify_send_error) {
         Ok(resp) if hedged => {
             in_flight.abandoned();
             resp
@@ -459,15 +433,17 @@ async fn forward(
     }
 
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-        if let Some(client_upgrade) = client_upgrade {
-            let upstream_upgrade = hyper::upgrade::on(&mut resp);
+        let (mut parts, _) = resp.into_parts();
+        if let Some(client_upgrade) = client_upgrade
+            && let Some(mut upstream) = up.into_upgraded()
+        {
             let tunnel_conn = conn.clone();
             tokio::spawn(async move {
                 let _hold = tunnel_conn;
-                match tokio::try_join!(client_upgrade, upstream_upgrade) {
-                    Ok((c, u)) => {
-                        let (mut c, mut u) = (TokioIo::new(c), TokioIo::new(u));
-                        if let Err(e) = tokio::io::copy_bidirectional(&mut c, &mut u).await {
+                match client_upgrade.await {
+                    Ok(c) => {
+                        let mut c = TokioIo::new(c);
+                        if let Err(e) = tokio::io::copy_bidirectional(&mut c, &mut upstream).await {
                             tracing::debug!(error = %e, "upgraded tunnel ended with an error");
                         }
                     }
@@ -475,7 +451,6 @@ async fn forward(
                 }
             });
         }
-        let (mut parts, _) = resp.into_parts();
         headers::remove_hop_by_hop(&mut parts.headers, true);
         parts
             .headers
@@ -489,9 +464,13 @@ async fn forward(
     parts
         .headers
         .insert(settings.request_id_header.clone(), request_id.clone());
-    if http_body::Body::is_end_stream(&body) {
-        // HEAD, 204, 304, `Content-Length: 0`: hyper never polls such a body, so the
-        // connection goes back to the pool and the exchange ends here.
+    let ended = match &body {
+        UpBody::Hyper(b) => http_body::Body::is_end_stream(b),
+        UpBody::H1 => up.body_done(),
+    };
+    if ended {
+        // HEAD, 204, 304, `Content-Length: 0`: the connection goes back to the pool and
+        // the exchange ends here.
         up.release();
         rec.finish();
         return Ok(Response::from_parts(parts, RespBody::empty()));
@@ -525,36 +504,25 @@ fn is_idempotent(m: &http::Method) -> bool {
 }
 
 /// What a resend on a new connection gives: the upstream's answer, or why none came.
-type Resent = Result<Result<Response<Incoming>, hyper::Error>, ProxyError>;
+type Resent = Result<Result<Response<UpBody>, SendError>, ProxyError>;
 
-/// Sends `req` on a new connection to `pool`, which replaces `up`, within `left`.
+/// Sends the request again, on a new connection to `pool` that replaces `up`, within `left`.
 ///
 /// A rare path: its state lives on the heap, so that it does not make every request's
 /// future larger (and every move of it dearer).
 fn send_on_new<'a>(
     pool: &'a Arc<crate::upstream::EndpointPool>,
     up: &'a mut crate::upstream::Conn,
-    req: Request<ReqBody>,
+    parts: &'a http::request::Parts,
+    body: ReqBody,
     left: Duration,
 ) -> std::pin::Pin<Box<impl std::future::Future<Output = Resent> + 'a>> {
     Box::pin(async move {
         *up = pool.connect().await?;
-        tokio::time::timeout(left, up.send(req))
+        tokio::time::timeout(left, up.send(parts, body))
             .await
             .map_err(|_| ProxyError::UpstreamTimeout)
     })
-}
-
-/// The client-body error behind a send error, if that is what failed.
-fn req_body_error(e: &hyper::Error) -> Option<&ReqBodyError> {
-    let mut source = e.source();
-    while let Some(s) = source {
-        if let Some(b) = s.downcast_ref::<ReqBodyError>() {
-            return Some(b);
-        }
-        source = s.source();
-    }
-    None
 }
 
 /// The response timeout, cut short by the total deadline when that comes first.
@@ -567,10 +535,10 @@ fn remaining(timeout: Duration, total_deadline: Option<Instant>) -> Duration {
 
 /// An error from sending upstream: a body too large or a client that went away is the
 /// client's doing; anything else is the upstream's.
-fn classify_send_error(e: hyper::Error) -> ProxyError {
-    match req_body_error(&e) {
+fn classify_send_error(e: SendError) -> ProxyError {
+    match e.req_body_error() {
         Some(ReqBodyError::TooLarge(limit)) => ProxyError::BodyTooLarge(*limit),
         Some(ReqBodyError::Client(_)) => ProxyError::BadRequest("the client's body ended early"),
-        None => ProxyError::UpstreamReset(e),
+        None => ProxyError::UpstreamReset(e.into()),
     }
 }

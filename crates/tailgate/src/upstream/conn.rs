@@ -1,8 +1,9 @@
 //! The connection the pipeline holds for one exchange, over either protocol: an HTTP/1.1
-//! connection checked out of the idle list, or a stream slot on a shared HTTP/2 connection.
-//! The request is adapted to the connection's protocol here (origin-form + `Host` for
-//! HTTP/1.1; absolute-form, whose authority becomes `:authority`, for HTTP/2), so the
-//! pipeline does not care which one it got — even when a resend lands on the other kind.
+//! connection checked out of the idle list (driven inline, [`super::h1`]), or a stream slot
+//! on a shared HTTP/2 connection (hyper). The request head is borrowed and written in the
+//! connection's protocol here (origin-form + `Host` for HTTP/1.1; absolute-form, whose
+//! authority becomes `:authority`, for HTTP/2), so the pipeline does not care which one it
+//! got — even when a resend lands on the other kind.
 
 use std::error::Error as _;
 use std::future::Future;
@@ -13,18 +14,20 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use futures_util::future::Either;
+use bytes::Bytes;
 use futures_util::task::AtomicWaker;
+use http::request::Parts;
 use http::uri::{PathAndQuery, Scheme};
 use http::{Request, Response, Uri, Version, header};
 use hyper::body::Incoming;
-use hyper::client::conn::{TrySendError, http1, http2};
+use hyper::client::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+use super::h1::{H1Conn, H1Error, H1SendError, Upgraded};
 use super::multiplex::StreamSlot;
 use super::pool::EndpointPool;
-use crate::pipeline::body::ReqBody;
+use crate::pipeline::body::{ReqBody, ReqBodyError};
 use crate::pipeline::error::ProxyError;
 
 /// The HTTP version spoken to a cluster's endpoints.
@@ -49,10 +52,66 @@ impl Protocol {
     }
 }
 
-/// A connection's request sender, by protocol.
+/// A connection's protocol engine.
 pub(super) enum Sender {
-    H1(http1::SendRequest<ReqBody>),
+    /// Driven inline by the request's task ([`super::h1`]).
+    H1(Box<H1Conn>),
     H2(http2::SendRequest<ReqBody>),
+}
+
+/// A response body from an upstream: read by hyper's HTTP/2 connection task, or straight
+/// off an HTTP/1.1 connection by [`Conn::poll_body`] (the marker then says so; the bytes
+/// come through the [`Conn`]).
+pub enum UpBody {
+    Hyper(Incoming),
+    H1,
+}
+
+/// Why sending a request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    /// Nothing of the request was written: the connection had been closed. Sending it
+    /// elsewhere is always safe, whatever the method; the body comes back for that.
+    #[error("the connection was closed before the request was written")]
+    NotSent(NotSentBody),
+    #[error(transparent)]
+    Hyper(hyper::Error),
+    #[error(transparent)]
+    H1(H1Error),
+}
+
+/// The body of a request that was not sent.
+pub struct NotSentBody(pub ReqBody);
+
+impl std::fmt::Debug for NotSentBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NotSentBody")
+    }
+}
+
+impl SendError {
+    /// The client-body error behind this, if reading the client's body is what failed.
+    pub fn req_body_error(&self) -> Option<&ReqBodyError> {
+        match self {
+            SendError::H1(H1Error::Body(b)) => Some(b),
+            SendError::Hyper(e) => {
+                let mut source = e.source();
+                while let Some(s) = source {
+                    if let Some(b) = s.downcast_ref::<ReqBodyError>() {
+                        return Some(b);
+                    }
+                    source = s.source();
+                }
+                None
+            }
+            _ => None,
+        }
+    }
+
+    /// Did the upstream refuse the request before processing any of it (HTTP/2)?
+    pub fn refused_before_processing(&self) -> bool {
+        matches!(self, SendError::Hyper(e) if refused_before_processing(e))
+    }
 }
 
 /// A connection checked out of the pool for one exchange.
@@ -78,33 +137,70 @@ impl Conn {
         matches!(self.sender, Sender::H2(_))
     }
 
-    /// Sends `req`; if the connection turned out closed before it was written, the request
-    /// comes back in the error so it can be sent elsewhere.
-    ///
-    /// The request is handed to the connection now, not at the first poll: the future has
-    /// room for one request (given back if the connection was closed), not for two (an
-    /// argument and hyper's future), so it is half the size and cheaper to move.
-    pub fn try_send(
+    /// Sends the request `parts` with `body` and waits for the response head. The head is
+    /// borrowed, so a resend needs no copy of it kept aside; an HTTP/2 request is built
+    /// from a copy fitted to that protocol (absolute-form, `:authority`).
+    pub async fn send(
         &mut self,
-        req: Request<ReqBody>,
-    ) -> impl Future<Output = Result<Response<Incoming>, TrySendError<Request<ReqBody>>>> + use<>
-    {
-        let req = adapt(req, self.is_h2(), self.pool.tls_enabled(), self.pool.addr);
+        parts: &Parts,
+        body: ReqBody,
+    ) -> Result<Response<UpBody>, SendError> {
+        let addr = self.pool.addr;
         match &mut self.sender {
-            Sender::H1(s) => Either::Left(s.try_send_request(req)),
-            Sender::H2(s) => Either::Right(s.try_send_request(req)),
+            Sender::H1(c) => match c.send(parts, body, addr).await {
+                Ok(resp) => Ok(resp.map(|()| UpBody::H1)),
+                Err(H1SendError::NotSent(body)) => Err(SendError::NotSent(NotSentBody(body))),
+                Err(H1SendError::Failed(e)) => Err(SendError::H1(e)),
+            },
+            Sender::H2(s) => {
+                let mut req = Request::new(body);
+                *req.method_mut() = parts.method.clone();
+                *req.uri_mut() = parts.uri.clone();
+                *req.headers_mut() = parts.headers.clone();
+                let req = adapt_h2(req, self.pool.tls_enabled(), addr);
+                // On the heap: inline, hyper's future and the request would make every
+                // request's future (HTTP/1.1 ones too) larger, and each move of it dearer.
+                let sent = Box::pin(s.try_send_request(req)).await;
+                match sent {
+                    Ok(resp) => Ok(resp.map(UpBody::Hyper)),
+                    Err(mut e) => match e.take_message() {
+                        Some(req) => Err(SendError::NotSent(NotSentBody(req.into_body()))),
+                        None => Err(SendError::Hyper(e.into_error())),
+                    },
+                }
+            }
         }
     }
 
-    /// Sends `req` (on a connection just opened for it).
-    pub async fn send(
-        &mut self,
-        req: Request<ReqBody>,
-    ) -> Result<Response<Incoming>, hyper::Error> {
-        let req = adapt(req, self.is_h2(), self.pool.tls_enabled(), self.pool.addr);
+    /// The next piece of an HTTP/1.1 response body (see [`UpBody::H1`]).
+    pub fn poll_body(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, H1Error>>> {
         match &mut self.sender {
-            Sender::H1(s) => s.send_request(req).await,
-            Sender::H2(s) => s.send_request(req).await,
+            Sender::H1(c) => c.poll_body(cx),
+            Sender::H2(_) => Poll::Ready(None),
+        }
+    }
+
+    /// Has an HTTP/1.1 response body ended?
+    pub fn body_done(&self) -> bool {
+        match &self.sender {
+            Sender::H1(c) => c.body_done(),
+            Sender::H2(_) => true,
+        }
+    }
+
+    /// What is known of an HTTP/1.1 response body's length.
+    pub fn body_size_hint(&self) -> http_body::SizeHint {
+        match &self.sender {
+            Sender::H1(c) => c.body_size_hint(),
+            Sender::H2(_) => http_body::SizeHint::with_exact(0),
+        }
+    }
+
+    /// The upstream socket after `101 Switching Protocols` (HTTP/1.1 only).
+    pub fn into_upgraded(self) -> Option<Upgraded> {
+        match self.sender {
+            Sender::H1(c) => Some(c.into_upgraded()),
+            Sender::H2(_) => None,
         }
     }
 
@@ -116,45 +212,28 @@ impl Conn {
     }
 }
 
-/// Fits the request to the connection's protocol.
-fn adapt(mut req: Request<ReqBody>, h2: bool, https: bool, addr: SocketAddr) -> Request<ReqBody> {
-    if h2 {
-        *req.version_mut() = Version::HTTP_2;
-        if req.uri().authority().is_none() {
-            // The client's Host becomes `:authority` (RFC 9113 §8.3.1); without one (or an
-            // unusable one), the endpoint's address.
-            let host = req
-                .headers_mut()
-                .remove(header::HOST)
-                .and_then(|h| http::uri::Authority::try_from(h.as_bytes()).ok());
-            let authority = host.or_else(|| addr.to_string().parse().ok());
-            let pq = req
-                .uri()
-                .path_and_query()
-                .cloned()
-                .unwrap_or_else(|| PathAndQuery::from_static("/"));
-            let mut b = Uri::builder().scheme(if https { Scheme::HTTPS } else { Scheme::HTTP });
-            if let Some(a) = authority {
-                b = b.authority(a);
-            }
-            if let Ok(uri) = b.path_and_query(pq).build() {
-                *req.uri_mut() = uri;
-            }
+/// Fits a request to HTTP/2: absolute-form, the client's Host as `:authority`.
+fn adapt_h2(mut req: Request<ReqBody>, https: bool, addr: SocketAddr) -> Request<ReqBody> {
+    *req.version_mut() = Version::HTTP_2;
+    if req.uri().authority().is_none() {
+        // The client's Host becomes `:authority` (RFC 9113 §8.3.1); without one (or an
+        // unusable one), the endpoint's address.
+        let host = req
+            .headers_mut()
+            .remove(header::HOST)
+            .and_then(|h| http::uri::Authority::try_from(h.as_bytes()).ok());
+        let authority = host.or_else(|| addr.to_string().parse().ok());
+        let pq = req
+            .uri()
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        let mut b = Uri::builder().scheme(if https { Scheme::HTTPS } else { Scheme::HTTP });
+        if let Some(a) = authority {
+            b = b.authority(a);
         }
-    } else {
-        *req.version_mut() = Version::HTTP_11;
-        // Hop-by-hop for HTTP/1.1 (kept in the request only for HTTP/2 upstreams).
-        req.headers_mut().remove(header::TE);
-        if let Some(a) = req.uri().authority().cloned() {
-            if !req.headers().contains_key(header::HOST)
-                && let Ok(v) = http::HeaderValue::from_str(a.as_str())
-            {
-                req.headers_mut().insert(header::HOST, v);
-            }
-            *req.uri_mut() = req
-                .uri()
-                .path_and_query()
-                .map_or_else(|| Uri::from_static("/"), |pq| Uri::from(pq.clone()));
+        if let Ok(uri) = b.path_and_query(pq).build() {
+            *req.uri_mut() = uri;
         }
     }
     req
@@ -174,26 +253,6 @@ pub fn refused_before_processing(e: &hyper::Error) -> bool {
         source = s.source();
     }
     false
-}
-
-/// The HTTP/1.1 handshake over any transport; the connection runs on its own task.
-pub(super) async fn handshake_h1<I>(
-    io: I,
-    addr: SocketAddr,
-) -> Result<http1::SendRequest<ReqBody>, ProxyError>
-where
-    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
-    let (sender, conn) = http1::Builder::new()
-        .handshake(TokioIo::new(io))
-        .await
-        .map_err(ProxyError::UpstreamReset)?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.with_upgrades().await {
-            tracing::debug!(upstream.addr = %addr, error = %e, "upstream connection ended with an error");
-        }
-    });
-    Ok(sender)
 }
 
 /// The HTTP/2 handshake (client preface and SETTINGS) over any transport; the connection
@@ -240,7 +299,7 @@ where
     let (sender, conn) = builder
         .handshake(TokioIo::new(io))
         .await
-        .map_err(ProxyError::UpstreamReset)?;
+        .map_err(|e| ProxyError::UpstreamReset(e.into()))?;
     let max_streams = Arc::new(AtomicUsize::new(assumed));
     let published = max_streams.clone();
     let mut conn = Box::pin(conn);
@@ -336,28 +395,12 @@ mod tests {
 
     #[test]
     fn h2_requests_carry_the_host_as_authority() {
-        let r = adapt(req("/a?b=1", Some("api.example")), true, true, addr());
+        let r = adapt_h2(req("/a?b=1", Some("api.example")), true, addr());
         assert_eq!(r.version(), Version::HTTP_2);
         assert_eq!(r.uri(), "https://api.example/a?b=1");
         assert!(r.headers().get(header::HOST).is_none());
 
-        let r = adapt(req("/", None), true, false, addr());
+        let r = adapt_h2(req("/", None), false, addr());
         assert_eq!(r.uri(), "http://10.0.0.5:8443/");
-    }
-
-    #[test]
-    fn h1_requests_are_origin_form_with_a_host() {
-        let r = adapt(req("/a", Some("api.example")), false, false, addr());
-        assert_eq!(r.version(), Version::HTTP_11);
-        assert_eq!(r.uri(), "/a");
-        // A request first fitted for HTTP/2 and resent on an HTTP/1.1 connection.
-        let r = adapt(
-            adapt(req("/a", Some("api.example")), true, true, addr()),
-            false,
-            true,
-            addr(),
-        );
-        assert_eq!(r.uri(), "/a");
-        assert_eq!(r.headers()[header::HOST], "api.example");
     }
 }

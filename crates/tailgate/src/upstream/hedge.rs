@@ -17,10 +17,10 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
-use http::Request;
-use hyper::body::Incoming;
+use futures_util::FutureExt as _;
+use futures_util::future::Either;
 
-use super::{ClusterPools, Conn};
+use super::{ClusterPools, Conn, UpBody};
 use crate::config::HedgeDelay;
 use crate::pipeline::body::ReqBody;
 use crate::pipeline::error::ProxyError;
@@ -129,16 +129,15 @@ pub struct Hedge<'a> {
     /// The endpoint the first copy went to; the hedge goes anywhere else.
     avoid: SocketAddr,
     delay: Duration,
-    method: http::Method,
-    uri: http::Uri,
-    headers: http::HeaderMap,
+    /// The request's head, borrowed: the hedge sends the same one.
+    parts: &'a http::request::Parts,
 }
 
 /// Which copy answered first.
 pub enum Raced<T> {
     Primary(T),
     /// The hedge: its response head and the connection it came on (boxed: rare and large).
-    Hedge(Box<(http::Response<Incoming>, Conn)>),
+    Hedge(Box<(http::Response<UpBody>, Conn)>),
 }
 
 impl<'a> Hedge<'a> {
@@ -151,7 +150,7 @@ impl<'a> Hedge<'a> {
         latency: Option<&LatencyHistogram>,
         cluster: &'a ClusterPools,
         avoid: SocketAddr,
-        parts: &http::request::Parts,
+        parts: &'a http::request::Parts,
         may_repeat: bool,
     ) -> Option<Hedge<'a>> {
         let delay = match delay? {
@@ -165,14 +164,12 @@ impl<'a> Hedge<'a> {
             cluster,
             avoid,
             delay,
-            method: parts.method.clone(),
-            uri: parts.uri.clone(),
-            headers: parts.headers.clone(),
+            parts,
         })
     }
 
     /// Sends the copy to another endpoint; records the outcome on that endpoint's load.
-    async fn send(self) -> Result<(http::Response<Incoming>, Conn), ProxyError> {
+    async fn send(self) -> Result<(http::Response<UpBody>, Conn), ProxyError> {
         let pool = self.cluster.pick_other(self.avoid)?;
         let in_flight = pool.load.start();
         let mut conn = match self.cluster.checkout(&pool).await {
@@ -182,18 +179,14 @@ impl<'a> Hedge<'a> {
                 return Err(e);
             }
         };
-        let mut req = Request::new(ReqBody::empty());
-        *req.method_mut() = self.method;
-        *req.uri_mut() = self.uri;
-        *req.headers_mut() = self.headers;
-        match conn.send(req).await {
+        match conn.send(self.parts, ReqBody::empty()).await {
             Ok(resp) => {
                 in_flight.responded(resp.status());
                 Ok((resp, conn))
             }
             Err(e) => {
                 in_flight.failed();
-                Err(ProxyError::UpstreamReset(e))
+                Err(ProxyError::UpstreamReset(e.into()))
             }
         }
     }
@@ -202,16 +195,22 @@ impl<'a> Hedge<'a> {
 /// Runs `primary`; with a hedge, fires it after the delay (budget permitting) and returns
 /// whichever response head comes first. A failed copy waits for the other one. The loser is
 /// dropped: its request is cancelled and its connection closed.
-pub async fn race<T, E>(
-    hedge: Option<Hedge<'_>>,
-    primary: impl Future<Output = Result<T, E>>,
-) -> Raced<Result<T, E>> {
+///
+/// Without a hedge this is `primary` itself (no state around it, no copy of it): the
+/// request's future stays as small as the send, and every move of it as cheap.
+pub fn race<'a, T, E>(
+    hedge: Option<Hedge<'a>>,
+    primary: impl Future<Output = Result<T, E>> + 'a,
+) -> impl Future<Output = Raced<Result<T, E>>> + 'a
+where
+    T: 'a,
+    E: 'a,
+{
     match hedge {
-        None => Raced::Primary(primary.await),
+        None => Either::Left(primary.map(Raced::Primary)),
         // The race's state (two sends, a timer, the copy's request) is kilobytes: on the
-        // heap, and only for requests that may be hedged, so that it does not make every
-        // request's future larger (and every move of it dearer).
-        Some(hedge) => Box::pin(race_hedged(hedge, primary)).await,
+        // heap, and only for requests that may be hedged.
+        Some(hedge) => Either::Right(Box::pin(race_hedged(hedge, primary))),
     }
 }
 

@@ -14,6 +14,7 @@
 mod balance;
 mod conn;
 pub mod dns;
+mod h1;
 pub mod hedge;
 mod multiplex;
 mod pool;
@@ -27,7 +28,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 
-pub use conn::{Conn, Protocol, refused_before_processing};
+pub use conn::{Conn, NotSentBody, Protocol, SendError, UpBody, refused_before_processing};
+pub use h1::{H1Error, Upgraded};
 pub use pool::{EndpointPool, PoolStats};
 pub use tls::UpstreamTls;
 

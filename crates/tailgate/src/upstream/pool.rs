@@ -1,5 +1,6 @@
-//! A per-endpoint pool of upstream connections, built on `hyper::client::conn` (hyper-util's
-//! legacy pool cannot cap requests per connection or lifetime, nor pre-connect).
+//! A per-endpoint pool of upstream connections: HTTP/1.1 ones driven inline
+//! ([`super::h1`]), HTTP/2 ones on `hyper::client::conn` (hyper-util's legacy pool cannot
+//! cap requests per connection or lifetime, nor pre-connect).
 //!
 //! What it does so that a request never pays for a connect (seed 004: a spike on every 80th
 //! request when the server sent `Connection: close`):
@@ -26,11 +27,11 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use hyper::client::conn::http1;
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
-use super::conn::{Conn, Protocol, Sender, handshake_h1, handshake_h2};
+use super::conn::{Conn, Protocol, Sender, handshake_h2};
+use super::h1::{H1Conn, Transport};
 use super::multiplex::H2Set;
 use super::tls::{EndpointTls, Handshake};
 use crate::config::Cluster;
@@ -44,7 +45,7 @@ const LEARN_AGREEMENTS: u32 = 3;
 const LEARNED_TTL: Duration = Duration::from_secs(600);
 
 struct Idle {
-    sender: http1::SendRequest<ReqBody>,
+    conn: Box<H1Conn>,
     since: Instant,
     created: Instant,
     uses: u32,
@@ -203,13 +204,13 @@ impl EndpointPool {
     }
 
     pub(super) fn give_back(&self, conn: Conn) {
-        let sender = match conn.sender {
+        let h1 = match conn.sender {
             // Dropping the slot frees the stream; the connection stays shared.
             Sender::H2(_) => return,
-            Sender::H1(s) => s,
+            Sender::H1(c) => c,
         };
         let uses = conn.uses + 1;
-        if conn.closing || sender.is_closed() {
+        if conn.closing || !h1.reusable() {
             self.stats.closed_by_server.fetch_add(1, Ordering::Relaxed);
             if conn.response_ok {
                 self.learn_from_close(uses);
@@ -235,7 +236,7 @@ impl EndpointPool {
             return;
         }
         self.put(Idle {
-            sender,
+            conn: h1,
             since: Instant::now(),
             created: conn.created,
             uses,
@@ -333,7 +334,9 @@ impl EndpointPool {
                 self.stats.retired_idle.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            if idle.sender.is_closed() {
+            // Closed by the server while idle (seen from the readiness the runtime holds,
+            // without a system call).
+            if idle.conn.idle_closed() {
                 self.stats.closed_by_server.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
@@ -346,31 +349,21 @@ impl EndpointPool {
                 self.owe_replacement();
                 continue;
             }
-            // Usually ready at once. If not, the connection task has not caught up with the
-            // end of the last response, or (rarely) the last request's body is still being
-            // written after an early answer: wait a bounded time, never indefinitely.
-            let ready = idle.sender.is_ready()
-                || matches!(
-                    tokio::time::timeout(self.connect_timeout, idle.sender.ready()).await,
-                    Ok(Ok(()))
-                );
-            if ready {
-                self.stats.reuses.fetch_add(1, Ordering::Relaxed);
-                // Wake the keeper only when the spares run low, not on every request.
-                if left < self.min_warm {
-                    self.refill.notify_one();
-                }
-                return Ok(Conn {
-                    sender: Sender::H1(idle.sender),
-                    pool: self.clone(),
-                    reused: true,
-                    created: idle.created,
-                    uses: idle.uses,
-                    closing: false,
-                    response_ok: false,
-                    _slot: None,
-                });
+            self.stats.reuses.fetch_add(1, Ordering::Relaxed);
+            // Wake the keeper only when the spares run low, not on every request.
+            if left < self.min_warm {
+                self.refill.notify_one();
             }
+            return Ok(Conn {
+                sender: Sender::H1(idle.conn),
+                pool: self.clone(),
+                reused: true,
+                created: idle.created,
+                uses: idle.uses,
+                closing: false,
+                response_ok: false,
+                _slot: None,
+            });
         }
         self.stats
             .connects_on_request
@@ -505,7 +498,7 @@ impl EndpointPool {
             Ok(Ok(Stream::Plain(s))) => match self.protocol {
                 Protocol::Http2 => self.handshake_h2(s).await,
                 Protocol::Http1 | Protocol::Auto => {
-                    handshake_h1(s, self.addr).await.map(Handshaken::H1)
+                    Ok(Handshaken::H1(Box::new(H1Conn::new(Transport::Tcp(s)))))
                 }
             },
             Ok(Ok(Stream::Tls(s))) => {
@@ -517,7 +510,7 @@ impl EndpointPool {
                 if h2 {
                     self.handshake_h2(*s).await
                 } else {
-                    handshake_h1(*s, self.addr).await.map(Handshaken::H1)
+                    Ok(Handshaken::H1(Box::new(H1Conn::new(Transport::Tls(s)))))
                 }
             }
             Ok(Err(e)) => {
@@ -584,11 +577,11 @@ impl EndpointPool {
             while (self.warm_missing() || self.take_owed()) && !self.retired.load(Ordering::Relaxed)
             {
                 match self.open(false).await {
-                    Ok(Opened::H1(sender)) => {
+                    Ok(Opened::H1(conn)) => {
                         self.stats.preconnects.fetch_add(1, Ordering::Relaxed);
                         let now = Instant::now();
                         self.put(Idle {
-                            sender,
+                            conn,
                             since: now,
                             created: now,
                             uses: 0,
@@ -640,7 +633,7 @@ impl EndpointPool {
     pub fn idle_len(&self) -> usize {
         let mut list = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         let before = list.len();
-        list.retain(|i| !i.sender.is_closed() && i.since.elapsed() < self.idle_timeout);
+        list.retain_mut(|i| !i.conn.idle_closed() && i.since.elapsed() < self.idle_timeout);
         if list.len() < before {
             self.stats
                 .retired_idle
@@ -670,7 +663,7 @@ impl Drop for H2Connecting<'_> {
 
 /// A connection after its HTTP handshake.
 enum Handshaken {
-    H1(http1::SendRequest<ReqBody>),
+    H1(Box<H1Conn>),
     /// With the server's concurrent-stream limit as the connection task last saw it.
     H2(
         hyper::client::conn::http2::SendRequest<ReqBody>,
@@ -680,7 +673,7 @@ enum Handshaken {
 
 /// A connection just opened.
 enum Opened {
-    H1(http1::SendRequest<ReqBody>),
+    H1(Box<H1Conn>),
     /// Its sender, the stream taken on it (if asked for), and when it was opened.
     H2(
         hyper::client::conn::http2::SendRequest<ReqBody>,
