@@ -369,7 +369,7 @@ async fn the_request_goes_out_in_origin_form_with_its_framing() {
     // A GET with a query, a hop-by-hop header and TE.
     let (text, _) = raw(
         gw.addr,
-        b"GET /p/q?x=1&y=2 HTTP/1.1\r\nhost: api.test\r\nconnection: x-hop\r\nx-hop: 1\r\nte: trailers\r\n\r\n",
+        b"GET /p/q?x=1&y=2 HTTP/1.1\r\nhost: api.test\r\nconnection: x-hop\r\nx-hop: 1\r\nte: trailers\r\nx-forwarded-for: 10.9.9.9\r\nx-request-id: rid-1\r\nvia: 1.1 edge\r\n\r\n",
         Duration::from_millis(500),
     )
     .await;
@@ -395,7 +395,19 @@ async fn the_request_goes_out_in_origin_form_with_its_framing() {
     let get = seen[0].to_lowercase();
     assert!(get.starts_with("get /p/q?x=1&y=2 http/1.1\r\n"), "{get}");
     assert!(get.contains("\r\nhost: api.test\r\n"), "{get}");
-    assert!(get.contains("\r\nx-forwarded-for: 127.0.0.1\r\n"), "{get}");
+    // The client's X-Forwarded-For, request id and Via are kept, once each, with the
+    // gateway's additions.
+    assert!(
+        get.contains("\r\nx-forwarded-for: 10.9.9.9, 127.0.0.1\r\n"),
+        "{get}"
+    );
+    assert_eq!(get.matches("x-forwarded-for:").count(), 1, "{get}");
+    assert!(get.contains("\r\nx-request-id: rid-1\r\n"), "{get}");
+    assert_eq!(get.matches("x-request-id:").count(), 1, "{get}");
+    assert!(get.contains("\r\nvia: 1.1 edge\r\n"), "{get}");
+    assert!(get.contains("\r\nvia: 1.1 tailgate\r\n"), "{get}");
+    assert!(get.contains("\r\nx-forwarded-proto: http\r\n"), "{get}");
+    assert!(get.contains("\r\nx-forwarded-host: api.test\r\n"), "{get}");
     for gone in [
         "\r\nte:",
         "\r\nx-hop:",

@@ -622,3 +622,63 @@ async fn idle_h2_connections_expire() {
     assert_eq!(get(gw.addr, "/after").await.status(), 200);
     assert_eq!(seen.conns.load(Ordering::SeqCst), 4);
 }
+
+/// The headers the gateway sets reach an HTTP/2 upstream too (put into its copy of the
+/// client's headers): X-Forwarded-For appended, Via, the client's request id, and no
+/// `Expect`.
+#[tokio::test]
+async fn forwarding_headers_reach_an_http2_upstream() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let s = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            let s = s.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                    let s = s.clone();
+                    async move {
+                        let all = |n: &str| {
+                            req.headers()
+                                .get_all(n)
+                                .iter()
+                                .map(|v| v.to_str().unwrap().to_owned())
+                                .collect::<Vec<_>>()
+                                .join("|")
+                        };
+                        s.lock().unwrap().push(format!(
+                            "xff={} via={} id={} proto={} expect={}",
+                            all("x-forwarded-for"),
+                            all("via"),
+                            all("x-request-id"),
+                            all("x-forwarded-proto"),
+                            all("expect"),
+                        ));
+                        Ok::<_, Infallible>(http::Response::new(full("ok")))
+                    }
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(tcp), svc)
+                    .await;
+            });
+        }
+    });
+    let gw = gateway(addr, "");
+    let mut c = h1_client(gw.addr).await;
+    use http_body_util::BodyExt;
+    let req = http::Request::post("/f")
+        .header("host", "a")
+        .header("x-forwarded-for", "10.0.0.1")
+        .header("x-request-id", "rid-7")
+        .header("expect", "100-continue")
+        .body(full("hello"))
+        .unwrap();
+    let resp = c.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.into_body().collect().await.unwrap();
+    assert_eq!(
+        *seen.lock().unwrap(),
+        ["xff=10.0.0.1, 127.0.0.1 via=1.1 tailgate id=rid-7 proto=http expect="]
+    );
+}

@@ -242,24 +242,22 @@ async fn forward(
             .headers
             .insert(header::TE, HeaderValue::from_static("trailers"));
     }
-    // 100-continue is answered to the client here (when the body is first read), so the
-    // expectation is not forwarded.
-    parts.headers.remove(header::EXPECT);
-    headers::add_forwarded(
-        &mut parts.headers,
+    // Via, X-Forwarded-*, the request id; `Expect` is dropped (100-continue is answered to
+    // the client here, when the body is first read). Written by the connection, not put in
+    // the map (see `Added`).
+    let added = headers::Added::new(
+        &parts.headers,
         parts.version,
         &conn.client_addr,
         conn.tls,
         host_value.as_ref(),
+        (&settings.request_id_header, request_id),
     );
     if (host_missing || removed)
         && let Some(h) = host_value
     {
         parts.headers.insert(header::HOST, h);
     }
-    parts
-        .headers
-        .insert(settings.request_id_header.clone(), request_id.clone());
     parts.uri = match parts.uri.path_and_query() {
         Some(pq) => http::Uri::from(pq.clone()),
         None => http::Uri::from_static("/"),
@@ -326,6 +324,7 @@ async fn forward(
         cluster,
         pool.addr,
         &parts,
+        &added,
         !upgrade && bodiless && (route.idempotent || is_idempotent(&parts.method)),
     );
     let body = ReqBody::new(body, settings.max_body_bytes);
@@ -353,8 +352,11 @@ async fn forward(
     let response_timeout = remaining(route.response_timeout, total_deadline);
     let t_send = Instant::now();
     let mut hedged = false;
-    let raced =
-        tokio::time::timeout(response_timeout, hedge::race(hedge, up.send(&parts, body))).await;
+    let raced = tokio::time::timeout(
+        response_timeout,
+        hedge::race(hedge, up.send(&parts, &added, body)),
+    )
+    .await;
     let sent = match raced {
         Ok(hedge::Raced::Primary(r)) => r,
         Ok(hedge::Raced::Hedge(won)) => {
@@ -376,7 +378,7 @@ async fn forward(
         // fresh connection is always safe, whatever the method.
         Err(SendError::NotSent(NotSentBody(body))) if up.reused => {
             tracing::debug!(upstream.addr = %pool.addr, "pooled connection closed before the request was sent; resending on a new one");
-            send_on_new(&pool, &mut up, &parts, body, left()).await?
+            send_on_new(&pool, &mut up, &parts, &added, body, left()).await?
         }
         // Refused unprocessed by an HTTP/2 upstream: sending it again is safe whatever the
         // method, and costs no retry budget (with its body only when the copy holds it
@@ -387,7 +389,7 @@ async fn forward(
         {
             tracing::debug!(upstream.addr = %pool.addr, error = %e, "upstream refused the request unprocessed; resending on a new connection");
             pool.count_refused_resend();
-            send_on_new(&pool, &mut up, &parts, body, left()).await?
+            send_on_new(&pool, &mut up, &parts, &added, body, left()).await?
         }
         // Written, then the connection failed before a response: replay it once on a fresh
         // connection (idempotent and bodiless only; never a POST unless the route says its
@@ -401,7 +403,7 @@ async fn forward(
         {
             tracing::debug!(upstream.addr = %pool.addr, error = %e, "pooled connection failed under a request; retrying it on a new one");
             pool.count_retry();
-            send_on_new(&pool, &mut up, &parts, body, left()).await?
+            send_on_new(&pool, &mut up, &parts, &added, body, left()).await?
         }
         Err(e) => Err(e),
     };
@@ -424,11 +426,12 @@ async fn forward(
     // The server will close this connection after the response: do not pool it.
     up.closing = headers::connection_has(resp.headers(), "close");
     up.response_ok = resp.status().is_success() || resp.status().is_redirection();
+    let ttfb = t_send.elapsed();
     if let Some(l) = worker.upstreams.latency(route.id) {
-        l.record(t_send.elapsed());
+        l.record(ttfb);
     }
     if let Some(ex) = rec.exchange_mut() {
-        ex.timings.upstream_ttfb = t_send.elapsed();
+        ex.timings.upstream_ttfb = ttfb;
         ex.status = resp.status().as_u16();
     }
 
@@ -514,12 +517,13 @@ fn send_on_new<'a>(
     pool: &'a Arc<crate::upstream::EndpointPool>,
     up: &'a mut crate::upstream::Conn,
     parts: &'a http::request::Parts,
+    added: &'a headers::Added,
     body: ReqBody,
     left: Duration,
 ) -> std::pin::Pin<Box<impl std::future::Future<Output = Resent> + 'a>> {
     Box::pin(async move {
         *up = pool.connect().await?;
-        tokio::time::timeout(left, up.send(parts, body))
+        tokio::time::timeout(left, up.send(parts, added, body))
             .await
             .map_err(|_| ProxyError::UpstreamTimeout)
     })

@@ -29,6 +29,7 @@ use super::multiplex::StreamSlot;
 use super::pool::EndpointPool;
 use crate::pipeline::body::{ReqBody, ReqBodyError};
 use crate::pipeline::error::ProxyError;
+use crate::pipeline::headers::Added;
 
 /// The HTTP version spoken to a cluster's endpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,11 +144,12 @@ impl Conn {
     pub async fn send(
         &mut self,
         parts: &Parts,
+        added: &Added,
         body: ReqBody,
     ) -> Result<Response<UpBody>, SendError> {
         let addr = self.pool.addr;
         match &mut self.sender {
-            Sender::H1(c) => match c.send(parts, body, addr).await {
+            Sender::H1(c) => match c.send(parts, added, body, addr).await {
                 Ok(resp) => Ok(resp.map(|()| UpBody::H1)),
                 Err(H1SendError::NotSent(body)) => Err(SendError::NotSent(NotSentBody(body))),
                 Err(H1SendError::Failed(e)) => Err(SendError::H1(e)),
@@ -157,6 +159,7 @@ impl Conn {
                 *req.method_mut() = parts.method.clone();
                 *req.uri_mut() = parts.uri.clone();
                 *req.headers_mut() = parts.headers.clone();
+                added.apply(req.headers_mut());
                 let req = adapt_h2(req, self.pool.tls_enabled(), addr);
                 // On the heap: inline, hyper's future and the request would make every
                 // request's future (HTTP/1.1 ones too) larger, and each move of it dearer.

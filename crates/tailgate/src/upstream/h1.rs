@@ -37,6 +37,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 use crate::pipeline::body::{ReqBody, ReqBodyError};
+use crate::pipeline::headers::Added;
 
 /// The largest response head accepted (status line and headers).
 const MAX_HEAD: usize = 64 * 1024;
@@ -165,13 +166,14 @@ impl H1Conn {
     pub async fn send(
         &mut self,
         parts: &Parts,
+        added: &Added,
         body: ReqBody,
         addr: SocketAddr,
     ) -> Result<Response<()>, H1SendError> {
         self.framing = Framing::Done;
         self.sending = None;
         let bodiless = body.is_end_stream();
-        let chunked = self.encode_head(parts, &body, bodiless, addr);
+        let chunked = self.encode_head(parts, added, &body, bodiless, addr);
         let mut written = 0;
         let wrote = std::future::poll_fn(|cx| {
             while written < self.wbuf.len() {
@@ -214,6 +216,7 @@ impl H1Conn {
     fn encode_head(
         &mut self,
         parts: &Parts,
+        added: &Added,
         body: &ReqBody,
         bodiless: bool,
         addr: SocketAddr,
@@ -232,13 +235,13 @@ impl H1Conn {
                 continue;
             }
             // TE is kept for HTTP/2 upstreams only (hop-by-hop here).
-            if name == header::TRANSFER_ENCODING || name == header::TE {
+            if name == header::TRANSFER_ENCODING || name == header::TE || added.replaces(name) {
                 continue;
             }
-            w.extend_from_slice(name.as_str().as_bytes());
-            w.extend_from_slice(b": ");
-            w.extend_from_slice(value.as_bytes());
-            w.extend_from_slice(b"\r\n");
+            put_header(w, name, value);
+        }
+        for (name, value) in added.iter() {
+            put_header(w, name, value);
         }
         if !parts.headers.contains_key(header::HOST) {
             w.extend_from_slice(b"host: ");
@@ -420,7 +423,8 @@ impl H1Conn {
                 at.push((n, n + h.name.len(), v, v + h.value.len()));
             }
             let head = self.rbuf.split_to(len).freeze();
-            let mut map = HeaderMap::with_capacity(at.len());
+            // Room for one more: the request id the gateway adds to every response.
+            let mut map = HeaderMap::with_capacity(at.len() + 1);
             let mut length: Option<u64> = None;
             let mut chunked = None;
             let mut close = version == Version::HTTP_10;
@@ -747,6 +751,13 @@ impl AsyncWrite for Transport {
             Transport::Tls(s) => Pin::new(&mut **s).poll_shutdown(cx),
         }
     }
+}
+
+fn put_header(w: &mut Vec<u8>, name: &HeaderName, value: &HeaderValue) {
+    w.extend_from_slice(name.as_str().as_bytes());
+    w.extend_from_slice(b": ");
+    w.extend_from_slice(value.as_bytes());
+    w.extend_from_slice(b"\r\n");
 }
 
 /// A Content-Length value: digits only (a list of equal values, as some servers send, is

@@ -24,6 +24,7 @@ use super::{ClusterPools, Conn, UpBody};
 use crate::config::HedgeDelay;
 use crate::pipeline::body::ReqBody;
 use crate::pipeline::error::ProxyError;
+use crate::pipeline::headers::Added;
 
 /// Samples a percentile delay needs before hedging starts.
 const MIN_SAMPLES: u32 = 20;
@@ -131,6 +132,7 @@ pub struct Hedge<'a> {
     delay: Duration,
     /// The request's head, borrowed: the hedge sends the same one.
     parts: &'a http::request::Parts,
+    added: &'a Added,
 }
 
 /// Which copy answered first.
@@ -151,6 +153,7 @@ impl<'a> Hedge<'a> {
         cluster: &'a ClusterPools,
         avoid: SocketAddr,
         parts: &'a http::request::Parts,
+        added: &'a Added,
         may_repeat: bool,
     ) -> Option<Hedge<'a>> {
         let delay = match delay? {
@@ -165,6 +168,7 @@ impl<'a> Hedge<'a> {
             avoid,
             delay,
             parts,
+            added,
         })
     }
 
@@ -179,7 +183,7 @@ impl<'a> Hedge<'a> {
                 return Err(e);
             }
         };
-        match conn.send(self.parts, ReqBody::empty()).await {
+        match conn.send(self.parts, self.added, ReqBody::empty()).await {
             Ok(resp) => {
                 in_flight.responded(resp.status());
                 Ok((resp, conn))
