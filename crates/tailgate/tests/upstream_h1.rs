@@ -432,3 +432,39 @@ async fn the_request_goes_out_in_origin_form_with_its_framing() {
         "{chunked}"
     );
 }
+
+/// The response deadline is re-armed for each request on a reused connection: a request
+/// later on the same connection gets its own full timeout (not what was left of the
+/// first one's), and one that overruns it gets a 504.
+#[tokio::test]
+async fn each_request_on_a_reused_connection_gets_its_own_deadline() {
+    let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
+        let wait = match req.uri().path() {
+            "/slow" => 200,
+            "/hang" => 5_000,
+            _ => 0,
+        };
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        http::Response::new(full("ok"))
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"400ms\"\n"
+    ));
+    let mut c = h1_client(gw.addr).await;
+    assert_eq!(fetch(&mut c, "GET", "/fast").await.unwrap().status(), 200);
+    // Past the first request's deadline: the next one must not inherit it.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(fetch(&mut c, "GET", "/slow").await.unwrap().status(), 200);
+    assert_eq!(fetch(&mut c, "GET", "/slow").await.unwrap().status(), 200);
+    assert_eq!(fetch(&mut c, "GET", "/hang").await.unwrap().status(), 504);
+    assert_eq!(fetch(&mut c, "GET", "/fast").await.unwrap().status(), 200);
+    assert!(
+        gw.gw
+            .as_ref()
+            .unwrap()
+            .pool_stat(|s| s.reuses.load(Ordering::Relaxed))
+            >= 2,
+        "the slow requests went on the first request's connection"
+    );
+}

@@ -352,22 +352,31 @@ async fn forward(
     let response_timeout = remaining(route.response_timeout, total_deadline);
     let t_send = Instant::now();
     let mut hedged = false;
-    let raced = tokio::time::timeout(
-        response_timeout,
-        hedge::race(hedge, up.send(&parts, &added, body)),
-    )
-    .await;
+    let deadline = t_send + response_timeout;
+    let raced = match hedge {
+        // The connection keeps the deadline itself: an HTTP/1.1 one re-arms a timer it
+        // keeps from request to request, which costs no timer registration per request.
+        None => Ok(hedge::Raced::Primary(
+            up.send(&parts, &added, body, Some(deadline)).await,
+        )),
+        hedge => tokio::time::timeout_at(
+            deadline.into(),
+            hedge::race(hedge, up.send(&parts, &added, body, None)),
+        )
+        .await
+        .map_err(|_| ()),
+    };
     let sent = match raced {
+        Ok(hedge::Raced::Primary(Err(SendError::TimedOut))) | Err(()) => {
+            in_flight.failed();
+            return Err(ProxyError::UpstreamTimeout);
+        }
         Ok(hedge::Raced::Primary(r)) => r,
         Ok(hedge::Raced::Hedge(won)) => {
             let (resp, conn) = *won;
             hedged = true;
             up = conn;
             Ok(resp)
-        }
-        Err(_) => {
-            in_flight.failed();
-            return Err(ProxyError::UpstreamTimeout);
         }
     };
     let left =
@@ -523,7 +532,7 @@ fn send_on_new<'a>(
 ) -> std::pin::Pin<Box<impl std::future::Future<Output = Resent> + 'a>> {
     Box::pin(async move {
         *up = pool.connect().await?;
-        tokio::time::timeout(left, up.send(parts, added, body))
+        tokio::time::timeout(left, up.send(parts, added, body, None))
             .await
             .map_err(|_| ProxyError::UpstreamTimeout)
     })

@@ -79,6 +79,9 @@ pub enum SendError {
     Hyper(hyper::Error),
     #[error(transparent)]
     H1(H1Error),
+    /// The deadline given to [`Conn::send`] passed before the response head came.
+    #[error("the upstream did not answer in time")]
+    TimedOut,
 }
 
 /// The body of a request that was not sent.
@@ -141,17 +144,21 @@ impl Conn {
     /// Sends the request `parts` with `body` and waits for the response head. The head is
     /// borrowed, so a resend needs no copy of it kept aside; an HTTP/2 request is built
     /// from a copy fitted to that protocol (absolute-form, `:authority`).
+    ///
+    /// With a `deadline`, the response head must come before it ([`SendError::TimedOut`]).
     pub async fn send(
         &mut self,
         parts: &Parts,
         added: &Added,
         body: ReqBody,
+        deadline: Option<Instant>,
     ) -> Result<Response<UpBody>, SendError> {
         let addr = self.pool.addr;
         match &mut self.sender {
-            Sender::H1(c) => match c.send(parts, added, body, addr).await {
+            Sender::H1(c) => match c.send(parts, added, body, addr, deadline).await {
                 Ok(resp) => Ok(resp.map(|()| UpBody::H1)),
                 Err(H1SendError::NotSent(body)) => Err(SendError::NotSent(NotSentBody(body))),
+                Err(H1SendError::Failed(H1Error::TimedOut)) => Err(SendError::TimedOut),
                 Err(H1SendError::Failed(e)) => Err(SendError::H1(e)),
             },
             Sender::H2(s) => {
@@ -163,7 +170,13 @@ impl Conn {
                 let req = adapt_h2(req, self.pool.tls_enabled(), addr);
                 // On the heap: inline, hyper's future and the request would make every
                 // request's future (HTTP/1.1 ones too) larger, and each move of it dearer.
-                let sent = Box::pin(s.try_send_request(req)).await;
+                let sending = s.try_send_request(req);
+                let sent = match deadline {
+                    Some(d) => Box::pin(tokio::time::timeout_at(d.into(), sending))
+                        .await
+                        .map_err(|_| SendError::TimedOut)?,
+                    None => Box::pin(sending).await,
+                };
                 match sent {
                     Ok(resp) => Ok(resp.map(UpBody::Hyper)),
                     Err(mut e) => match e.take_message() {

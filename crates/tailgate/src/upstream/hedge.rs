@@ -183,7 +183,10 @@ impl<'a> Hedge<'a> {
                 return Err(e);
             }
         };
-        match conn.send(self.parts, self.added, ReqBody::empty()).await {
+        match conn
+            .send(self.parts, self.added, ReqBody::empty(), None)
+            .await
+        {
             Ok(resp) => {
                 in_flight.responded(resp.status());
                 Ok((resp, conn))
