@@ -100,8 +100,15 @@ impl ConnActivity {
     }
 
     pub fn end(&self) {
-        self.last_active_ms
-            .store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+        self.end_at(Instant::now());
+    }
+
+    /// [`end`](Self::end) at a time the caller already read.
+    pub fn end_at(&self, now: Instant) {
+        self.last_active_ms.store(
+            now.saturating_duration_since(self.epoch).as_millis() as u64,
+            Ordering::Relaxed,
+        );
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 
@@ -143,14 +150,15 @@ impl ExchangeRecorder {
         }
     }
 
-    /// A recorder that records nothing (what is left behind when the real one moves on).
-    pub fn detached() -> Self {
+    /// Moves the recording out (to the response body, which ends it), leaving one here
+    /// that records nothing.
+    pub fn take(&mut self) -> Self {
         ExchangeRecorder {
-            ex: None,
-            started: Instant::now(),
-            observers: Observers::default(),
-            metrics: None,
-            activity: None,
+            ex: self.ex.take(),
+            started: self.started,
+            observers: self.observers.clone(),
+            metrics: self.metrics.take(),
+            activity: self.activity.take(),
         }
     }
 
@@ -172,14 +180,19 @@ impl ExchangeRecorder {
     }
 
     pub fn finish(&mut self) {
+        self.finish_at(Instant::now());
+    }
+
+    /// [`finish`](Self::finish) with the time already read by the caller.
+    pub fn finish_at(&mut self, now: Instant) {
         if let Some(mut ex) = self.ex.take() {
-            ex.timings.total = self.started.elapsed();
+            ex.timings.total = now.saturating_duration_since(self.started);
             if let Some(m) = &self.metrics {
                 m.record(&ex);
             }
             self.observers.emit(&ex);
             if let Some(a) = &self.activity {
-                a.end();
+                a.end_at(now);
             }
         }
     }

@@ -330,10 +330,12 @@ impl UpstreamBody {
     }
 
     fn finish(&mut self) {
+        // One clock read for both: when the connection went idle, and the exchange's end.
+        let now = std::time::Instant::now();
         if let Some(conn) = self.conn.take() {
-            conn.release();
+            conn.release_at(now);
         }
         self.deadline = None;
-        self.recorder.finish();
+        self.recorder.finish_at(now);
     }
 }

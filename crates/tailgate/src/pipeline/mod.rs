@@ -172,7 +172,6 @@ async fn run(
             .tenant
             .or_else(|| shared.routes.tenant_of_host(host))
             .or(conn.tenant);
-        ex.timings.route = started.elapsed();
     }
 
     // 3. Authenticate and 4. rate limit: not configured in this version.
@@ -266,8 +265,12 @@ async fn forward(
     let cluster = &worker.upstreams.clusters[route.cluster];
     cluster.count_request();
     let (first, mut pool) = cluster.pick(None)?;
+    // One clock read ends the route stage and starts the upstream one.
     let t_connect = Instant::now();
-    let mut in_flight = pool.load.start();
+    if let Some(ex) = rec.exchange_mut() {
+        ex.timings.route = t_connect - started;
+    }
+    let mut in_flight = pool.load.start_at(t_connect);
     let mut up = match cluster.checkout(&pool).await {
         Ok(up) => up,
         // Nothing was sent: trying another endpoint is always safe.
@@ -300,7 +303,8 @@ async fn forward(
         in_flight.abandoned();
         return Err(ProxyError::UpgradeNeedsHttp1);
     }
-    let connect_time = t_connect.elapsed();
+    let t_send = Instant::now();
+    let connect_time = t_send - t_connect;
     if let Some(ex) = rec.exchange_mut() {
         ex.timings.upstream_connect = connect_time;
         ex.reused_connection = up.reused;
@@ -350,7 +354,6 @@ async fn forward(
     };
 
     let response_timeout = remaining(route.response_timeout, total_deadline);
-    let t_send = Instant::now();
     let mut hedged = false;
     let deadline = t_send + response_timeout;
     let raced = match hedge {
@@ -416,13 +419,14 @@ async fn forward(
         }
         Err(e) => Err(e),
     };
+    let t_head = Instant::now();
     let resp = match result.map_err(classify_send_error) {
         Ok(resp) if hedged => {
             in_flight.abandoned();
             resp
         }
         Ok(resp) => {
-            in_flight.responded(resp.status());
+            in_flight.responded_at(resp.status(), t_head);
             resp
         }
         Err(e) => {
@@ -432,10 +436,10 @@ async fn forward(
             return Err(e);
         }
     };
-    // The server will close this connection after the response: do not pool it.
-    up.closing = headers::connection_has(resp.headers(), "close");
+    // (Whether the server closes the connection after this response, the connection knows
+    // from the head it parsed.)
     up.response_ok = resp.status().is_success() || resp.status().is_redirection();
-    let ttfb = t_send.elapsed();
+    let ttfb = t_head - t_send;
     if let Some(l) = worker.upstreams.latency(route.id) {
         l.record(ttfb);
     }
@@ -488,7 +492,7 @@ async fn forward(
         return Ok(Response::from_parts(parts, RespBody::empty()));
     }
     let deadline = total_deadline.map(|d| Box::pin(tokio::time::sleep_until(d.into())));
-    let recorder = std::mem::replace(rec, ExchangeRecorder::detached());
+    let recorder = rec.take();
     let body = RespBody::Upstream(Box::new(UpstreamBody {
         inner: body,
         conn: Some(up),

@@ -90,15 +90,25 @@ impl EndpointLoad {
 
     /// A request starts here; the guard ends it.
     pub fn start(&self) -> InFlight<'_> {
+        self.start_at(Instant::now())
+    }
+
+    /// [`start`](Self::start) with the time already read by the caller.
+    pub fn start_at(&self, now: Instant) -> InFlight<'_> {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         InFlight {
             load: self,
-            started: Instant::now(),
+            started: now,
         }
     }
 
     fn sample(&self, rtt: Duration) {
-        let now = self.now_ns();
+        self.sample_at(rtt, Instant::now());
+    }
+
+    /// A latency sample taken at `at`.
+    fn sample_at(&self, rtt: Duration, at: Instant) {
+        let now = at.saturating_duration_since(self.epoch).as_nanos() as u64;
         let rtt = rtt.as_nanos() as f64;
         let prev = f64::from_bits(self.ewma_ns.load(Ordering::Relaxed));
         let last = self.last_sample_ns.swap(now, Ordering::Relaxed);
@@ -146,7 +156,13 @@ pub struct InFlight<'a> {
 impl InFlight<'_> {
     /// The response head arrived with `status`.
     pub fn responded(self, status: http::StatusCode) {
-        self.load.sample(self.started.elapsed());
+        self.responded_at(status, Instant::now());
+    }
+
+    /// [`responded`](Self::responded) with the time already read by the caller.
+    pub fn responded_at(self, status: http::StatusCode, now: Instant) {
+        self.load
+            .sample_at(now.saturating_duration_since(self.started), now);
         if status.is_server_error() {
             self.load.failure();
         } else {

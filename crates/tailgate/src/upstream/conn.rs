@@ -126,8 +126,6 @@ pub struct Conn {
     pub reused: bool,
     pub(super) created: Instant,
     pub(super) uses: u32,
-    /// The response said `Connection: close`: the server ends it after this exchange.
-    pub closing: bool,
     /// The response was a success (2xx/3xx): a close after it can teach the server's
     /// requests-per-connection limit (a close after an error cannot).
     pub response_ok: bool,
@@ -223,8 +221,13 @@ impl Conn {
     /// Ends the exchange after its response was read to the end: an HTTP/1.1 connection
     /// goes back to the idle list (or is retired); an HTTP/2 stream slot is freed.
     pub fn release(self) {
+        self.release_at(Instant::now());
+    }
+
+    /// [`release`](Self::release) at a time the caller already read.
+    pub fn release_at(self, now: Instant) {
         let pool = self.pool.clone();
-        pool.give_back(self);
+        pool.give_back(self, now);
     }
 }
 

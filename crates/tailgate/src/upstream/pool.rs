@@ -203,14 +203,14 @@ impl EndpointPool {
         }
     }
 
-    pub(super) fn give_back(&self, conn: Conn) {
+    pub(super) fn give_back(&self, conn: Conn, now: Instant) {
         let h1 = match conn.sender {
             // Dropping the slot frees the stream; the connection stays shared.
             Sender::H2(_) => return,
             Sender::H1(c) => c,
         };
         let uses = conn.uses + 1;
-        if conn.closing || !h1.reusable() {
+        if !h1.reusable() {
             self.stats.closed_by_server.fetch_add(1, Ordering::Relaxed);
             if conn.response_ok {
                 self.learn_from_close(uses);
@@ -237,7 +237,7 @@ impl EndpointPool {
         }
         self.put(Idle {
             conn: h1,
-            since: Instant::now(),
+            since: now,
             created: conn.created,
             uses,
         });
@@ -360,7 +360,6 @@ impl EndpointPool {
                 reused: true,
                 created: idle.created,
                 uses: idle.uses,
-                closing: false,
                 response_ok: false,
                 _slot: None,
             });
@@ -392,7 +391,6 @@ impl EndpointPool {
                     reused: true,
                     created,
                     uses: 0,
-                    closing: false,
                     response_ok: false,
                     _slot: Some(slot),
                 });
@@ -448,7 +446,6 @@ impl EndpointPool {
                 reused: false,
                 created: Instant::now(),
                 uses: 0,
-                closing: false,
                 response_ok: false,
                 _slot: None,
             },
@@ -458,7 +455,6 @@ impl EndpointPool {
                 reused: false,
                 created,
                 uses: 0,
-                closing: false,
                 response_ok: false,
                 _slot: slot,
             },
