@@ -443,6 +443,10 @@ async fn upstream_closing_idle_connections_is_invisible() {
         assert_eq!(resp.status(), 200);
         tokio::time::sleep(Duration::from_millis(150)).await;
     }
+    // Seen closed before use, not found out by a failed send (which a GET would survive
+    // by a retry, and a POST would not).
+    assert_eq!(stat(&gw, |s| s.retries.load(Ordering::Relaxed)), 0);
+    assert!(stat(&gw, |s| s.closed_by_server.load(Ordering::Relaxed)) >= 4);
 }
 
 /// An endpoint that refuses connections: requests still succeed (a connect failure is

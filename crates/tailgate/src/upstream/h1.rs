@@ -166,9 +166,21 @@ impl H1Conn {
         if !self.reusable() {
             return true;
         }
-        let mut cx = Context::from_waker(Waker::noop());
-        // Anything ready (end of stream, an error, or bytes nobody asked for): not usable.
-        self.poll_fill(&mut cx).is_ready()
+        match &self.io {
+            // `try_read` looks at the readiness first and returns at once when there is
+            // none (no system call, no waker stored); anything read means the connection
+            // is not usable: end of stream, an error, or bytes nobody asked for.
+            Transport::Tcp(s) => !matches!(
+                s.try_read(&mut [0u8; 1]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock
+            ),
+            // Through TLS: records such as session tickets may be waiting, which the TLS
+            // layer must read itself.
+            Transport::Tls(_) => {
+                let mut cx = Context::from_waker(Waker::noop());
+                self.poll_fill(&mut cx).is_ready()
+            }
+        }
     }
 
     /// Writes the request and reads the response head (skipping 1xx interim responses),
