@@ -20,7 +20,7 @@ static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host"
 pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) -> bool {
     // Most messages carry none of these: one pass over the names (cheap comparisons for
     // standard headers) spares a dozen hashed removals per message.
-    if !headers.keys().any(is_hop_by_hop) {
+    if !has_hop_by_hop(headers) {
         if keep_upgrade {
             headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         }
@@ -55,6 +55,11 @@ pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) -> bool {
         headers.remove(header::UPGRADE);
     }
     true
+}
+
+/// Does the message carry any hop-by-hop header? One pass over the names, no lookup.
+pub fn has_hop_by_hop(headers: &HeaderMap) -> bool {
+    headers.keys().any(is_hop_by_hop)
 }
 
 fn is_hop_by_hop(n: &HeaderName) -> bool {

@@ -188,7 +188,9 @@ async fn run(
 /// `101` the connection must close after it.
 fn sticky_upgrade<B>(req: &Request<B>) -> bool {
     req.version() <= http::Version::HTTP_11
-        && (req.headers().contains_key(header::UPGRADE) || req.method() == http::Method::CONNECT)
+        && (req.method() == http::Method::CONNECT
+            || headers::has_hop_by_hop(req.headers())
+                && req.headers().contains_key(header::UPGRADE))
 }
 
 fn close_after_refused_upgrade(mut resp: Response<RespBody>, sticky: bool) -> Response<RespBody> {
@@ -199,13 +201,10 @@ fn close_after_refused_upgrade(mut resp: Response<RespBody>, sticky: bool) -> Re
     resp
 }
 
+/// The body length the request declared (`Content-Length`), as its body already knows it
+/// (hyper framed the body by it, so no header lookup and parse again).
 fn declared_length(req: &Request<Incoming>) -> Option<u64> {
-    req.headers()
-        .get(header::CONTENT_LENGTH)?
-        .to_str()
-        .ok()?
-        .parse()
-        .ok()
+    http_body::Body::size_hint(req.body()).exact()
 }
 
 async fn forward(
@@ -218,7 +217,10 @@ async fn forward(
     rec: &mut ExchangeRecorder,
 ) -> Result<Response<RespBody>, ProxyError> {
     let settings = &worker.shared.settings;
-    let upgrade = headers::wants_upgrade(req.headers());
+    // Upgrade, Connection and TE are hop-by-hop headers: most requests carry none, which
+    // one pass over the names tells, sparing the lookups below.
+    let hop = headers::has_hop_by_hop(req.headers());
+    let upgrade = hop && headers::wants_upgrade(req.headers());
     let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     let total_deadline = route.total_timeout.map(|t| started + t);
 
@@ -233,9 +235,9 @@ async fn forward(
     };
     // `TE: trailers` is kept for HTTP/2 upstreams (gRPC servers require it); the
     // connection drops it for HTTP/1.1 ones, where TE is hop-by-hop.
-    let te_trailers = headers::te_has_trailers(&parts.headers);
+    let te_trailers = hop && headers::te_has_trailers(&parts.headers);
     // A `Connection` header may name `Host`: then it is put back below.
-    let removed = headers::remove_hop_by_hop(&mut parts.headers, upgrade);
+    let removed = hop && headers::remove_hop_by_hop(&mut parts.headers, upgrade);
     if te_trailers {
         parts
             .headers
