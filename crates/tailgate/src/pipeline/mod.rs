@@ -259,10 +259,14 @@ async fn forward(
     {
         parts.headers.insert(header::HOST, h);
     }
-    parts.uri = match parts.uri.path_and_query() {
-        Some(pq) => http::Uri::from(pq.clone()),
-        None => http::Uri::from_static("/"),
-    };
+    // Origin-form, as most requests already are (absolute-form and h2's scheme and
+    // authority are dropped; the authority went to Host above).
+    if parts.uri.scheme().is_some() || parts.uri.authority().is_some() {
+        parts.uri = match parts.uri.path_and_query() {
+            Some(pq) => http::Uri::from(pq.clone()),
+            None => http::Uri::from_static("/"),
+        };
+    }
     parts.version = http::Version::HTTP_11;
     let cluster = &worker.upstreams.clusters[route.cluster];
     cluster.count_request();
