@@ -168,6 +168,7 @@ where
         .header_read_timeout(None)
         .max_header_size(settings.max_header_bytes)
         .keep_alive(true)
+        .writev(false)
         .serve_connection(TokioIo::new(io), service)
         .with_upgrades();
     drive(conn, ctx.shutdown, &info, settings.idle_timeout, |c| {
