@@ -468,3 +468,335 @@ async fn each_request_on_a_reused_connection_gets_its_own_deadline() {
         "the slow requests went on the first request's connection"
     );
 }
+
+// ---- review-h1: regression tests for defects found in review ----
+
+/// RFC 9112 §3.2.2: a request in absolute-form is routed by its target's authority, so the
+/// Host sent upstream must be that authority, not the client's (different) Host header.
+#[tokio::test]
+async fn r_absolute_form_target_replaces_the_host_header() {
+    let up = scripted(
+        |_| answer("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
+        false,
+    )
+    .await;
+    let gw = TestGateway::to(up.addr, "");
+    let (text, _) = raw(
+        gw.addr,
+        b"GET http://routed.test/x HTTP/1.1\r\nhost: other.test\r\n\r\n",
+        Duration::from_millis(500),
+    )
+    .await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    let seen = up.requests.lock().unwrap().clone();
+    let req = seen[0].to_lowercase();
+    assert!(req.contains("\r\nhost: routed.test\r\n"), "{req}");
+    assert!(!req.contains("other.test"), "{req}");
+}
+
+/// A response whose last transfer coding is not chunked (here gzip) is read until close;
+/// its Transfer-Encoding header is hop-by-hop and removed, so the client must not get the
+/// still-gzip-coded bytes as if they were the identity body (nginx answers 502).
+#[tokio::test]
+async fn r_unknown_transfer_coding_is_not_passed_off_as_identity() {
+    let up = scripted(
+        |_| answer("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n\x1f\x08GZIPPED", true),
+        false,
+    )
+    .await;
+    let gw = TestGateway::to(up.addr, "");
+    let mut c = h1_client(gw.addr).await;
+    let r = fetch(&mut c, "GET", "/").await.unwrap();
+    // (The client's own framing is hyper's re-chunking: only a gzip coding named to the
+    // client would keep the bytes meaningful.)
+    let coded = r
+        .headers()
+        .get_all("transfer-encoding")
+        .iter()
+        .chain(r.headers().get_all("content-encoding").iter())
+        .any(|v| v.to_str().unwrap().contains("gzip"));
+    assert!(
+        r.status() == 502 || coded,
+        "client got a transfer-coded body labelled as identity: {:?} {:?} {:?}",
+        r.status(),
+        r.headers(),
+        r.body()
+    );
+}
+
+/// RFC 9112 §6.3 (3): a response with both Transfer-Encoding and Content-Length "ought to
+/// be handled as an error" (response splitting); at the least its connection must not be
+/// reused (nginx answers 502: "upstream sent Content-Length and Transfer-Encoding").
+#[tokio::test]
+async fn r_te_with_content_length_does_not_keep_the_connection() {
+    let up = scripted(
+        |_| {
+            answer(
+                "HTTP/1.1 200 OK\r\ncontent-length: 7\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+                false,
+            )
+        },
+        false,
+    )
+    .await;
+    let gw = TestGateway::to(up.addr, "");
+    let mut c = h1_client(gw.addr).await;
+    for _ in 0..2 {
+        let _ = fetch(&mut c, "GET", "/").await;
+    }
+    assert_eq!(up.conns.load(Ordering::SeqCst), 2, "connection reused");
+}
+
+/// RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing and its
+/// connection must be closed after it (hyper's client refuses it outright).
+#[tokio::test]
+async fn r_http10_with_transfer_encoding_does_not_keep_the_connection() {
+    let up = scripted(
+        |_| {
+            answer(
+                "HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+                false,
+            )
+        },
+        false,
+    )
+    .await;
+    let gw = TestGateway::to(up.addr, "");
+    let mut c = h1_client(gw.addr).await;
+    for _ in 0..2 {
+        let _ = fetch(&mut c, "GET", "/").await;
+    }
+    assert_eq!(up.conns.load(Ordering::SeqCst), 2, "connection reused");
+}
+
+/// RFC 9112 §3.2: more than one Host header is a 400; the gateway routes by the first and
+/// forwards both, so the upstream may pick the other one.
+#[tokio::test]
+async fn r_two_host_headers_are_refused() {
+    let up = scripted(
+        |_| answer("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
+        false,
+    )
+    .await;
+    let gw = TestGateway::to(up.addr, "");
+    let (text, _) = raw(
+        gw.addr,
+        b"GET /x HTTP/1.1\r\nhost: a.test\r\nhost: b.test\r\n\r\n",
+        Duration::from_millis(500),
+    )
+    .await;
+    let seen = up.requests.lock().unwrap().clone();
+    assert!(text.starts_with("HTTP/1.1 400"), "{text} / upstream saw {seen:?}");
+}
+
+/// RFC 9113 §8.2.3: an HTTP/2 client may split Cookie into several fields; before the
+/// request goes into HTTP/1.1 they MUST be joined into one with "; " (nginx does). Many
+/// HTTP/1.1 servers read only the first Cookie line.
+#[tokio::test]
+async fn r_h2_cookie_fields_are_joined_for_http1_upstreams() {
+    let up = scripted(
+        |_| answer("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
+        false,
+    )
+    .await;
+    let gw = TestGateway::to(up.addr, "");
+    let stream = TcpStream::connect(gw.addr).await.unwrap();
+    let (mut c, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::get("http://api.test/c")
+        .header("cookie", "a=1")
+        .header("cookie", "b=2")
+        .body(full(""))
+        .unwrap();
+    let resp = c.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let seen = up.requests.lock().unwrap().clone();
+    let req = seen[0].to_lowercase();
+    assert_eq!(req.matches("\r\ncookie:").count(), 1, "{req}");
+    assert!(req.contains("\r\ncookie: a=1; b=2\r\n"), "{req}");
+}
+
+/// The response deadline must hold while the request head is being flushed. Over TLS,
+/// `poll_write` only buffers into rustls; the bytes go out in `poll_flush`, and `send()`
+/// returns `Pending` from there without polling the deadline timer (h1.rs, the write
+/// loop's `poll_flush`). An upstream that stops reading (frozen, or a path that went dark)
+/// then holds the request until TCP gives up, far past `response_timeout`.
+///
+/// The upstream clamps its MSS and receive buffer so that loopback behaves like a real
+/// path (a send buffer of tens of KB, not megabytes); the request head is ~48 KB, under
+/// rustls's 64 KiB output buffer, so the write "completes" and the flush is what waits.
+#[tokio::test]
+async fn r_tls_head_flush_is_bounded_by_the_response_deadline() {
+    use common::tls::{Pki, ServerOpts, server_config};
+    let pki = Pki::new();
+    let acceptor = tokio_rustls::TlsAcceptor::from(server_config(&pki, &ServerOpts::default()));
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    sock.set_recv_buffer_size(2048).unwrap();
+    sock.set_tcp_mss(536).unwrap();
+    sock.bind(&"127.0.0.1:0".parse::<std::net::SocketAddr>().unwrap().into())
+        .unwrap();
+    sock.listen(16).unwrap();
+    sock.set_nonblocking(true).unwrap();
+    let l = TcpListener::from_std(std::net::TcpListener::from(sock)).unwrap();
+    let up = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                // Handshake, then never read again (the server is stuck).
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                drop(tls);
+            });
+        }
+    });
+    let gw = TestGateway::start(&format!(
+        "[server]\nworkers = 1\nshutdown_grace = \"1s\"\nmax_header_bytes = 262144\n[[cluster]]\nname = \"up\"\nendpoints = [\"https://{up}\"]\ntls_ca = \"{}\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"300ms\"\n",
+        pki.path("ca.pem")
+    ));
+    // Control: a small head goes out whole; the deadline answers 504.
+    let (text, _) = raw(
+        gw.addr,
+        b"GET /small HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n",
+        Duration::from_secs(3),
+    )
+    .await;
+    assert!(text.starts_with("HTTP/1.1 504"), "small head: {text:?}");
+    // A ~48 KB head: the flush waits on a full socket; the deadline must still answer.
+    let mut head = String::from("GET /big HTTP/1.1\r\nhost: a\r\nconnection: close\r\n");
+    for i in 0..12 {
+        head.push_str(&format!("x-big-{i}: {}\r\n", "a".repeat(4000)));
+    }
+    head.push_str("\r\n");
+    let started = std::time::Instant::now();
+    let (text, _) = raw(gw.addr, head.as_bytes(), Duration::from_secs(5)).await;
+    assert!(
+        text.starts_with("HTTP/1.1 504"),
+        "no answer {:?} after the 300 ms deadline: {text:?}",
+        started.elapsed()
+    );
+}
+
+/// Sanity (not a bug claim): an upstream that echoes the body as it arrives, with a client
+/// that sends its next piece only after it saw the previous one echoed.
+#[tokio::test]
+async fn r_interactive_echo_is_full_duplex() {
+    let up = echo_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"POST /e HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let until = |got: &Vec<u8>, w: &str| String::from_utf8_lossy(got).contains(w);
+    while !until(&got, "hello") {
+        let n = tokio::time::timeout(Duration::from_secs(3), s.read(&mut buf))
+            .await
+            .expect("first piece echoed")
+            .unwrap();
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+    s.write_all(b"5\r\nworld\r\n0\r\n\r\n").await.unwrap();
+    while !until(&got, "world") {
+        let n = tokio::time::timeout(Duration::from_secs(3), s.read(&mut buf))
+            .await
+            .expect("second piece echoed")
+            .unwrap();
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+}
+
+/// Sanity (not a bug claim): POSTs with Content-Length bodies keep their upstream
+/// connection.
+#[tokio::test]
+async fn r_posts_with_bodies_reuse_the_connection() {
+    let up = scripted(
+        |_| answer("HTTP/1.1 201 Created\r\ncontent-length: 0\r\n\r\n", false),
+        false,
+    )
+    .await;
+    let gw = TestGateway::to(up.addr, "");
+    let mut c = h1_client(gw.addr).await;
+    for i in 0..5 {
+        let r = c
+            .send_request(
+                http::Request::post("/p")
+                    .header("host", "a")
+                    .body(full(format!("body-{i}")))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 201);
+        r.into_body().collect().await.unwrap();
+    }
+    assert_eq!(up.conns.load(Ordering::SeqCst), 1);
+}
+
+/// Behaviour to confirm (not RFC-mandated either way): an upstream that answers a complete
+/// 2xx before the upload ends and keeps reading the body (an ingest endpoint answering
+/// "202 Accepted" up front). hyper's client, which this code replaced, kept writing the
+/// body after the response ended; here `body_ended` abandons it and closes the connection,
+/// so the upstream gets a truncated upload while the client got a 2xx.
+#[tokio::test]
+async fn r_early_complete_answer_keeps_the_upload_going() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    let received = Arc::new(AtomicUsize::new(0));
+    let r = received.clone();
+    tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 16384];
+        let head_end = loop {
+            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+            let n = s.read(&mut chunk).await.unwrap();
+            buf.extend_from_slice(&chunk[..n]);
+        };
+        s.write_all(b"HTTP/1.1 202 Accepted\r\ncontent-length: 2\r\n\r\nok")
+            .await
+            .unwrap();
+        let mut got = buf.len() - head_end;
+        r.store(got, Ordering::SeqCst);
+        while got < 20_000 {
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    got += n;
+                    r.store(got, Ordering::SeqCst);
+                }
+            }
+        }
+    });
+    let gw = TestGateway::to(up, "");
+    let mut c = TcpStream::connect(gw.addr).await.unwrap();
+    c.write_all(b"POST /ingest HTTP/1.1\r\nhost: a\r\ncontent-length: 20000\r\n\r\n")
+        .await
+        .unwrap();
+    c.write_all(&[b'x'; 1000]).await.unwrap();
+    let mut resp = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&resp).ends_with("ok") {
+        let n = tokio::time::timeout(Duration::from_secs(3), c.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0);
+        resp.extend_from_slice(&buf[..n]);
+    }
+    let _ = c.write_all(&[b'x'; 19_000]).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(received.load(Ordering::SeqCst), 20_000, "upload cut short");
+}

@@ -137,8 +137,15 @@ async fn run(
     }
 
     // 2. Route: the host decides the tenant, the path and method the route.
-    let Some(host) = route::request_host(&req) else {
-        return fail(&mut rec, ProxyError::BadRequest("no Host header"));
+    let host = match route::request_host(&req) {
+        Ok(Some(host)) => host,
+        Ok(None) => return fail(&mut rec, ProxyError::BadRequest("no Host header")),
+        Err(route::SeveralHosts) => {
+            return fail(
+                &mut rec,
+                ProxyError::BadRequest("more than one Host header"),
+            );
+        }
     };
     let lower;
     let host = if host.bytes().any(|b| b.is_ascii_uppercase()) {
@@ -226,12 +233,12 @@ async fn forward(
 
     // The upstream request: origin-form URI, the client's Host, hop-by-hop headers gone.
     let (mut parts, body) = req.into_parts();
-    // The Host to send, and whether the headers lack it (an absolute-form request).
+    // The Host to send, and whether the headers do not carry it: an absolute-form target
+    // (or HTTP/2's `:authority`) routed the request, so its authority replaces any Host
+    // the client sent (RFC 9112 §3.2.2).
     let (host_value, host_missing) = match parts.uri.authority() {
-        Some(a) if !parts.headers.contains_key(header::HOST) => {
-            (HeaderValue::from_str(a.as_str()).ok(), true)
-        }
-        _ => (parts.headers.get(header::HOST).cloned(), false),
+        Some(a) => (HeaderValue::from_str(a.as_str()).ok(), true),
+        None => (parts.headers.get(header::HOST).cloned(), false),
     };
     // `TE: trailers` is kept for HTTP/2 upstreams (gRPC servers require it); the
     // connection drops it for HTTP/1.1 ones, where TE is hop-by-hop.

@@ -161,13 +161,25 @@ impl RouteTable {
 
 /// The host of a request, lower case and without port: from the URI authority (HTTP/2,
 /// absolute-form) or the Host header.
-pub fn request_host<B>(req: &http::Request<B>) -> Option<&str> {
+///
+/// [`SeveralHosts`] for more than one Host header: which one names the request would be
+/// ambiguous (RFC 9112 §3.2 asks for a 400).
+pub fn request_host<B>(req: &http::Request<B>) -> Result<Option<&str>, SeveralHosts> {
+    let mut hosts = req.headers().get_all(http::header::HOST).iter();
+    let first = hosts.next();
+    if hosts.next().is_some() {
+        return Err(SeveralHosts);
+    }
     let raw = match req.uri().authority() {
-        Some(a) => a.host(),
-        None => req.headers().get(http::header::HOST)?.to_str().ok()?,
+        Some(a) => Some(a.host()),
+        None => first.and_then(|h| h.to_str().ok()),
     };
-    Some(strip_port(raw))
+    Ok(raw.map(strip_port))
 }
+
+/// A request with more than one Host header.
+#[derive(Debug)]
+pub struct SeveralHosts;
 
 fn strip_port(h: &str) -> &str {
     if h.starts_with('[') {
