@@ -500,7 +500,12 @@ async fn r_absolute_form_target_replaces_the_host_header() {
 #[tokio::test]
 async fn r_unknown_transfer_coding_is_not_passed_off_as_identity() {
     let up = scripted(
-        |_| answer("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n\x1f\x08GZIPPED", true),
+        |_| {
+            answer(
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n\x1f\x08GZIPPED",
+                true,
+            )
+        },
         false,
     )
     .await;
@@ -586,7 +591,10 @@ async fn r_two_host_headers_are_refused() {
     )
     .await;
     let seen = up.requests.lock().unwrap().clone();
-    assert!(text.starts_with("HTTP/1.1 400"), "{text} / upstream saw {seen:?}");
+    assert!(
+        text.starts_with("HTTP/1.1 400"),
+        "{text} / upstream saw {seen:?}"
+    );
 }
 
 /// RFC 9113 §8.2.3: an HTTP/2 client may split Cookie into several fields; before the
@@ -638,8 +646,13 @@ async fn r_tls_head_flush_is_bounded_by_the_response_deadline() {
     let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
     sock.set_recv_buffer_size(2048).unwrap();
     sock.set_tcp_mss(536).unwrap();
-    sock.bind(&"127.0.0.1:0".parse::<std::net::SocketAddr>().unwrap().into())
-        .unwrap();
+    sock.bind(
+        &"127.0.0.1:0"
+            .parse::<std::net::SocketAddr>()
+            .unwrap()
+            .into(),
+    )
+    .unwrap();
     sock.listen(16).unwrap();
     sock.set_nonblocking(true).unwrap();
     let l = TcpListener::from_std(std::net::TcpListener::from(sock)).unwrap();

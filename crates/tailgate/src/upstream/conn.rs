@@ -225,8 +225,32 @@ impl Conn {
     }
 
     /// [`release`](Self::release) at a time the caller already read.
-    pub fn release_at(self, now: Instant) {
+    ///
+    /// An HTTP/1.1 server that answered before the request body ended, and keeps the
+    /// connection, still gets the rest of the body (it may be reading it): a task of its
+    /// own writes it, within the pool's idle timeout, then gives the connection back.
+    pub fn release_at(mut self, now: Instant) {
         let pool = self.pool.clone();
+        if let Sender::H1(c) = &mut self.sender
+            && c.upload_pending()
+        {
+            let limit = pool.idle_timeout();
+            tokio::spawn(async move {
+                let uploaded = tokio::time::timeout(
+                    limit,
+                    std::future::poll_fn(|cx| match &mut self.sender {
+                        Sender::H1(c) => c.poll_upload(cx),
+                        Sender::H2(_) => Poll::Ready(Ok(())),
+                    }),
+                )
+                .await;
+                if matches!(uploaded, Ok(Ok(()))) {
+                    let pool = self.pool.clone();
+                    pool.give_back(self, Instant::now());
+                }
+            });
+            return;
+        }
         pool.give_back(self, now);
     }
 }

@@ -130,6 +130,10 @@ pub struct H1Conn {
     sending: Option<Sending>,
     /// Neither side asked to close, and nothing went wrong.
     keep_alive: bool,
+    /// The server closes the connection after this response (it said so, or it is an
+    /// HTTP/1.0 server, or it ended the body by closing): what teaches the pool the
+    /// server's requests-per-connection limit. Closes the gateway decides on do not.
+    peer_closed: bool,
     /// The response deadline, re-armed for each request: moving a registered timer later
     /// is one atomic update, where a new timer per request costs a registration in the
     /// runtime's timer wheel and a removal (about 1,400 instructions).
@@ -146,6 +150,7 @@ impl H1Conn {
             framing: Framing::Done,
             sending: None,
             keep_alive: true,
+            peer_closed: false,
             timer: None,
         }
     }
@@ -195,6 +200,10 @@ impl H1Conn {
     ) -> Result<Response<()>, H1SendError> {
         self.framing = Framing::Done;
         self.sending = None;
+        // Not reusable until a response head says so: a send dropped half-way (a hedge
+        // lost, a timeout) leaves a connection nobody may pool.
+        self.keep_alive = false;
+        self.peer_closed = false;
         let timed = match (deadline, self.timer.as_mut()) {
             (Some(d), Some(t)) => {
                 t.as_mut().reset(d.into());
@@ -221,7 +230,13 @@ impl H1Conn {
                     Poll::Pending => return Poll::Pending,
                 }
             }
-            Pin::new(&mut self.io).poll_flush(cx)
+            // Over TLS the bytes leave in the flush: it waits under the deadline too.
+            match Pin::new(&mut self.io).poll_flush(cx) {
+                Poll::Pending if timed && self.timer_fired(cx) => {
+                    Poll::Ready(Err(io::ErrorKind::TimedOut.into()))
+                }
+                r => r,
+            }
         })
         .await;
         if let Err(e) = wrote {
@@ -279,6 +294,7 @@ impl H1Conn {
         w.extend_from_slice(if target.is_empty() { "/" } else { target }.as_bytes());
         w.extend_from_slice(b" HTTP/1.1\r\n");
         let mut had_length = false;
+        let mut cookie_done = false;
         for (name, value) in &parts.headers {
             if name == header::CONTENT_LENGTH {
                 had_length = true;
@@ -286,6 +302,22 @@ impl H1Conn {
             }
             // TE is kept for HTTP/2 upstreams only (hop-by-hop here).
             if name == header::TRANSFER_ENCODING || name == header::TE || added.replaces(name) {
+                continue;
+            }
+            if name == header::COOKIE {
+                // An HTTP/2 client may split Cookie into fields; HTTP/1.1 gets one line,
+                // joined with "; " (RFC 9113 §8.2.3).
+                if !cookie_done {
+                    cookie_done = true;
+                    w.extend_from_slice(b"cookie: ");
+                    for (i, v) in parts.headers.get_all(header::COOKIE).iter().enumerate() {
+                        if i > 0 {
+                            w.extend_from_slice(b"; ");
+                        }
+                        w.extend_from_slice(v.as_bytes());
+                    }
+                    w.extend_from_slice(b"\r\n");
+                }
                 continue;
             }
             put_header(w, name, value);
@@ -476,8 +508,9 @@ impl H1Conn {
             // Room for one more: the request id the gateway adds to every response.
             let mut map = HeaderMap::with_capacity(at.len() + 1);
             let mut length: Option<u64> = None;
-            let mut chunked = None;
-            let mut close = version == Version::HTTP_10;
+            // Transfer-Encoding: absent, exactly `chunked`, or something else.
+            let mut coding: Option<bool> = None;
+            let (mut close_token, mut keep_alive_token) = (false, false);
             for &(ns, ne, vs, ve) in &self.header_at {
                 let name = HeaderName::from_bytes(&head[ns..ne])
                     .map_err(|_| H1Error::BadResponse("invalid header name"))?;
@@ -491,47 +524,57 @@ impl H1Conn {
                     }
                     length = Some(n);
                 } else if name == header::TRANSFER_ENCODING {
-                    // The last coding decides: chunked, or read until close.
-                    chunked = Some(last_token_is(value.as_bytes(), b"chunked"));
+                    // Only `chunked`, once, is understood; a second field or another coding
+                    // (gzip, …) would reach the client as if it were the body itself.
+                    coding = Some(
+                        coding.is_none()
+                            && value
+                                .as_bytes()
+                                .trim_ascii()
+                                .eq_ignore_ascii_case(b"chunked"),
+                    );
                 } else if name == header::CONNECTION {
-                    if token_in(value.as_bytes(), b"close") {
-                        close = true;
-                    } else if version == Version::HTTP_10
-                        && token_in(value.as_bytes(), b"keep-alive")
-                    {
-                        close = false;
-                    }
+                    close_token |= token_in(value.as_bytes(), b"close");
+                    keep_alive_token |= token_in(value.as_bytes(), b"keep-alive");
                 }
                 map.append(name, value);
             }
-            if close {
-                self.keep_alive = false;
-            }
-            self.framing = if head_request
+            // Any `close` wins; an HTTP/1.0 server keeps the connection only when it says so.
+            self.peer_closed = close_token || (version == Version::HTTP_10 && !keep_alive_token);
+            self.keep_alive = !self.peer_closed;
+            let no_body = head_request
                 || status == StatusCode::NO_CONTENT
-                || status == StatusCode::NOT_MODIFIED
-            {
+                || status == StatusCode::NOT_MODIFIED;
+            self.framing = if no_body {
                 Framing::Done
             } else if status == StatusCode::SWITCHING_PROTOCOLS {
                 // The connection becomes the tunnel; it never returns to the pool.
                 self.keep_alive = false;
                 Framing::Done
-            } else if let Some(chunked) = chunked {
-                // Transfer-Encoding overrides Content-Length (RFC 9112 §6.3), which must
-                // not reach the client beside the new framing.
-                map.remove(header::CONTENT_LENGTH);
-                if chunked {
-                    Framing::Chunked(Chunk::Size)
-                } else {
-                    self.keep_alive = false;
-                    Framing::UntilClose
+            } else if let Some(chunked) = coding {
+                // RFC 9112 §6.1: Transfer-Encoding in HTTP/1.0 is faulty framing.
+                if version == Version::HTTP_10 {
+                    return Err(H1Error::BadResponse(
+                        "Transfer-Encoding in an HTTP/1.0 response",
+                    ));
                 }
+                if !chunked {
+                    return Err(H1Error::BadResponse("unsupported Transfer-Encoding"));
+                }
+                // Transfer-Encoding overrides Content-Length (RFC 9112 §6.3), which must
+                // not reach the client beside the new framing; such a response may be an
+                // attempt at splitting, so its connection is not used again.
+                if map.remove(header::CONTENT_LENGTH).is_some() {
+                    self.keep_alive = false;
+                }
+                Framing::Chunked(Chunk::Size)
             } else {
                 match length {
                     Some(0) => Framing::Done,
                     Some(n) => Framing::Length(n),
                     None => {
                         self.keep_alive = false;
+                        self.peer_closed = true;
                         Framing::UntilClose
                     }
                 }
@@ -549,13 +592,35 @@ impl H1Conn {
         }
     }
 
-    /// The response body has ended: a request body still being written is abandoned (the
-    /// upstream answered without it), and the connection is not reused.
+    /// The response body has ended. A request body still being written keeps going when
+    /// the server did not ask to close (RFC 9110 §9.3.3's early answer: a server reading on,
+    /// as hyper's client did; see [`Self::upload_pending`]); with a close, it is abandoned.
     fn body_ended(&mut self) {
         self.framing = Framing::Done;
-        if self.sending.take().is_some() {
-            self.keep_alive = false;
+        if !self.keep_alive {
+            self.sending = None;
         }
+    }
+
+    /// The response ended while the request body is still being written to a server that
+    /// keeps the connection: [`Self::poll_upload`] finishes it.
+    pub fn upload_pending(&self) -> bool {
+        self.sending.is_some() && self.keep_alive && matches!(self.framing, Framing::Done)
+    }
+
+    /// Writes the rest of the request body after the response ended.
+    pub fn poll_upload(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), H1Error>> {
+        self.drive_sending(cx)?;
+        if self.sending.is_none() {
+            Poll::Ready(Ok(()))
+        } else {
+            Poll::Pending
+        }
+    }
+
+    /// Did the server close (or say it closes) the connection after the last response?
+    pub fn peer_closed(&self) -> bool {
+        self.peer_closed
     }
 
     /// The next piece of the response body (`None` at its end), writing the rest of the
@@ -605,8 +670,8 @@ impl H1Conn {
             };
             match ready!(self.poll_fill(cx)) {
                 Ok(0) if matches!(step, Step::FillOrEnd) => {
-                    self.body_ended();
                     self.keep_alive = false;
+                    self.body_ended();
                     return Poll::Ready(None);
                 }
                 Ok(0) => {
@@ -855,13 +920,6 @@ fn token_in(v: &[u8], token: &[u8]) -> bool {
         .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
 }
 
-/// Is `token` the last element of the comma-separated list `v`?
-fn last_token_is(v: &[u8], token: &[u8]) -> bool {
-    v.rsplit(|&b| b == b',')
-        .next()
-        .is_some_and(|t| t.trim_ascii().eq_ignore_ascii_case(token))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -894,7 +952,5 @@ mod tests {
     fn list_tokens() {
         assert!(token_in(b"keep-alive, Close", b"close"));
         assert!(!token_in(b"closed", b"close"));
-        assert!(last_token_is(b"gzip, chunked", b"chunked"));
-        assert!(!last_token_is(b"chunked, gzip", b"chunked"));
     }
 }

@@ -187,6 +187,10 @@ impl EndpointPool {
             .map(|interval| (interval, self.connect_timeout))
     }
 
+    pub(super) fn idle_timeout(&self) -> Duration {
+        self.idle_timeout
+    }
+
     pub(super) fn tls_enabled(&self) -> bool {
         self.tls.is_some()
     }
@@ -211,9 +215,13 @@ impl EndpointPool {
         };
         let uses = conn.uses + 1;
         if !h1.reusable() {
-            self.stats.closed_by_server.fetch_add(1, Ordering::Relaxed);
-            if conn.response_ok {
-                self.learn_from_close(uses);
+            // Only the server's own closes teach its limit; the gateway's (a body left
+            // unread, bytes after the response, a broken exchange) do not.
+            if h1.peer_closed() {
+                self.stats.closed_by_server.fetch_add(1, Ordering::Relaxed);
+                if conn.response_ok {
+                    self.learn_from_close(uses);
+                }
             }
             self.owe_replacement();
             return;
