@@ -10,8 +10,11 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
+use futures_util::task::AtomicWaker;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -196,6 +199,11 @@ where
 
 /// Polls a connection to its end, closing it gracefully at shutdown or after `idle` with no
 /// request in flight.
+///
+/// The connection is what wakes this task on nearly every wake-up (a request arrives, the
+/// upstream answers), so the shutdown signal and the idle timer are not polled on each one:
+/// they are polled with their own waker, and only after it fired. Polling them each time
+/// cost a lock of the shutdown signal's waiter list and a timer poll, twice per request.
 async fn drive<C, E>(
     conn: C,
     mut shutdown: watch::Receiver<bool>,
@@ -211,33 +219,79 @@ async fn drive<C, E>(
     if closing {
         graceful(conn.as_mut());
     }
-    let idle_timer = tokio::time::sleep(idle);
-    let mut idle_timer = std::pin::pin!(idle_timer);
-    loop {
-        // Biased: the connection first, on every wake-up (it is what wakes this task on
-        // nearly every one); no random branch order to draw per poll.
-        tokio::select! {
-            biased;
-            res = conn.as_mut() => {
+    // Any change of the shutdown value (or its sender going away) means: close.
+    let mut stop = std::pin::pin!(async move {
+        let _ = shutdown.changed().await;
+    });
+    let mut idle_timer = std::pin::pin!(tokio::time::sleep(idle));
+    let side = Arc::new(SideWake::default());
+    let side_waker = Waker::from(side.clone());
+    std::future::poll_fn(|cx| {
+        loop {
+            if let Poll::Ready(res) = conn.as_mut().poll(cx) {
                 if let Err(e) = res {
                     tracing::debug!(client.addr = %info.client, error = %e, "client connection ended with an error");
                 }
-                return;
+                return Poll::Ready(());
             }
-            _ = shutdown.changed(), if !closing => {
+            if closing {
+                return Poll::Pending;
+            }
+            // Registered before the flag is read: a wake-up in between is not lost.
+            side.task.register(cx.waker());
+            if !side.woken.swap(false, Ordering::AcqRel) {
+                return Poll::Pending;
+            }
+            let mut side_cx = Context::from_waker(&side_waker);
+            if stop.as_mut().poll(&mut side_cx).is_ready() {
                 closing = true;
                 graceful(conn.as_mut());
+                continue;
             }
-            _ = idle_timer.as_mut(), if !closing => {
-                match info.activity.idle_deadline(idle) {
-                    Some(at) if at <= std::time::Instant::now() => {
-                        closing = true;
-                        graceful(conn.as_mut());
-                    }
-                    Some(at) => idle_timer.as_mut().reset(at.into()),
-                    None => idle_timer.as_mut().reset(tokio::time::Instant::now() + idle),
+            if idle_timer.as_mut().poll(&mut side_cx).is_pending() {
+                return Poll::Pending;
+            }
+            match info.activity.idle_deadline(idle) {
+                Some(at) if at <= std::time::Instant::now() => {
+                    closing = true;
+                    graceful(conn.as_mut());
                 }
+                Some(at) => idle_timer.as_mut().reset(at.into()),
+                None => idle_timer
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + idle),
             }
+            // The timer was reset (or the connection is closing): poll again.
+            side.woken.store(true, Ordering::Release);
         }
+    })
+    .await;
+}
+
+/// The waker given to the shutdown signal and the idle timer of [`drive`]: marks that one of
+/// them has something to say, and wakes the connection task.
+struct SideWake {
+    woken: AtomicBool,
+    task: AtomicWaker,
+}
+
+impl Default for SideWake {
+    fn default() -> Self {
+        // Woken at first, so that both are polled once and register.
+        SideWake {
+            woken: AtomicBool::new(true),
+            task: AtomicWaker::new(),
+        }
+    }
+}
+
+impl Wake for SideWake {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::Release);
+        self.task.wake();
     }
 }
