@@ -71,16 +71,26 @@ pub enum Refusal {
 
 pub struct H1Guard<T> {
     inner: T,
+    /// Bytes held back: a head not complete yet (and the sniffed first bytes). Empty, and
+    /// without an allocation, between requests.
     buf: Vec<u8>,
     /// `buf[start..release]` is checked and may go to hyper; `buf[release..end]` is not yet.
     start: usize,
     release: usize,
     end: usize,
-    state: State,
-    max_head: usize,
+    framing: Framing,
     header_timeout: Duration,
     deadline: Option<Pin<Box<Sleep>>>,
+}
+
+/// Where in HTTP/1 framing the guard is, and what it decided: the part of the guard that
+/// looks at bytes, wherever they are (its own buffer, or hyper's).
+struct Framing {
+    state: State,
+    max_head: usize,
     refused: Option<Refusal>,
+    /// A head was completed, refused or given up on: its read timer is no longer needed.
+    head_done: bool,
 }
 
 impl<T> H1Guard<T> {
@@ -91,35 +101,31 @@ impl<T> H1Guard<T> {
             start: 0,
             release: 0,
             end: 0,
-            state: State::Head,
-            max_head,
+            framing: Framing {
+                state: State::Head,
+                max_head,
+                refused: None,
+                head_done: false,
+            },
             header_timeout,
             deadline: None,
-            refused: None,
         }
     }
 
     /// Stop inspecting (the connection speaks HTTP/2).
     pub fn passthrough(&mut self) {
-        self.state = State::Passthrough;
+        self.framing.state = State::Passthrough;
         self.release = self.end;
         self.deadline = None;
     }
 
     pub fn refusal(&self) -> Option<Refusal> {
-        self.refused
+        self.framing.refused
     }
 
     /// The bytes read so far and not yet handed on.
     pub fn buffered(&self) -> &[u8] {
         &self.buf[self.start..self.end]
-    }
-
-    fn refuse(&mut self, why: Refusal) {
-        tracing::debug!(reason = ?why, "request head refused; answering 400 and closing");
-        self.refused = Some(why);
-        self.state = State::Refused { fed: 0 };
-        self.deadline = None;
     }
 
     /// Reads from the connection until at least `want` bytes are buffered (or end of stream)
@@ -149,35 +155,65 @@ impl<T> H1Guard<T> {
         Ok(self.end - self.start)
     }
 
-    /// Moves `release` forward over whatever the current state allows. Returns true when it
-    /// moved or the state changed (so the caller loops), false when more input is needed.
+    /// Checks the held-back bytes as far as the framing allows. Returns true when it
+    /// released bytes or the state changed (so the caller loops), false when more input is
+    /// needed.
     fn advance(&mut self) -> bool {
-        match self.state {
-            State::Passthrough => {
-                let moved = self.release < self.end;
-                self.release = self.end;
-                moved
+        let step = self.framing.advance(&self.buf[self.release..self.end]);
+        self.settle_head();
+        match step {
+            Some(n) => {
+                self.release += n;
+                true
             }
-            State::Refused { .. } => false,
+            None => false,
+        }
+    }
+
+    fn settle_head(&mut self) {
+        if std::mem::take(&mut self.framing.head_done) {
+            self.deadline = None;
+        }
+    }
+}
+
+impl Framing {
+    fn refuse(&mut self, why: Refusal) {
+        tracing::debug!(reason = ?why, "request head refused; answering 400 and closing");
+        self.refused = Some(why);
+        self.state = State::Refused { fed: 0 };
+        self.head_done = true;
+    }
+
+    fn passthrough(&mut self) {
+        self.state = State::Passthrough;
+        self.head_done = true;
+    }
+
+    /// Looks at `pending`, the bytes after the last released one. `Some(n)`: the first `n`
+    /// may go to hyper (`n` may be 0 when only the state changed; the caller loops). `None`:
+    /// nothing more can be decided without more input.
+    fn advance(&mut self, pending: &[u8]) -> Option<usize> {
+        match self.state {
+            State::Passthrough => (!pending.is_empty()).then_some(pending.len()),
+            State::Refused { .. } => None,
             State::Body(left) => {
-                let n = left.min((self.end - self.release) as u64);
-                self.release += n as usize;
+                let n = left.min(pending.len() as u64);
                 self.state = if left == n {
                     State::Head
                 } else {
                     State::Body(left - n)
                 };
-                n > 0
+                (n > 0).then_some(n as usize)
             }
-            State::Chunked(c) => self.advance_chunked(c),
-            State::Head => self.advance_head(),
+            State::Chunked(c) => self.advance_chunked(c, pending),
+            State::Head => self.advance_head(pending),
         }
     }
 
-    fn advance_head(&mut self) -> bool {
-        let pending = &self.buf[self.release..self.end];
+    fn advance_head(&mut self, pending: &[u8]) -> Option<usize> {
         if pending.is_empty() {
-            return false;
+            return None;
         }
         // Left uninitialised: filling 128 empty headers (4 KiB) for every head cost more
         // than parsing it. httparse writes only the headers it parses (hyper does the same).
@@ -188,9 +224,9 @@ impl<T> H1Guard<T> {
                 if pending.len() > self.max_head {
                     // Too large: let hyper see it and answer 431.
                     self.passthrough();
-                    return true;
+                    return Some(0);
                 }
-                false
+                None
             }
             // Not a head we can follow (bad bytes, too many headers): refused. hyper would
             // refuse it too; refusing here means no difference between the two parsers can
@@ -198,11 +234,11 @@ impl<T> H1Guard<T> {
             // More headers than hyper takes (100): hyper answers 431 and closes.
             Err(httparse::Error::TooManyHeaders) => {
                 self.passthrough();
-                true
+                Some(0)
             }
             Err(_) => {
                 self.refuse(Refusal::Malformed);
-                true
+                Some(0)
             }
             Ok(httparse::Status::Complete(len)) => {
                 let mut content_length: Option<u64> = None;
@@ -228,16 +264,15 @@ impl<T> H1Guard<T> {
                         upgrade = true;
                     }
                 }
-                self.deadline = None;
+                self.head_done = true;
                 if len > self.max_head {
                     self.passthrough();
-                    return true;
+                    return Some(0);
                 }
                 if te && cl {
                     self.refuse(Refusal::ContentLengthAndTransferEncoding);
-                    return true;
+                    return Some(0);
                 }
-                self.release += len;
                 self.state = if upgrade {
                     State::Passthrough
                 } else if te {
@@ -255,25 +290,24 @@ impl<T> H1Guard<T> {
                         Some(n) => State::Body(n),
                         None => {
                             self.refuse(Refusal::Malformed);
-                            return true;
+                            return Some(0);
                         }
                     }
                 } else {
                     State::Head
                 };
-                true
+                Some(len)
             }
         }
     }
 
-    fn advance_chunked(&mut self, mut c: Chunk) -> bool {
-        let begin = self.release;
-        let mut i = self.release;
-        while i < self.end {
-            let b = self.buf[i];
+    fn advance_chunked(&mut self, mut c: Chunk, pending: &[u8]) -> Option<usize> {
+        let mut i = 0;
+        while i < pending.len() {
+            let b = pending[i];
             c = match c {
                 Chunk::Data(left) => {
-                    let n = left.min((self.end - i) as u64);
+                    let n = left.min((pending.len() - i) as u64);
                     i += n as usize;
                     if left == n {
                         Chunk::DataCr
@@ -286,24 +320,21 @@ impl<T> H1Guard<T> {
                     match step_chunk(c, b) {
                         Some(Some(next)) => next,
                         Some(None) => {
-                            self.release = i;
                             self.state = State::Head;
-                            return true;
+                            return Some(i);
                         }
                         None => {
-                            // Bytes before the bad framing were released already; the rest
-                            // is refused.
-                            self.release = i - 1;
+                            // Bytes before the bad framing are released; the rest is
+                            // refused.
                             self.refuse(Refusal::Malformed);
-                            return true;
+                            return Some(i - 1);
                         }
                     }
                 }
             };
         }
-        self.release = i;
         self.state = State::Chunked(c);
-        i > begin
+        (i > 0).then_some(i)
     }
 }
 
@@ -374,6 +405,59 @@ fn step_chunk(c: Chunk, b: u8) -> Option<Option<Chunk>> {
     }))
 }
 
+impl<T: AsyncRead + Unpin> H1Guard<T> {
+    /// Nothing held back: reads straight into hyper's buffer and checks the bytes there,
+    /// keeping back only what cannot be released yet (the start of a head still
+    /// incomplete). The usual request, whose head arrives whole, is never copied.
+    fn poll_read_direct(
+        &mut self,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<bool>> {
+        debug_assert!(self.start == self.end);
+        let before = out.filled().len();
+        match Pin::new(&mut self.inner).poll_read(cx, out) {
+            Poll::Ready(Ok(())) => {}
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+            Poll::Pending => {
+                if let Some(d) = self.deadline.as_mut()
+                    && d.as_mut().poll(cx).is_ready()
+                {
+                    return Poll::Ready(Err(head_timed_out()));
+                }
+                return Poll::Pending;
+            }
+        }
+        let read = &out.filled()[before..];
+        if read.is_empty() {
+            // End of stream, nothing held back.
+            return Poll::Ready(Ok(true));
+        }
+        let mut released = 0;
+        while let Some(n) = self.framing.advance(&read[released..]) {
+            released += n;
+        }
+        self.settle_head();
+        let kept = &read[released..];
+        // After a refusal the rest is never handed on: not kept either.
+        if !kept.is_empty() && !matches!(self.framing.state, State::Refused { .. }) {
+            if self.buf.len() < kept.len() {
+                self.buf.resize(kept.len().max(INITIAL_BUF), 0);
+            }
+            self.buf[..kept.len()].copy_from_slice(kept);
+            self.start = 0;
+            self.release = 0;
+            self.end = kept.len();
+        }
+        out.set_filled(before + released);
+        Poll::Ready(Ok(released > 0))
+    }
+}
+
+fn head_timed_out() -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, "request head not received in time")
+}
+
 impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
     fn poll_read(
         mut self: Pin<&mut Self>,
@@ -387,31 +471,40 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                 out.put_slice(&this.buf[this.start..this.start + n]);
                 this.start += n;
                 if this.start == this.end {
+                    // Drained: the buffer goes back to the allocator, as nginx frees header
+                    // buffers on idle keep-alive connections: a few hot buffers serve many
+                    // connections instead of one cold one each. Reads go straight to hyper's
+                    // buffer until a head arrives in pieces again.
                     this.start = 0;
                     this.release = 0;
                     this.end = 0;
-                    if this.state == State::Head {
-                        // Between requests the buffer goes back to the allocator, as nginx
-                        // frees header buffers on idle keep-alive connections: a few hot
-                        // buffers serve many connections instead of one cold one each.
-                        this.buf = Vec::new();
-                    }
+                    this.buf = Vec::new();
                 }
                 return Poll::Ready(Ok(()));
             }
-            if let State::Refused { fed } = this.state
+            if let State::Refused { fed } = this.framing.state
                 && this.release == this.start
             {
                 let n = (POISON.len() - fed).min(out.remaining());
                 out.put_slice(&POISON[fed..fed + n]);
-                this.state = State::Refused { fed: fed + n };
+                this.framing.state = State::Refused { fed: fed + n };
                 return Poll::Ready(Ok(()));
             }
-            if this.state == State::Passthrough && this.start == this.end {
+            if this.framing.state == State::Passthrough && this.start == this.end {
                 return Pin::new(&mut this.inner).poll_read(cx, out);
             }
-            if this.advance() {
+            if this.release < this.end && this.advance() {
                 continue;
+            }
+            if this.start == this.end && out.remaining() > 0 {
+                match this.poll_read_direct(cx, out) {
+                    // Bytes released, or the end of the stream.
+                    Poll::Ready(Ok(true)) => return Poll::Ready(Ok(())),
+                    // All held back (a head in pieces), or refused: go on from the buffer.
+                    Poll::Ready(Ok(false)) => continue,
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => return Poll::Pending,
+                }
             }
             // Need more input. Make room: compact, then grow up to the head limit.
             if this.start > 0 {
@@ -423,7 +516,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
             if this.end == this.buf.len() {
                 let grown = (this.buf.len() * 2)
                     .max(INITIAL_BUF)
-                    .min(this.max_head + 8 * 1024);
+                    .min(this.framing.max_head + 8 * 1024);
                 if grown <= this.buf.len() {
                     // A head longer than the limit: hyper answers 431.
                     this.passthrough();
@@ -439,7 +532,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                         // End of stream: hand over what is left, then the EOF.
                         if this.end > this.release {
                             this.release = this.end;
-                            this.state = State::Passthrough;
+                            this.framing.state = State::Passthrough;
                             continue;
                         }
                         return Poll::Ready(Ok(()));
@@ -451,7 +544,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                     // The head timer is armed only for a head still incomplete when the
                     // socket runs dry, not for the usual head that arrives whole in one
                     // read: from its first bytes (read in this same call, or earlier) on.
-                    if this.state == State::Head
+                    if this.framing.state == State::Head
                         && this.release < this.end
                         && this.deadline.is_none()
                     {
@@ -460,10 +553,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                     if let Some(d) = this.deadline.as_mut()
                         && d.as_mut().poll(cx).is_ready()
                     {
-                        return Poll::Ready(Err(io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            "request head not received in time",
-                        )));
+                        return Poll::Ready(Err(head_timed_out()));
                     }
                     return Poll::Pending;
                 }
@@ -568,6 +658,77 @@ mod tests {
             out.extend_from_slice(&small[..n]);
         }
         assert_eq!(out, POISON);
+    }
+
+    /// Yields its bytes `piece` at a time, as a socket might.
+    struct Pieces {
+        data: &'static [u8],
+        piece: usize,
+    }
+
+    impl AsyncRead for Pieces {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            let n = self.piece.min(self.data.len()).min(buf.remaining());
+            buf.put_slice(&self.data[..n]);
+            self.data = &self.data[n..];
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    async fn pass_in_pieces(
+        input: &'static [u8],
+        piece: usize,
+        out_len: usize,
+    ) -> (Vec<u8>, Option<Refusal>) {
+        let mut g = H1Guard::new(
+            Pieces { data: input, piece },
+            16 * 1024,
+            Duration::from_secs(5),
+        );
+        let mut out = Vec::new();
+        let mut chunk = vec![0u8; out_len];
+        loop {
+            let n = g.read(&mut chunk).await.expect("read");
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&chunk[..n]);
+        }
+        (out, g.refusal())
+    }
+
+    /// Heads and bodies split at every point, read into buffers large and small, whether the
+    /// guard reads into its own buffer or straight into the reader's: the same bytes come out,
+    /// and the same heads are refused.
+    #[tokio::test]
+    async fn any_split_of_the_input_gives_the_same_answer() {
+        let valid: &'static [u8] = b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhelloPOST /b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\n0\r\nX-T: 1\r\n\r\nGET /c HTTP/1.1\r\nHost: x\r\n\r\n";
+        let smuggling: &'static [u8] = b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nPOST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /c HTTP/1.1\r\nHost: x\r\n\r\n";
+        for piece in 1..=valid.len() {
+            for out_len in [1, 7, 64, 8192] {
+                let (out, refused) = pass_in_pieces(valid, piece, out_len).await;
+                assert_eq!(out, valid, "piece {piece}, out {out_len}");
+                assert_eq!(refused, None);
+            }
+        }
+        for piece in 1..=smuggling.len() {
+            for out_len in [1, 7, 64, 8192] {
+                let (out, refused) = pass_in_pieces(smuggling, piece, out_len).await;
+                assert_eq!(
+                    refused,
+                    Some(Refusal::ContentLengthAndTransferEncoding),
+                    "piece {piece}, out {out_len}"
+                );
+                assert_eq!(
+                    out,
+                    [&b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"[..], POISON].concat()
+                );
+            }
+        }
     }
 
     #[tokio::test]
