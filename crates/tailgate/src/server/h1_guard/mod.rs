@@ -25,49 +25,16 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
 
+pub use self::framing::Refusal;
+use self::framing::{Framing, State};
+
+mod framing;
+
 /// What hyper is fed in place of a refused head: a header line with a control byte, which
 /// hyper's parser rejects with 400 (tested in the raw-byte tests).
 const POISON: &[u8] = b"GET / HTTP/1.1\r\nx\x01: refused\r\n\r\n";
-const MAX_HEADERS: usize = 128;
 /// Most request heads fit in 2 KiB; the buffer grows (to the head limit) when one does not.
 const INITIAL_BUF: usize = 2 * 1024;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Chunk {
-    Size { n: u64, digits: bool },
-    Ext { n: u64 },
-    SizeLf { n: u64 },
-    Data(u64),
-    DataCr,
-    DataLf,
-    TrailerStart,
-    TrailerLine,
-    TrailerLineLf,
-    TrailerEndLf,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum State {
-    /// Waiting for (the rest of) a request head.
-    Head,
-    /// Inside a Content-Length body: bytes left.
-    Body(u64),
-    Chunked(Chunk),
-    /// Not HTTP/1 framing we follow any more (h2 preface, upgrade, malformed): hands off.
-    Passthrough,
-    /// A head was refused: feed [`POISON`], then end of stream.
-    Refused {
-        fed: usize,
-    },
-}
-
-/// Why the guard refused a head (for logs and tests).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refusal {
-    ContentLengthAndTransferEncoding,
-    /// A head or chunked framing the guard cannot follow exactly.
-    Malformed,
-}
 
 pub struct H1Guard<T> {
     inner: T,
@@ -81,16 +48,6 @@ pub struct H1Guard<T> {
     framing: Framing,
     header_timeout: Duration,
     deadline: Option<Pin<Box<Sleep>>>,
-}
-
-/// Where in HTTP/1 framing the guard is, and what it decided: the part of the guard that
-/// looks at bytes, wherever they are (its own buffer, or hyper's).
-struct Framing {
-    state: State,
-    max_head: usize,
-    refused: Option<Refusal>,
-    /// A head was completed, refused or given up on: its read timer is no longer needed.
-    head_done: bool,
 }
 
 impl<T> H1Guard<T> {
@@ -175,234 +132,6 @@ impl<T> H1Guard<T> {
             self.deadline = None;
         }
     }
-}
-
-impl Framing {
-    fn refuse(&mut self, why: Refusal) {
-        tracing::debug!(reason = ?why, "request head refused; answering 400 and closing");
-        self.refused = Some(why);
-        self.state = State::Refused { fed: 0 };
-        self.head_done = true;
-    }
-
-    fn passthrough(&mut self) {
-        self.state = State::Passthrough;
-        self.head_done = true;
-    }
-
-    /// Looks at `pending`, the bytes after the last released one. `Some(n)`: the first `n`
-    /// may go to hyper (`n` may be 0 when only the state changed; the caller loops). `None`:
-    /// nothing more can be decided without more input.
-    fn advance(&mut self, pending: &[u8]) -> Option<usize> {
-        match self.state {
-            State::Passthrough => (!pending.is_empty()).then_some(pending.len()),
-            State::Refused { .. } => None,
-            State::Body(left) => {
-                let n = left.min(pending.len() as u64);
-                self.state = if left == n {
-                    State::Head
-                } else {
-                    State::Body(left - n)
-                };
-                (n > 0).then_some(n as usize)
-            }
-            State::Chunked(c) => self.advance_chunked(c, pending),
-            State::Head => self.advance_head(pending),
-        }
-    }
-
-    fn advance_head(&mut self, pending: &[u8]) -> Option<usize> {
-        if pending.is_empty() {
-            return None;
-        }
-        // Left uninitialised: filling 128 empty headers (4 KiB) for every head cost more
-        // than parsing it. httparse writes only the headers it parses (hyper does the same).
-        let mut headers = [std::mem::MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_HEADERS];
-        let mut req = httparse::Request::new(&mut []);
-        match req.parse_with_uninit_headers(pending, &mut headers) {
-            Ok(httparse::Status::Partial) => {
-                if pending.len() > self.max_head {
-                    // Too large: let hyper see it and answer 431.
-                    self.passthrough();
-                    return Some(0);
-                }
-                None
-            }
-            // Not a head we can follow (bad bytes, too many headers): refused. hyper would
-            // refuse it too; refusing here means no difference between the two parsers can
-            // ever let later bytes past unchecked.
-            // More headers than hyper takes (100): hyper answers 431 and closes.
-            Err(httparse::Error::TooManyHeaders) => {
-                self.passthrough();
-                Some(0)
-            }
-            Err(_) => {
-                self.refuse(Refusal::Malformed);
-                Some(0)
-            }
-            Ok(httparse::Status::Complete(len)) => {
-                let mut content_length: Option<u64> = None;
-                let mut chunked = false;
-                let mut te = false;
-                let mut cl = false;
-                let mut upgrade = req.method == Some("CONNECT");
-                for h in req.headers.iter() {
-                    if h.name.eq_ignore_ascii_case("content-length") {
-                        cl = true;
-                        content_length = std::str::from_utf8(h.value)
-                            .ok()
-                            .and_then(|v| v.trim().parse().ok());
-                    } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
-                        te = true;
-                        chunked =
-                            h.value.rsplit(|&b| b == b',').next().is_some_and(|last| {
-                                last.trim_ascii().eq_ignore_ascii_case(b"chunked")
-                            });
-                    } else if h.name.eq_ignore_ascii_case("upgrade") {
-                        // The pipeline closes the connection after any answer but 101 to
-                        // such a request, so no unchecked head can follow a refused upgrade.
-                        upgrade = true;
-                    }
-                }
-                self.head_done = true;
-                if len > self.max_head {
-                    self.passthrough();
-                    return Some(0);
-                }
-                if te && cl {
-                    self.refuse(Refusal::ContentLengthAndTransferEncoding);
-                    return Some(0);
-                }
-                self.state = if upgrade {
-                    State::Passthrough
-                } else if te {
-                    if chunked {
-                        State::Chunked(Chunk::Size {
-                            n: 0,
-                            digits: false,
-                        })
-                    } else {
-                        State::Passthrough
-                    }
-                } else if cl {
-                    match content_length {
-                        Some(0) => State::Head,
-                        Some(n) => State::Body(n),
-                        None => {
-                            self.refuse(Refusal::Malformed);
-                            return Some(0);
-                        }
-                    }
-                } else {
-                    State::Head
-                };
-                Some(len)
-            }
-        }
-    }
-
-    fn advance_chunked(&mut self, mut c: Chunk, pending: &[u8]) -> Option<usize> {
-        let mut i = 0;
-        while i < pending.len() {
-            let b = pending[i];
-            c = match c {
-                Chunk::Data(left) => {
-                    let n = left.min((pending.len() - i) as u64);
-                    i += n as usize;
-                    if left == n {
-                        Chunk::DataCr
-                    } else {
-                        Chunk::Data(left - n)
-                    }
-                }
-                _ => {
-                    i += 1;
-                    match step_chunk(c, b) {
-                        Some(Some(next)) => next,
-                        Some(None) => {
-                            self.state = State::Head;
-                            return Some(i);
-                        }
-                        None => {
-                            // Bytes before the bad framing are released; the rest is
-                            // refused.
-                            self.refuse(Refusal::Malformed);
-                            return Some(i - 1);
-                        }
-                    }
-                }
-            };
-        }
-        self.state = State::Chunked(c);
-        (i > 0).then_some(i)
-    }
-}
-
-/// One byte of chunked framing (outside chunk data), CRLF line endings only: a bare LF is
-/// where parsers disagree (hyper's decoder reads it differently in trailers), so it is
-/// refused. `None`: malformed; `Some(None)`: the
-/// message ended; `Some(Some(state))`: go on.
-fn step_chunk(c: Chunk, b: u8) -> Option<Option<Chunk>> {
-    let after_size = |n: u64| {
-        if n == 0 {
-            Chunk::TrailerStart
-        } else {
-            Chunk::Data(n)
-        }
-    };
-    Some(Some(match c {
-        Chunk::Size { n, digits } => match b {
-            b'0'..=b'9' | b'a'..=b'f' | b'A'..=b'F' => {
-                let d = (b as char).to_digit(16)? as u64;
-                Chunk::Size {
-                    n: n.checked_mul(16)?.checked_add(d)?,
-                    digits: true,
-                }
-            }
-            b';' | b' ' | b'\t' if digits => Chunk::Ext { n },
-            b'\r' if digits => Chunk::SizeLf { n },
-            _ => return None,
-        },
-        Chunk::Ext { n } => match b {
-            b'\r' => Chunk::SizeLf { n },
-            b'\n' => return None,
-            _ => Chunk::Ext { n },
-        },
-        Chunk::SizeLf { n } => match b {
-            b'\n' => after_size(n),
-            _ => return None,
-        },
-        Chunk::Data(_) => return None,
-        Chunk::DataCr => match b {
-            b'\r' => Chunk::DataLf,
-            _ => return None,
-        },
-        Chunk::DataLf => match b {
-            b'\n' => Chunk::Size {
-                n: 0,
-                digits: false,
-            },
-            _ => return None,
-        },
-        Chunk::TrailerStart => match b {
-            b'\r' => Chunk::TrailerEndLf,
-            b'\n' => return None,
-            _ => Chunk::TrailerLine,
-        },
-        Chunk::TrailerLine => match b {
-            b'\r' => Chunk::TrailerLineLf,
-            b'\n' => return None,
-            _ => Chunk::TrailerLine,
-        },
-        Chunk::TrailerLineLf => match b {
-            b'\n' => Chunk::TrailerStart,
-            _ => return None,
-        },
-        Chunk::TrailerEndLf => match b {
-            b'\n' => return Some(None),
-            _ => return None,
-        },
-    }))
 }
 
 impl<T: AsyncRead + Unpin> H1Guard<T> {
