@@ -504,6 +504,18 @@ async fn forward(
         rec.finish();
         return Ok(Response::from_parts(parts, RespBody::empty()));
     }
+    // A body that came whole with the head (a typical API answer): the connection goes
+    // back to the pool now and the body is handed over as one piece, with no streaming
+    // state (nor its allocation and polls) around it.
+    if let UpBody::H1 = body
+        && let Some(whole) = up.take_whole_body()
+    {
+        rec.add_bytes_out(whole.len() as u64);
+        let now = Instant::now();
+        up.release_at(now);
+        rec.finish_at(now);
+        return Ok(Response::from_parts(parts, RespBody::full(whole)));
+    }
     let deadline = total_deadline.map(|d| Box::pin(tokio::time::sleep_until(d.into())));
     let recorder = rec.take();
     let body = RespBody::Upstream(Box::new(UpstreamBody {

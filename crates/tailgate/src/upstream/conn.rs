@@ -194,6 +194,15 @@ impl Conn {
         }
     }
 
+    /// An HTTP/1.1 response body that is already read whole (its `Content-Length` worth
+    /// of bytes came with the head), taken out at once; `None` otherwise.
+    pub fn take_whole_body(&mut self) -> Option<Bytes> {
+        match &mut self.sender {
+            Sender::H1(c) => c.take_whole_body(),
+            Sender::H2(_) => None,
+        }
+    }
+
     /// Has an HTTP/1.1 response body ended?
     pub fn body_done(&self) -> bool {
         match &self.sender {

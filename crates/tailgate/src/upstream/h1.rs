@@ -759,6 +759,18 @@ impl H1Conn {
         }
     }
 
+    /// The whole response body, when its declared length is already in the read buffer.
+    pub fn take_whole_body(&mut self) -> Option<Bytes> {
+        match self.framing {
+            Framing::Length(n) if self.rbuf.len() as u64 >= n => {
+                let body = self.rbuf.split_to(usize::try_from(n).ok()?).freeze();
+                self.body_ended();
+                Some(body)
+            }
+            _ => None,
+        }
+    }
+
     /// Has the response body ended?
     pub fn body_done(&self) -> bool {
         matches!(self.framing, Framing::Done)
