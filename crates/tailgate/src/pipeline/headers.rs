@@ -91,23 +91,24 @@ static VIA: HeaderName = header::VIA;
 /// HTTP/1.1 upstream gets them written after the client's headers, with the ones they
 /// replace skipped (inserting them grew and rehashed the map on every request, about
 /// 2,000 instructions); an HTTP/2 upstream gets them put into its copy of the map.
-pub struct Added {
+pub struct Added<'a> {
     via: HeaderValue,
-    xff: HeaderValue,
+    xff: std::borrow::Cow<'a, HeaderValue>,
     proto: HeaderValue,
-    host: Option<HeaderValue>,
-    request_id: (HeaderName, HeaderValue),
+    host: Option<&'a HeaderValue>,
+    request_id: (&'a HeaderName, &'a HeaderValue),
 }
 
-impl Added {
+impl<'a> Added<'a> {
+    /// Borrows what it can (the values live as long as the request's handling).
     pub fn new(
         headers: &HeaderMap,
         version: http::Version,
-        client: &HeaderValue,
+        client: &'a HeaderValue,
         tls: bool,
-        host: Option<&HeaderValue>,
-        request_id: (&HeaderName, &HeaderValue),
-    ) -> Added {
+        host: Option<&'a HeaderValue>,
+        request_id: (&'a HeaderName, &'a HeaderValue),
+    ) -> Added<'a> {
         let via = HeaderValue::from_static(match version {
             http::Version::HTTP_2 => "2 tailgate",
             http::Version::HTTP_10 => "1.0 tailgate",
@@ -117,7 +118,7 @@ impl Added {
         // address is shared, not formatted again.
         let earlier = headers.get_all(&X_FORWARDED_FOR);
         let xff = if earlier.iter().next().is_none() {
-            client.clone()
+            std::borrow::Cow::Borrowed(client)
         } else {
             let mut xff = String::new();
             for prev in earlier.iter().filter_map(|v| v.to_str().ok()) {
@@ -125,15 +126,17 @@ impl Added {
                 xff.push_str(", ");
             }
             xff.push_str(client.to_str().unwrap_or_default());
-            HeaderValue::from_maybe_shared(bytes::Bytes::from(xff))
-                .unwrap_or_else(|_| client.clone())
+            std::borrow::Cow::Owned(
+                HeaderValue::from_maybe_shared(bytes::Bytes::from(xff))
+                    .unwrap_or_else(|_| client.clone()),
+            )
         };
         Added {
             via,
             xff,
             proto: HeaderValue::from_static(if tls { "https" } else { "http" }),
-            host: host.cloned(),
-            request_id: (request_id.0.clone(), request_id.1.clone()),
+            host,
+            request_id,
         }
     }
 
@@ -143,7 +146,7 @@ impl Added {
         *name == header::EXPECT
             || *name == X_FORWARDED_FOR
             || *name == X_FORWARDED_PROTO
-            || *name == self.request_id.0
+            || name == self.request_id.0
             || (self.host.is_some() && *name == X_FORWARDED_HOST)
     }
 
@@ -151,12 +154,12 @@ impl Added {
     pub fn iter(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
         [
             (&VIA, &self.via),
-            (&X_FORWARDED_FOR, &self.xff),
+            (&X_FORWARDED_FOR, &*self.xff),
             (&X_FORWARDED_PROTO, &self.proto),
         ]
         .into_iter()
-        .chain(self.host.as_ref().map(|h| (&X_FORWARDED_HOST, h)))
-        .chain(std::iter::once((&self.request_id.0, &self.request_id.1)))
+        .chain(self.host.map(|h| (&X_FORWARDED_HOST, h)))
+        .chain(std::iter::once(self.request_id))
     }
 
     /// Puts them into `headers` (an HTTP/2 request's copy of the client's).

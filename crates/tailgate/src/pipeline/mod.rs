@@ -262,9 +262,9 @@ async fn forward(
         (&settings.request_id_header, request_id),
     );
     if (host_missing || removed)
-        && let Some(h) = host_value
+        && let Some(h) = &host_value
     {
-        parts.headers.insert(header::HOST, h);
+        parts.headers.insert(header::HOST, h.clone());
     }
     // Origin-form, as most requests already are (absolute-form and h2's scheme and
     // authority are dropped; the authority went to Host above).
@@ -555,7 +555,7 @@ fn send_on_new<'a>(
     pool: &'a Arc<crate::upstream::EndpointPool>,
     up: &'a mut crate::upstream::Conn,
     parts: &'a http::request::Parts,
-    added: &'a headers::Added,
+    added: &'a headers::Added<'a>,
     body: ReqBody,
     left: Duration,
 ) -> std::pin::Pin<Box<impl std::future::Future<Output = Resent> + 'a>> {

@@ -147,7 +147,7 @@ impl Conn {
     pub async fn send(
         &mut self,
         parts: &Parts,
-        added: &Added,
+        added: &Added<'_>,
         body: ReqBody,
         deadline: Option<Instant>,
     ) -> Result<Response<UpBody>, SendError> {

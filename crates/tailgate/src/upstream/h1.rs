@@ -193,7 +193,7 @@ impl H1Conn {
     pub async fn send(
         &mut self,
         parts: &Parts,
-        added: &Added,
+        added: &Added<'_>,
         body: ReqBody,
         addr: SocketAddr,
         deadline: Option<Instant>,
@@ -281,7 +281,7 @@ impl H1Conn {
     fn encode_head(
         &mut self,
         parts: &Parts,
-        added: &Added,
+        added: &Added<'_>,
         body: &ReqBody,
         bodiless: bool,
         addr: SocketAddr,
@@ -881,6 +881,7 @@ impl AsyncWrite for Transport {
 }
 
 fn put_header(w: &mut Vec<u8>, name: &HeaderName, value: &HeaderValue) {
+    w.reserve(name.as_str().len() + value.len() + 4);
     w.extend_from_slice(name.as_str().as_bytes());
     w.extend_from_slice(b": ");
     w.extend_from_slice(value.as_bytes());

@@ -132,7 +132,7 @@ pub struct Hedge<'a> {
     delay: Duration,
     /// The request's head, borrowed: the hedge sends the same one.
     parts: &'a http::request::Parts,
-    added: &'a Added,
+    added: &'a Added<'a>,
 }
 
 /// Which copy answered first.
@@ -153,7 +153,7 @@ impl<'a> Hedge<'a> {
         cluster: &'a ClusterPools,
         avoid: SocketAddr,
         parts: &'a http::request::Parts,
-        added: &'a Added,
+        added: &'a Added<'a>,
         may_repeat: bool,
     ) -> Option<Hedge<'a>> {
         let delay = match delay? {
