@@ -14,11 +14,18 @@
 //! head. Request bodies go out with `Content-Length` when their length is known, chunked
 //! otherwise; they stream while the response is read (an upstream may answer before the
 //! body ends, or echo it as it arrives). Response bodies follow RFC 9112 §6.3: none (HEAD,
-//! 1xx, 204, 304), `Transfer-Encoding: chunked` (decoded strictly; trailers are dropped),
-//! `Content-Length` (conflicting values are refused), or until the server closes. Interim
-//! 1xx responses are skipped; after `101 Switching Protocols` the socket, with any bytes
-//! already read, is handed to the tunnel ([`Upgraded`]). A connection goes back to the pool
-//! only when both bodies ended cleanly and neither side asked to close.
+//! 1xx, 204, 304), `Transfer-Encoding: chunked` (decoded strictly; trailers are dropped;
+//! any other coding, or Transfer-Encoding in HTTP/1.0, is refused as faulty framing, like
+//! nginx), `Content-Length` (conflicting values are refused), or until the server closes.
+//! Interim 1xx responses are skipped; after `101 Switching Protocols` the socket, with any
+//! bytes already read, is handed to the tunnel ([`Upgraded`]). A connection goes back to
+//! the pool only when both bodies ended cleanly and neither side asked to close; a server
+//! that answered before the request body ended, and keeps the connection, still gets the
+//! rest of the body first (see `Conn::release_at`).
+//!
+//! A response deadline is kept per connection as one `Sleep`, re-armed for each request
+//! (moving a registered timer later is an atomic update; a timer per request cost a
+//! registration in the runtime's timer wheel and a removal).
 //!
 //! HTTP/2 upstreams stay on hyper (`conn.rs`): multiplexing needs a task per connection.
 
