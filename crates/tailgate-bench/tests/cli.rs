@@ -167,7 +167,8 @@ fn scenario_json_has_the_documented_shape() {
         let p99 = r["latency_ms"]["p99"].as_f64().unwrap();
         assert!(range.len() == 2 && lo <= p99 && p99 <= hi, "{r}");
         assert!(
-            ["tailgate", "direct", "nginx", "haproxy"].contains(&r["target"].as_str().unwrap())
+            ["tailgate", "direct", "nginx", "haproxy", "nginx-fwd"]
+                .contains(&r["target"].as_str().unwrap())
         );
         assert!(r["variant"].is_string() && r["rps"].is_number() && r["errors"].is_u64());
         let l = r["latency_ms"].as_object().unwrap();

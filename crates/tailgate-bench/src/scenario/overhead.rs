@@ -2,7 +2,9 @@
 //!
 //! direct, tailgate, nginx and HAProxy in front of one `tailgate bench upstream` (110-byte
 //! responses): closed-loop maximum throughput, open-loop latency at a fixed rate every target
-//! sustains, and the same rate over many (500+) connections.
+//! sustains, and the same rate over many (500+) connections. nginx runs twice: as a bare
+//! reverse proxy (`nginx`), and doing the header work tailgate always does (`nginx-fwd`:
+//! forwarding headers, request id).
 
 use std::path::Path;
 
@@ -20,6 +22,17 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
         addr: up,
     }];
     start_proxies(&mut env, up, "", &mut targets, &mut notes);
+    // nginx again, doing the same header work as tailgate (forwarding headers, request id).
+    if peers::installed(peers::NGINX) {
+        match peers::nginx_forwarding(&mut env, "nginx-fwd", up) {
+            Ok(addr) => targets.push(Target {
+                name: "nginx-fwd",
+                variant_suffix: "",
+                addr,
+            }),
+            Err(e) => notes.push(format!("nginx-fwd: not measured: {e}")),
+        }
+    }
     for n in &notes {
         eprintln!("note: {n}");
     }
@@ -61,17 +74,21 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
         get(&outcome, "tailgate", &open_many),
         get(&outcome, "nginx", &open_many),
     );
+    let (fc, fo) = (
+        get(&outcome, "nginx-fwd", &closed),
+        get(&outcome, "nginx-fwd", &open),
+    );
     outcome.checks = vec![
         check(
             format!("tailgate rps ÷ nginx rps ({closed}) ≥"),
-            tc.map(|r| r.rps),
+            tc.as_ref().map(|r| r.rps),
             nc.map(|r| r.rps),
             1.0,
             false,
         ),
         check(
             format!("tailgate p99 ÷ nginx p99 ({open}) ≤"),
-            to.map(|r| r.latency_ms.p99),
+            to.as_ref().map(|r| r.latency_ms.p99),
             no.map(|r| r.latency_ms.p99),
             1.0,
             true,
@@ -80,6 +97,20 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
             format!("tailgate p99 ÷ nginx p99 ({open_many}) ≤"),
             tm.map(|r| r.latency_ms.p99),
             nm.map(|r| r.latency_ms.p99),
+            1.0,
+            true,
+        ),
+        check(
+            format!("tailgate rps ÷ nginx-fwd rps, same header work ({closed}) ≥"),
+            tc.map(|r| r.rps),
+            fc.map(|r| r.rps),
+            1.0,
+            false,
+        ),
+        check(
+            format!("tailgate p99 ÷ nginx-fwd p99, same header work ({open}) ≤"),
+            to.map(|r| r.latency_ms.p99),
+            fo.map(|r| r.latency_ms.p99),
             1.0,
             true,
         ),

@@ -83,6 +83,39 @@ cluster = "up"
 
 /// nginx, one worker process, upstream keep-alive, no access log.
 pub fn nginx(env: &mut Env, name: &str, upstream: SocketAddr) -> Result<SocketAddr, SetupError> {
+    nginx_with(env, name, upstream, "")
+}
+
+/// [`nginx`] doing the header work tailgate always does: the client's Host passed on,
+/// `X-Forwarded-For/-Proto/-Host`, `Via` and a request id sent upstream, and the request id
+/// returned to the client. The usual reverse-proxy configuration; with it both proxies do
+/// the same job.
+pub fn nginx_forwarding(
+    env: &mut Env,
+    name: &str,
+    upstream: SocketAddr,
+) -> Result<SocketAddr, SetupError> {
+    nginx_with(
+        env,
+        name,
+        upstream,
+        r#"
+            proxy_set_header Host $http_host;
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+            proxy_set_header X-Forwarded-Proto $scheme;
+            proxy_set_header X-Forwarded-Host $http_host;
+            proxy_set_header Via "1.1 nginx";
+            proxy_set_header X-Request-Id $request_id;
+            add_header X-Request-Id $request_id always;"#,
+    )
+}
+
+fn nginx_with(
+    env: &mut Env,
+    name: &str,
+    upstream: SocketAddr,
+    location_extra: &str,
+) -> Result<SocketAddr, SetupError> {
     let addr = loopback(free_port()?);
     let dir = env.dir.join(name);
     std::fs::create_dir_all(dir.join("tmp"))
@@ -110,7 +143,7 @@ http {{
         location / {{
             proxy_pass http://up;
             proxy_http_version 1.1;
-            proxy_set_header Connection "";
+            proxy_set_header Connection "";{location_extra}
         }}
     }}
 }}
