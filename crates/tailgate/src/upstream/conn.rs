@@ -295,7 +295,7 @@ fn adapt_h2(mut req: Request<ReqBody>, https: bool, addr: SocketAddr) -> Request
 /// `REFUSED_STREAM`, or with a GOAWAY whose last stream id is below the request's stream
 /// (h2 fails exactly those streams with the peer's GOAWAY) — RFC 9113 §8.7. Such a request
 /// may be sent again whatever its method.
-pub fn refused_before_processing(e: &hyper::Error) -> bool {
+fn refused_before_processing(e: &hyper::Error) -> bool {
     let mut source = e.source();
     while let Some(s) = source {
         if let Some(h2) = s.downcast_ref::<h2::Error>() {

@@ -58,7 +58,8 @@ const READ_RESERVE: usize = 8 * 1024;
 /// The longest chunk-size line (size and extensions).
 const MAX_CHUNK_LINE: usize = 4 * 1024;
 
-/// The socket under an upstream HTTP/1.1 connection.
+/// An upstream connection's socket, plain or TLS: what a connect returns, under either
+/// protocol's connection.
 pub enum Transport {
     Tcp(TcpStream),
     Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
@@ -869,6 +870,24 @@ impl AsyncWrite for Transport {
         match self.get_mut() {
             Transport::Tcp(s) => Pin::new(s).poll_write(cx, buf),
             Transport::Tls(s) => Pin::new(&mut **s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Transport::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Transport::Tls(s) => Pin::new(&mut **s).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Transport::Tcp(s) => s.is_write_vectored(),
+            Transport::Tls(s) => s.is_write_vectored(),
         }
     }
 

@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 
-pub use conn::{Conn, NotSentBody, Protocol, SendError, UpBody, refused_before_processing};
+pub use conn::{Conn, NotSentBody, Protocol, SendError, UpBody};
 pub use h1::{H1Error, Upgraded};
 pub use pool::{EndpointPool, PoolStats};
 pub use tls::UpstreamTls;

@@ -499,22 +499,18 @@ impl EndpointPool {
         // stalls must not hold a request (or the warm keeper) forever.
         let dialed = tokio::time::timeout(self.connect_timeout, self.dial()).await;
         match dialed {
-            Ok(Ok(Stream::Plain(s))) => match self.protocol {
-                Protocol::Http2 => self.handshake_h2(s).await,
-                Protocol::Http1 | Protocol::Auto => {
-                    Ok(Handshaken::H1(Box::new(H1Conn::new(Transport::Tcp(s)))))
-                }
-            },
-            Ok(Ok(Stream::Tls(s))) => {
-                let h2 = match self.protocol {
-                    Protocol::Http1 => false,
-                    Protocol::Http2 => true,
-                    Protocol::Auto => s.get_ref().1.alpn_protocol() == Some(b"h2"),
+            Ok(Ok(io)) => {
+                let h2 = match (self.protocol, &io) {
+                    (Protocol::Http2, _) => true,
+                    (Protocol::Auto, Transport::Tls(s)) => {
+                        s.get_ref().1.alpn_protocol() == Some(b"h2")
+                    }
+                    _ => false,
                 };
                 if h2 {
-                    self.handshake_h2(*s).await
+                    self.handshake_h2(io).await
                 } else {
-                    Ok(Handshaken::H1(Box::new(H1Conn::new(Transport::Tls(s)))))
+                    Ok(Handshaken::H1(Box::new(H1Conn::new(io))))
                 }
             }
             Ok(Err(e)) => {
@@ -538,13 +534,13 @@ impl EndpointPool {
     }
 
     /// TCP connect, then the TLS handshake for an `https://` endpoint.
-    async fn dial(&self) -> Result<Stream, ProxyError> {
+    async fn dial(&self) -> Result<Transport, ProxyError> {
         let tcp = TcpStream::connect(self.addr)
             .await
             .map_err(ProxyError::UpstreamConnect)?;
         let _ = tcp.set_nodelay(true);
         let Some(tls) = &self.tls else {
-            return Ok(Stream::Plain(tcp));
+            return Ok(Transport::Tcp(tcp));
         };
         match tls.handshake(tcp).await {
             Ok((s, kind)) => {
@@ -553,7 +549,7 @@ impl EndpointPool {
                     Handshake::Resumed => &self.stats.tls_resumed_handshakes,
                 };
                 counter.fetch_add(1, Ordering::Relaxed);
-                Ok(Stream::Tls(Box::new(s)))
+                Ok(Transport::Tls(Box::new(s)))
             }
             Err(e) => {
                 self.stats
@@ -684,12 +680,6 @@ enum Opened {
         Option<super::multiplex::StreamSlot>,
         Instant,
     ),
-}
-
-/// A connected transport, before the HTTP handshake.
-enum Stream {
-    Plain(TcpStream),
-    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
 }
 
 #[cfg(test)]
