@@ -132,6 +132,17 @@ async fn fetch(
     Ok(http::Response::from_parts(parts, body))
 }
 
+/// `n` GETs in a row on one client connection through a gateway in front of `up`.
+async fn gets(up: &Scripted, n: usize) -> Vec<Result<http::Response<bytes::Bytes>, String>> {
+    let gw = TestGateway::to(up.addr, "");
+    let mut c = h1_client(gw.addr).await;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        out.push(fetch(&mut c, "GET", "/").await);
+    }
+    out
+}
+
 fn answer(bytes: &str, close: bool) -> (Vec<u8>, bool) {
     (bytes.as_bytes().to_vec(), close)
 }
@@ -148,10 +159,8 @@ async fn interim_responses_are_skipped_and_the_connection_reused() {
         false,
     )
     .await;
-    let gw = TestGateway::to(up.addr, "");
-    let mut c = h1_client(gw.addr).await;
-    for _ in 0..3 {
-        let r = fetch(&mut c, "GET", "/").await.unwrap();
+    for r in gets(&up, 3).await {
+        let r = r.unwrap();
         assert_eq!(r.status(), 200);
         assert_eq!(r.body().as_ref(), b"ok");
     }
@@ -174,10 +183,8 @@ async fn chunked_responses_are_decoded_and_trailers_dropped() {
         false,
     )
     .await;
-    let gw = TestGateway::to(up.addr, "");
-    let mut c = h1_client(gw.addr).await;
-    for _ in 0..3 {
-        let r = fetch(&mut c, "GET", "/").await.unwrap();
+    for r in gets(&up, 3).await {
+        let r = r.unwrap();
         assert_eq!(r.status(), 200);
         assert_eq!(r.body().as_ref(), b"hello world");
     }
@@ -195,10 +202,8 @@ async fn a_body_until_close_is_passed_whole_and_its_connection_not_reused() {
         false,
     )
     .await;
-    let gw = TestGateway::to(up.addr, "");
-    let mut c = h1_client(gw.addr).await;
-    for _ in 0..3 {
-        let r = fetch(&mut c, "GET", "/").await.unwrap();
+    for r in gets(&up, 3).await {
+        let r = r.unwrap();
         assert_eq!(r.status(), 200);
         assert_eq!(r.body().as_ref(), b"until the end");
     }
@@ -226,10 +231,8 @@ async fn http10_responses_are_not_kept_alive_unless_they_say_so() {
         false,
     )
     .await;
-    let gw = TestGateway::to(up.addr, "");
-    let mut c = h1_client(gw.addr).await;
-    for _ in 0..4 {
-        let r = fetch(&mut c, "GET", "/").await.unwrap();
+    for r in gets(&up, 4).await {
+        let r = r.unwrap();
         assert_eq!(r.body().as_ref(), b"ok");
     }
     // Requests 0 and 1 closed their connections; 2 kept its, and 3 reused it.
@@ -544,11 +547,7 @@ async fn r_te_with_content_length_does_not_keep_the_connection() {
         false,
     )
     .await;
-    let gw = TestGateway::to(up.addr, "");
-    let mut c = h1_client(gw.addr).await;
-    for _ in 0..2 {
-        let _ = fetch(&mut c, "GET", "/").await;
-    }
+    gets(&up, 2).await;
     assert_eq!(up.conns.load(Ordering::SeqCst), 2, "connection reused");
 }
 
@@ -566,11 +565,7 @@ async fn r_http10_with_transfer_encoding_does_not_keep_the_connection() {
         false,
     )
     .await;
-    let gw = TestGateway::to(up.addr, "");
-    let mut c = h1_client(gw.addr).await;
-    for _ in 0..2 {
-        let _ = fetch(&mut c, "GET", "/").await;
-    }
+    gets(&up, 2).await;
     assert_eq!(up.conns.load(Ordering::SeqCst), 2, "connection reused");
 }
 
