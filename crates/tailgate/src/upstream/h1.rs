@@ -31,7 +31,7 @@
 
 use std::collections::VecDeque;
 use std::future::Future;
-use std::io;
+use std::io::{self, Write as _};
 use std::mem::MaybeUninit;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -303,7 +303,9 @@ impl H1Conn {
         w.extend_from_slice(b" HTTP/1.1\r\n");
         let mut had_length = false;
         let mut cookie_done = false;
+        let mut had_host = false;
         for (name, value) in &parts.headers {
+            had_host |= name == header::HOST;
             if name == header::CONTENT_LENGTH {
                 had_length = true;
                 continue;
@@ -333,10 +335,9 @@ impl H1Conn {
         for (name, value) in added.iter() {
             put_header(w, name, value);
         }
-        if !parts.headers.contains_key(header::HOST) {
-            w.extend_from_slice(b"host: ");
-            w.extend_from_slice(addr.to_string().as_bytes());
-            w.extend_from_slice(b"\r\n");
+        if !had_host {
+            // Written straight into the buffer (`io::Write` for `Vec` cannot fail).
+            let _ = write!(w, "host: {addr}\r\n");
         }
         let chunked = if bodiless {
             if had_length || matches!(parts.method, Method::POST | Method::PUT | Method::PATCH) {
@@ -344,9 +345,7 @@ impl H1Conn {
             }
             false
         } else if let Some(n) = body.size_hint().exact() {
-            w.extend_from_slice(b"content-length: ");
-            w.extend_from_slice(n.to_string().as_bytes());
-            w.extend_from_slice(b"\r\n");
+            let _ = write!(w, "content-length: {n}\r\n");
             false
         } else {
             w.extend_from_slice(b"transfer-encoding: chunked\r\n");
