@@ -30,7 +30,7 @@ pub enum ReqBodyError {
 /// once it passes the configured limit.
 #[derive(Debug)]
 pub struct ReqBody {
-    inner: Option<Incoming>,
+    inner: Option<ClientBody>,
     limit: u64,
     seen: u64,
     /// Where the bytes read are counted (the route's `received bytes` series).
@@ -39,6 +39,45 @@ pub struct ReqBody {
     buffered: Option<Bytes>,
     /// Where a copy of the bytes sent is kept, for a replay.
     copy: Option<ReplayCopy>,
+}
+
+/// Where a request body comes from.
+#[derive(Debug)]
+enum ClientBody {
+    /// Read by hyper's server as it streams.
+    Hyper(Incoming),
+    /// Read whole with its head by the inline HTTP/1.1 server (`server::h1_inline`); taken
+    /// by the first poll.
+    Whole(Option<Bytes>),
+}
+
+impl Body for ClientBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            ClientBody::Hyper(b) => Pin::new(b).poll_frame(cx),
+            ClientBody::Whole(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ClientBody::Hyper(b) => b.is_end_stream(),
+            ClientBody::Whole(b) => b.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ClientBody::Hyper(b) => b.size_hint(),
+            ClientBody::Whole(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
+        }
+    }
 }
 
 /// A bounded copy of a request body as it streams upstream, so that a request on a route
@@ -107,6 +146,16 @@ pub struct BytesIn {
 impl ReqBody {
     /// `limit` 0 means no limit.
     pub fn new(inner: Incoming, limit: u64) -> ReqBody {
+        ReqBody::from_client(ClientBody::Hyper(inner), limit)
+    }
+
+    /// A body that arrived whole with its head; `limit` 0 means no limit.
+    pub fn whole(body: Bytes, limit: u64) -> ReqBody {
+        let body = (!body.is_empty()).then_some(body);
+        ReqBody::from_client(ClientBody::Whole(body), limit)
+    }
+
+    fn from_client(inner: ClientBody, limit: u64) -> ReqBody {
         ReqBody {
             inner: Some(inner),
             limit: if limit == 0 { u64::MAX } else { limit },

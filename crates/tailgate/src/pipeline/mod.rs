@@ -20,7 +20,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use http::{HeaderValue, Request, Response, StatusCode, header};
-use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
 use self::body::{BytesIn, ReqBody, ReqBodyError, RespBody, UpstreamBody};
@@ -62,10 +61,13 @@ pub struct ConnInfo {
 }
 
 /// Runs one request through the pipeline. Never fails: every error becomes a response here.
+///
+/// The body comes as a [`ReqBody`] already limited to `max_body_bytes` by the server that
+/// read the head (hyper's, or the inline HTTP/1.1 one).
 pub async fn handle(
     worker: Arc<Worker>,
     conn: Arc<ConnInfo>,
-    req: Request<Incoming>,
+    req: Request<ReqBody>,
 ) -> Result<Response<RespBody>, Infallible> {
     let sticky = sticky_upgrade(&req);
     let resp = run(worker, conn, req).await?;
@@ -75,7 +77,7 @@ pub async fn handle(
 async fn run(
     worker: Arc<Worker>,
     conn: Arc<ConnInfo>,
-    req: Request<Incoming>,
+    req: Request<ReqBody>,
 ) -> Result<Response<RespBody>, Infallible> {
     let started = Instant::now();
     let shared = &worker.shared;
@@ -209,8 +211,8 @@ fn close_after_refused_upgrade(mut resp: Response<RespBody>, sticky: bool) -> Re
 }
 
 /// The body length the request declared (`Content-Length`), as its body already knows it
-/// (hyper framed the body by it, so no header lookup and parse again).
-fn declared_length(req: &Request<Incoming>) -> Option<u64> {
+/// (the server framed the body by it, so no header lookup and parse again).
+fn declared_length(req: &Request<ReqBody>) -> Option<u64> {
     http_body::Body::size_hint(req.body()).exact()
 }
 
@@ -218,7 +220,7 @@ async fn forward(
     worker: &Worker,
     conn: &Arc<ConnInfo>,
     route: &Arc<RouteEntry>,
-    mut req: Request<Incoming>,
+    mut req: Request<ReqBody>,
     request_id: &HeaderValue,
     started: Instant,
     rec: &mut ExchangeRecorder,
@@ -344,7 +346,6 @@ async fn forward(
         &added,
         !upgrade && bodiless && (route.idempotent || is_idempotent(&parts.method)),
     );
-    let body = ReqBody::new(body, settings.max_body_bytes);
     let (body, replay_copy) = if keep_copy {
         let (body, copy) = body.keep_copy(REPLAY_COPY_BYTES);
         (body, Some(copy))

@@ -3,6 +3,7 @@
 //! with the pipeline as its service, the idle timeout, and graceful shutdown.
 
 pub mod h1_guard;
+pub mod h1_inline;
 pub mod send_timeout;
 pub mod spawner;
 
@@ -15,6 +16,8 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use futures_util::task::AtomicWaker;
+use http::Request;
+use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -26,6 +29,7 @@ use self::h1_guard::H1Guard;
 use self::send_timeout::SendTimeout;
 use crate::listener::BoundListener;
 use crate::observe::ConnActivity;
+use crate::pipeline::body::ReqBody;
 use crate::pipeline::{ConnInfo, Worker, handle};
 
 /// Held by everything that must finish before a worker exits (connections, tunnels).
@@ -133,7 +137,42 @@ where
             guard.passthrough();
             serve_h2(ctx, guard, info).await;
         }
-        Ok(false) => serve_h1(ctx, guard, info).await,
+        Ok(false) => {
+            // The usual requests are served inline; the first that is not, and all after
+            // it, by hyper's server behind the guard.
+            let (mut io, sniffed) = guard.into_parts();
+            let limits = h1_inline::Limits {
+                max_head: settings.max_header_bytes,
+                max_body: settings.max_body_bytes,
+                header_timeout: settings.header_read_timeout,
+            };
+            let closing = AtomicBool::new(false);
+            let inline = h1_inline::serve(
+                &mut io,
+                bytes::BytesMut::from(&sniffed[..]),
+                &ctx.worker,
+                &info,
+                &limits,
+                &closing,
+            );
+            let ended = drive(
+                inline,
+                ctx.shutdown.clone(),
+                &info,
+                settings.idle_timeout,
+                |_| closing.store(true, Ordering::Relaxed),
+            )
+            .await;
+            if let h1_inline::Ended::Handover(rest) = ended {
+                let guard = H1Guard::resume(
+                    io,
+                    &rest,
+                    settings.max_header_bytes,
+                    settings.header_read_timeout,
+                );
+                serve_h1(ctx, guard, info).await;
+            }
+        }
         Err(_) => {}
     }
 }
@@ -165,7 +204,14 @@ where
 {
     let settings = &ctx.worker.shared.settings;
     let (worker, svc_info) = (ctx.worker.clone(), info.clone());
-    let service = service_fn(move |req| handle(worker.clone(), svc_info.clone(), req));
+    let limit = settings.max_body_bytes;
+    let service = service_fn(move |req: Request<Incoming>| {
+        handle(
+            worker.clone(),
+            svc_info.clone(),
+            req.map(|b| ReqBody::new(b, limit)),
+        )
+    });
     let conn = http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(None)
@@ -174,10 +220,13 @@ where
         .writev(false)
         .serve_connection(TokioIo::new(io), service)
         .with_upgrades();
-    drive(conn, ctx.shutdown, &info, settings.idle_timeout, |c| {
+    let ended = drive(conn, ctx.shutdown, &info, settings.idle_timeout, |c| {
         c.graceful_shutdown()
     })
     .await;
+    if let Err(e) = ended {
+        tracing::debug!(client.addr = %info.client, error = %e, "client connection ended with an error");
+    }
 }
 
 async fn serve_h2<I>(ctx: ConnCtx, io: I, info: Arc<ConnInfo>)
@@ -186,15 +235,25 @@ where
 {
     let settings = &ctx.worker.shared.settings;
     let (worker, svc_info) = (ctx.worker.clone(), info.clone());
-    let service = service_fn(move |req| handle(worker.clone(), svc_info.clone(), req));
+    let limit = settings.max_body_bytes;
+    let service = service_fn(move |req: Request<Incoming>| {
+        handle(
+            worker.clone(),
+            svc_info.clone(),
+            req.map(|b| ReqBody::new(b, limit)),
+        )
+    });
     let conn = http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
         .max_header_list_size(settings.max_header_bytes as u32)
         .serve_connection(TokioIo::new(io), service);
-    drive(conn, ctx.shutdown, &info, settings.idle_timeout, |c| {
+    let ended = drive(conn, ctx.shutdown, &info, settings.idle_timeout, |c| {
         c.graceful_shutdown()
     })
     .await;
+    if let Err(e) = ended {
+        tracing::debug!(client.addr = %info.client, error = %e, "client connection ended with an error");
+    }
 }
 
 /// Polls a connection to its end, closing it gracefully at shutdown or after `idle` with no
@@ -204,16 +263,13 @@ where
 /// upstream answers), so the shutdown signal and the idle timer are not polled on each one:
 /// they are polled with their own waker, and only after it fired. Polling them each time
 /// cost a lock of the shutdown signal's waiter list and a timer poll, twice per request.
-async fn drive<C, E>(
+async fn drive<C: Future>(
     conn: C,
     mut shutdown: watch::Receiver<bool>,
     info: &ConnInfo,
     idle: Duration,
-    graceful: fn(Pin<&mut C>),
-) where
-    C: Future<Output = Result<(), E>>,
-    E: std::fmt::Display,
-{
+    mut graceful: impl FnMut(Pin<&mut C>),
+) -> C::Output {
     let mut conn = std::pin::pin!(conn);
     let mut closing = *shutdown.borrow();
     if closing {
@@ -229,10 +285,7 @@ async fn drive<C, E>(
     std::future::poll_fn(|cx| {
         loop {
             if let Poll::Ready(res) = conn.as_mut().poll(cx) {
-                if let Err(e) = res {
-                    tracing::debug!(client.addr = %info.client, error = %e, "client connection ended with an error");
-                }
-                return Poll::Ready(());
+                return Poll::Ready(res);
             }
             if closing {
                 return Poll::Pending;
@@ -265,7 +318,7 @@ async fn drive<C, E>(
             side.woken.store(true, Ordering::Release);
         }
     })
-    .await;
+    .await
 }
 
 /// The waker given to the shutdown signal and the idle timer of [`drive`]: marks that one of

@@ -69,6 +69,22 @@ impl<T> H1Guard<T> {
         }
     }
 
+    /// A guard that goes on from bytes already read off `inner` (by the inline server).
+    pub fn resume(inner: T, read: &[u8], max_head: usize, header_timeout: Duration) -> Self {
+        let mut g = H1Guard::new(inner, max_head, header_timeout);
+        g.buf = read.to_vec();
+        g.end = read.len();
+        g
+    }
+
+    /// The connection and the bytes read but not handed on, before any was inspected.
+    pub fn into_parts(self) -> (T, Vec<u8>) {
+        let mut buf = self.buf;
+        buf.truncate(self.end);
+        buf.drain(..self.start);
+        (self.inner, buf)
+    }
+
     /// Stop inspecting (the connection speaks HTTP/2).
     pub fn passthrough(&mut self) {
         self.framing.state = State::Passthrough;

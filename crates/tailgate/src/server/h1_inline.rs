@@ -1,0 +1,690 @@
+//! The HTTP/1.1 server for the usual request, run inline on the connection's task: a head
+//! that arrives whole, with no body or a `Content-Length` body that arrived with it, and no
+//! `Transfer-Encoding`, `Expect`, `Upgrade` or `CONNECT`. That is nearly every API request.
+//!
+//! hyper's server drove each such request through its dispatcher, a body channel and its
+//! own encoder: about 8,000 instructions per request, 40 % of the gateway's user-space CPU
+//! and the reason its throughput trailed nginx's (measured with callgrind, see CHANGELOG).
+//! Here the head is parsed once with `httparse` (the parser hyper and the smuggling guard
+//! use), the request runs through the pipeline on this task, and the response is written
+//! from one buffer, usually in one write.
+//!
+//! Anything else is not served here: the connection, with every byte not yet served, is
+//! handed to hyper's server behind the smuggling guard for the rest of its life. That
+//! includes every malformed, oversized or smuggling-shaped head, so the answers to those
+//! (400, 431, a refusal and a close) come from the one tested place they always came from.
+//! A head is handed over only before any of it was acted on, so hyper sees the exact bytes
+//! the client sent.
+//!
+//! The connection's read side is watched while a request is in flight: bytes of a
+//! pipelined next request are kept (up to the head limit), and the client's end of stream
+//! cancels the request, as hyper does.
+
+use std::mem::MaybeUninit;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri, Version, header};
+use http_body::{Body, Frame};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::time::Sleep;
+
+use crate::pipeline::body::{ReqBody, RespBody};
+use crate::pipeline::{ConnInfo, Worker, handle};
+
+/// How the inline server left the connection.
+pub enum Ended {
+    /// Closed, or to be closed: nothing more is served on it.
+    Closed,
+    /// The next request is not one served here; it starts at the first of these bytes, and
+    /// hyper's server takes the connection from there.
+    Handover(BytesMut),
+}
+
+/// The request-head limits, from the server settings.
+pub struct Limits {
+    pub max_head: usize,
+    pub max_body: u64,
+    pub header_timeout: Duration,
+}
+
+/// As many header lines as hyper's server accepts (more: hyper answers 431).
+const MAX_HEADERS: usize = 100;
+/// Reads go into at least this much free buffer; a read that fills less than what was free
+/// tells the runtime the socket is drained, which spares the next read's system call.
+const READ_MIN: usize = 1024;
+const READ_RESERVE: usize = 8 * 1024;
+/// Response bytes gathered before they are written (a body frame larger than what is left
+/// is written straight from its own buffer).
+const WRITE_GATHER: usize = 64 * 1024;
+
+/// Serves requests on `io` until the connection ends, or a request comes that is not served
+/// here. `buf` holds bytes already read. `closing` is set to end the connection at the next
+/// point where no request is in flight (shutdown, idle).
+pub async fn serve<I>(
+    io: &mut I,
+    mut buf: BytesMut,
+    worker: &Arc<Worker>,
+    info: &Arc<ConnInfo>,
+    limits: &Limits,
+    closing: &AtomicBool,
+) -> Ended
+where
+    I: AsyncRead + AsyncWrite + Unpin,
+{
+    let mut out = Vec::with_capacity(1024);
+    let mut idx = Vec::with_capacity(16);
+    let mut head_deadline: Option<Pin<Box<Sleep>>> = None;
+    loop {
+        // 1. A whole head, or the reason there is none.
+        let (req, meta) = loop {
+            if !buf.is_empty() {
+                match parse(&mut buf, limits, &mut idx) {
+                    Ok(served) => break served,
+                    Err(Unserved::Other) => return Ended::Handover(buf),
+                    Err(Unserved::Partial) => {}
+                }
+            }
+            let waited = std::future::poll_fn(|cx| {
+                if buf.is_empty() && closing.load(Ordering::Relaxed) {
+                    return Poll::Ready(Wait::Close);
+                }
+                match poll_fill(io, &mut buf, cx) {
+                    Poll::Ready(Ok(0)) => Poll::Ready(Wait::End),
+                    Poll::Ready(Ok(_)) => Poll::Ready(Wait::More),
+                    Poll::Ready(Err(_)) => Poll::Ready(Wait::Close),
+                    Poll::Pending => {
+                        // A head in pieces: the header read timeout runs from when the
+                        // socket first ran dry in the middle of it (as in the guard).
+                        if !buf.is_empty() {
+                            let d = head_deadline.get_or_insert_with(|| {
+                                Box::pin(tokio::time::sleep(limits.header_timeout))
+                            });
+                            if d.as_mut().poll(cx).is_ready() {
+                                return Poll::Ready(Wait::Close);
+                            }
+                        }
+                        Poll::Pending
+                    }
+                }
+            })
+            .await;
+            match waited {
+                Wait::More => {}
+                Wait::Close => return Ended::Closed,
+                // A head cut off by the end of the stream: hyper's server says what it
+                // says to that.
+                Wait::End if buf.is_empty() => return Ended::Closed,
+                Wait::End => return Ended::Handover(buf),
+            }
+        };
+        head_deadline = None;
+
+        // 2. The pipeline, while the client is watched for its end.
+        let mut pending = std::pin::pin!(handle(worker.clone(), info.clone(), req));
+        let resp = std::future::poll_fn(|cx| {
+            if let Poll::Ready(Ok(resp)) = pending.as_mut().poll(cx) {
+                return Poll::Ready(Some(resp));
+            }
+            match poll_client_end(io, &mut buf, limits.max_head, cx) {
+                Poll::Ready(()) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await;
+        // The client went away: dropping the request cancels it upstream.
+        let Some(resp) = resp else {
+            return Ended::Closed;
+        };
+
+        // 3. The response.
+        let keep = match write_response(io, &mut buf, limits, &mut out, resp, &meta, closing).await
+        {
+            Ok(keep) => keep,
+            Err(_) => return Ended::Closed,
+        };
+        if !keep {
+            let _ = io.shutdown().await;
+            return Ended::Closed;
+        }
+    }
+}
+
+enum Wait {
+    More,
+    End,
+    Close,
+}
+
+/// What the request asked of the connection.
+struct Meta {
+    keep_alive: bool,
+    http10: bool,
+    head: bool,
+}
+
+/// A request served here, with what it asks of the connection.
+type Parsed = Result<(Request<ReqBody>, Meta), Unserved>;
+
+/// Why the buffered bytes are not (yet) a request served here.
+#[derive(Debug)]
+enum Unserved {
+    /// A head not complete yet, within the limit.
+    Partial,
+    /// Not served here: hyper's server reads it from the start.
+    Other,
+}
+
+/// Where a header's name and value lie in the head.
+struct HeaderAt {
+    name: (usize, usize),
+    value: (usize, usize),
+}
+
+fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed {
+    let mut headers = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut []);
+    let head_len = match httparse::ParserConfig::default().parse_request_with_uninit_headers(
+        &mut req,
+        buf,
+        &mut headers,
+    ) {
+        Ok(httparse::Status::Complete(n)) if n <= limits.max_head => n,
+        Ok(httparse::Status::Partial) if buf.len() <= limits.max_head => {
+            return Err(Unserved::Partial);
+        }
+        _ => return Err(Unserved::Other),
+    };
+    let (Some(method), Some(path), Some(version)) = (req.method, req.path, req.version) else {
+        return Err(Unserved::Other);
+    };
+    let Ok(method) = Method::from_bytes(method.as_bytes()) else {
+        return Err(Unserved::Other);
+    };
+    if method == Method::CONNECT {
+        return Err(Unserved::Other);
+    }
+    let http10 = version == 0;
+    let base = buf.as_ptr() as usize;
+    let at = |s: &[u8]| (s.as_ptr() as usize - base, s.len());
+    let path_at = at(path.as_bytes());
+    let mut length: Option<u64> = None;
+    let (mut close, mut keep_alive) = (false, false);
+    idx.clear();
+    for h in req.headers.iter() {
+        let name = h.name.as_bytes();
+        match name.len() {
+            14 if name.eq_ignore_ascii_case(b"content-length") => {
+                match (length, content_length(h.value)) {
+                    (None, Some(n)) => length = Some(n),
+                    _ => return Err(Unserved::Other),
+                }
+            }
+            17 if name.eq_ignore_ascii_case(b"transfer-encoding") => return Err(Unserved::Other),
+            6 if name.eq_ignore_ascii_case(b"expect") => return Err(Unserved::Other),
+            7 if name.eq_ignore_ascii_case(b"upgrade") => return Err(Unserved::Other),
+            10 if name.eq_ignore_ascii_case(b"connection") => {
+                for token in h.value.split(|&b| b == b',') {
+                    let token = token.trim_ascii();
+                    if token.eq_ignore_ascii_case(b"close") {
+                        close = true;
+                    } else if token.eq_ignore_ascii_case(b"keep-alive") {
+                        keep_alive = true;
+                    } else if token.eq_ignore_ascii_case(b"upgrade") {
+                        return Err(Unserved::Other);
+                    }
+                }
+            }
+            _ => {}
+        }
+        idx.push(HeaderAt {
+            name: at(name),
+            value: at(h.value),
+        });
+    }
+    // A body not all here yet is streamed by hyper's server.
+    let body_len = length.unwrap_or(0);
+    if ((buf.len() - head_len) as u64) < body_len {
+        return Err(Unserved::Other);
+    }
+    // From here the bytes are taken from the buffer; a failure puts them back.
+    let head = buf.split_to(head_len).freeze();
+    let Some(parts) = build(&head, method, path_at, idx) else {
+        let mut back = BytesMut::with_capacity(head.len() + buf.len());
+        back.extend_from_slice(&head);
+        back.extend_from_slice(buf);
+        *buf = back;
+        return Err(Unserved::Other);
+    };
+    // `body_len` is at most what is buffered (checked above), so it fits a usize.
+    let body = buf.split_to(body_len as usize).freeze();
+    let (method, uri, headers) = parts;
+    let head_request = method == Method::HEAD;
+    let mut req = Request::new(ReqBody::whole(body, limits.max_body));
+    *req.method_mut() = method;
+    *req.uri_mut() = uri;
+    *req.version_mut() = if http10 {
+        Version::HTTP_10
+    } else {
+        Version::HTTP_11
+    };
+    *req.headers_mut() = headers;
+    let meta = Meta {
+        keep_alive: !close && (!http10 || keep_alive),
+        http10,
+        head: head_request,
+    };
+    Ok((req, meta))
+}
+
+/// The request's method, target and headers, their values sharing the head's bytes.
+fn build(
+    head: &Bytes,
+    method: Method,
+    path: (usize, usize),
+    idx: &[HeaderAt],
+) -> Option<(Method, Uri, HeaderMap)> {
+    let uri = Uri::from_maybe_shared(head.slice(path.0..path.0 + path.1)).ok()?;
+    let mut headers = HeaderMap::with_capacity(idx.len());
+    for h in idx {
+        let name = HeaderName::from_bytes(&head[h.name.0..h.name.0 + h.name.1]).ok()?;
+        let value =
+            HeaderValue::from_maybe_shared(head.slice(h.value.0..h.value.0 + h.value.1)).ok()?;
+        headers.append(name, value);
+    }
+    Some((method, uri, headers))
+}
+
+/// A `Content-Length` value: digits only, no overflow.
+fn content_length(v: &[u8]) -> Option<u64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.iter().try_fold(0u64, |n, &b| {
+        if b.is_ascii_digit() {
+            n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
+        } else {
+            None
+        }
+    })
+}
+
+/// Watches the client while its request is in flight: bytes of a next request are kept (up
+/// to `cap`), and `Ready` says the client is gone (end of stream or an error), which cancels
+/// the request.
+fn poll_client_end<I: AsyncRead + Unpin>(
+    io: &mut I,
+    buf: &mut BytesMut,
+    cap: usize,
+    cx: &mut Context<'_>,
+) -> Poll<()> {
+    while buf.len() < cap {
+        match poll_fill(io, buf, cx) {
+            Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(()),
+            Poll::Ready(Ok(_)) => {}
+            Poll::Pending => break,
+        }
+    }
+    Poll::Pending
+}
+
+/// Reads what the socket has into `buf`; `Ok(0)` at its end.
+fn poll_fill<I: AsyncRead + Unpin>(
+    io: &mut I,
+    buf: &mut BytesMut,
+    cx: &mut Context<'_>,
+) -> Poll<std::io::Result<usize>> {
+    if buf.capacity() - buf.len() < READ_MIN {
+        buf.reserve(READ_RESERVE);
+    }
+    tokio_util::io::poll_read_buf(Pin::new(io), cx, buf)
+}
+
+/// How the response body is delimited on the wire.
+#[derive(PartialEq)]
+enum Framing {
+    /// HEAD, 1xx, 204, 304.
+    NoBody,
+    Length(u64),
+    Chunked,
+    /// An HTTP/1.0 client, length unknown: the body ends with the connection.
+    UntilClose,
+}
+
+enum Step {
+    Frame(Option<Result<Frame<Bytes>, Box<dyn std::error::Error + Send + Sync>>>),
+    /// No frame ready now: what is gathered goes out.
+    Write,
+    /// The client went away while the body was awaited.
+    ClientGone,
+}
+
+/// Writes the response; returns whether the connection may serve another request. While
+/// the body is awaited the client is watched as in [`poll_client_end`], with `buf`.
+async fn write_response<I>(
+    io: &mut I,
+    buf: &mut BytesMut,
+    limits: &Limits,
+    out: &mut Vec<u8>,
+    resp: Response<RespBody>,
+    meta: &Meta,
+    closing: &AtomicBool,
+) -> std::io::Result<bool>
+where
+    I: AsyncRead + AsyncWrite + Unpin,
+{
+    let (parts, mut body) = resp.into_parts();
+    let status = parts.status;
+    let mut keep = meta.keep_alive && !closing.load(Ordering::Relaxed);
+    out.clear();
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    let (mut declared, mut has_date, mut has_connection) = (None, false, false);
+    for (name, value) in &parts.headers {
+        if name == header::CONTENT_LENGTH {
+            // The first valid one frames the body; another is not sent.
+            match (declared, content_length(value.as_bytes())) {
+                (None, Some(n)) => declared = Some(n),
+                _ => continue,
+            }
+        } else if name == header::TRANSFER_ENCODING {
+            // Framing is this connection's to choose.
+            continue;
+        } else if name == header::DATE {
+            has_date = true;
+        } else if name == header::CONNECTION {
+            has_connection = true;
+            if value.as_bytes().eq_ignore_ascii_case(b"close") {
+                keep = false;
+            }
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    let no_body = meta.head
+        || status.is_informational()
+        || status == http::StatusCode::NO_CONTENT
+        || status == http::StatusCode::NOT_MODIFIED;
+    let framing = if no_body {
+        Framing::NoBody
+    } else if let Some(n) = declared {
+        Framing::Length(n)
+    } else if let Some(n) = body.size_hint().exact() {
+        out.extend_from_slice(b"content-length: ");
+        out.extend_from_slice(itoa_u64(n, &mut [0u8; 20]));
+        out.extend_from_slice(b"\r\n");
+        Framing::Length(n)
+    } else if meta.http10 {
+        keep = false;
+        Framing::UntilClose
+    } else {
+        out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+        Framing::Chunked
+    };
+    if status == http::StatusCode::SWITCHING_PROTOCOLS {
+        // No upgrade was asked for on this path; the connection cannot go on as HTTP.
+        keep = false;
+    }
+    if !has_date {
+        date::append(out);
+    }
+    if !has_connection {
+        if !keep {
+            out.extend_from_slice(b"connection: close\r\n");
+        } else if meta.http10 {
+            out.extend_from_slice(b"connection: keep-alive\r\n");
+        }
+    }
+    out.extend_from_slice(b"\r\n");
+    if framing == Framing::NoBody {
+        // A HEAD answer's body (none, normally) is not read: dropping it ends the exchange.
+        drop(body);
+        io.write_all(out).await?;
+        io.flush().await?;
+        return Ok(keep);
+    }
+
+    let mut sent: u64 = 0;
+    loop {
+        let step = std::future::poll_fn(|cx| match Pin::new(&mut body).poll_frame(cx) {
+            Poll::Ready(f) => Poll::Ready(Step::Frame(f)),
+            Poll::Pending if !out.is_empty() => Poll::Ready(Step::Write),
+            Poll::Pending => match poll_client_end(io, buf, limits.max_head, cx) {
+                Poll::Ready(()) => Poll::Ready(Step::ClientGone),
+                Poll::Pending => Poll::Pending,
+            },
+        })
+        .await;
+        match step {
+            Step::Write => {
+                io.write_all(out).await?;
+                out.clear();
+                io.flush().await?;
+            }
+            Step::Frame(Some(Ok(frame))) => {
+                // Trailers are not sent to HTTP/1.1 clients.
+                let Ok(data) = frame.into_data() else {
+                    continue;
+                };
+                if data.is_empty() {
+                    continue;
+                }
+                sent += data.len() as u64;
+                if let Framing::Length(n) = framing
+                    && sent > n
+                {
+                    // More than the length said: the rest cannot be framed.
+                    io.write_all(out).await?;
+                    return Ok(false);
+                }
+                if framing == Framing::Chunked {
+                    let mut hex = [0u8; 16];
+                    out.extend_from_slice(hex_usize(data.len(), &mut hex));
+                    out.extend_from_slice(b"\r\n");
+                }
+                if out.len() + data.len() <= WRITE_GATHER {
+                    out.extend_from_slice(&data);
+                } else {
+                    io.write_all(out).await?;
+                    out.clear();
+                    io.write_all(&data).await?;
+                }
+                if framing == Framing::Chunked {
+                    out.extend_from_slice(b"\r\n");
+                }
+            }
+            Step::ClientGone => return Ok(false),
+            Step::Frame(Some(Err(e))) => {
+                // The upstream's body failed: what came is sent, and the connection closes
+                // so the client sees the body cut short.
+                tracing::debug!(error = %e, "response body failed while streaming");
+                io.write_all(out).await?;
+                io.flush().await?;
+                return Ok(false);
+            }
+            Step::Frame(None) => {
+                match framing {
+                    Framing::Chunked => out.extend_from_slice(b"0\r\n\r\n"),
+                    Framing::Length(n) if sent != n => keep = false,
+                    _ => {}
+                }
+                io.write_all(out).await?;
+                io.flush().await?;
+                return Ok(keep);
+            }
+        }
+    }
+}
+
+/// `n` in decimal, into `buf`.
+fn itoa_u64(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buf[i..];
+        }
+    }
+}
+
+/// `n` in hexadecimal, into `buf`.
+fn hex_usize(mut n: usize, buf: &mut [u8; 16]) -> &[u8] {
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b"0123456789abcdef"[n & 0xf];
+        n >>= 4;
+        if n == 0 {
+            return &buf[i..];
+        }
+    }
+}
+
+/// The `Date` header, formatted once a second per thread.
+mod date {
+    use std::cell::RefCell;
+    use std::time::{SystemTime, UNIX_EPOCH};
+
+    thread_local! {
+        static NOW: RefCell<(u64, String)> = const { RefCell::new((u64::MAX, String::new())) };
+    }
+
+    pub fn append(out: &mut Vec<u8>) {
+        let now = SystemTime::now();
+        let secs = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        NOW.with(|cell| {
+            let mut c = cell.borrow_mut();
+            if c.0 != secs {
+                *c = (secs, httpdate::fmt_http_date(now));
+            }
+            out.extend_from_slice(b"date: ");
+            out.extend_from_slice(c.1.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits {
+            max_head: 1024,
+            max_body: 0,
+            header_timeout: Duration::from_secs(1),
+        }
+    }
+
+    fn parsed(input: &[u8]) -> (Parsed, BytesMut) {
+        let mut buf = BytesMut::from(input);
+        let p = parse(&mut buf, &limits(), &mut Vec::new());
+        (p, buf)
+    }
+
+    #[test]
+    fn usual_requests_are_served_here() {
+        let (p, rest) =
+            parsed(b"GET /a?b=1 HTTP/1.1\r\nHost: x\r\nX-Two: 1\r\nx-two: 2\r\n\r\nGET /next");
+        let Ok((req, meta)) = p else {
+            panic!("not served inline")
+        };
+        assert_eq!(req.uri(), "/a?b=1");
+        assert_eq!(req.headers()["host"], "x");
+        assert_eq!(req.headers().get_all("x-two").iter().count(), 2);
+        assert!(meta.keep_alive && !meta.http10 && !meta.head);
+        assert_eq!(&rest[..], b"GET /next", "the next request's bytes stay");
+
+        let (p, rest) = parsed(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhelloGET");
+        let Ok((req, _)) = p else {
+            panic!("not served inline")
+        };
+        assert_eq!(req.body().size_hint().exact(), Some(5));
+        assert_eq!(&rest[..], b"GET");
+    }
+
+    #[test]
+    fn keep_alive_follows_the_version_and_connection() {
+        for (input, keep) in [
+            (
+                &b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"[..],
+                false,
+            ),
+            (b"GET / HTTP/1.0\r\nHost: x\r\n\r\n", false),
+            (
+                b"GET / HTTP/1.0\r\nHost: x\r\nConnection: Keep-Alive\r\n\r\n",
+                true,
+            ),
+            (
+                b"GET / HTTP/1.1\r\nHost: x\r\nConnection: keep-alive, close\r\n\r\n",
+                false,
+            ),
+        ] {
+            let Ok((_, meta)) = parsed(input).0 else {
+                panic!("not served inline")
+            };
+            assert_eq!(meta.keep_alive, keep, "{}", String::from_utf8_lossy(input));
+        }
+    }
+
+    /// Every shape served elsewhere is handed over with its bytes untouched.
+    #[test]
+    fn other_shapes_are_handed_over_whole() {
+        for input in [
+            &b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"[..],
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc",
+            b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n",
+            b"CONNECT x:443 HTTP/1.1\r\nHost: x:443\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: x\r\nX-Bad: a\x01b\r\n\r\n",
+            b"GARBAGE\r\n\r\n",
+            b"GET / HTTP/1.1\r\n Host: x\r\n\r\n",
+        ] {
+            let (p, rest) = parsed(input);
+            assert!(
+                matches!(p, Err(Unserved::Other)),
+                "{}",
+                String::from_utf8_lossy(input)
+            );
+            assert_eq!(&rest[..], input, "handed over untouched");
+        }
+        let long = [
+            &b"GET / HTTP/1.1\r\nHost: x\r\nX-Long: "[..],
+            &[b'a'; 2048],
+            b"\r\n\r\n",
+        ]
+        .concat();
+        assert!(
+            matches!(parsed(&long).0, Err(Unserved::Other)),
+            "over the head limit"
+        );
+        assert!(matches!(parsed(&long[..1500]).0, Err(Unserved::Other)));
+        assert!(matches!(parsed(&long[..100]).0, Err(Unserved::Partial)));
+    }
+
+    #[test]
+    fn numbers_are_formatted() {
+        assert_eq!(itoa_u64(0, &mut [0; 20]), b"0");
+        assert_eq!(itoa_u64(u64::MAX, &mut [0; 20]), b"18446744073709551615");
+        assert_eq!(hex_usize(0, &mut [0; 16]), b"0");
+        assert_eq!(hex_usize(0x1f2e, &mut [0; 16]), b"1f2e");
+        assert_eq!(content_length(b"0012"), Some(12));
+        assert_eq!(content_length(b"99999999999999999999"), None);
+        assert_eq!(content_length(b""), None);
+        assert_eq!(content_length(b"1 2"), None);
+    }
+}
