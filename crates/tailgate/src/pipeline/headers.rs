@@ -12,6 +12,30 @@ static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
+/// A header name read off the wire, as [`HeaderName::from_bytes`] gives it, with the names
+/// nearly every API request and response carries found by length and a case-insensitive
+/// compare rather than by lower-casing into a buffer and matching every standard name
+/// (about a hundred instructions less per header; both HTTP/1.1 codecs call it).
+pub fn name_from_wire(raw: &[u8]) -> Result<HeaderName, http::header::InvalidHeaderName> {
+    let known = match raw.len() {
+        4 if raw.eq_ignore_ascii_case(b"host") => header::HOST,
+        4 if raw.eq_ignore_ascii_case(b"date") => header::DATE,
+        6 if raw.eq_ignore_ascii_case(b"accept") => header::ACCEPT,
+        6 if raw.eq_ignore_ascii_case(b"server") => header::SERVER,
+        6 if raw.eq_ignore_ascii_case(b"cookie") => header::COOKIE,
+        10 if raw.eq_ignore_ascii_case(b"connection") => header::CONNECTION,
+        10 if raw.eq_ignore_ascii_case(b"user-agent") => header::USER_AGENT,
+        12 if raw.eq_ignore_ascii_case(b"content-type") => header::CONTENT_TYPE,
+        13 if raw.eq_ignore_ascii_case(b"authorization") => header::AUTHORIZATION,
+        13 if raw.eq_ignore_ascii_case(b"cache-control") => header::CACHE_CONTROL,
+        14 if raw.eq_ignore_ascii_case(b"content-length") => header::CONTENT_LENGTH,
+        15 if raw.eq_ignore_ascii_case(b"accept-encoding") => header::ACCEPT_ENCODING,
+        17 if raw.eq_ignore_ascii_case(b"transfer-encoding") => header::TRANSFER_ENCODING,
+        _ => return HeaderName::from_bytes(raw),
+    };
+    Ok(known)
+}
+
 /// Removes hop-by-hop headers: `Connection` and every header it names, `Keep-Alive`, `TE`,
 /// `Trailer`, `Transfer-Encoding`, `Upgrade`, `Proxy-*`. When `keep_upgrade` is set (a
 /// WebSocket handshake being passed through) `Connection: upgrade` and `Upgrade` stay.
@@ -259,6 +283,38 @@ pub fn te_has_trailers(h: &HeaderMap) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_from_the_wire_match_the_standard_parse() {
+        for raw in [
+            &b"Host"[..],
+            b"HOST",
+            b"date",
+            b"Accept",
+            b"server",
+            b"Cookie",
+            b"Connection",
+            b"User-Agent",
+            b"content-TYPE",
+            b"Authorization",
+            b"Cache-Control",
+            b"Content-Length",
+            b"Accept-Encoding",
+            b"Transfer-Encoding",
+            b"X-Request-Id",
+            b"hosts",
+            b"hos",
+        ] {
+            assert_eq!(
+                name_from_wire(raw).unwrap(),
+                HeaderName::from_bytes(raw).unwrap(),
+                "{}",
+                String::from_utf8_lossy(raw)
+            );
+        }
+        assert!(name_from_wire(b"bad name").is_err());
+        assert!(name_from_wire(b"").is_err());
+    }
 
     #[test]
     fn removes_connection_named_headers() {

@@ -28,12 +28,13 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri, Version, header};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, Version, header};
 use http_body::{Body, Frame};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::time::Sleep;
 
 use crate::pipeline::body::{ReqBody, RespBody};
+use crate::pipeline::headers::name_from_wire;
 use crate::pipeline::{ConnInfo, Worker, handle};
 
 /// How the inline server left the connection.
@@ -291,7 +292,7 @@ fn build(
     let uri = Uri::from_maybe_shared(head.slice(path.0..path.0 + path.1)).ok()?;
     let mut headers = HeaderMap::with_capacity(idx.len());
     for h in idx {
-        let name = HeaderName::from_bytes(&head[h.name.0..h.name.0 + h.name.1]).ok()?;
+        let name = name_from_wire(&head[h.name.0..h.name.0 + h.name.1]).ok()?;
         let value =
             HeaderValue::from_maybe_shared(head.slice(h.value.0..h.value.0 + h.value.1)).ok()?;
         headers.append(name, value);

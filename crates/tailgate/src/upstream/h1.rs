@@ -519,7 +519,7 @@ impl H1Conn {
             let mut coding: Option<bool> = None;
             let (mut close_token, mut keep_alive_token) = (false, false);
             for &(ns, ne, vs, ve) in &self.header_at {
-                let name = HeaderName::from_bytes(&head[ns..ne])
+                let name = crate::pipeline::headers::name_from_wire(&head[ns..ne])
                     .map_err(|_| H1Error::BadResponse("invalid header name"))?;
                 let value = HeaderValue::from_maybe_shared(head.slice(vs..ve))
                     .map_err(|_| H1Error::BadResponse("invalid header value"))?;
