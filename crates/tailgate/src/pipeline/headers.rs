@@ -18,22 +18,29 @@ static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host"
 /// (about a hundred instructions less per header; both HTTP/1.1 codecs call it).
 pub fn name_from_wire(raw: &[u8]) -> Result<HeaderName, http::header::InvalidHeaderName> {
     let known = match raw.len() {
-        4 if raw.eq_ignore_ascii_case(b"host") => header::HOST,
-        4 if raw.eq_ignore_ascii_case(b"date") => header::DATE,
-        6 if raw.eq_ignore_ascii_case(b"accept") => header::ACCEPT,
-        6 if raw.eq_ignore_ascii_case(b"server") => header::SERVER,
-        6 if raw.eq_ignore_ascii_case(b"cookie") => header::COOKIE,
-        10 if raw.eq_ignore_ascii_case(b"connection") => header::CONNECTION,
-        10 if raw.eq_ignore_ascii_case(b"user-agent") => header::USER_AGENT,
-        12 if raw.eq_ignore_ascii_case(b"content-type") => header::CONTENT_TYPE,
-        13 if raw.eq_ignore_ascii_case(b"authorization") => header::AUTHORIZATION,
-        13 if raw.eq_ignore_ascii_case(b"cache-control") => header::CACHE_CONTROL,
-        14 if raw.eq_ignore_ascii_case(b"content-length") => header::CONTENT_LENGTH,
-        15 if raw.eq_ignore_ascii_case(b"accept-encoding") => header::ACCEPT_ENCODING,
-        17 if raw.eq_ignore_ascii_case(b"transfer-encoding") => header::TRANSFER_ENCODING,
+        4 if lower_eq(raw, b"host") => header::HOST,
+        4 if lower_eq(raw, b"date") => header::DATE,
+        6 if lower_eq(raw, b"accept") => header::ACCEPT,
+        6 if lower_eq(raw, b"server") => header::SERVER,
+        6 if lower_eq(raw, b"cookie") => header::COOKIE,
+        10 if lower_eq(raw, b"connection") => header::CONNECTION,
+        10 if lower_eq(raw, b"user-agent") => header::USER_AGENT,
+        12 if lower_eq(raw, b"content-type") => header::CONTENT_TYPE,
+        13 if lower_eq(raw, b"authorization") => header::AUTHORIZATION,
+        13 if lower_eq(raw, b"cache-control") => header::CACHE_CONTROL,
+        14 if lower_eq(raw, b"content-length") => header::CONTENT_LENGTH,
+        15 if lower_eq(raw, b"accept-encoding") => header::ACCEPT_ENCODING,
+        17 if lower_eq(raw, b"transfer-encoding") => header::TRANSFER_ENCODING,
         _ => return HeaderName::from_bytes(raw),
     };
     Ok(known)
+}
+
+/// `raw` equals the lower-case `lower` but for the case of its letters. Exact for header
+/// names: setting bit 5 maps only `A`–`Z` onto `a`–`z`, and `lower` holds only letters and
+/// `-` (which no other token byte maps onto).
+fn lower_eq(raw: &[u8], lower: &[u8]) -> bool {
+    raw.len() == lower.len() && raw.iter().zip(lower).all(|(&a, &b)| a | 0x20 == b)
 }
 
 /// Removes hop-by-hop headers: `Connection` and every header it names, `Keep-Alive`, `TE`,
