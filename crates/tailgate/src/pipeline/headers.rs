@@ -140,11 +140,17 @@ impl<'a> Added<'a> {
         host: Option<&'a HeaderValue>,
         request_id: (&'a HeaderName, &'a HeaderValue),
     ) -> Added<'a> {
-        let via = HeaderValue::from_static(match version {
-            http::Version::HTTP_2 => "2 tailgate",
-            http::Version::HTTP_10 => "1.0 tailgate",
-            _ => "1.1 tailgate",
-        });
+        // Constants: `from_static` outside a const checks every byte at run time.
+        const VIA_2: HeaderValue = HeaderValue::from_static("2 tailgate");
+        const VIA_10: HeaderValue = HeaderValue::from_static("1.0 tailgate");
+        const VIA_11: HeaderValue = HeaderValue::from_static("1.1 tailgate");
+        const HTTPS: HeaderValue = HeaderValue::from_static("https");
+        const HTTP: HeaderValue = HeaderValue::from_static("http");
+        let via = match version {
+            http::Version::HTTP_2 => VIA_2,
+            http::Version::HTTP_10 => VIA_10,
+            _ => VIA_11,
+        };
         // Without an earlier X-Forwarded-For (the usual case) the connection's rendered
         // address is shared, not formatted again.
         let earlier = headers.get_all(&X_FORWARDED_FOR);
@@ -165,7 +171,7 @@ impl<'a> Added<'a> {
         Added {
             via,
             xff,
-            proto: HeaderValue::from_static(if tls { "https" } else { "http" }),
+            proto: if tls { HTTPS } else { HTTP },
             host,
             request_id,
         }

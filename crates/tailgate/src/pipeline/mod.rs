@@ -64,22 +64,17 @@ pub struct ConnInfo {
 ///
 /// The body comes as a [`ReqBody`] already limited to `max_body_bytes` by the server that
 /// read the head (hyper's, or the inline HTTP/1.1 one).
+///
+/// One async fn, not a wrapper around another: each level of nesting stores the inner
+/// future beside its own state, which doubled the future's size (and what every request
+/// moves and touches) per level.
 pub async fn handle(
     worker: Arc<Worker>,
     conn: Arc<ConnInfo>,
     req: Request<ReqBody>,
 ) -> Result<Response<RespBody>, Infallible> {
-    let sticky = sticky_upgrade(&req);
-    let resp = run(worker, conn, req).await?;
-    Ok(close_after_refused_upgrade(resp, sticky))
-}
-
-async fn run(
-    worker: Arc<Worker>,
-    conn: Arc<ConnInfo>,
-    req: Request<ReqBody>,
-) -> Result<Response<RespBody>, Infallible> {
     let started = Instant::now();
+    let sticky = sticky_upgrade(&req);
     let shared = &worker.shared;
     let settings = &shared.settings;
 
@@ -127,7 +122,10 @@ async fn run(
         let (parts, b) = e
             .to_response(&request_id, &settings.request_id_header)
             .into_parts();
-        Ok(Response::from_parts(parts, RespBody::full(b)))
+        Ok(close_after_refused_upgrade(
+            Response::from_parts(parts, RespBody::full(b)),
+            sticky,
+        ))
     };
 
     // Size limit on the declared body: refuse before reading a byte of it (413).
@@ -187,7 +185,7 @@ async fn run(
 
     // 5.–6. Upstream, and the response streamed back.
     match forward(&worker, &conn, &route, req, &request_id, started, &mut rec).await {
-        Ok(resp) => Ok(resp),
+        Ok(resp) => Ok(close_after_refused_upgrade(resp, sticky)),
         Err(e) => fail(&mut rec, e),
     }
 }
