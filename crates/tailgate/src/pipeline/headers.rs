@@ -319,8 +319,8 @@ mod tests {
             b"hos",
         ] {
             assert_eq!(
-                name_from_wire(raw).unwrap(),
-                HeaderName::from_bytes(raw).unwrap(),
+                name_from_wire(raw).expect("a valid name"),
+                HeaderName::from_bytes(raw).expect("a valid name"),
                 "{}",
                 String::from_utf8_lossy(raw)
             );
