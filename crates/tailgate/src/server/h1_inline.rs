@@ -62,6 +62,8 @@ const READ_RESERVE: usize = 8 * 1024;
 /// Response bytes gathered before they are written (a body frame larger than what is left
 /// is written straight from its own buffer).
 const WRITE_GATHER: usize = 64 * 1024;
+/// The gather buffer kept between requests.
+const OUT_KEEP: usize = 4 * 1024;
 
 /// Serves requests on `io` until the connection ends, or a request comes that is not served
 /// here. `buf` holds bytes already read. `closing` is set to end the connection at the next
@@ -151,6 +153,10 @@ where
         if !keep {
             let _ = io.shutdown().await;
             return Ended::Closed;
+        }
+        // A large response grew the gather buffer: an idle connection does not keep it.
+        if out.capacity() > OUT_KEEP {
+            out = Vec::with_capacity(OUT_KEEP);
         }
     }
 }
