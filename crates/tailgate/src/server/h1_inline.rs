@@ -1,6 +1,6 @@
 //! The HTTP/1.1 server for the usual request, run inline on the connection's task: a head
-//! that arrives whole, with no body or a `Content-Length` body that arrived with it, and no
-//! `Transfer-Encoding`, `Expect`, `Upgrade` or `CONNECT`. That is nearly every API request.
+//! with no body or a small `Content-Length` body, and no `Transfer-Encoding`, `Expect`,
+//! `Upgrade` or `CONNECT`. That is nearly every API request.
 //!
 //! hyper's server drove each such request through its dispatcher, a body channel and its
 //! own encoder: about 8,000 instructions per request, 40 % of the gateway's user-space CPU
@@ -14,7 +14,9 @@
 //! includes every malformed, oversized or smuggling-shaped head, so the answers to those
 //! (400, 431, a refusal and a close) come from the one tested place they always came from.
 //! A head is handed over only before any of it was acted on, so hyper sees the exact bytes
-//! the client sent.
+//! the client sent. A body of up to 8 KiB that comes after its head is waited for here, as
+//! the rest of a head would be (under the header read timeout); a larger one streams
+//! through hyper's server.
 //!
 //! The connection's read side is watched while a request is in flight: bytes of a
 //! pipelined next request are kept (up to the head limit), and the client's end of stream
@@ -53,6 +55,8 @@ pub struct Limits {
     pub header_timeout: Duration,
 }
 
+/// The largest request body waited for and read whole here when it comes after its head.
+const INLINE_BODY_MAX: u64 = 8 * 1024;
 /// As many header lines as hyper's server accepts (more: hyper answers 431).
 const MAX_HEADERS: usize = 100;
 /// Reads go into at least this much free buffer; a read that fills less than what was free
@@ -253,10 +257,16 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
             value: at(h.value),
         });
     }
-    // A body not all here yet is streamed by hyper's server.
+    // A small body not all here yet (many clients write the head and the body apart) is
+    // waited for like the rest of a head, under the header read timeout; a larger one is
+    // streamed by hyper's server.
     let body_len = length.unwrap_or(0);
     if ((buf.len() - head_len) as u64) < body_len {
-        return Err(Unserved::Other);
+        return Err(if body_len <= INLINE_BODY_MAX {
+            Unserved::Partial
+        } else {
+            Unserved::Other
+        });
     }
     // From here the bytes are taken from the buffer; a failure puts them back.
     let head = buf.split_to(head_len).freeze();
@@ -653,7 +663,7 @@ mod tests {
             b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
             b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
             b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
-            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc",
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 8193\r\n\r\nabc",
             b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n",
             b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n",
             b"CONNECT x:443 HTTP/1.1\r\nHost: x:443\r\n\r\n",
@@ -681,6 +691,11 @@ mod tests {
         );
         assert!(matches!(parsed(&long[..1500]).0, Err(Unserved::Other)));
         assert!(matches!(parsed(&long[..100]).0, Err(Unserved::Partial)));
+        // A small body still on its way is waited for; its bytes stay where they are.
+        let small = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 8192\r\n\r\nabc";
+        let (p, rest) = parsed(small);
+        assert!(matches!(p, Err(Unserved::Partial)));
+        assert_eq!(&rest[..], small);
     }
 
     #[test]
