@@ -262,7 +262,9 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
     // streamed by hyper's server.
     let body_len = length.unwrap_or(0);
     if ((buf.len() - head_len) as u64) < body_len {
-        return Err(if body_len <= INLINE_BODY_MAX {
+        // One over the limit is refused (413) without waiting for it, by hyper's server.
+        let within = limits.max_body == 0 || body_len <= limits.max_body;
+        return Err(if body_len <= INLINE_BODY_MAX && within {
             Unserved::Partial
         } else {
             Unserved::Other
@@ -696,6 +698,16 @@ mod tests {
         let (p, rest) = parsed(small);
         assert!(matches!(p, Err(Unserved::Partial)));
         assert_eq!(&rest[..], small);
+        // ... unless it is over the body limit: that is refused without waiting for it.
+        let mut buf = BytesMut::from(&small[..]);
+        let strict = Limits {
+            max_body: 1000,
+            ..limits()
+        };
+        assert!(matches!(
+            parse(&mut buf, &strict, &mut Vec::new()),
+            Err(Unserved::Other)
+        ));
     }
 
     #[test]
