@@ -187,6 +187,24 @@ async fn slow_header_is_cut_off() {
     assert!(!text.contains("200"));
 }
 
+/// A small body is read with its head, so a client that stops in the middle of it is cut
+/// off by the same timeout.
+#[tokio::test]
+async fn a_small_body_that_stops_is_cut_off_with_the_head() {
+    let up = ok_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"300ms\"\nidle_timeout = \"60s\"\n",
+    );
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nabc")
+        .await
+        .unwrap();
+    let (text, closed) = read_until_close(&mut s, Duration::from_secs(10)).await;
+    assert!(closed, "a body that never completes is cut off: {text}");
+    assert!(!text.contains("200"), "{text}");
+}
+
 #[tokio::test]
 async fn idle_connection_is_closed_but_a_slow_response_is_not() {
     let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {

@@ -461,3 +461,30 @@ async fn r_bodiless_answers_keep_the_upstream_connection() {
         "one upstream connection serves every request"
     );
 }
+
+/// Many clients write a request's head and its body apart: a small body that comes a moment
+/// after its head is forwarded whole, and the connection goes on to the next request.
+#[tokio::test]
+async fn a_small_body_after_its_head_is_forwarded_and_the_connection_goes_on() {
+    let gw = TestGateway::to(echo_upstream().await, "[server]\nworkers = 1\n");
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"POST /one HTTP/1.1\r\nHost: a\r\nContent-Length: 11\r\n\r\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.write_all(b"hello world").await.unwrap();
+    let (text, closed) = read_until_close_or(&mut s, "hello world").await;
+    assert!(!closed, "{text}");
+    assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "{text}");
+    assert!(text.contains("x-echo-content-length: 11\r\n"), "{text}");
+    assert!(text.contains("x-echo-uri: /one\r\n"), "{text}");
+
+    s.write_all(b"GET /two HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let (text, closed) = read_until_close(&mut s, Duration::from_secs(5)).await;
+    assert!(closed, "closed after the answer it asked for: {text}");
+    assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "{text}");
+    assert!(text.contains("x-echo-uri: /two\r\n"), "{text}");
+    assert!(text.contains("connection: close\r\n"), "{text}");
+}
