@@ -96,7 +96,12 @@ fn run_json_has_the_documented_fields() {
 #[test]
 fn run_writes_svg_charts_and_the_human_table() {
     let up = common::start(common::Behaviour::default());
-    let dir = std::env::temp_dir().join(format!("tg-bench-cli-svg-{}", std::process::id()));
+    let tmp = tempfile::Builder::new()
+        .prefix("tg-bench-cli-svg-")
+        .tempdir()
+        .unwrap();
+    // A directory the binary creates itself.
+    let dir = tmp.path().join("svg");
     let mut cmd = bench();
     cmd.args([
         "run",
@@ -121,7 +126,6 @@ fn run_writes_svg_charts_and_the_human_table() {
         let s = std::fs::read_to_string(dir.join(f)).unwrap();
         assert!(s.starts_with("<svg"), "{f}");
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// The scenario JSON document, through this binary: it has no `serve`, so tailgate is skipped

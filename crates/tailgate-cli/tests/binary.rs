@@ -10,21 +10,12 @@ use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tailgate");
 
-fn tmpdir() -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "tailgate-cli-{}-{:x}",
-        std::process::id(),
-        rand_u64()
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn rand_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(1);
-    h.finish()
+/// A fresh directory, removed when the returned guard is dropped (also when a test panics).
+fn tmpdir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("tailgate-cli-")
+        .tempdir()
+        .unwrap()
 }
 
 fn free_port() -> u16 {
@@ -37,7 +28,7 @@ fn free_port() -> u16 {
 
 fn check(text: &str) -> (bool, String) {
     let dir = tmpdir();
-    let path = dir.join("gw.toml");
+    let path = dir.path().join("gw.toml");
     std::fs::write(&path, text).unwrap();
     let out = Command::new(BIN)
         .args(["check", "--config"])
@@ -186,11 +177,11 @@ fn example_config_serves_through_the_demo_upstream() {
         .replace("127.0.0.1:8081", &format!("127.0.0.1:{demo_port}"))
         .replace("127.0.0.1:9901", &format!("127.0.0.1:{admin_port}"));
     let dir = tmpdir();
-    std::fs::write(dir.join("gw.toml"), text).unwrap();
+    std::fs::write(dir.path().join("gw.toml"), text).unwrap();
     let _p = Proc(
         Command::new(BIN)
             .args(["serve", "--config"])
-            .arg(dir.join("gw.toml"))
+            .arg(dir.path().join("gw.toml"))
             .stderr(Stdio::null())
             .spawn()
             .unwrap(),
@@ -251,7 +242,7 @@ fn sigterm_drains_in_flight_requests_and_exits_zero() {
     let up = slow_upstream(Duration::from_millis(1500));
     let port = free_port();
     let dir = tmpdir();
-    let cfg = serve_config(&dir, port, up, "[log]\nlevel = \"info\"\n");
+    let cfg = serve_config(dir.path(), port, up, "[log]\nlevel = \"info\"\n");
     let mut p = Proc(
         Command::new(BIN)
             .args(["serve", "--config"])
@@ -298,7 +289,7 @@ fn json_access_log_has_stage_timings() {
     let port = free_port();
     let dir = tmpdir();
     let cfg = serve_config(
-        &dir,
+        dir.path(),
         port,
         up,
         "[log]\nlevel = \"info\"\nformat = \"json\"\naccess_log = true\n",
@@ -350,7 +341,7 @@ fn json_access_log_has_stage_timings() {
 fn watchdog_outside_systemd_is_a_clear_error() {
     let up = slow_upstream(Duration::from_millis(0));
     let dir = tmpdir();
-    let cfg = serve_config(&dir, free_port(), up, "");
+    let cfg = serve_config(dir.path(), free_port(), up, "");
     let out = Command::new(BIN)
         .args(["serve", "--watchdog", "--config"])
         .arg(&cfg)
@@ -372,12 +363,12 @@ fn watchdog_notifies_systemd() {
     let dir = tmpdir();
     let (port, admin_port) = (free_port(), free_port());
     let cfg = serve_config(
-        &dir,
+        dir.path(),
         port,
         up,
         &format!("[admin]\naddress = \"127.0.0.1:{admin_port}\"\n"),
     );
-    let sock_path = dir.join("notify.sock");
+    let sock_path = dir.path().join("notify.sock");
     let sock = UnixDatagram::bind(&sock_path).unwrap();
     sock.set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
@@ -423,8 +414,8 @@ fn notify_without_a_watchdog_sends_ready_and_no_pings() {
     use std::os::unix::net::UnixDatagram;
     let up = slow_upstream(Duration::from_millis(0));
     let dir = tmpdir();
-    let cfg = serve_config(&dir, free_port(), up, "");
-    let sock_path = dir.join("notify.sock");
+    let cfg = serve_config(dir.path(), free_port(), up, "");
+    let sock_path = dir.path().join("notify.sock");
     let sock = UnixDatagram::bind(&sock_path).unwrap();
     sock.set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();

@@ -540,10 +540,11 @@ async fn stats_and_unknown_paths() {
 #[tokio::test]
 async fn the_watchdog_is_fed_only_while_workers_respond() {
     use std::os::unix::net::UnixDatagram;
-    let dir = std::env::temp_dir().join(format!("tailgate-wd-{}", std::process::id()));
-    let _ = std::fs::create_dir_all(&dir);
-    let path = dir.join("notify.sock");
-    let _ = std::fs::remove_file(&path);
+    let dir = tempfile::Builder::new()
+        .prefix("tailgate-wd-")
+        .tempdir()
+        .unwrap();
+    let path = dir.path().join("notify.sock");
     let sock = UnixDatagram::bind(&path).unwrap();
     sock.set_read_timeout(Some(Duration::from_millis(100)))
         .unwrap();
@@ -585,7 +586,6 @@ async fn the_watchdog_is_fed_only_while_workers_respond() {
         after.iter().any(|m| m == "WATCHDOG=1"),
         "pings never resumed"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]

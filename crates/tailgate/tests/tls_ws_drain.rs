@@ -13,8 +13,9 @@ use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+/// A self-signed certificate and its key in a directory removed on drop.
 struct TestCert {
-    dir: std::path::PathBuf,
+    dir: tempfile::TempDir,
     der: rustls::pki_types::CertificateDer<'static>,
 }
 
@@ -22,14 +23,12 @@ fn test_cert(names: &[&str]) -> TestCert {
     let ck =
         rcgen::generate_simple_self_signed(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())
             .unwrap();
-    let dir = std::env::temp_dir().join(format!(
-        "tailgate-tls-{}-{}",
-        std::process::id(),
-        fastrand::u64(..)
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("cert.pem"), ck.cert.pem()).unwrap();
-    std::fs::write(dir.join("key.pem"), ck.signing_key.serialize_pem()).unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("tailgate-tls-")
+        .tempdir()
+        .unwrap();
+    std::fs::write(dir.path().join("cert.pem"), ck.cert.pem()).unwrap();
+    std::fs::write(dir.path().join("key.pem"), ck.signing_key.serialize_pem()).unwrap();
     TestCert {
         dir,
         der: ck.cert.der().clone(),
@@ -108,7 +107,7 @@ tenant = "acme"
 path_prefix = "/"
 cluster = "up"
 "#,
-        dir = cert.dir.display()
+        dir = cert.dir.path().display()
     ))
 }
 

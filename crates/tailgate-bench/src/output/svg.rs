@@ -173,8 +173,11 @@ mod tests {
 
     #[test]
     fn writes_svg_files() {
-        let dir = std::env::temp_dir().join(format!("tg-bench-svg-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new()
+            .prefix("tg-bench-svg-")
+            .tempdir()
+            .unwrap();
+        let dir = tmp.path();
         let mut h = new_histogram(3);
         for v in 1..1000u64 {
             h.record(v * 10).unwrap();
@@ -194,6 +197,5 @@ mod tests {
         let p = dir.join("lines.svg");
         lines(&p, "t", "second", 0, &[("a".into(), vec![1.0, 2.0, 3.0])]).unwrap();
         assert!(std::fs::read_to_string(&p).unwrap().contains("polyline"));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

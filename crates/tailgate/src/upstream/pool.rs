@@ -702,8 +702,11 @@ mod tests {
             }
         });
         let ck = rcgen::generate_simple_self_signed(vec!["ca.test".to_owned()]).expect("cert");
-        let dir = std::env::temp_dir().join(format!("tailgate-pool-{}", fastrand::u64(..)));
-        std::fs::create_dir_all(&dir).expect("dir");
+        let tmp = tempfile::Builder::new()
+            .prefix("tailgate-pool-")
+            .tempdir()
+            .expect("dir");
+        let dir = tmp.path();
         std::fs::write(dir.join("ca.pem"), ck.cert.pem()).expect("write");
         let text = format!(
             "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"https://{addr}\"]\nprotocol = \"http2\"\ntls_ca = \"ca.pem\"\nconnect_timeout = \"10s\"\n"

@@ -20,9 +20,10 @@ use super::full;
 /// signed for `127.0.0.1`, `::1`, `upstream.test` and `svc.test` (`server.pem`, `server.key`), a second CA that
 /// signed nothing the server has (`other-ca.pem`), a server certificate for a DNS name only
 /// (`dns-only.pem`, `dns-only.key`), and a client CA with one client (`client-ca.pem`,
-/// `client.pem`, `client.key`).
+/// `client.pem`, `client.key`). The directory is removed when the `Pki` is dropped.
 pub struct Pki {
     pub dir: PathBuf,
+    _tmp: tempfile::TempDir,
 }
 
 pub fn ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
@@ -44,12 +45,11 @@ pub fn leaf(issuer: &CertifiedIssuer<'static, KeyPair>, names: &[&str]) -> (Stri
 
 impl Pki {
     pub fn new() -> Pki {
-        let dir = std::env::temp_dir().join(format!(
-            "tailgate-uptls-{}-{}",
-            std::process::id(),
-            fastrand::u64(..)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new()
+            .prefix("tailgate-uptls-")
+            .tempdir()
+            .unwrap();
+        let dir = tmp.path().to_path_buf();
         let w = |name: &str, text: &str| std::fs::write(dir.join(name), text).unwrap();
         let server_ca = ca("tailgate test server CA");
         w("ca.pem", &server_ca.pem());
@@ -68,7 +68,7 @@ impl Pki {
         let (cert, key) = leaf(&client_ca, &["gateway.test"]);
         w("client.pem", &cert);
         w("client.key", &key);
-        Pki { dir }
+        Pki { dir, _tmp: tmp }
     }
 
     pub fn path(&self, name: &str) -> String {
