@@ -187,12 +187,16 @@ fn example_config_serves_through_the_demo_upstream() {
             .unwrap(),
     );
     let addr: SocketAddr = format!("127.0.0.1:{gw_port}").parse().unwrap();
-    wait_listening(addr);
+    let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
+    // The gateway, the demo upstream and the admin plane each open their listener on a
+    // thread of their own: all three are waited for.
+    for port in [gw_port, demo_port, admin_port] {
+        wait_listening(format!("127.0.0.1:{port}").parse().unwrap());
+    }
     let resp = http_get(addr, "/hello");
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
     assert!(resp.contains("tailgate demo upstream"), "{resp}");
     assert!(resp.contains("\"x-forwarded-for\":\"127.0.0.1\""), "{resp}");
-    let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
     let metrics = http_get(admin, "/metrics");
     assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
     assert!(
