@@ -1,0 +1,910 @@
+//! The inline HTTP/1.1 server (`server::h1_inline`) on real sockets: pipelining within it and
+//! across the handover to hyper's server, heads in pieces, timeouts, shutdown, HTTP/1.0,
+//! HEAD/204/304 and response framing, as clients and upstreams see them.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::{Frame, Incoming};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// One response read off the wire.
+#[derive(Debug)]
+struct Resp {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    /// The body ended where its framing said (false: cut short by the end of the bytes).
+    complete: bool,
+}
+
+impl Resp {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn body(&self) -> &str {
+        std::str::from_utf8(&self.body).unwrap()
+    }
+}
+
+/// Splits `raw` into the responses it holds; `heads[i]` says whether the i-th answers a HEAD
+/// request (its body is empty whatever its headers say). A body with neither length nor
+/// chunked framing runs to the end of `raw`.
+fn responses(mut raw: &[u8], heads: &[bool]) -> Vec<Resp> {
+    let mut out = Vec::new();
+    while !raw.is_empty() {
+        let mut hs = [httparse::EMPTY_HEADER; 64];
+        let mut r = httparse::Response::new(&mut hs);
+        let n = match r.parse(raw) {
+            Ok(httparse::Status::Complete(n)) => n,
+            other => panic!(
+                "not a response head ({other:?}): {:?}",
+                String::from_utf8_lossy(raw)
+            ),
+        };
+        let status = r.code.unwrap();
+        let headers: Vec<(String, String)> = r
+            .headers
+            .iter()
+            .map(|h| {
+                (
+                    h.name.to_ascii_lowercase(),
+                    String::from_utf8_lossy(h.value).into_owned(),
+                )
+            })
+            .collect();
+        raw = &raw[n..];
+        let get = |name: &str| {
+            headers
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.clone())
+        };
+        let head_req = heads.get(out.len()).copied().unwrap_or(false);
+        let mut resp = Resp {
+            status,
+            headers: headers.clone(),
+            body: Vec::new(),
+            complete: true,
+        };
+        if head_req || (100..200).contains(&status) || status == 204 || status == 304 {
+        } else if get("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
+            resp.complete = false;
+            loop {
+                let Some(eol) = raw.windows(2).position(|w| w == b"\r\n") else {
+                    raw = &[];
+                    break;
+                };
+                let size = usize::from_str_radix(
+                    std::str::from_utf8(&raw[..eol])
+                        .unwrap()
+                        .split(';')
+                        .next()
+                        .unwrap(),
+                    16,
+                )
+                .unwrap();
+                raw = &raw[eol + 2..];
+                if size == 0 {
+                    assert!(raw.starts_with(b"\r\n"), "trailers are not expected");
+                    raw = &raw[2..];
+                    resp.complete = true;
+                    break;
+                }
+                if raw.len() < size + 2 {
+                    resp.body.extend_from_slice(&raw[..size.min(raw.len())]);
+                    raw = &[];
+                    break;
+                }
+                resp.body.extend_from_slice(&raw[..size]);
+                assert_eq!(&raw[size..size + 2], b"\r\n");
+                raw = &raw[size + 2..];
+            }
+        } else if let Some(len) = get("content-length") {
+            let len: usize = len.parse().unwrap();
+            let have = len.min(raw.len());
+            resp.body.extend_from_slice(&raw[..have]);
+            resp.complete = have == len;
+            raw = &raw[have..];
+        } else {
+            resp.body.extend_from_slice(raw);
+            raw = &[];
+        }
+        out.push(resp);
+    }
+    out
+}
+
+/// An upstream that answers with the request's method and path as its body, after the
+/// delay in milliseconds the query `delay=` names; it counts the requests it sees.
+async fn path_upstream() -> (SocketAddr, Arc<AtomicUsize>) {
+    let hits = Arc::new(AtomicUsize::new(0));
+    let h = hits.clone();
+    let addr = upstream(move |req: http::Request<Incoming>| {
+        h.fetch_add(1, Ordering::SeqCst);
+        async move {
+            let delay = req
+                .uri()
+                .query()
+                .and_then(|q| q.strip_prefix("delay="))
+                .map_or(0, |d| d.parse().unwrap());
+            if delay > 0 {
+                tokio::time::sleep(Duration::from_millis(delay)).await;
+            }
+            let (parts, body) = req.into_parts();
+            let got = body.collect().await.unwrap().to_bytes();
+            let mut text = format!("{} {}", parts.method, parts.uri.path());
+            if !got.is_empty() {
+                text.push(' ');
+                text.push_str(std::str::from_utf8(&got).unwrap());
+            }
+            http::Response::new(full(text))
+        }
+    })
+    .await;
+    (addr, hits)
+}
+
+/// An upstream body of unknown length (the upstream sends it chunked).
+fn streamed(parts: &[&'static str]) -> TestBody {
+    let frames: Vec<Result<Frame<Bytes>, Box<dyn std::error::Error + Send + Sync>>> = parts
+        .iter()
+        .map(|p| Ok(Frame::data(Bytes::from_static(p.as_bytes()))))
+        .collect();
+    StreamBody::new(futures_util::stream::iter(frames)).boxed()
+}
+
+async fn connect(addr: SocketAddr) -> TcpStream {
+    let s = TcpStream::connect(addr).await.unwrap();
+    s.set_nodelay(true).unwrap();
+    s
+}
+
+/// Reads until `n` responses (none to HEAD) are complete on `s`, or the peer closes.
+async fn read_responses(s: &mut TcpStream, n: usize) -> Vec<Resp> {
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 8192];
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        if !raw.is_empty() {
+            let got = responses(&raw, &[]);
+            if got.len() >= n && got.iter().all(|r| r.complete) {
+                return got;
+            }
+        }
+        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return responses(&raw, &[]),
+            Ok(Ok(k)) => raw.extend_from_slice(&buf[..k]),
+            Err(_) => panic!(
+                "no {n} responses in time: {:?}",
+                String::from_utf8_lossy(&raw)
+            ),
+        }
+    }
+}
+
+fn get_req(path: &str) -> String {
+    format!("GET {path} HTTP/1.1\r\nHost: a\r\n\r\n")
+}
+
+/// A client that sends pipelined requests and then closes its sending side (as
+/// `printf ... | nc -N` or a script calling `shutdown(SHUT_WR)` does) still gets the answer
+/// to the first: hyper's server only watched for the client's end of stream while it had
+/// no pipelined bytes left to serve.
+#[tokio::test]
+async fn ri_pipelined_requests_then_half_close_get_the_first_answer() {
+    let (up, _) = path_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let mut s = connect(gw.addr).await;
+    let req = format!("{}{}", get_req("/a?delay=300"), get_req("/b?delay=300"));
+    s.write_all(req.as_bytes()).await.unwrap();
+    s.shutdown().await.unwrap();
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed, "{text:?}");
+    let got = responses(text.as_bytes(), &[]);
+    assert!(
+        !got.is_empty(),
+        "the first pipelined request was cancelled: no answer at all"
+    );
+    assert_eq!(got[0].status, 200, "{text:?}");
+    assert_eq!(got[0].body(), "GET /a", "{text:?}");
+}
+
+/// Inline GETs, then a chunked POST (hyper's server takes the connection from there), then
+/// more GETs, all in one write: every one answered, in order, and the connection closed
+/// after the one that asked for it.
+#[tokio::test]
+async fn ri_pipelined_requests_across_the_handover_are_answered_in_order() {
+    let (up, hits) = path_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let mut s = connect(gw.addr).await;
+    let req = [
+        get_req("/1?delay=100"),
+        get_req("/2"),
+        "POST /3 HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\n\r\nbody".to_owned(),
+        "POST /4 HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+            .to_owned(),
+        get_req("/5?delay=50"),
+        "GET /6 HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n".to_owned(),
+        get_req("/never"),
+    ]
+    .concat();
+    s.write_all(req.as_bytes()).await.unwrap();
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed, "closed after `Connection: close`: {text:?}");
+    let got = responses(text.as_bytes(), &[]);
+    let bodies: Vec<&str> = got.iter().map(Resp::body).collect();
+    assert_eq!(
+        bodies,
+        [
+            "GET /1",
+            "GET /2",
+            "POST /3 body",
+            "POST /4 hello",
+            "GET /5",
+            "GET /6"
+        ],
+        "{text:?}"
+    );
+    assert!(got.iter().all(|r| r.status == 200 && r.complete));
+    assert_eq!(got[5].header("connection"), Some("close"));
+    assert_eq!(hits.load(Ordering::SeqCst), 6, "nothing after the close");
+}
+
+/// The same across several writes: inline requests, the handover in the middle of a chunked
+/// body arriving in pieces, then requests hyper's server reads.
+#[tokio::test]
+async fn ri_handover_in_the_middle_of_a_chunked_body_loses_no_bytes() {
+    let (up, _) = path_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let mut s = connect(gw.addr).await;
+    s.write_all(get_req("/1").as_bytes()).await.unwrap();
+    assert_eq!(read_responses(&mut s, 1).await[0].body(), "GET /1");
+    s.write_all(b"POST /2 HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nab")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.write_all(b"c\r\n0\r\n\r\nGET /3 HTTP/1.1\r\nHost: a\r\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.write_all(b"\r\n").await.unwrap();
+    let got = read_responses(&mut s, 2).await;
+    let bodies: Vec<&str> = got.iter().map(Resp::body).collect();
+    assert_eq!(bodies, ["POST /2 abc", "GET /3"]);
+    // A POST whose Content-Length body comes in a later write goes the same way.
+    s.write_all(b"POST /4 HTTP/1.1\r\nHost: a\r\nContent-Length: 6\r\n\r\nab")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.write_all(b"cdef").await.unwrap();
+    assert_eq!(read_responses(&mut s, 1).await[0].body(), "POST /4 abcdef");
+}
+
+/// A head sent one byte per write is served, and so is the next request on the connection.
+#[tokio::test]
+async fn ri_head_split_byte_by_byte_is_served() {
+    let (up, _) = path_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let mut s = connect(gw.addr).await;
+    let req = b"POST /split HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nxyz";
+    for b in req {
+        s.write_all(&[*b]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(read_responses(&mut s, 1).await[0].body(), "POST /split xyz");
+    s.write_all(get_req("/next").as_bytes()).await.unwrap();
+    assert_eq!(read_responses(&mut s, 1).await[0].body(), "GET /next");
+}
+
+/// A head that never completes is cut off after `header_read_timeout`, without an answer
+/// and without reaching the upstream; so is a pipelined head left incomplete after a
+/// request served inline.
+#[tokio::test]
+async fn ri_partial_head_is_closed_after_the_header_timeout() {
+    let (up, hits) = path_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"300ms\"\nidle_timeout = \"60s\"\n",
+    );
+    let (text, closed) = raw(gw.addr, b"GET / HTTP/1.1\r\nHost: a\r\n", WAIT).await;
+    assert!(closed && text.is_empty(), "{text:?}");
+
+    let mut s = connect(gw.addr).await;
+    let req = format!("{}GET /b HTTP/1.1\r\nHo", get_req("/a"));
+    s.write_all(req.as_bytes()).await.unwrap();
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed, "{text:?}");
+    let got = responses(text.as_bytes(), &[]);
+    assert_eq!(got.len(), 1, "{text:?}");
+    assert_eq!(got[0].body(), "GET /a");
+    assert_eq!(hits.load(Ordering::SeqCst), 1);
+}
+
+/// A connection with nothing in flight is closed after `idle_timeout`; one with a slow
+/// request in flight is not cut off by it.
+#[tokio::test]
+async fn ri_idle_timeout_closes_an_idle_connection_not_a_busy_one() {
+    let (up, _) = path_upstream().await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"300ms\"\n");
+    let mut s = connect(gw.addr).await;
+    s.write_all(get_req("/slow?delay=800").as_bytes())
+        .await
+        .unwrap();
+    let got = read_responses(&mut s, 1).await;
+    assert_eq!(got[0].body(), "GET /slow");
+    assert_eq!(got[0].header("connection"), None, "kept alive");
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed && text.is_empty(), "{text:?}");
+}
+
+/// HEAD: the headers a GET would have (the length included), no body, and the connection
+/// goes on with the next request.
+#[tokio::test]
+async fn ri_head_response_has_no_body_and_the_connection_goes_on() {
+    let up = upstream(|_| async { http::Response::new(full("hello")) }).await;
+    let gw = TestGateway::to(up, "");
+    let mut s = connect(gw.addr).await;
+    let req = format!(
+        "HEAD /h HTTP/1.1\r\nHost: a\r\n\r\n{}",
+        "GET /g HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed, "{text:?}");
+    let got = responses(text.as_bytes(), &[true, false]);
+    assert_eq!(got.len(), 2, "{text:?}");
+    assert_eq!(got[0].status, 200);
+    assert_eq!(got[0].header("content-length"), Some("5"), "{text:?}");
+    assert!(got[0].body.is_empty());
+    assert_eq!(got[1].body(), "hello", "no stray body bytes before it");
+}
+
+/// 204 and 304 have no body (nor chunked framing), and the connection goes on.
+#[tokio::test]
+async fn ri_no_content_and_not_modified_have_no_body() {
+    let up = upstream(|req: http::Request<Incoming>| async move {
+        let status = match req.uri().path() {
+            "/204" => 204,
+            "/304" => 304,
+            _ => 200,
+        };
+        let mut r = http::Response::new(if status == 200 {
+            full("after")
+        } else {
+            full("")
+        });
+        *r.status_mut() = http::StatusCode::from_u16(status).unwrap();
+        r
+    })
+    .await;
+    let gw = TestGateway::to(up, "");
+    let mut s = connect(gw.addr).await;
+    let req = [get_req("/204"), get_req("/304"), get_req("/200")].concat();
+    s.write_all(req.as_bytes()).await.unwrap();
+    let got = read_responses(&mut s, 3).await;
+    let statuses: Vec<u16> = got.iter().map(|r| r.status).collect();
+    assert_eq!(statuses, [204, 304, 200]);
+    for r in &got[..2] {
+        assert_eq!(r.header("transfer-encoding"), None);
+        assert!(r.body.is_empty());
+    }
+    assert_eq!(got[2].body(), "after");
+}
+
+/// An HTTP/1.0 request without keep-alive is answered, with `connection: close`, and the
+/// connection closes; with keep-alive and a known length it stays open and says so.
+#[tokio::test]
+async fn ri_http10_close_and_keep_alive() {
+    let (up, _) = path_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let (text, closed) = raw(gw.addr, b"GET /a HTTP/1.0\r\nHost: a\r\n\r\n", WAIT).await;
+    assert!(closed, "{text:?}");
+    let got = responses(text.as_bytes(), &[]);
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].body(), "GET /a");
+    assert_eq!(got[0].header("content-length"), Some("6"));
+    assert_eq!(got[0].header("connection"), Some("close"));
+
+    let mut s = connect(gw.addr).await;
+    for path in ["/b", "/c"] {
+        let req = format!("GET {path} HTTP/1.0\r\nHost: a\r\nConnection: keep-alive\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let got = read_responses(&mut s, 1).await;
+        assert_eq!(got[0].body(), format!("GET {path}"));
+        assert_eq!(got[0].header("connection"), Some("keep-alive"));
+    }
+}
+
+/// A body of unknown length: chunked to an HTTP/1.1 client (connection reusable), delimited
+/// by the close to an HTTP/1.0 one (never chunked, which it does not know).
+#[tokio::test]
+async fn ri_unknown_length_is_chunked_to_11_and_close_delimited_to_10() {
+    let up = upstream(|_| async { http::Response::new(streamed(&["str", "eam", "ed"])) }).await;
+    let gw = TestGateway::to(up, "");
+
+    let mut s = connect(gw.addr).await;
+    s.write_all(get_req("/a").as_bytes()).await.unwrap();
+    let got = read_responses(&mut s, 1).await;
+    assert_eq!(got[0].header("transfer-encoding"), Some("chunked"));
+    assert_eq!(got[0].body(), "streamed");
+    s.write_all(get_req("/b").as_bytes()).await.unwrap();
+    assert_eq!(read_responses(&mut s, 1).await[0].body(), "streamed");
+
+    let req = b"GET /c HTTP/1.0\r\nHost: a\r\nConnection: keep-alive\r\n\r\n";
+    let (text, closed) = raw(gw.addr, req, WAIT).await;
+    assert!(closed, "{text:?}");
+    let got = responses(text.as_bytes(), &[]);
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].header("transfer-encoding"), None, "{text:?}");
+    assert_eq!(got[0].header("content-length"), None, "{text:?}");
+    assert_eq!(got[0].header("connection"), Some("close"));
+    assert_eq!(got[0].body(), "streamed");
+}
+
+/// An upstream that answers one request on each connection with `head` then `body`, and
+/// closes.
+async fn raw_upstream(head: &'static str, body: &'static [u8]) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut c, _)) = l.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 8192];
+                let mut have = 0;
+                while !buf[..have].windows(4).any(|w| w == b"\r\n\r\n") {
+                    match c.read(&mut buf[have..]).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => have += n,
+                    }
+                }
+                let _ = c.write_all(head.as_bytes()).await;
+                let _ = c.write_all(body).await;
+                let _ = c.shutdown().await;
+            });
+        }
+    });
+    addr
+}
+
+/// An upstream body shorter than its Content-Length: the client gets the length, the bytes
+/// that came, and a closed connection (never a next response parsed out of the gap).
+#[tokio::test]
+async fn ri_upstream_body_shorter_than_its_length_closes_the_connection() {
+    let up = raw_upstream("HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n", b"hello").await;
+    let gw = TestGateway::to(up, "");
+    let req = [get_req("/a"), get_req("/b")].concat();
+    let (text, closed) = raw(gw.addr, req.as_bytes(), WAIT).await;
+    assert!(closed, "{text:?}");
+    let got = responses(text.as_bytes(), &[]);
+    assert_eq!(got.len(), 1, "{text:?}");
+    assert_eq!(got[0].header("content-length"), Some("10"));
+    assert!(!got[0].complete, "{text:?}");
+}
+
+/// An upstream answer of unknown length (delimited by the upstream's close) is chunked to
+/// the client, whole.
+#[tokio::test]
+async fn ri_close_delimited_upstream_answer_is_chunked_to_the_client() {
+    let up = raw_upstream(
+        "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n",
+        b"until close",
+    )
+    .await;
+    let gw = TestGateway::to(up, "");
+    let mut s = connect(gw.addr).await;
+    s.write_all(get_req("/a").as_bytes()).await.unwrap();
+    let got = read_responses(&mut s, 1).await;
+    assert_eq!(got[0].header("transfer-encoding"), Some("chunked"));
+    assert_eq!(got[0].header("connection"), None);
+    assert_eq!(got[0].body(), "until close");
+    s.write_all(get_req("/b").as_bytes()).await.unwrap();
+    assert_eq!(read_responses(&mut s, 1).await[0].body(), "until close");
+}
+
+/// Every response carries one `Date`, in the IMF-fixdate format; an upstream's own is kept.
+#[tokio::test]
+async fn ri_responses_carry_one_date() {
+    let up = upstream(|req: http::Request<Incoming>| async move {
+        let mut r = http::Response::new(full("x"));
+        if req.uri().path() == "/dated" {
+            r.headers_mut().insert(
+                "date",
+                http::HeaderValue::from_static("Sun, 06 Nov 1994 08:49:37 GMT"),
+            );
+        }
+        r
+    })
+    .await;
+    let gw = TestGateway::to(up, "");
+    let mut s = connect(gw.addr).await;
+    s.write_all([get_req("/a"), get_req("/dated")].concat().as_bytes())
+        .await
+        .unwrap();
+    let got = read_responses(&mut s, 2).await;
+    for r in &got {
+        assert_eq!(r.headers.iter().filter(|(n, _)| n == "date").count(), 1);
+    }
+    let date = got[0].header("date").unwrap();
+    assert!(
+        httpdate::parse_http_date(date).is_ok() && date.ends_with(" GMT"),
+        "{date}"
+    );
+    assert_eq!(got[1].header("date"), Some("Sun, 06 Nov 1994 08:49:37 GMT"));
+}
+
+/// More pipelined bytes than the head limit while a request is in flight: every request is
+/// answered, in order.
+#[tokio::test]
+async fn ri_more_pipelined_bytes_than_the_head_limit_are_all_answered() {
+    let (up, _) = path_upstream().await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nmax_header_bytes = 1024\n");
+    let mut s = connect(gw.addr).await;
+    let mut req = get_req("/0?delay=200");
+    let n = 200;
+    for i in 1..n {
+        req.push_str(&get_req(&format!("/{i}")));
+    }
+    assert!(req.len() > 4 * 1024);
+    s.write_all(req.as_bytes()).await.unwrap();
+    let got = read_responses(&mut s, n).await;
+    assert_eq!(got.len(), n);
+    for (i, r) in got.iter().enumerate() {
+        assert_eq!(r.body(), format!("GET /{i}"));
+    }
+}
+
+/// A body larger than `max_body_bytes` that arrived whole with its head: 413, the
+/// connection closed, the upstream never asked.
+#[tokio::test]
+async fn ri_whole_body_over_the_limit_is_refused() {
+    let (up, hits) = path_upstream().await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nmax_body_bytes = 10\n");
+    let req = format!(
+        "POST /big HTTP/1.1\r\nHost: a\r\nContent-Length: 20\r\n\r\n{}{}",
+        "x".repeat(20),
+        get_req("/after")
+    );
+    let (text, closed) = raw(gw.addr, req.as_bytes(), WAIT).await;
+    assert!(closed, "{text:?}");
+    let got = responses(text.as_bytes(), &[]);
+    assert_eq!(got.len(), 1, "{text:?}");
+    assert_eq!(got[0].status, 413);
+    assert_eq!(got[0].header("connection"), Some("close"));
+    assert_eq!(hits.load(Ordering::SeqCst), 0);
+
+    // At the limit it goes through.
+    let req = format!(
+        "POST /ok HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\nConnection: close\r\n\r\n{}",
+        "y".repeat(10)
+    );
+    let (text, _) = raw(gw.addr, req.as_bytes(), WAIT).await;
+    assert_eq!(
+        responses(text.as_bytes(), &[])[0].body(),
+        "POST /ok yyyyyyyyyy"
+    );
+}
+
+/// Content-Length values: one too large for any integer is a 400, one larger than
+/// `max_body_bytes` a 413, before the body is waited for; neither reaches the upstream.
+#[tokio::test]
+async fn ri_huge_content_lengths_are_refused() {
+    let (up, hits) = path_upstream().await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nmax_body_bytes = 1000\n");
+    for (len, status) in [("99999999999999999999999", 400), ("1000000000000", 413)] {
+        let req = format!("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: {len}\r\n\r\nab");
+        let (text, closed) = raw(gw.addr, req.as_bytes(), WAIT).await;
+        assert!(closed, "{text:?}");
+        assert!(
+            text.starts_with(&format!("HTTP/1.1 {status} ")),
+            "{len}: {text:?}"
+        );
+    }
+    assert_eq!(hits.load(Ordering::SeqCst), 0);
+}
+
+/// A request target httparse takes and `http` does not (and a header httparse refuses):
+/// 400 from hyper's server, as before, after the requests served inline before it.
+#[tokio::test]
+async fn ri_heads_the_http_crate_rejects_are_answered_400_in_order() {
+    let (up, hits) = path_upstream().await;
+    let gw = TestGateway::to(up, "");
+    for bad in [
+        &b"GET /a<b>{c} HTTP/1.1\r\nHost: a\r\n\r\n"[..],
+        b"GET / HTTP/1.1\r\nHost: a\r\nX: a\x7fb\r\n\r\n",
+    ] {
+        let mut req = get_req("/ok").into_bytes();
+        req.extend_from_slice(bad);
+        req.extend_from_slice(get_req("/never").as_bytes());
+        let (text, closed) = raw(gw.addr, &req, WAIT).await;
+        assert!(closed, "{text:?}");
+        let got = responses(text.as_bytes(), &[]);
+        assert_eq!(got.len(), 2, "{text:?}");
+        assert_eq!(got[0].body(), "GET /ok");
+        assert_eq!(got[1].status, 400, "{text:?}");
+    }
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
+}
+
+/// Shutdown with a request in flight: it completes, with `connection: close`, the pipelined
+/// request behind it is not served, and the gateway then exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ri_shutdown_with_a_request_in_flight_completes_it_with_close() {
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::channel::<()>(1);
+    let release = Arc::new(tokio::sync::Notify::new());
+    let r = release.clone();
+    let up = upstream(move |req: http::Request<Incoming>| {
+        let started = started_tx.clone();
+        let release = r.clone();
+        async move {
+            if req.uri().path() == "/slow" {
+                started.send(()).await.ok();
+                release.notified().await;
+            }
+            http::Response::new(full(format!("done {}", req.uri().path())))
+        }
+    })
+    .await;
+    let mut gw = TestGateway::to(up, "");
+    let mut s = connect(gw.addr).await;
+    s.write_all([get_req("/slow"), get_req("/next")].concat().as_bytes())
+        .await
+        .unwrap();
+    started_rx.recv().await.unwrap();
+    let g = gw.gw.take().unwrap();
+    g.shutdown();
+    let joined = tokio::task::spawn_blocking(move || g.join());
+    // Time for the connection to see the shutdown before the answer comes.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    release.notify_one();
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed, "{text:?}");
+    let got = responses(text.as_bytes(), &[]);
+    assert_eq!(got.len(), 1, "{text:?}");
+    assert_eq!(got[0].body(), "done /slow");
+    assert_eq!(got[0].header("connection"), Some("close"));
+    tokio::time::timeout(WAIT, joined)
+        .await
+        .expect("the gateway exits once the request is answered")
+        .unwrap();
+}
+
+/// A connection idle between requests is closed at shutdown, without waiting for the grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ri_shutdown_closes_an_idle_keep_alive_connection() {
+    let (up, _) = path_upstream().await;
+    let mut gw = TestGateway::to(up, "[server]\nworkers = 1\nshutdown_grace = \"30s\"\n");
+    let mut s = connect(gw.addr).await;
+    s.write_all(get_req("/a").as_bytes()).await.unwrap();
+    assert_eq!(read_responses(&mut s, 1).await[0].body(), "GET /a");
+    let g = gw.gw.take().unwrap();
+    g.shutdown();
+    let joined = tokio::task::spawn_blocking(move || g.join());
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed && text.is_empty(), "{text:?}");
+    tokio::time::timeout(WAIT, joined).await.unwrap().unwrap();
+}
+
+/// A client that goes away while its request waits on the upstream: the request is cancelled
+/// (the upstream sees its connection reset or closed) rather than run to its end.
+#[tokio::test]
+async fn ri_client_gone_cancels_the_request() {
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let d = dropped.clone();
+    struct Guard(Arc<AtomicUsize>);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let up = upstream(move |_| {
+        let g = Guard(d.clone());
+        async move {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            drop(g);
+            http::Response::new(full("late"))
+        }
+    })
+    .await;
+    let gw = TestGateway::to(up, "");
+    let mut s = connect(gw.addr).await;
+    s.write_all(get_req("/a").as_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(s);
+    wait_for("the upstream request to be dropped", || {
+        dropped.load(Ordering::SeqCst) == 1
+    })
+    .await;
+}
+
+/// The test PKI's server certificate for a TLS listener.
+fn tls_gateway(pki: &common::tls::Pki, up: SocketAddr) -> TestGateway {
+    TestGateway::start(&format!(
+        "[[listener]]\nname = \"tls\"\naddress = \"127.0.0.1:0\"\n[listener.tls]\ncert = \"{}\"\nkey = \"{}\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
+        pki.path("server.pem"),
+        pki.path("server.key"),
+    ))
+}
+
+/// HTTP/1.1 over TLS takes the same path: pipelined requests across the handover, answered
+/// in order, and the connection closed after the one that asks.
+#[tokio::test]
+async fn ri_tls_pipelining_across_the_handover() {
+    let (up, _) = path_upstream().await;
+    let pki = common::tls::Pki::new();
+    let gw = tls_gateway(&pki, up);
+    let mut roots = rustls::RootCertStore::empty();
+    for c in pki.certs("ca.pem") {
+        roots.add(c).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let tcp = connect(gw.addr).await;
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        .connect(
+            rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap(),
+            tcp,
+        )
+        .await
+        .unwrap();
+    let req = [
+        get_req("/1?delay=50"),
+        "POST /2 HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"
+            .to_owned(),
+        "GET /3 HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n".to_owned(),
+    ]
+    .concat();
+    tls.write_all(req.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    let read = tokio::time::timeout(WAIT, async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match tls.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => raw.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "closed after `Connection: close`");
+    let got = responses(&raw, &[]);
+    let bodies: Vec<&str> = got.iter().map(Resp::body).collect();
+    assert_eq!(bodies, ["GET /1", "POST /2 ok", "GET /3"]);
+}
+
+/// A pipelined head longer than `max_header_bytes`, buffered while the request before it
+/// was in flight: that one is answered, then 431, and nothing of the long one reaches the
+/// upstream.
+#[tokio::test]
+async fn ri_oversized_pipelined_head_gets_431_after_the_first_answer() {
+    let (up, hits) = path_upstream().await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nmax_header_bytes = 1024\n");
+    let req = format!(
+        "{}GET /long HTTP/1.1\r\nHost: a\r\nX-Long: {}\r\n\r\n",
+        get_req("/a?delay=200"),
+        "l".repeat(3000)
+    );
+    let (text, closed) = raw(gw.addr, req.as_bytes(), WAIT).await;
+    assert!(closed, "{text:?}");
+    let got = responses(text.as_bytes(), &[]);
+    assert_eq!(got.len(), 2, "{text:?}");
+    assert_eq!(got[0].body(), "GET /a");
+    assert_eq!(got[1].status, 431);
+    assert_eq!(hits.load(Ordering::SeqCst), 1);
+}
+
+/// RFC 9110 §8.6: no `Content-Length` in a 204, even when the upstream sent one (hyper's
+/// server and nginx drop it).
+#[tokio::test]
+async fn ri_no_content_response_carries_no_content_length() {
+    let up = raw_upstream("HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n", b"").await;
+    let gw = TestGateway::to(up, "");
+    let mut s = connect(gw.addr).await;
+    s.write_all(get_req("/a").as_bytes()).await.unwrap();
+    let got = read_responses(&mut s, 1).await;
+    assert_eq!(got[0].status, 204);
+    assert_eq!(got[0].header("content-length"), None, "{:?}", got[0]);
+}
+
+/// A HEAD answered by the gateway itself (no route: 404) says the length its GET answer
+/// would have, as hyper's server did, and the connection goes on.
+#[tokio::test]
+async fn ri_head_answered_by_the_gateway_has_its_length() {
+    let gw = TestGateway::start("");
+    let mut s = connect(gw.addr).await;
+    let req = "HEAD /nowhere HTTP/1.1\r\nHost: a\r\n\r\nGET /nowhere HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n";
+    s.write_all(req.as_bytes()).await.unwrap();
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed, "{text:?}");
+    let got = responses(text.as_bytes(), &[true, false]);
+    assert_eq!(got.len(), 2, "{text:?}");
+    assert_eq!(got[0].status, 404);
+    assert_eq!(
+        got[0].header("content-length"),
+        Some(got[1].body.len().to_string().as_str()),
+        "{text:?}"
+    );
+}
+
+/// Large and odd-sized frames of unknown length, empty ones among them: chunked to the
+/// client with every byte in order; the same body with a known length is sent as is.
+#[tokio::test]
+async fn ri_large_frames_are_framed_exactly() {
+    fn frames() -> Vec<Bytes> {
+        [10usize, 70_000, 0, 5, 200_000, 1]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| Bytes::from(vec![b'a' + i as u8; n]))
+            .collect()
+    }
+    let up = upstream(|req: http::Request<Incoming>| async move {
+        let parts: Vec<Result<Frame<Bytes>, Box<dyn std::error::Error + Send + Sync>>> =
+            frames().into_iter().map(|b| Ok(Frame::data(b))).collect();
+        if req.uri().path() == "/known" {
+            let all: Vec<u8> = frames().concat();
+            return http::Response::new(full(all));
+        }
+        http::Response::new(StreamBody::new(futures_util::stream::iter(parts)).boxed())
+    })
+    .await;
+    let gw = TestGateway::to(up, "");
+    let want: Vec<u8> = frames().concat();
+    let mut s = connect(gw.addr).await;
+    s.write_all(
+        [get_req("/streamed"), get_req("/known")]
+            .concat()
+            .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let got = read_responses(&mut s, 2).await;
+    assert_eq!(got[0].header("transfer-encoding"), Some("chunked"));
+    assert!(got[0].body == want, "chunked body differs");
+    assert_eq!(
+        got[1].header("content-length"),
+        Some(want.len().to_string().as_str())
+    );
+    assert!(got[1].body == want, "sized body differs");
+}
+
+/// An upstream whose chunked body is cut off: the client gets what came, never the
+/// terminating chunk, and the connection closes.
+#[tokio::test]
+async fn ri_upstream_chunked_body_cut_off_is_not_terminated() {
+    let up = raw_upstream(
+        "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"5\r\nhello\r\n3\r\nwo",
+    )
+    .await;
+    let gw = TestGateway::to(up, "");
+    let req = [get_req("/a"), get_req("/b")].concat();
+    let (text, closed) = raw(gw.addr, req.as_bytes(), WAIT).await;
+    assert!(closed, "{text:?}");
+    let got = responses(text.as_bytes(), &[]);
+    assert_eq!(got.len(), 1, "{text:?}");
+    assert!(!got[0].complete, "{text:?}");
+    assert!(got[0].body().starts_with("hello"), "{text:?}");
+}
