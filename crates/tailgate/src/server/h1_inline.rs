@@ -18,9 +18,10 @@
 //! the rest of a head would be (under the header read timeout); a larger one streams
 //! through hyper's server.
 //!
-//! The connection's read side is watched while a request is in flight: bytes of a
-//! pipelined next request are kept (up to the head limit), and the client's end of stream
-//! cancels the request, as hyper does.
+//! The connection's read side is watched while a request is in flight, as hyper's server
+//! watches it: the client's end of stream cancels the request, unless bytes of a pipelined
+//! next request came first (they are kept, and the socket is not read again until they are
+//! served).
 
 use std::mem::MaybeUninit;
 use std::pin::Pin;
@@ -137,7 +138,7 @@ where
             if let Poll::Ready(Ok(resp)) = pending.as_mut().poll(cx) {
                 return Poll::Ready(Some(resp));
             }
-            match poll_client_end(io, &mut buf, limits.max_head, cx) {
+            match poll_client_end(io, &mut buf, cx) {
                 Poll::Ready(()) => Poll::Ready(None),
                 Poll::Pending => Poll::Pending,
             }
@@ -149,8 +150,7 @@ where
         };
 
         // 3. The response.
-        let keep = match write_response(io, &mut buf, limits, &mut out, resp, &meta, closing).await
-        {
+        let keep = match write_response(io, &mut buf, &mut out, resp, &meta, closing).await {
             Ok(keep) => keep,
             Err(_) => return Ended::Closed,
         };
@@ -332,23 +332,23 @@ fn content_length(v: &[u8]) -> Option<u64> {
     })
 }
 
-/// Watches the client while its request is in flight: bytes of a next request are kept (up
-/// to `cap`), and `Ready` says the client is gone (end of stream or an error), which cancels
-/// the request.
+/// Watches the client while its request is in flight, as hyper's server does: while no
+/// byte of a next request is buffered, a read tells whether the client is gone (`Ready`: end
+/// of stream or an error), which cancels the request. Once bytes of a next request are
+/// kept, the socket is left alone: a client that sent pipelined requests and then closed
+/// its sending side still has the one in flight answered.
 fn poll_client_end<I: AsyncRead + Unpin>(
     io: &mut I,
     buf: &mut BytesMut,
-    cap: usize,
     cx: &mut Context<'_>,
 ) -> Poll<()> {
-    while buf.len() < cap {
-        match poll_fill(io, buf, cx) {
-            Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(()),
-            Poll::Ready(Ok(_)) => {}
-            Poll::Pending => break,
-        }
+    if !buf.is_empty() {
+        return Poll::Pending;
     }
-    Poll::Pending
+    match poll_fill(io, buf, cx) {
+        Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => Poll::Ready(()),
+        Poll::Ready(Ok(_)) | Poll::Pending => Poll::Pending,
+    }
 }
 
 /// Reads what the socket has into `buf`; `Ok(0)` at its end.
@@ -387,7 +387,6 @@ enum Step {
 async fn write_response<I>(
     io: &mut I,
     buf: &mut BytesMut,
-    limits: &Limits,
     out: &mut Vec<u8>,
     resp: Response<RespBody>,
     meta: &Meta,
@@ -477,7 +476,7 @@ where
         let step = std::future::poll_fn(|cx| match Pin::new(&mut body).poll_frame(cx) {
             Poll::Ready(f) => Poll::Ready(Step::Frame(f)),
             Poll::Pending if !out.is_empty() => Poll::Ready(Step::Write),
-            Poll::Pending => match poll_client_end(io, buf, limits.max_head, cx) {
+            Poll::Pending => match poll_client_end(io, buf, cx) {
                 Poll::Ready(()) => Poll::Ready(Step::ClientGone),
                 Poll::Pending => Poll::Pending,
             },
