@@ -404,9 +404,15 @@ where
     out.push(b' ');
     out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");
+    // RFC 9110 §8.6: no Content-Length in a 1xx or 204 answer (hyper's server and nginx
+    // drop one an upstream sent).
+    let length_allowed = !status.is_informational() && status != http::StatusCode::NO_CONTENT;
     let (mut declared, mut has_date, mut has_connection) = (None, false, false);
     for (name, value) in &parts.headers {
         if name == header::CONTENT_LENGTH {
+            if !length_allowed {
+                continue;
+            }
             // The first valid one frames the body; another is not sent.
             match (declared, content_length(value.as_bytes())) {
                 (None, Some(n)) => declared = Some(n),
