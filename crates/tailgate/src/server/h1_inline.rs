@@ -439,6 +439,17 @@ where
         || status == http::StatusCode::NO_CONTENT
         || status == http::StatusCode::NOT_MODIFIED;
     let framing = if no_body {
+        // A HEAD answer made here (an error) says the length its GET answer has, as hyper's
+        // server wrote it; an upstream's says its own.
+        if meta.head
+            && declared.is_none()
+            && let Some(n) = body.size_hint().exact()
+            && n > 0
+        {
+            out.extend_from_slice(b"content-length: ");
+            out.extend_from_slice(itoa_u64(n, &mut [0u8; 20]));
+            out.extend_from_slice(b"\r\n");
+        }
         Framing::NoBody
     } else if let Some(n) = declared {
         Framing::Length(n)
