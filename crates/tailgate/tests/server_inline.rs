@@ -908,3 +908,40 @@ async fn ri_upstream_chunked_body_cut_off_is_not_terminated() {
     assert!(!got[0].complete, "{text:?}");
     assert!(got[0].body().starts_with("hello"), "{text:?}");
 }
+
+/// A lone request followed by the client's half-close is cancelled, not answered: the end
+/// of stream with nothing more buffered means the client is gone, as in hyper's server
+/// (`half_close` off; it dropped such a request before sending it) and nginx (499). No
+/// request is left running upstream.
+#[tokio::test]
+async fn ri_half_close_after_a_lone_request_cancels_it() {
+    let started = Arc::new(AtomicUsize::new(0));
+    let dropped = Arc::new(AtomicUsize::new(0));
+    struct Guard(Arc<AtomicUsize>);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let (s2, d2) = (started.clone(), dropped.clone());
+    let up = upstream(move |_| {
+        s2.fetch_add(1, Ordering::SeqCst);
+        let g = Guard(d2.clone());
+        async move {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            drop(g);
+            http::Response::new(full("late"))
+        }
+    })
+    .await;
+    let gw = TestGateway::to(up, "");
+    let mut s = connect(gw.addr).await;
+    s.write_all(get_req("/a").as_bytes()).await.unwrap();
+    s.shutdown().await.unwrap();
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed && text.is_empty(), "{text:?}");
+    wait_for("no request left running upstream", || {
+        dropped.load(Ordering::SeqCst) == started.load(Ordering::SeqCst)
+    })
+    .await;
+}
