@@ -945,3 +945,47 @@ async fn ri_half_close_after_a_lone_request_cancels_it() {
     })
     .await;
 }
+
+/// A small declared body over `max_body_bytes` is refused with 413 as soon as the head is
+/// read, whether or not the body follows (hyper's server answered before reading it).
+#[tokio::test]
+async fn ri_small_declared_body_over_the_limit_is_refused_before_it_comes() {
+    let (up, hits) = path_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nmax_body_bytes = 10\nheader_read_timeout = \"30s\"\n",
+    );
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"POST /big HTTP/1.1\r\nHost: a\r\nContent-Length: 20\r\n\r\nabc")
+        .await
+        .unwrap();
+    let got = read_responses(&mut s, 1).await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].status, 413);
+    assert_eq!(hits.load(Ordering::SeqCst), 0);
+}
+
+/// A small body that trickles in after its head, for longer in all than
+/// `header_read_timeout` but never stalling, is read and forwarded, as hyper's server
+/// streamed it: the header read timeout bounds the head, not the body.
+#[tokio::test]
+async fn ri_small_body_arriving_slowly_is_not_cut_off_by_the_header_timeout() {
+    let (up, _) = path_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"300ms\"\nidle_timeout = \"60s\"\n",
+    );
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"POST /slow HTTP/1.1\r\nHost: a\r\nContent-Length: 20\r\n\r\n")
+        .await
+        .unwrap();
+    for b in b"abcdefghijklmnopqrst" {
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        if s.write_all(&[*b]).await.is_err() {
+            break;
+        }
+    }
+    let got = read_responses(&mut s, 1).await;
+    assert_eq!(got.len(), 1, "cut off without an answer");
+    assert_eq!(got[0].body(), "POST /slow abcdefghijklmnopqrst");
+}
