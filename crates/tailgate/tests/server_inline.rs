@@ -989,3 +989,93 @@ async fn ri_small_body_arriving_slowly_is_not_cut_off_by_the_header_timeout() {
     assert_eq!(got.len(), 1, "cut off without an answer");
     assert_eq!(got[0].body(), "POST /slow abcdefghijklmnopqrst");
 }
+
+/// A WebSocket upgrade after a request served inline, with the first frame sent in the same
+/// write as the upgrade head: the handover carries the frame's bytes, and the tunnel passes
+/// them through to the upstream and back.
+#[tokio::test]
+async fn ri_upgrade_after_an_inline_request_tunnels_the_bytes_sent_with_it() {
+    let up = upstream(|mut req: http::Request<Incoming>| async move {
+        if req.uri().path() != "/ws" {
+            return http::Response::new(full("plain"));
+        }
+        let on_upgrade = hyper::upgrade::on(&mut req);
+        tokio::spawn(async move {
+            let mut io = hyper_util::rt::TokioIo::new(on_upgrade.await.unwrap());
+            let mut buf = [0u8; 1024];
+            loop {
+                match io.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => {
+                        if io.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+        http::Response::builder()
+            .status(101)
+            .header("connection", "upgrade")
+            .header("upgrade", "websocket")
+            .header("sec-websocket-accept", "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=")
+            .body(full(""))
+            .unwrap()
+    })
+    .await;
+    let gw = TestGateway::to(up, "");
+    let mut s = connect(gw.addr).await;
+    s.write_all(get_req("/").as_bytes()).await.unwrap();
+    assert_eq!(read_responses(&mut s, 1).await[0].body(), "plain");
+    let frame = b"\x81\x85\x37\xfa\x21\x3d\x7f\x9f\x4d\x51\x58";
+    let mut req = b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n".to_vec();
+    req.extend_from_slice(frame);
+    s.write_all(&req).await.unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let want_head_end = |g: &[u8]| g.windows(4).position(|w| w == b"\r\n\r\n");
+    let read = tokio::time::timeout(WAIT, async {
+        loop {
+            if let Some(i) = want_head_end(&got)
+                && got.len() >= i + 4 + frame.len()
+            {
+                return;
+            }
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed: {:?}", String::from_utf8_lossy(&got));
+            got.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "{:?}", String::from_utf8_lossy(&got));
+    let i = want_head_end(&got).unwrap();
+    let head = String::from_utf8_lossy(&got[..i]).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 101"), "{head}");
+    assert_eq!(
+        &got[i + 4..],
+        frame,
+        "the frame sent with the head comes back"
+    );
+}
+
+/// An upstream body longer than its Content-Length: the client gets exactly the length's
+/// bytes, never the excess (which would read as the start of the next response), and the
+/// connection goes on.
+#[tokio::test]
+async fn ri_upstream_body_longer_than_its_length_is_cut_to_it() {
+    let up = raw_upstream(
+        "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n",
+        b"helloHTTP/1.1 200 OK\r\n\r\n",
+    )
+    .await;
+    let gw = TestGateway::to(up, "");
+    let mut s = connect(gw.addr).await;
+    s.write_all([get_req("/a"), get_req("/b")].concat().as_bytes())
+        .await
+        .unwrap();
+    let got = read_responses(&mut s, 2).await;
+    assert_eq!(got.len(), 2);
+    for r in &got {
+        assert_eq!((r.status, r.body()), (200, "hello"));
+    }
+}
