@@ -15,8 +15,9 @@
 //! (400, 431, a refusal and a close) come from the one tested place they always came from.
 //! A head is handed over only before any of it was acted on, so hyper sees the exact bytes
 //! the client sent. A body of up to 8 KiB that comes after its head is waited for here, as
-//! the rest of a head would be (under the header read timeout); a larger one streams
-//! through hyper's server.
+//! the rest of a head would be (under the header read timeout, counted again from each
+//! piece of the body that comes, so a body that stops is cut off and one that keeps coming
+//! is not); a larger one streams through hyper's server.
 //!
 //! The connection's read side is watched while a request is in flight, as hyper's server
 //! watches it: the client's end of stream cancels the request, unless bytes of a pipelined
@@ -89,12 +90,14 @@ where
     let mut head_deadline: Option<Pin<Box<Sleep>>> = None;
     loop {
         // 1. A whole head, or the reason there is none.
+        let mut body_on_its_way = false;
         let (req, meta) = loop {
             if !buf.is_empty() {
                 match parse(&mut buf, limits, &mut idx) {
                     Ok(served) => break served,
                     Err(Unserved::Other) => return Ended::Handover(buf),
                     Err(Unserved::Partial) => {}
+                    Err(Unserved::Body) => body_on_its_way = true,
                 }
             }
             let waited = std::future::poll_fn(|cx| {
@@ -122,6 +125,10 @@ where
             })
             .await;
             match waited {
+                // A body still coming is not cut off: the timeout starts again from the
+                // next time the socket runs dry (hyper's server streamed such a body with
+                // no time limit).
+                Wait::More if body_on_its_way => head_deadline = None,
                 Wait::More => {}
                 Wait::Close => return Ended::Closed,
                 // A head cut off by the end of the stream: hyper's server says what it
@@ -186,6 +193,8 @@ type Parsed = Result<(Request<ReqBody>, Meta), Unserved>;
 enum Unserved {
     /// A head not complete yet, within the limit.
     Partial,
+    /// A whole head, its small body still on its way.
+    Body,
     /// Not served here: hyper's server reads it from the start.
     Other,
 }
@@ -258,14 +267,14 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
         });
     }
     // A small body not all here yet (many clients write the head and the body apart) is
-    // waited for like the rest of a head, under the header read timeout; a larger one is
-    // streamed by hyper's server.
+    // waited for like the rest of a head, under the header read timeout (counted again from
+    // each piece of it that comes); a larger one is streamed by hyper's server.
     let body_len = length.unwrap_or(0);
     if ((buf.len() - head_len) as u64) < body_len {
         // One over the limit is refused (413) without waiting for it, by hyper's server.
         let within = limits.max_body == 0 || body_len <= limits.max_body;
         return Err(if body_len <= INLINE_BODY_MAX && within {
-            Unserved::Partial
+            Unserved::Body
         } else {
             Unserved::Other
         });
@@ -712,7 +721,7 @@ mod tests {
         // A small body still on its way is waited for; its bytes stay where they are.
         let small = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 8192\r\n\r\nabc";
         let (p, rest) = parsed(small);
-        assert!(matches!(p, Err(Unserved::Partial)));
+        assert!(matches!(p, Err(Unserved::Body)));
         assert_eq!(&rest[..], small);
         // ... unless it is over the body limit: that is refused without waiting for it.
         let mut buf = BytesMut::from(&small[..]);
