@@ -703,19 +703,20 @@ async fn ri_shutdown_closes_an_idle_keep_alive_connection() {
     tokio::time::timeout(WAIT, joined).await.unwrap().unwrap();
 }
 
-/// A client that goes away while its request waits on the upstream: the request is cancelled
-/// (the upstream sees its connection reset or closed) rather than run to its end.
-#[tokio::test]
-async fn ri_client_gone_cancels_the_request() {
-    let dropped = Arc::new(AtomicUsize::new(0));
-    let d = dropped.clone();
+/// An upstream that answers only after 30 s; counts the requests it started and those
+/// dropped before their answer (the gateway cancelled them).
+async fn hanging_upstream() -> (SocketAddr, Arc<AtomicUsize>, Arc<AtomicUsize>) {
     struct Guard(Arc<AtomicUsize>);
     impl Drop for Guard {
         fn drop(&mut self) {
             self.0.fetch_add(1, Ordering::SeqCst);
         }
     }
+    let started = Arc::new(AtomicUsize::new(0));
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let (s, d) = (started.clone(), dropped.clone());
     let up = upstream(move |_| {
+        s.fetch_add(1, Ordering::SeqCst);
         let g = Guard(d.clone());
         async move {
             tokio::time::sleep(Duration::from_secs(30)).await;
@@ -724,6 +725,14 @@ async fn ri_client_gone_cancels_the_request() {
         }
     })
     .await;
+    (up, started, dropped)
+}
+
+/// A client that goes away while its request waits on the upstream: the request is cancelled
+/// (the upstream sees its connection reset or closed) rather than run to its end.
+#[tokio::test]
+async fn ri_client_gone_cancels_the_request() {
+    let (up, _started, dropped) = hanging_upstream().await;
     let gw = TestGateway::to(up, "");
     let mut s = connect(gw.addr).await;
     s.write_all(get_req("/a").as_bytes()).await.unwrap();
@@ -915,25 +924,7 @@ async fn ri_upstream_chunked_body_cut_off_is_not_terminated() {
 /// request is left running upstream.
 #[tokio::test]
 async fn ri_half_close_after_a_lone_request_cancels_it() {
-    let started = Arc::new(AtomicUsize::new(0));
-    let dropped = Arc::new(AtomicUsize::new(0));
-    struct Guard(Arc<AtomicUsize>);
-    impl Drop for Guard {
-        fn drop(&mut self) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-    let (s2, d2) = (started.clone(), dropped.clone());
-    let up = upstream(move |_| {
-        s2.fetch_add(1, Ordering::SeqCst);
-        let g = Guard(d2.clone());
-        async move {
-            tokio::time::sleep(Duration::from_secs(30)).await;
-            drop(g);
-            http::Response::new(full("late"))
-        }
-    })
-    .await;
+    let (up, started, dropped) = hanging_upstream().await;
     let gw = TestGateway::to(up, "");
     let mut s = connect(gw.addr).await;
     s.write_all(get_req("/a").as_bytes()).await.unwrap();
