@@ -36,6 +36,21 @@ pub fn name_from_wire(raw: &[u8]) -> Result<HeaderName, http::header::InvalidHea
     Ok(known)
 }
 
+/// One header line on the wire, as both HTTP/1.1 codecs write it.
+pub fn put_header(w: &mut Vec<u8>, name: &HeaderName, value: &HeaderValue) {
+    w.reserve(name.as_str().len() + value.len() + 4);
+    w.extend_from_slice(name.as_str().as_bytes());
+    w.extend_from_slice(b": ");
+    w.extend_from_slice(value.as_bytes());
+    w.extend_from_slice(b"\r\n");
+}
+
+/// Does the comma-separated list `v` name `token` (ASCII case-insensitive)?
+pub fn token_in(v: &[u8], token: &[u8]) -> bool {
+    v.split(|&b| b == b',')
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
+}
+
 /// `raw` equals the lower-case `lower` but for the case of its letters. Exact for header
 /// names: setting bit 5 maps only `A`–`Z` onto `a`–`z`, and `lower` holds only letters and
 /// `-` (which no other token byte maps onto).
@@ -296,6 +311,12 @@ pub fn te_has_trailers(h: &HeaderMap) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn list_tokens() {
+        assert!(token_in(b"keep-alive, Close", b"close"));
+        assert!(!token_in(b"closed", b"close"));
+    }
 
     #[test]
     fn names_from_the_wire_match_the_standard_parse() {

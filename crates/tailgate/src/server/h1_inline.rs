@@ -26,6 +26,7 @@
 //! next request came first (they are kept, and the socket is not read again until they are
 //! served).
 
+use std::io::Write as _;
 use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -40,7 +41,7 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::time::Sleep;
 
 use crate::pipeline::body::{ReqBody, RespBody};
-use crate::pipeline::headers::name_from_wire;
+use crate::pipeline::headers::{name_from_wire, put_header, token_in};
 use crate::pipeline::{ConnInfo, Worker, handle};
 
 /// How the inline server left the connection.
@@ -250,16 +251,11 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
             6 if name.eq_ignore_ascii_case(b"expect") => return Err(Unserved::Other),
             7 if name.eq_ignore_ascii_case(b"upgrade") => return Err(Unserved::Other),
             10 if name.eq_ignore_ascii_case(b"connection") => {
-                for token in h.value.split(|&b| b == b',') {
-                    let token = token.trim_ascii();
-                    if token.eq_ignore_ascii_case(b"close") {
-                        close = true;
-                    } else if token.eq_ignore_ascii_case(b"keep-alive") {
-                        keep_alive = true;
-                    } else if token.eq_ignore_ascii_case(b"upgrade") {
-                        return Err(Unserved::Other);
-                    }
+                if token_in(h.value, b"upgrade") {
+                    return Err(Unserved::Other);
                 }
+                close |= token_in(h.value, b"close");
+                keep_alive |= token_in(h.value, b"keep-alive");
             }
             _ => {}
         }
@@ -436,14 +432,11 @@ where
             has_date = true;
         } else if name == header::CONNECTION {
             has_connection = true;
-            if value.as_bytes().eq_ignore_ascii_case(b"close") {
+            if token_in(value.as_bytes(), b"close") {
                 keep = false;
             }
         }
-        out.extend_from_slice(name.as_str().as_bytes());
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(value.as_bytes());
-        out.extend_from_slice(b"\r\n");
+        put_header(out, name, value);
     }
     let no_body = meta.head
         || status.is_informational()
@@ -457,17 +450,14 @@ where
             && let Some(n) = body.size_hint().exact()
             && n > 0
         {
-            out.extend_from_slice(b"content-length: ");
-            out.extend_from_slice(itoa_u64(n, &mut [0u8; 20]));
-            out.extend_from_slice(b"\r\n");
+            // Written straight into the buffer (`io::Write` for `Vec` cannot fail).
+            let _ = write!(out, "content-length: {n}\r\n");
         }
         Framing::NoBody
     } else if let Some(n) = declared {
         Framing::Length(n)
     } else if let Some(n) = body.size_hint().exact() {
-        out.extend_from_slice(b"content-length: ");
-        out.extend_from_slice(itoa_u64(n, &mut [0u8; 20]));
-        out.extend_from_slice(b"\r\n");
+        let _ = write!(out, "content-length: {n}\r\n");
         Framing::Length(n)
     } else if meta.http10 {
         keep = false;
@@ -533,9 +523,7 @@ where
                     return Ok(false);
                 }
                 if framing == Framing::Chunked {
-                    let mut hex = [0u8; 16];
-                    out.extend_from_slice(hex_usize(data.len(), &mut hex));
-                    out.extend_from_slice(b"\r\n");
+                    let _ = write!(out, "{:x}\r\n", data.len());
                 }
                 if out.len() + data.len() <= WRITE_GATHER {
                     out.extend_from_slice(&data);
@@ -567,32 +555,6 @@ where
                 io.flush().await?;
                 return Ok(keep);
             }
-        }
-    }
-}
-
-/// `n` in decimal, into `buf`.
-fn itoa_u64(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            return &buf[i..];
-        }
-    }
-}
-
-/// `n` in hexadecimal, into `buf`.
-fn hex_usize(mut n: usize, buf: &mut [u8; 16]) -> &[u8] {
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b"0123456789abcdef"[n & 0xf];
-        n >>= 4;
-        if n == 0 {
-            return &buf[i..];
         }
     }
 }
@@ -738,11 +700,7 @@ mod tests {
     }
 
     #[test]
-    fn numbers_are_formatted() {
-        assert_eq!(itoa_u64(0, &mut [0; 20]), b"0");
-        assert_eq!(itoa_u64(u64::MAX, &mut [0; 20]), b"18446744073709551615");
-        assert_eq!(hex_usize(0, &mut [0; 16]), b"0");
-        assert_eq!(hex_usize(0x1f2e, &mut [0; 16]), b"1f2e");
+    fn content_lengths_are_digits_only() {
         assert_eq!(content_length(b"0012"), Some(12));
         assert_eq!(content_length(b"99999999999999999999"), None);
         assert_eq!(content_length(b""), None);

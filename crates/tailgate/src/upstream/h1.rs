@@ -40,14 +40,14 @@ use std::time::Instant;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::request::Parts;
-use http::{HeaderMap, HeaderName, HeaderValue, Method, Response, StatusCode, Version, header};
+use http::{HeaderMap, HeaderValue, Method, Response, StatusCode, Version, header};
 use http_body::{Body, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Sleep;
 
 use crate::pipeline::body::{ReqBody, ReqBodyError};
-use crate::pipeline::headers::Added;
+use crate::pipeline::headers::{Added, put_header, token_in};
 
 /// The largest response head accepted (status line and headers).
 const MAX_HEAD: usize = 64 * 1024;
@@ -905,14 +905,6 @@ impl AsyncWrite for Transport {
     }
 }
 
-fn put_header(w: &mut Vec<u8>, name: &HeaderName, value: &HeaderValue) {
-    w.reserve(name.as_str().len() + value.len() + 4);
-    w.extend_from_slice(name.as_str().as_bytes());
-    w.extend_from_slice(b": ");
-    w.extend_from_slice(value.as_bytes());
-    w.extend_from_slice(b"\r\n");
-}
-
 /// A Content-Length value: digits only (a list of equal values, as some servers send, is
 /// accepted; differing ones are not).
 fn parse_length(v: &[u8]) -> Option<u64> {
@@ -952,12 +944,6 @@ fn parse_chunk_size(line: &[u8]) -> Option<u64> {
     })
 }
 
-/// Does the comma-separated list `v` name `token` (ASCII case-insensitive)?
-fn token_in(v: &[u8], token: &[u8]) -> bool {
-    v.split(|&b| b == b',')
-        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -984,11 +970,5 @@ mod tests {
         assert_eq!(parse_chunk_size(b"1g\r\n"), None);
         assert_eq!(parse_chunk_size(b"-1\r\n"), None);
         assert_eq!(parse_chunk_size(b"11111111111111111\r\n"), None);
-    }
-
-    #[test]
-    fn list_tokens() {
-        assert!(token_in(b"keep-alive, Close", b"close"));
-        assert!(!token_in(b"closed", b"close"));
     }
 }
