@@ -93,6 +93,11 @@ pub struct Recorder {
     pub corrected: Histogram<u64>,
     /// Latency from the moment the request was actually written (hides coordinated omission).
     pub uncorrected: Histogram<u64>,
+    /// Open loop: the corrected latency without the generator's own lag (see `lag`): from
+    /// when the request could have started, or from its intended start when it waited behind
+    /// the previous exchange on its connection — still charged for coordinated omission, but
+    /// not for the generator sending late. Closed loop: the same as `corrected`.
+    pub excl_lag: Histogram<u64>,
     /// `by_index[i]`: corrected latency of the (i+1)-th request on a connection; requests past
     /// the last tracked index are not recorded here.
     pub by_index: Vec<Histogram<u64>>,
@@ -117,6 +122,7 @@ impl Recorder {
         Self {
             corrected: new_histogram(3),
             uncorrected: new_histogram(3),
+            excl_lag: new_histogram(3),
             by_index: Vec::new(),
             per_second: Vec::new(),
             lag: new_histogram(2),
@@ -127,13 +133,15 @@ impl Recorder {
         }
     }
 
-    /// Records one completed response. `index` is 1-based on its connection; `second` is the
-    /// second of the measurement the request was intended to start in.
+    /// Records one completed response. `excl_lag` is `corrected` less the generator's lag;
+    /// `index` is 1-based on its connection; `second` is the second of the measurement the
+    /// request was intended to start in.
     pub fn response(
         &mut self,
         ok: bool,
         corrected: Duration,
         uncorrected: Duration,
+        excl_lag: Duration,
         index: u64,
         second: usize,
     ) {
@@ -146,6 +154,7 @@ impl Recorder {
         let c = micros(corrected);
         self.corrected.saturating_record(c);
         self.uncorrected.saturating_record(micros(uncorrected));
+        self.excl_lag.saturating_record(micros(excl_lag));
         if index >= 1 && (index as usize) <= self.max_index {
             let i = index as usize - 1;
             while self.by_index.len() <= i {
@@ -172,6 +181,7 @@ impl Recorder {
         // Histograms with identical bounds never fail to add; auto-resize covers the rest.
         let _ = self.corrected.add(&other.corrected);
         let _ = self.uncorrected.add(&other.uncorrected);
+        let _ = self.excl_lag.add(&other.excl_lag);
         let _ = self.lag.add(&other.lag);
         merge_vec(&mut self.by_index, &other.by_index);
         merge_vec(&mut self.per_second, &other.per_second);
@@ -242,6 +252,7 @@ mod tests {
             true,
             Duration::from_millis(1),
             Duration::from_millis(1),
+            Duration::from_millis(1),
             1,
             0,
         );
@@ -249,11 +260,13 @@ mod tests {
             false,
             Duration::from_millis(9),
             Duration::from_millis(2),
+            Duration::from_millis(7),
             3,
             2,
         );
         b.response(
             true,
+            Duration::from_millis(5),
             Duration::from_millis(5),
             Duration::from_millis(5),
             9,
@@ -266,6 +279,9 @@ mod tests {
         assert_eq!(a.errors.status, 1);
         assert_eq!(a.errors.connect, 1);
         assert_eq!(a.corrected.len(), 3);
+        assert_eq!(a.excl_lag.len(), 3);
+        let max = a.excl_lag.max();
+        assert!(a.excl_lag.equivalent(max, 7_000), "7 ms in µs: {max}");
         assert_eq!(a.by_index.len(), 3);
         assert_eq!(a.by_index[0].len(), 1);
         assert_eq!(a.by_index[1].len(), 0);

@@ -87,6 +87,7 @@ fn run_json_has_the_documented_fields() {
     for k in ["50", "75", "90", "99", "99.9", "99.99", "99.999", "100"] {
         assert!(v["corrected_ms"][k].is_number(), "{k} in {v}");
         assert!(v["uncorrected_ms"][k].is_number(), "{k} in {v}");
+        assert!(v["excl_lag_ms"][k].is_number(), "{k} in {v}");
     }
     for k in ["connect", "timeout", "status", "io", "protocol"] {
         assert_eq!(v["errors"][k], 0, "{k} in {v}");
@@ -165,11 +166,19 @@ fn scenario_json_has_the_documented_shape() {
     let results = v["results"].as_array().unwrap();
     assert!(results.iter().any(|r| r["target"] == "direct"));
     for r in results {
-        assert_eq!(r.as_object().unwrap().len(), 6, "{r}");
+        let open = r["variant"].as_str().unwrap().starts_with("open-");
+        // Open-loop rows also carry the p99 without the generator's lag.
+        let fields = if open { 7 } else { 6 };
+        assert_eq!(r.as_object().unwrap().len(), fields, "{r}");
         let range = r["p99_range_ms"].as_array().unwrap();
         let (lo, hi) = (range[0].as_f64().unwrap(), range[1].as_f64().unwrap());
         let p99 = r["latency_ms"]["p99"].as_f64().unwrap();
         assert!(range.len() == 2 && lo <= p99 && p99 <= hi, "{r}");
+        if open {
+            // Round by round it is at most the p99 with the lag, so their medians are too.
+            let excl = r["p99_excl_lag_ms"].as_f64().unwrap();
+            assert!(0.0 < excl && excl <= p99, "{r}");
+        }
         assert!(
             ["tailgate", "direct", "nginx", "haproxy", "nginx-fwd"]
                 .contains(&r["target"].as_str().unwrap())

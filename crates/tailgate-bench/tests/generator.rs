@@ -52,6 +52,10 @@ fn corrected_histogram_shows_a_stall_the_uncorrected_one_hides() {
     let c = above(&rec.corrected, 100_000);
     let u = above(&rec.uncorrected, 100_000);
     assert!(c >= 70, "corrected above 100 ms: {c}");
+    // Leaving out the generator's lag keeps the waits behind the stalled request: they were
+    // the target's doing.
+    let e = above(&rec.excl_lag, 100_000);
+    assert!(e >= 70, "corrected without lag above 100 ms: {e}");
     // ~1 in theory; a few more only if the machine itself stalls for 100 ms repeatedly.
     assert!(u <= 5, "uncorrected above 100 ms: {u}");
 }
@@ -89,6 +93,20 @@ fn corrected_latency_is_not_inflated_by_scheduling() {
         c50 <= u50 + 2000,
         "corrected p50 {c50} µs, uncorrected p50 {u50} µs"
     );
+    // Request by request, corrected = uncorrected + waits behind the connection + lag, so
+    // the latency without lag sits between the two at every percentile.
+    assert_eq!(rec.excl_lag.len(), rec.responses);
+    for q in [0.5, 0.9, 0.99, 1.0] {
+        let (c, e, u) = (
+            rec.corrected.value_at_quantile(q),
+            rec.excl_lag.value_at_quantile(q),
+            rec.uncorrected.value_at_quantile(q),
+        );
+        assert!(
+            u <= e && e <= c,
+            "q {q}: uncorrected {u} ≤ without lag {e} ≤ corrected {c}"
+        );
+    }
 }
 
 /// 200 rps for 2 s is 400 requests, all sent and all answered.

@@ -401,10 +401,16 @@ async fn connection(
         // wrk2 semantics: every open-loop request is charged from its intended start, whether
         // it waited behind the previous request on its connection (coordinated omission) or
         // on the generator. Lag is the generator's share: from when the request could have
-        // started to when it did.
+        // started to when it did. The latency without it is kept beside, since on a busy
+        // machine the generator's lag can be as large as the target's own tail.
         let open_loop = shared.schedule.is_some();
         let from = if open_loop { intended } else { began };
         let lag = began.saturating_duration_since(intended.max(prev_done));
+        let excl_lag = if open_loop {
+            (done - from).saturating_sub(lag)
+        } else {
+            done - began
+        };
         prev_done = done;
         rr = (rr + 1) % group.requests.len();
         if measured && open_loop {
@@ -422,6 +428,7 @@ async fn connection(
                         (200..400).contains(&status),
                         done - from,
                         done - began,
+                        excl_lag,
                         index,
                         second,
                     );

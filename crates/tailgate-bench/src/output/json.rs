@@ -47,6 +47,7 @@ pub fn report(r: &Report, urls: &[String]) -> Value {
         "latency_ms": LatencySummary::of(&rec.corrected),
         "corrected_ms": distribution(&rec.corrected),
         "uncorrected_ms": distribution(&rec.uncorrected),
+        "excl_lag_ms": distribution(&rec.excl_lag),
         "generator_lag_ms": {"p50": ms_at(&rec.lag, 50.0), "p99": ms_at(&rec.lag, 99.0), "max": ms_at(&rec.lag, 100.0)},
         "by_index": by_index,
         "per_second": per_second,

@@ -60,6 +60,11 @@ pub fn report(r: &Report, urls: &[String], by_index: bool) -> String {
             "Uncorrected Latency, from the actual send",
             &rec.uncorrected,
         );
+        distribution(
+            &mut out,
+            "Corrected Latency without the generator's lag",
+            &rec.excl_lag,
+        );
     } else {
         distribution(&mut out, "Recorded Latency", &rec.corrected);
     }

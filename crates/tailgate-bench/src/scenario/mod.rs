@@ -28,7 +28,7 @@ use serde_json::{Value, json};
 use crate::load::{self, Report, Spec, Stop, target::Url};
 use crate::output::svg;
 use crate::output::text::fmt_ms;
-use crate::stats::LatencySummary;
+use crate::stats::{LatencySummary, ms_at};
 use procs::{Env, SetupError};
 
 /// Knobs shared by the scenarios.
@@ -97,6 +97,10 @@ pub struct Row {
     /// Lowest and highest p99 across the rounds (the row's `p99` is their median).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub p99_range_ms: Option<[f64; 2]>,
+    /// Open loop: the p99 without the generator's own lag (still corrected for coordinated
+    /// omission); the median across rounds. How much of `p99` is the generator's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p99_excl_lag_ms: Option<f64>,
 }
 
 /// One line of the `targets` array: a goal and whether this run met it.
@@ -226,6 +230,7 @@ pub fn measure_with(
         errors: report.recorder.errors.total(),
         latency_ms: LatencySummary::of(&report.recorder.corrected),
         p99_range_ms: None,
+        p99_excl_lag_ms: rate.map(|_| ms_at(&report.recorder.excl_lag, 99.0)),
     };
     Ok(Measured { row, report })
 }
@@ -263,6 +268,8 @@ pub fn combine(rounds: Vec<Measured>) -> Option<Measured> {
         max: med(|r| r.latency_ms.max),
     };
     let rps = round2(med(|r| r.rps));
+    let excl: Option<Vec<f64>> = rounds.iter().map(|m| m.row.p99_excl_lag_ms).collect();
+    let p99_excl_lag_ms = excl.map(|v| median(&v));
     let errors = rounds.iter().map(|m| m.row.errors).sum();
     let pick = rounds.into_iter().min_by(|a, b| {
         let d = |m: &Measured| (m.row.latency_ms.p99 - latency_ms.p99).abs();
@@ -273,6 +280,7 @@ pub fn combine(rounds: Vec<Measured>) -> Option<Measured> {
         errors,
         latency_ms,
         p99_range_ms: Some([lo, hi]),
+        p99_excl_lag_ms,
         ..pick.row
     };
     Some(Measured {
@@ -333,14 +341,18 @@ impl Outcome {
         }
         let _ = writeln!(
             out,
-            "{} interleaved round(s) per row: medians across rounds (errors summed); p99 range = lowest–highest p99 of the rounds.\n",
+            "{} interleaved round(s) per row: medians across rounds (errors summed); p99 range = lowest–highest p99 of the rounds; \
+             p99 excl. lag (open loop) = p99 without the generator's own lag, still corrected for coordinated omission.\n",
             self.rounds
         );
         let _ = writeln!(
             out,
-            "| target | variant | rps | errors | p50 | p90 | p99 | p99 range | p99.9 | p99.99 | max | rps ÷ direct | p99 ÷ direct |"
+            "| target | variant | rps | errors | p50 | p90 | p99 | p99 range | p99 excl. lag | p99.9 | p99.99 | max | rps ÷ direct | p99 ÷ direct |"
         );
-        let _ = writeln!(out, "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|");
+        let _ = writeln!(
+            out,
+            "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
+        );
         for m in &self.measured {
             let r = &m.row;
             let l = &r.latency_ms;
@@ -355,7 +367,7 @@ impl Outcome {
             };
             let _ = writeln!(
                 out,
-                "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {rr} | {pr} |",
+                "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {rr} | {pr} |",
                 r.target,
                 r.variant,
                 r.rps,
@@ -368,6 +380,7 @@ impl Outcome {
                     fmt_ms(lo),
                     fmt_ms(hi)
                 )),
+                r.p99_excl_lag_ms.map_or("–".into(), fmt_ms),
                 fmt_ms(l.p99_9),
                 fmt_ms(l.p99_99),
                 fmt_ms(l.max)
@@ -521,6 +534,7 @@ mod tests {
                     max: p99 * 4.0,
                 },
                 p99_range_ms: None,
+                p99_excl_lag_ms: Some(p99 / 2.0),
             },
             report,
         }
@@ -545,8 +559,11 @@ mod tests {
         assert_eq!(r.latency_ms.p99_9, 4.0);
         assert_eq!(r.latency_ms.max, 8.0);
         assert_eq!(r.p99_range_ms, Some([1.7, 24.0]));
+        // The median of 0.85, 12.0 and 1.0.
+        assert_eq!(r.p99_excl_lag_ms, Some(1.0));
         assert!(combine(Vec::new()).is_none());
         let v = serde_json::to_value(r).unwrap();
         assert_eq!(v["p99_range_ms"], json!([1.7, 24.0]));
+        assert_eq!(v["p99_excl_lag_ms"], json!(1.0));
     }
 }
