@@ -61,7 +61,7 @@ impl Default for Options {
             many_connections: 500,
             close_every: 80,
             pin: true,
-            rounds: 3,
+            rounds: 5,
         }
     }
 }
