@@ -93,10 +93,11 @@ pub struct Recorder {
     pub corrected: Histogram<u64>,
     /// Latency from the moment the request was actually written (hides coordinated omission).
     pub uncorrected: Histogram<u64>,
-    /// Open loop: the corrected latency without the generator's own lag (see `lag`): from
-    /// when the request could have started, or from its intended start when it waited behind
-    /// the previous exchange on its connection — still charged for coordinated omission, but
-    /// not for the generator sending late. Closed loop: the same as `corrected`.
+    /// Open loop: the corrected latency without the generator's lag in sending (see `lag`):
+    /// the uncorrected latency plus the time the request waited behind the previous exchange
+    /// on its connection — still charged for coordinated omission, not for the generator
+    /// sending late. A generator late in *reading* a response still counts, there and in the
+    /// next request's wait. Closed loop: the same as `corrected`.
     pub excl_lag: Histogram<u64>,
     /// `by_index[i]`: corrected latency of the (i+1)-th request on a connection; requests past
     /// the last tracked index are not recorded here.

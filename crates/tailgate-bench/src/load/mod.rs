@@ -406,8 +406,10 @@ async fn connection(
         let open_loop = shared.schedule.is_some();
         let from = if open_loop { intended } else { began };
         let lag = began.saturating_duration_since(intended.max(prev_done));
+        // The corrected latency less `lag`: the time on the wire plus the wait behind the
+        // previous exchange on this connection.
         let excl_lag = if open_loop {
-            (done - from).saturating_sub(lag)
+            (done - began) + prev_done.saturating_duration_since(intended)
         } else {
             done - began
         };

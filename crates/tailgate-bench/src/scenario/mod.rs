@@ -342,7 +342,7 @@ impl Outcome {
         let _ = writeln!(
             out,
             "{} interleaved round(s) per row: medians across rounds (errors summed); p99 range = lowest–highest p99 of the rounds; \
-             p99 excl. lag (open loop) = p99 without the generator's own lag, still corrected for coordinated omission.\n",
+             p99 excl. lag (open loop) = p99 without the generator's lag in sending, still corrected for coordinated omission.\n",
             self.rounds
         );
         let _ = writeln!(

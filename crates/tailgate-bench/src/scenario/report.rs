@@ -65,9 +65,10 @@ every (target, variant) is run {} times, interleaved with the other targets (ord
 and each row shows the medians across those rounds (errors summed) with the lowest–highest p99 as `p99 range`. \
 Charts and the by-index table show, per row, the round whose p99 is nearest the median. \
 Latencies are corrected for coordinated omission (measured from each request's intended start). \
-Open-loop rows also show `p99 excl. lag`: the same p99 without the generator's own lag (how late it sent a request that \
-could have gone), still charged for waits behind a slow response on the connection; when it is far below `p99`, \
-much of the tail was the generator's, not the target's. \
+Open-loop rows also show `p99 excl. lag`: the same p99 without the generator's lag in sending (how late it sent a request \
+that could have gone), still charged for waits behind a slow response on the connection; when it is far below `p99`, \
+much of the tail was the generator's, not the target's. A generator late in reading a response still counts in it, so it \
+is an upper bound on the target's share. \
 The machine is shared and noisy: read the ratios, not the absolute numbers.\n",
         opts.duration.as_secs_f64(),
         opts.warmup.as_secs_f64(),
