@@ -990,28 +990,7 @@ async fn ri_upgrade_after_an_inline_request_tunnels_the_bytes_sent_with_it() {
         if req.uri().path() != "/ws" {
             return http::Response::new(full("plain"));
         }
-        let on_upgrade = hyper::upgrade::on(&mut req);
-        tokio::spawn(async move {
-            let mut io = hyper_util::rt::TokioIo::new(on_upgrade.await.unwrap());
-            let mut buf = [0u8; 1024];
-            loop {
-                match io.read(&mut buf).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => {
-                        if io.write_all(&buf[..n]).await.is_err() {
-                            return;
-                        }
-                    }
-                }
-            }
-        });
-        http::Response::builder()
-            .status(101)
-            .header("connection", "upgrade")
-            .header("upgrade", "websocket")
-            .header("sec-websocket-accept", "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=")
-            .body(full(""))
-            .unwrap()
+        websocket_echo(&mut req)
     })
     .await;
     let gw = TestGateway::to(up, "");

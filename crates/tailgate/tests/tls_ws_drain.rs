@@ -228,29 +228,7 @@ async fn websocket_upgrade_is_passed_through() {
     // An upstream that accepts the upgrade and echoes whatever comes after it.
     let up = upstream(|mut req: http::Request<hyper::body::Incoming>| async move {
         assert_eq!(req.headers()["upgrade"], "websocket");
-        let on_upgrade = hyper::upgrade::on(&mut req);
-        tokio::spawn(async move {
-            let upgraded = on_upgrade.await.unwrap();
-            let mut io = TokioIo::new(upgraded);
-            let mut buf = [0u8; 1024];
-            loop {
-                match io.read(&mut buf).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => {
-                        if io.write_all(&buf[..n]).await.is_err() {
-                            return;
-                        }
-                    }
-                }
-            }
-        });
-        http::Response::builder()
-            .status(101)
-            .header("connection", "upgrade")
-            .header("upgrade", "websocket")
-            .header("sec-websocket-accept", "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=")
-            .body(full(""))
-            .unwrap()
+        websocket_echo(&mut req)
     })
     .await;
     let gw = TestGateway::to(up, "");

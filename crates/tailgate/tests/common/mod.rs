@@ -121,6 +121,35 @@ where
     addr
 }
 
+/// Accepts a WebSocket upgrade (101) and echoes whatever comes through the tunnel after it.
+pub fn websocket_echo(req: &mut http::Request<Incoming>) -> http::Response<TestBody> {
+    let on_upgrade = hyper::upgrade::on(req);
+    tokio::spawn(async move {
+        let Ok(upgraded) = on_upgrade.await else {
+            return;
+        };
+        let mut io = TokioIo::new(upgraded);
+        let mut buf = [0u8; 1024];
+        loop {
+            match io.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    if io.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    http::Response::builder()
+        .status(101)
+        .header("connection", "upgrade")
+        .header("upgrade", "websocket")
+        .header("sec-websocket-accept", "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=")
+        .body(full(""))
+        .unwrap()
+}
+
 /// An upstream that answers 200 "ok" to everything.
 pub async fn ok_upstream() -> SocketAddr {
     upstream(|_req| async { http::Response::new(full("ok")) }).await
