@@ -198,20 +198,35 @@ async fn sniff_h2<I: AsyncRead + Unpin>(guard: &mut H1Guard<I>) -> std::io::Resu
     }
 }
 
+/// The pipeline as a hyper service, for the connections hyper's servers drive.
+fn pipeline_service(
+    worker: &Arc<Worker>,
+    info: &Arc<ConnInfo>,
+) -> impl hyper::service::Service<
+    Request<Incoming>,
+    Response = http::Response<crate::pipeline::body::RespBody>,
+    Error = std::convert::Infallible,
+    Future: Send + 'static,
+> + Clone
++ Send
++ 'static {
+    let (worker, info) = (worker.clone(), info.clone());
+    let limit = worker.shared.settings.max_body_bytes;
+    service_fn(move |req: Request<Incoming>| {
+        handle(
+            worker.clone(),
+            info.clone(),
+            req.map(|b| ReqBody::new(b, limit)),
+        )
+    })
+}
+
 async fn serve_h1<I>(ctx: ConnCtx, io: H1Guard<I>, info: Arc<ConnInfo>)
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let settings = &ctx.worker.shared.settings;
-    let (worker, svc_info) = (ctx.worker.clone(), info.clone());
-    let limit = settings.max_body_bytes;
-    let service = service_fn(move |req: Request<Incoming>| {
-        handle(
-            worker.clone(),
-            svc_info.clone(),
-            req.map(|b| ReqBody::new(b, limit)),
-        )
-    });
+    let service = pipeline_service(&ctx.worker, &info);
     let conn = http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(None)
@@ -234,15 +249,7 @@ where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let settings = &ctx.worker.shared.settings;
-    let (worker, svc_info) = (ctx.worker.clone(), info.clone());
-    let limit = settings.max_body_bytes;
-    let service = service_fn(move |req: Request<Incoming>| {
-        handle(
-            worker.clone(),
-            svc_info.clone(),
-            req.map(|b| ReqBody::new(b, limit)),
-        )
-    });
+    let service = pipeline_service(&ctx.worker, &info);
     let conn = http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
         .max_header_list_size(settings.max_header_bytes as u32)
