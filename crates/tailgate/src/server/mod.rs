@@ -239,9 +239,7 @@ where
         c.graceful_shutdown()
     })
     .await;
-    if let Err(e) = ended {
-        tracing::debug!(client.addr = %info.client, error = %e, "client connection ended with an error");
-    }
+    log_failed_end(&info, ended);
 }
 
 async fn serve_h2<I>(ctx: ConnCtx, io: I, info: Arc<ConnInfo>)
@@ -258,6 +256,12 @@ where
         c.graceful_shutdown()
     })
     .await;
+    log_failed_end(&info, ended);
+}
+
+/// A connection hyper's server ended with an error: worth a debug line, no more (the client
+/// left, sent garbage, or timed out).
+fn log_failed_end(info: &ConnInfo, ended: Result<(), hyper::Error>) {
     if let Err(e) = ended {
         tracing::debug!(client.addr = %info.client, error = %e, "client connection ended with an error");
     }
