@@ -1,0 +1,367 @@
+//! HTTP/2 requests that would smuggle or inject when a gateway turns them into HTTP/1.1
+//! for the upstream ("h2 downgrade" attacks): framing headers, a `content-length` that
+//! disagrees with the DATA, CR/LF in names, values and the path, upper-case names,
+//! connection-specific headers. The frames are written by hand (the h2 crate refuses to
+//! send such requests), over h2c with prior knowledge.
+//!
+//! Each must be refused on its stream (RST_STREAM or GOAWAY) or answered with a 4xx, and
+//! the upstream must never see a second request, a header the client smuggled in, or a
+//! body that frames differently from what the gateway forwarded. A well-formed request on
+//! a new connection is served afterwards, and nothing panics.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use http_body_util::BodyExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const DATA: u8 = 0x0;
+const HEADERS: u8 = 0x1;
+const RST_STREAM: u8 = 0x3;
+const SETTINGS: u8 = 0x4;
+const GOAWAY: u8 = 0x7;
+const END_STREAM: u8 = 0x1;
+const END_HEADERS: u8 = 0x4;
+const ACK: u8 = 0x1;
+
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// An HPACK integer with an `n`-bit prefix (RFC 7541 §5.1).
+fn hpack_int(out: &mut Vec<u8>, first: u8, n: u32, mut v: usize) {
+    let max = (1usize << n) - 1;
+    if v < max {
+        out.push(first | v as u8);
+        return;
+    }
+    out.push(first | max as u8);
+    v -= max;
+    while v >= 128 {
+        out.push((v % 128 + 128) as u8);
+        v /= 128;
+    }
+    out.push(v as u8);
+}
+
+/// A header block of literal fields, never indexed, no Huffman coding: the bytes go on
+/// the wire exactly as given, whatever they contain.
+fn block(fields: &[(&[u8], &[u8])]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (name, value) in fields {
+        out.push(0x10);
+        hpack_int(&mut out, 0, 7, name.len());
+        out.extend_from_slice(name);
+        hpack_int(&mut out, 0, 7, value.len());
+        out.extend_from_slice(value);
+    }
+    out
+}
+
+/// What the gateway did with stream 1.
+#[derive(Debug, PartialEq)]
+enum Outcome {
+    /// A response HEADERS frame; `status` when its first field is a literal or indexed
+    /// `:status` the test can read without a full HPACK decoder.
+    Answered(Option<u16>),
+    Reset,
+    GoAway,
+    Closed,
+}
+
+/// Sends the preface, SETTINGS, then `frames`, and reads until stream 1 is answered,
+/// reset, or the connection ends.
+async fn exchange(gw: std::net::SocketAddr, frames: &[Vec<u8>]) -> Outcome {
+    let mut s = TcpStream::connect(gw).await.unwrap();
+    let mut out = PREFACE.to_vec();
+    out.extend(frame(SETTINGS, 0, 0, &[]));
+    for f in frames {
+        out.extend_from_slice(f);
+    }
+    s.write_all(&out).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut buf = Vec::new();
+    loop {
+        while buf.len() >= 9 {
+            let len = (buf[0] as usize) << 16 | (buf[1] as usize) << 8 | buf[2] as usize;
+            if buf.len() < 9 + len {
+                break;
+            }
+            let (kind, flags) = (buf[3], buf[4]);
+            let stream = u32::from_be_bytes([buf[5], buf[6], buf[7], buf[8]]) & 0x7fff_ffff;
+            let payload = buf[9..9 + len].to_vec();
+            buf.drain(..9 + len);
+            match kind {
+                SETTINGS if flags & ACK == 0 => {
+                    s.write_all(&frame(SETTINGS, ACK, 0, &[])).await.ok();
+                }
+                HEADERS if stream == 1 => return Outcome::Answered(status(&payload)),
+                RST_STREAM if stream == 1 => return Outcome::Reset,
+                GOAWAY => return Outcome::GoAway,
+                _ => {}
+            }
+        }
+        let mut chunk = [0u8; 16384];
+        match tokio::time::timeout_at(deadline, s.read(&mut chunk)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return Outcome::Closed,
+            Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
+            Err(_) => panic!("no answer on stream 1 within 10 s"),
+        }
+    }
+}
+
+/// `:status` from the first field of a response block: an indexed static entry (8–14) or
+/// a literal with the indexed name `:status` (index 8) and a plain value.
+fn status(block: &[u8]) -> Option<u16> {
+    let first = *block.first()?;
+    let code = |i: u8| match i {
+        8 => Some(200),
+        9 => Some(204),
+        10 => Some(206),
+        11 => Some(304),
+        12 => Some(400),
+        13 => Some(404),
+        14 => Some(500),
+        _ => None,
+    };
+    if first & 0x80 != 0 {
+        return code(first & 0x7f);
+    }
+    // Literal with incremental indexing (6-bit name index) or without / never (4-bit).
+    let name = if first & 0x40 != 0 {
+        first & 0x3f
+    } else {
+        first & 0x0f
+    };
+    if !(8..=14).contains(&name) {
+        return None;
+    }
+    let len = *block.get(1)?;
+    if len & 0x80 != 0 {
+        return None; // Huffman-coded value
+    }
+    std::str::from_utf8(block.get(2..2 + len as usize)?)
+        .ok()?
+        .parse()
+        .ok()
+}
+
+fn request(extra: &[(&[u8], &[u8])], path: &[u8]) -> Vec<u8> {
+    let mut fields: Vec<(&[u8], &[u8])> = vec![
+        (b":method", b"POST"),
+        (b":scheme", b"http"),
+        (b":authority", b"api.test"),
+        (b":path", path),
+    ];
+    fields.extend_from_slice(extra);
+    block(&fields)
+}
+
+const SMUGGLED: &[u8] = b"GET /smuggled HTTP/1.1\r\nHost: api.test\r\n\r\n";
+
+#[tokio::test]
+async fn h2_requests_that_would_smuggle_when_downgraded_are_refused() {
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let s = seen.clone();
+    let up = upstream(move |req| {
+        let s = s.clone();
+        async move {
+            let head = format!("{} {} {:?}", req.method(), req.uri(), req.headers());
+            let body = req.into_body().collect().await.map(|b| b.to_bytes());
+            s.lock().unwrap().push(format!("{head} body={body:?}"));
+            http::Response::new(full("ok"))
+        }
+    })
+    .await;
+    let gw = TestGateway::to(up, "");
+
+    let chunked_body = [b"5\r\nhello\r\n0\r\n\r\n".as_slice(), SMUGGLED].concat();
+    let cases: Vec<(&str, Vec<Vec<u8>>)> = vec![
+        (
+            "transfer-encoding: chunked",
+            vec![
+                frame(
+                    HEADERS,
+                    END_HEADERS,
+                    1,
+                    &request(&[(b"transfer-encoding", b"chunked")], b"/te"),
+                ),
+                frame(DATA, END_STREAM, 1, &chunked_body),
+            ],
+        ),
+        (
+            "content-length: 0 with a body",
+            vec![
+                frame(
+                    HEADERS,
+                    END_HEADERS,
+                    1,
+                    &request(&[(b"content-length", b"0")], b"/cl0"),
+                ),
+                frame(DATA, END_STREAM, 1, SMUGGLED),
+            ],
+        ),
+        (
+            "content-length shorter than the body",
+            vec![
+                frame(
+                    HEADERS,
+                    END_HEADERS,
+                    1,
+                    &request(&[(b"content-length", b"5")], b"/cl5"),
+                ),
+                frame(
+                    DATA,
+                    END_STREAM,
+                    1,
+                    &[b"hello".as_slice(), SMUGGLED].concat(),
+                ),
+            ],
+        ),
+        (
+            "CR LF in a header value",
+            vec![frame(
+                HEADERS,
+                END_HEADERS | END_STREAM,
+                1,
+                &request(&[(b"x-a", b"1\r\nx-injected: 1")], b"/crlf-value"),
+            )],
+        ),
+        (
+            "CR LF in a header name",
+            vec![frame(
+                HEADERS,
+                END_HEADERS | END_STREAM,
+                1,
+                &request(&[(b"x-a\r\nx-injected", b"1")], b"/crlf-name"),
+            )],
+        ),
+        (
+            "a request line in the path",
+            vec![frame(
+                HEADERS,
+                END_HEADERS | END_STREAM,
+                1,
+                &request(&[], b"/p HTTP/1.1\r\nHost: api.test\r\n\r\nGET /smuggled"),
+            )],
+        ),
+        (
+            "a space in the path",
+            vec![frame(
+                HEADERS,
+                END_HEADERS | END_STREAM,
+                1,
+                &request(&[], b"/a b"),
+            )],
+        ),
+        (
+            "an upper-case header name",
+            vec![frame(
+                HEADERS,
+                END_HEADERS | END_STREAM,
+                1,
+                &request(&[(b"X-Injected", b"1")], b"/upper"),
+            )],
+        ),
+        (
+            "connection: keep-alive",
+            vec![frame(
+                HEADERS,
+                END_HEADERS | END_STREAM,
+                1,
+                &request(&[(b"connection", b"keep-alive")], b"/conn"),
+            )],
+        ),
+        (
+            "upgrade: websocket",
+            vec![frame(
+                HEADERS,
+                END_HEADERS | END_STREAM,
+                1,
+                &request(&[(b"upgrade", b"websocket")], b"/upgrade"),
+            )],
+        ),
+        (
+            "te: chunked",
+            vec![frame(
+                HEADERS,
+                END_HEADERS | END_STREAM,
+                1,
+                &request(&[(b"te", b"chunked")], b"/te-chunked"),
+            )],
+        ),
+        (
+            "a NUL in a header value",
+            vec![frame(
+                HEADERS,
+                END_HEADERS | END_STREAM,
+                1,
+                &request(&[(b"x-a", b"1\0x")], b"/nul"),
+            )],
+        ),
+    ];
+
+    let mut failures = Vec::new();
+    for (name, frames) in &cases {
+        seen.lock().unwrap().clear();
+        let outcome = exchange(gw.addr, frames).await;
+        // Give a forwarded request time to land before looking at what the upstream saw.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let upstream_saw = seen.lock().unwrap().clone();
+        let refused = match &outcome {
+            Outcome::Reset | Outcome::GoAway | Outcome::Closed => true,
+            Outcome::Answered(Some(s)) => (400..500).contains(s),
+            Outcome::Answered(None) => false,
+        };
+        let leaked = upstream_saw.iter().any(|r| {
+            let r = r.to_ascii_lowercase();
+            r.contains("smuggled") || r.contains("x-injected") || r.contains("transfer-encoding")
+        });
+        if !refused || leaked || upstream_saw.len() > 1 {
+            failures.push(format!(
+                "{name}: gateway {outcome:?}; upstream saw {upstream_saw:#?}"
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+
+    // A well-formed request over the same hand-made framing is served: the cases above
+    // were refused for what they carry, not for how the test writes frames.
+    seen.lock().unwrap().clear();
+    let ok = exchange(
+        gw.addr,
+        &[
+            frame(
+                HEADERS,
+                END_HEADERS,
+                1,
+                &request(&[(b"content-length", b"5")], b"/fine"),
+            ),
+            frame(DATA, END_STREAM, 1, b"hello"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        ok,
+        Outcome::Answered(Some(200)),
+        "{:?}",
+        seen.lock().unwrap()
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let saw = seen.lock().unwrap().clone();
+    assert_eq!(saw.len(), 1, "{saw:?}");
+    assert!(
+        saw[0].contains("/fine") && saw[0].contains("hello"),
+        "{saw:?}"
+    );
+}
