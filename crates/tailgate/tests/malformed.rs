@@ -254,3 +254,58 @@ async fn r_connect_gets_an_answer_and_a_close() {
     assert!(closed, "{text}");
     assert!(paths.lock().unwrap().is_empty());
 }
+
+/// A head the HTTP parser refuses gets the gateway's JSON error with a request id (the same
+/// as the `x-request-id` header), like every other error the gateway makes; the connection
+/// is closed, and a keep-alive request before it is answered first.
+#[tokio::test]
+async fn parser_refusals_carry_the_json_error() {
+    let (up, hits) = counting_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let many: Vec<u8> = [
+        &b"GET / HTTP/1.1\r\nHost: a\r\n"[..],
+        &b"X: y\r\n".repeat(101),
+        b"\r\n",
+    ]
+    .concat();
+    let served_first =
+        b"GET /ok HTTP/1.1\r\nHost: a\r\n\r\nGET / HTTP/1.1\r\nHost: a\r\nX-Bad: a\x01b\r\n\r\n";
+    for (bytes, status, code, before) in [
+        (
+            &b"GET / HTTP/1.1\r\nHost: a\r\nX-Bad: a\x01b\r\n\r\n"[..],
+            "400",
+            "bad_request",
+            0,
+        ),
+        (b"GET / HTTP/9.9\r\nHost: a\r\n\r\n", "400", "bad_request", 0),
+        (b"GET /\x7f HTTP/1.1\r\nHost: a\r\n\r\n", "400", "bad_request", 0),
+        (&many, "431", "header_too_large", 0),
+        (
+            b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            "400",
+            "bad_request",
+            0,
+        ),
+        (served_first, "400", "bad_request", 1),
+    ] {
+        let hits_before = hits.load(Ordering::SeqCst);
+        let (text, closed) = raw(gw.addr, bytes, Duration::from_secs(5)).await;
+        assert!(closed, "{text}");
+        // The refusal is the last answer on the connection.
+        let at = text.rfind("HTTP/1.1 ").unwrap();
+        assert_eq!(text.matches("HTTP/1.1 ").count(), before + 1, "{text}");
+        let refusal = &text[at..];
+        assert!(refusal.starts_with(&format!("HTTP/1.1 {status} ")), "{text}");
+        let (head, body) = refusal.split_once("\r\n\r\n").unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+        assert_eq!(v["error"], code, "{text}");
+        let id = v["request_id"].as_str().unwrap();
+        assert_eq!(id.len(), 24, "{text}");
+        let head = head.to_ascii_lowercase();
+        assert!(head.contains(&format!("x-request-id: {id}\r\n")), "{text}");
+        assert!(head.contains("content-type: application/json"), "{text}");
+        assert!(head.contains("connection: close"), "{text}");
+        assert_eq!(hits.load(Ordering::SeqCst) - hits_before, before, "{text}");
+    }
+}

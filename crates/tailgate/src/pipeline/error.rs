@@ -13,6 +13,8 @@ pub enum ProxyError {
     MethodNotAllowed(Vec<http::Method>),
     #[error("malformed request: {0}")]
     BadRequest(&'static str),
+    #[error("request head too large: {0}")]
+    HeadTooLarge(&'static str),
     #[error("request body larger than {0} bytes")]
     BodyTooLarge(u64),
     #[error("upstream connect failed: {0}")]
@@ -39,6 +41,7 @@ impl ProxyError {
             ProxyError::NoRoute => StatusCode::NOT_FOUND,
             ProxyError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::HeadTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::UpstreamConnect(_)
             | ProxyError::UpstreamTls(_)
@@ -55,6 +58,7 @@ impl ProxyError {
             ProxyError::NoRoute => "no_route",
             ProxyError::MethodNotAllowed(_) => "method_not_allowed",
             ProxyError::BadRequest(_) => "bad_request",
+            ProxyError::HeadTooLarge(_) => "header_too_large",
             ProxyError::BodyTooLarge(_) => "body_too_large",
             ProxyError::UpstreamConnect(_) => "upstream_connect_failed",
             ProxyError::UpstreamTls(_) => "upstream_tls_failed",
@@ -108,7 +112,7 @@ impl ProxyError {
         }
         if matches!(
             self,
-            ProxyError::BadRequest(_) | ProxyError::BodyTooLarge(_)
+            ProxyError::BadRequest(_) | ProxyError::HeadTooLarge(_) | ProxyError::BodyTooLarge(_)
         ) {
             h.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }

@@ -11,11 +11,18 @@
 //! in one write: 19.9k instructions per proxied request became 17.9k (callgrind, one
 //! worker), and closed-loop throughput went from below nginx's to above it (CHANGELOG).
 //!
+//! A head hyper's server would refuse is refused here, with the gateway's JSON error
+//! (`ProxyError`, where every error is made) and a close: one `httparse` refused (400; 431
+//! for too many lines), one over the head limit (431), `Content-Length` with
+//! `Transfer-Encoding` (400, as the smuggling guard refuses it), an invalid or conflicting
+//! `Content-Length`, a `Transfer-Encoding` that does not end in `chunked` or comes in
+//! HTTP/1.0, a target `Uri` refuses (400). The rules are hyper's, step for step, and
+//! `tests/fuzz_h1.rs` holds the two to the same answers.
+//!
 //! Anything else is not served here: the connection, with every byte not yet served, is
-//! handed to hyper's server behind the smuggling guard for the rest of its life. That
-//! includes every malformed, oversized or smuggling-shaped head, so the answers to those
-//! (400, 431, a refusal and a close) come from the one tested place they always came from.
-//! A head is handed over only before any of it was acted on, so hyper sees the exact bytes
+//! handed to hyper's server behind the smuggling guard for the rest of its life (a head
+//! malformed in a way not listed above, such as a `Content-Length` list, is refused there
+//! by hyper: the same status, an empty body). A head is handed over only before any of it was acted on, so hyper sees the exact bytes
 //! the client sent. A body of up to 8 KiB that comes after its head is waited for here, as
 //! the rest of a head would be (under the header read timeout, counted again from each
 //! piece of the body that comes, so a body that stops is cut off and one that keeps coming
@@ -41,6 +48,7 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::time::Sleep;
 
 use crate::pipeline::body::{ReqBody, RespBody};
+use crate::pipeline::error::ProxyError;
 use crate::pipeline::headers::{name_from_wire, put_header, token_in};
 use crate::pipeline::{ConnInfo, Worker, handle};
 
@@ -62,6 +70,8 @@ pub struct Limits {
 
 /// The largest request body waited for and read whole here when it comes after its head.
 const INLINE_BODY_MAX: u64 = 8 * 1024;
+/// The longest request target hyper's server takes (longer: it answers 414).
+const MAX_URI_LEN: usize = u16::MAX as usize - 1;
 /// As many header lines as hyper's server accepts (more: hyper answers 431).
 const MAX_HEADERS: usize = 100;
 /// Reads go into at least this much free buffer; a read that fills less than what was free
@@ -99,6 +109,10 @@ where
                 match parse(&mut buf, limits, &mut idx) {
                     Ok(served) => break served,
                     Err(Unserved::Other) => return Ended::Handover(buf),
+                    Err(Unserved::Refused(e)) => {
+                        refuse(io, &mut buf, &mut out, worker, e, closing).await;
+                        return Ended::Closed;
+                    }
                     Err(Unserved::Partial) => {}
                     Err(Unserved::Body) => body_on_its_way = true,
                 }
@@ -175,6 +189,37 @@ where
     }
 }
 
+/// Answers a refused head with the gateway's JSON error (a new request id) and closes.
+async fn refuse<I>(
+    io: &mut I,
+    buf: &mut BytesMut,
+    out: &mut Vec<u8>,
+    worker: &Worker,
+    e: ProxyError,
+    closing: &AtomicBool,
+) where
+    I: AsyncRead + AsyncWrite + Unpin,
+{
+    let shared = &worker.shared;
+    let id = shared.ids.next();
+    tracing::debug!(request.id = id.to_str().unwrap_or("-"), error = %e, "request head refused");
+    let (parts, body) = e
+        .to_response(&id, &shared.settings.request_id_header)
+        .into_parts();
+    let meta = Meta {
+        keep_alive: false,
+        http10: false,
+        head: false,
+    };
+    let resp = Response::from_parts(parts, RespBody::full(body));
+    if write_response(io, buf, out, resp, &meta, closing)
+        .await
+        .is_ok()
+    {
+        let _ = io.shutdown().await;
+    }
+}
+
 enum Wait {
     More,
     End,
@@ -200,6 +245,21 @@ enum Unserved {
     Body,
     /// Not served here: hyper's server reads it from the start.
     Other,
+    /// A head hyper's parser would refuse too (the same `httparse` call): answered here,
+    /// with the gateway's JSON error, and the connection closed.
+    Refused(ProxyError),
+}
+
+/// What is wrong with a head `httparse` refused, for the error body.
+fn head_error(e: httparse::Error) -> &'static str {
+    match e {
+        httparse::Error::HeaderName => "invalid header name",
+        httparse::Error::HeaderValue => "invalid header value",
+        httparse::Error::NewLine => "invalid line ending",
+        httparse::Error::Token => "invalid method or request target",
+        httparse::Error::Version => "invalid HTTP version",
+        httparse::Error::Status | httparse::Error::TooManyHeaders => "invalid request head",
+    }
 }
 
 /// Where a header's name and value lie in the head.
@@ -220,7 +280,20 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
         Ok(httparse::Status::Partial) if buf.len() <= limits.max_head => {
             return Err(Unserved::Partial);
         }
-        _ => return Err(Unserved::Other),
+        // No more bytes can mend these; hyper's server answers them 431 and 400.
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(Unserved::Refused(ProxyError::HeadTooLarge(
+                "more than 100 header lines",
+            )));
+        }
+        Err(e) => return Err(Unserved::Refused(ProxyError::BadRequest(head_error(e)))),
+        // Over the limit, whole or not: hyper's server never holds more than the limit of a
+        // head, and answers 431.
+        Ok(_) => {
+            return Err(Unserved::Refused(ProxyError::HeadTooLarge(
+                "larger than max_header_bytes",
+            )));
+        }
     };
     let (Some(method), Some(path), Some(version)) = (req.method, req.path, req.version) else {
         return Err(Unserved::Other);
@@ -235,25 +308,39 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
     let base = buf.as_ptr() as usize;
     let at = |s: &[u8]| (s.as_ptr() as usize - base, s.len());
     let path_at = at(path.as_bytes());
+    // The body length as hyper's server reads it (one value, or the same value repeated);
+    // `plain`: one Content-Length, digits only, the shape served here.
     let mut length: Option<u64> = None;
+    let (mut plain, mut bad_length) = (true, false);
+    // Transfer-Encoding, and whether its last header ends in `chunked`.
+    let (mut te, mut chunked) = (false, false);
+    // Expect or an upgrade: hyper's server serves it.
+    let mut elsewhere = false;
     let (mut close, mut keep_alive) = (false, false);
     idx.clear();
     for h in req.headers.iter() {
         let name = h.name.as_bytes();
         match name.len() {
             14 if name.eq_ignore_ascii_case(b"content-length") => {
-                match (length, content_length(h.value)) {
-                    (None, Some(n)) => length = Some(n),
-                    _ => return Err(Unserved::Other),
+                let n = content_length(h.value);
+                plain &= length.is_none() && n.is_some();
+                match n.or_else(|| length_list(h.value)) {
+                    Some(n) if length.is_none_or(|l| l == n) => length = Some(n),
+                    _ => bad_length = true,
                 }
             }
-            17 if name.eq_ignore_ascii_case(b"transfer-encoding") => return Err(Unserved::Other),
-            6 if name.eq_ignore_ascii_case(b"expect") => return Err(Unserved::Other),
-            7 if name.eq_ignore_ascii_case(b"upgrade") => return Err(Unserved::Other),
+            17 if name.eq_ignore_ascii_case(b"transfer-encoding") => {
+                te = true;
+                chunked = h
+                    .value
+                    .rsplit(|&b| b == b',')
+                    .next()
+                    .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+            }
+            6 if name.eq_ignore_ascii_case(b"expect") => elsewhere = true,
+            7 if name.eq_ignore_ascii_case(b"upgrade") => elsewhere = true,
             10 if name.eq_ignore_ascii_case(b"connection") => {
-                if token_in(h.value, b"upgrade") {
-                    return Err(Unserved::Other);
-                }
+                elsewhere |= token_in(h.value, b"upgrade");
                 close |= token_in(h.value, b"close");
                 keep_alive |= token_in(h.value, b"keep-alive");
             }
@@ -263,6 +350,31 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
             name: at(name),
             value: at(h.value),
         });
+    }
+    if te && (length.is_some() || bad_length) {
+        // The smuggling shape: refused, as the guard in front of hyper's server does.
+        return Err(Unserved::Refused(ProxyError::BadRequest(
+            "Content-Length together with Transfer-Encoding",
+        )));
+    }
+    if bad_length {
+        return Err(Unserved::Refused(ProxyError::BadRequest(
+            "invalid or conflicting Content-Length",
+        )));
+    }
+    // What hyper's server refuses as well (RFC 9112 §6.1, §6.3).
+    if te && http10 {
+        return Err(Unserved::Refused(ProxyError::BadRequest(
+            "Transfer-Encoding in an HTTP/1.0 request",
+        )));
+    }
+    if te && !chunked {
+        return Err(Unserved::Refused(ProxyError::BadRequest(
+            "a Transfer-Encoding that does not end in chunked",
+        )));
+    }
+    if te || elsewhere || !plain {
+        return Err(Unserved::Other);
     }
     // A small body not all here yet (many clients write the head and the body apart) is
     // waited for like the rest of a head, under the header read timeout (counted again from
@@ -279,12 +391,15 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
     }
     // From here the bytes are taken from the buffer; a failure puts them back.
     let head = buf.split_to(head_len).freeze();
-    let Some(parts) = build(&head, method, path_at, idx) else {
-        let mut back = BytesMut::with_capacity(head.len() + buf.len());
-        back.extend_from_slice(&head);
-        back.extend_from_slice(buf);
-        *buf = back;
-        return Err(Unserved::Other);
+    let parts = match build(&head, method, path_at, idx) {
+        Ok(parts) => parts,
+        Err(e) => {
+            let mut back = BytesMut::with_capacity(head.len() + buf.len());
+            back.extend_from_slice(&head);
+            back.extend_from_slice(buf);
+            *buf = back;
+            return Err(e);
+        }
     };
     // `body_len` is at most what is buffered (checked above), so it fits a usize.
     let body = buf.split_to(body_len as usize).freeze();
@@ -313,16 +428,27 @@ fn build(
     method: Method,
     path: (usize, usize),
     idx: &[HeaderAt],
-) -> Option<(Method, Uri, HeaderMap)> {
-    let uri = Uri::from_maybe_shared(head.slice(path.0..path.0 + path.1)).ok()?;
+) -> Result<(Method, Uri, HeaderMap), Unserved> {
+    let Ok(uri) = Uri::from_maybe_shared(head.slice(path.0..path.0 + path.1)) else {
+        // hyper's server parses the target the same way, and answers 400 (414 over its
+        // length limit, which it says itself).
+        return Err(if path.1 < MAX_URI_LEN {
+            Unserved::Refused(ProxyError::BadRequest("invalid request target"))
+        } else {
+            Unserved::Other
+        });
+    };
     let mut headers = HeaderMap::with_capacity(idx.len());
     for h in idx {
-        let name = name_from_wire(&head[h.name.0..h.name.0 + h.name.1]).ok()?;
-        let value =
-            HeaderValue::from_maybe_shared(head.slice(h.value.0..h.value.0 + h.value.1)).ok()?;
+        let (Ok(name), Ok(value)) = (
+            name_from_wire(&head[h.name.0..h.name.0 + h.name.1]),
+            HeaderValue::from_maybe_shared(head.slice(h.value.0..h.value.0 + h.value.1)),
+        ) else {
+            return Err(Unserved::Other);
+        };
         headers.append(name, value);
     }
-    Some((method, uri, headers))
+    Ok((method, uri, headers))
 }
 
 /// A `Content-Length` value: digits only, no overflow.
@@ -337,6 +463,20 @@ fn content_length(v: &[u8]) -> Option<u64> {
             None
         }
     })
+}
+
+/// A `Content-Length` that is a list of one value repeated (`5, 5`), which hyper's server
+/// accepts: the value.
+fn length_list(v: &[u8]) -> Option<u64> {
+    let mut out = None;
+    for part in v.split(|&b| b == b',') {
+        let n = content_length(part.trim_ascii())?;
+        if out.is_some_and(|o| o != n) {
+            return None;
+        }
+        out = Some(n);
+    }
+    out
 }
 
 /// Watches the client while its request is in flight, as hyper's server does: while no
@@ -646,21 +786,74 @@ mod tests {
         }
     }
 
+    /// A head hyper's parser would refuse (the same `httparse` call) is refused here, with
+    /// the status hyper's server gives it.
+    #[test]
+    fn heads_httparse_refuses_are_refused_here() {
+        for (input, status) in [
+            (&b"GET / HTTP/1.1\r\nHost: x\r\nX-Bad: a\x01b\r\n\r\n"[..], 400),
+            (b"GARBAGE\r\n\r\n", 400),
+            (b"GET / HTTP/1.1\r\n Host: x\r\n\r\n", 400),
+            (b"GET / HTTP/2.0\r\nHost: x\r\n\r\n", 400),
+            // Bad bytes are refused before the head is whole.
+            (b"GET / HTTP/1.1\r\nHo\x00st", 400),
+            (
+                b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+                400,
+            ),
+            (
+                b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n",
+                400,
+            ),
+            (b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
+            (b"GET http:/x/y HTTP/1.1\r\n\r\n", 400),
+            (b"GET \"d HTTP/1.1\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nContent-Length: +5\r\n\r\nhello", 400),
+            (b"POST / HTTP/1.1\r\nContent-Length: 5, 6\r\n\r\nhello", 400),
+            (b"POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello", 400),
+            (b"POST / HTTP/1.1\r\nContent-Length: 99999999999999999999\r\n\r\n", 400),
+            (
+                b"POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: x\r\n\r\n",
+                400,
+            ),
+            (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked, gzip\r\n\r\n", 400),
+            (
+                b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n\r\n",
+                400,
+            ),
+            (b"POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
+        ] {
+            match parsed(input).0 {
+                Err(Unserved::Refused(e)) => assert_eq!(e.status().as_u16(), status),
+                other => panic!("{}: {:?}", String::from_utf8_lossy(input), other.err()),
+            }
+        }
+        let many: Vec<u8> = [
+            &b"GET / HTTP/1.1\r\n"[..],
+            &b"X: y\r\n".repeat(MAX_HEADERS + 1),
+            b"\r\n",
+        ]
+        .concat();
+        match parsed(&many).0 {
+            Err(Unserved::Refused(e)) => assert_eq!(e.code(), "header_too_large"),
+            other => panic!("{:?}", other.err()),
+        }
+    }
+
     /// Every shape served elsewhere is handed over with its bytes untouched.
     #[test]
     fn other_shapes_are_handed_over_whole() {
         for input in [
             &b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"[..],
+            b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, Chunked \r\n\r\n0\r\n\r\n",
             b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
-            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
-            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3, 3\r\n\r\nabc",
+            b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 3, 3\r\n\r\n",
             b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 8193\r\n\r\nabc",
             b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n",
             b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n",
             b"CONNECT x:443 HTTP/1.1\r\nHost: x:443\r\n\r\n",
-            b"GET / HTTP/1.1\r\nHost: x\r\nX-Bad: a\x01b\r\n\r\n",
-            b"GARBAGE\r\n\r\n",
-            b"GET / HTTP/1.1\r\n Host: x\r\n\r\n",
         ] {
             let (p, rest) = parsed(input);
             assert!(
@@ -677,10 +870,16 @@ mod tests {
         ]
         .concat();
         assert!(
-            matches!(parsed(&long).0, Err(Unserved::Other)),
+            matches!(
+                parsed(&long).0,
+                Err(Unserved::Refused(ProxyError::HeadTooLarge(_)))
+            ),
             "over the head limit"
         );
-        assert!(matches!(parsed(&long[..1500]).0, Err(Unserved::Other)));
+        assert!(matches!(
+            parsed(&long[..1500]).0,
+            Err(Unserved::Refused(ProxyError::HeadTooLarge(_)))
+        ));
         assert!(matches!(parsed(&long[..100]).0, Err(Unserved::Partial)));
         // A small body still on its way is waited for; its bytes stay where they are.
         let small = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 8192\r\n\r\nabc";
