@@ -791,3 +791,40 @@ async fn a_route_without_a_tenant_counts_each_tenant_apart() {
         serde_json::from_slice(admin_get(admin_addr(&gw), "/stats", &[]).await.body()).unwrap();
     assert_eq!(stats["routes"][0]["requests"], 6);
 }
+
+/// A head refused before it could be routed counts like any request: under no tenant and
+/// no route, method `OTHER`, its error kind.
+#[tokio::test]
+async fn refused_heads_are_counted() {
+    let up = echo_upstream().await;
+    let gw = two_tenants(up, "[server]\nworkers = 1\nmax_header_bytes = 1024\n");
+    for bytes in [
+        &b"GET / HTTP/1.1\r\nHost: acme.test\r\nX-Bad: a\x01b\r\n\r\n"[..],
+        b"POST / HTTP/1.1\r\nHost: acme.test\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n",
+        &[&b"GET / HTTP/1.1\r\nX-Big: "[..], &[b'a'; 2000], b"\r\n\r\n"].concat(),
+    ] {
+        let (text, closed) = raw(gw.addr, bytes, Duration::from_secs(5)).await;
+        assert!(closed && text.starts_with("HTTP/1.1 4"), "{text}");
+    }
+    let ex = scrape(admin_addr(&gw)).await;
+    let none = |kind: &str| {
+        ex.value(
+            "tailgate_request_errors_total",
+            &[("tenant", ""), ("route", ""), ("kind", kind)],
+        )
+    };
+    assert_eq!(none("bad_request"), 2.0);
+    assert_eq!(none("header_too_large"), 1.0);
+    assert_eq!(
+        ex.value(
+            "tailgate_requests_total",
+            &[
+                ("tenant", ""),
+                ("route", ""),
+                ("method", "OTHER"),
+                ("status_class", "4xx")
+            ]
+        ),
+        3.0
+    );
+}

@@ -47,6 +47,7 @@ use http_body::{Body, Frame};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::time::Sleep;
 
+use crate::observe::{Exchange, ExchangeRecorder, StageTimings};
 use crate::pipeline::body::{ReqBody, RespBody};
 use crate::pipeline::error::ProxyError;
 use crate::pipeline::headers::{name_from_wire, put_header, token_in};
@@ -110,7 +111,7 @@ where
                     Ok(served) => break served,
                     Err(Unserved::Other) => return Ended::Handover(buf),
                     Err(Unserved::Refused(e)) => {
-                        refuse(io, &mut buf, &mut out, worker, e, closing).await;
+                        refuse(io, &mut buf, &mut out, worker, info, e, closing).await;
                         return Ended::Closed;
                     }
                     Err(Unserved::Partial) => {}
@@ -189,12 +190,15 @@ where
     }
 }
 
-/// Answers a refused head with the gateway's JSON error (a new request id) and closes.
+/// Answers a refused head with the gateway's JSON error (a new request id) and closes. The
+/// refusal is recorded like any request (metrics, access log) as method `-` and target `*`:
+/// what the head said cannot be trusted, if it said anything.
 async fn refuse<I>(
     io: &mut I,
     buf: &mut BytesMut,
     out: &mut Vec<u8>,
-    worker: &Worker,
+    worker: &Arc<Worker>,
+    info: &ConnInfo,
     e: ProxyError,
     closing: &AtomicBool,
 ) where
@@ -202,10 +206,33 @@ async fn refuse<I>(
 {
     let shared = &worker.shared;
     let id = shared.ids.next();
-    tracing::debug!(request.id = id.to_str().unwrap_or("-"), error = %e, "request head refused");
+    let mut rec = ExchangeRecorder::new(
+        Exchange {
+            request_id: id.clone(),
+            client: info.client.ip(),
+            tenant: info.tenant,
+            route: None,
+            method: Method::from_bytes(b"-").unwrap_or_default(),
+            uri: Uri::from_static("*"),
+            version: Version::HTTP_11,
+            status: e.status().as_u16(),
+            bytes_out: 0,
+            consumer: None,
+            reused_connection: false,
+            error: None,
+            timings: StageTimings::default(),
+        },
+        std::time::Instant::now(),
+        shared.observers.clone(),
+        worker.metrics.clone(),
+        info.activity.clone(),
+    );
     let (parts, body) = e
         .to_response(&id, &shared.settings.request_id_header)
         .into_parts();
+    // Recorded before it is written, as the pipeline records its errors.
+    rec.add_bytes_out(body.len() as u64);
+    rec.fail(e.code());
     let meta = Meta {
         keep_alive: false,
         http10: false,

@@ -34,10 +34,11 @@ pub const METHODS: [&str; 8] = [
 /// Status classes; `none` is an exchange that ended before any status (client gone).
 pub const CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "none"];
 /// Error kinds with their own label value (the codes of `ProxyError` and of the bodies).
-pub const ERROR_KINDS: [&str; 15] = [
+pub const ERROR_KINDS: [&str; 16] = [
     "no_route",
     "method_not_allowed",
     "bad_request",
+    "header_too_large",
     "body_too_large",
     "upstream_connect_failed",
     "upstream_connect_timeout",
