@@ -23,10 +23,11 @@
 //! handed to hyper's server behind the smuggling guard for the rest of its life (a head
 //! malformed in a way not listed above, such as a `Content-Length` list, is refused there
 //! by hyper: the same status, an empty body). A head is handed over only before any of it
-//! was acted on, so hyper sees the exact bytes the client sent. A body of up to 8 KiB that comes after its head is waited for here, as
-//! the rest of a head would be (under the header read timeout, counted again from each
-//! piece of the body that comes, so a body that stops is cut off and one that keeps coming
-//! is not); a larger one streams through hyper's server.
+//! was acted on, so hyper sees the exact bytes the client sent. A body of up to 8 KiB that
+//! comes after its head is waited for here, as the rest of a head would be (under the
+//! header read timeout, counted again from each piece of the body that comes, so a body
+//! that stops is cut off and one that keeps coming is not); a larger one streams through
+//! hyper's server.
 //!
 //! The connection's read side is watched while a request is in flight, as hyper's server
 //! watches it: the client's end of stream cancels the request, unless bytes of a pipelined
