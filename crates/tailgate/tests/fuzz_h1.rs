@@ -26,34 +26,15 @@ mod common;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::fuzz::{Rng, count_panics, env_or};
 use common::*;
 use http_body_util::BodyExt;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpSocket;
-
-/// splitmix64: a small, seedable generator, enough to pick mutations reproducibly.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `0..n` (n > 0).
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len())]
-    }
-}
 
 const CORPUS: &[&[u8]] = &[
     b"GET /a HTTP/1.1\r\nHost: t\r\n\r\n",
@@ -216,15 +197,7 @@ struct Case {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mutated_requests_never_panic_hang_or_desync() {
-    let panics = Arc::new(AtomicUsize::new(0));
-    {
-        let panics = panics.clone();
-        let default = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            panics.fetch_add(1, Ordering::SeqCst);
-            default(info);
-        }));
-    }
+    let panics = count_panics();
 
     // Requests the upstream read in full, by the client address the gateway forwarded.
     let seen: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
@@ -260,14 +233,8 @@ async fn mutated_requests_never_panic_hang_or_desync() {
     ));
     let gw_addr = gw.addr;
 
-    let seed: u64 = std::env::var("TAILGATE_FUZZ_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0x7a11_6a7e);
-    let cases: usize = std::env::var("TAILGATE_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(2000);
+    let seed: u64 = env_or("TAILGATE_FUZZ_SEED", 0x7a11_6a7e);
+    let cases: usize = env_or("TAILGATE_FUZZ_CASES", 2000);
     let mut rng = Rng(seed);
     let all: Vec<Case> = (0..cases)
         .map(|n| {

@@ -27,29 +27,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use common::fuzz::{Rng, count_panics, env_or};
 use common::*;
 use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-
-/// splitmix64, as in `fuzz_h1.rs`.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len())]
-    }
-}
 
 const BYTES: &[u8] = b"\0\r\n \t:;,\x7f\xff0-9aAzZ";
 
@@ -259,23 +241,9 @@ fn marks(body: &[u8]) -> Vec<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mutated_responses_never_reach_another_request() {
-    let panics = Arc::new(AtomicUsize::new(0));
-    {
-        let panics = panics.clone();
-        let default = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            panics.fetch_add(1, Ordering::SeqCst);
-            default(info);
-        }));
-    }
-    let seed: u64 = std::env::var("TAILGATE_FUZZ_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0x5ee_d00d);
-    let cases: u64 = std::env::var("TAILGATE_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1500);
+    let panics = count_panics();
+    let seed: u64 = env_or("TAILGATE_FUZZ_SEED", 0x5ee_d00d);
+    let cases: u64 = env_or("TAILGATE_FUZZ_CASES", 1500);
 
     let answered = Arc::new(AtomicUsize::new(0));
     let up = mutating_upstream(seed, answered.clone()).await;

@@ -2,6 +2,7 @@
 //! controls (hyper servers with a handler closure, or raw TCP), and raw-byte clients.
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod fuzz;
 pub mod prom;
 pub mod tls;
 
