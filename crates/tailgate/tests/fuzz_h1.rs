@@ -222,14 +222,17 @@ async fn mutated_requests_never_panic_hang_or_desync() {
         }
     })
     .await;
-    // Short client timeouts, so every case ends with the gateway closing; an upstream
-    // response timeout long enough that a body which did arrive is never cut off by it on a
-    // loaded machine (a body that stops never arrives, and gets its 504 after it).
+    // Short client timeouts, so every case ends with the gateway closing, yet far above an
+    // exchange with the upstream even on a loaded machine: the head timer of a pipelined
+    // head cut short can run while the request before it is in flight (on a connection
+    // hyper's server took), and the request would be lost after the upstream counted it.
+    // The upstream response timeout likewise: a body that did arrive is never cut off by
+    // it (a body that stops never arrives, and gets its 504 after it).
     let gw = TestGateway::start(&format!(
-        "[server]\nworkers = 1\nheader_read_timeout = \"300ms\"\nidle_timeout = \"300ms\"\n\
+        "[server]\nworkers = 1\nheader_read_timeout = \"1s\"\nidle_timeout = \"300ms\"\n\
          max_header_bytes = 4096\nmax_body_bytes = 100000\n\
          [[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n\
-         [[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"2s\"\n"
+         [[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"5s\"\n"
     ));
     let gw_addr = gw.addr;
 

@@ -64,9 +64,11 @@ fn check_of(token: u64) -> u64 {
     token.wrapping_mul(2_654_435_761) % 1_000_000_007
 }
 
-/// The token a response no client asked for carries: appended after a real response
-/// (response splitting), it must never be read as the answer to the next request.
-const INJECTED: u64 = 999;
+/// The token of the response appended after the one for `token` (response splitting):
+/// one of its own per request, so it is never mistaken for another request's copy.
+fn injected(token: u64) -> u64 {
+    token + 1_000_000
+}
 
 /// The response to the request with `token`, before mutation, and whether the upstream
 /// closes after it.
@@ -105,7 +107,7 @@ fn response(rng: &mut Rng, token: u64) -> (Vec<u8>, bool) {
 }
 
 /// `r` with 1 to 3 mutations (mostly 1), one of them a whole second response appended.
-fn mutate(rng: &mut Rng, mut r: Vec<u8>) -> Vec<u8> {
+fn mutate(rng: &mut Rng, mut r: Vec<u8>, token: u64) -> Vec<u8> {
     for _ in 0..*rng.pick(&[1, 1, 1, 2, 3]) {
         let at = rng.below(r.len() + 1);
         match rng.below(8) {
@@ -126,7 +128,7 @@ fn mutate(rng: &mut Rng, mut r: Vec<u8>) -> Vec<u8> {
             }
             5 => r.truncate(at.max(1)),
             6 => {
-                let body = mark(INJECTED);
+                let body = mark(injected(token));
                 let extra = format!(
                     "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
                     body.len()
@@ -152,7 +154,7 @@ fn mutate(rng: &mut Rng, mut r: Vec<u8>) -> Vec<u8> {
 fn written(seed: u64, token: u64) -> (Vec<u8>, bool) {
     let mut rng = Rng(seed ^ token.wrapping_mul(0x100_0000_01b3));
     let (clean, close) = response(&mut rng, token);
-    (mutate(&mut rng, clean), close)
+    (mutate(&mut rng, clean, token), close)
 }
 
 /// The upstream: reads bodiless requests `GET /t/<token>`, answers each with its mutated
@@ -250,9 +252,13 @@ async fn mutated_responses_never_reach_another_request() {
     // Pooled connections (kept up to 4 s idle), so one exchange's leftovers would meet
     // the next request; deadlines short enough that a response which never ends fails
     // quickly.
+    // A second route to a well-behaved upstream, to show the same worker still serves.
+    let plain = upstream(|_| async { http::Response::new(full("fine")) }).await;
     let gw = TestGateway::start(&format!(
         "[server]\nworkers = 1\n\
          [[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n\
+         [[cluster]]\nname = \"plain\"\nendpoints = [\"{plain}\"]\n\
+         [[route]]\npath_prefix = \"/plain/\"\ncluster = \"plain\"\n\
          [[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n\
          response_timeout = \"1s\"\ntotal_timeout = \"2s\"\n"
     ));
@@ -273,23 +279,18 @@ async fn mutated_responses_never_reach_another_request() {
                     Ok(Got::Failed) => failed += 1,
                     Ok(Got::Answer(status, body)) => {
                         ok += 1;
-                        // Another request's mark, or the injected response when the
-                        // upstream did not write it for this request. (Written for this
-                        // request, it may rightly be its answer or part of its body: after
-                        // a truncated interim 100, or with a body until close.)
-                        let (ours, _) = written(seed, token);
-                        let injected_here = ours
-                            .windows(mark(INJECTED).len())
-                            .any(|w| w == mark(INJECTED).as_bytes());
+                        // Any mark but this request's own and the copy appended to its
+                        // response (which may rightly be its answer or part of its body:
+                        // after a truncated interim 100, or with a body until close).
                         let foreign: Vec<u64> = marks(&body)
                             .into_iter()
-                            .filter(|&t| t != token && (t != INJECTED || !injected_here))
+                            .filter(|&t| t != token && t != injected(token))
                             .collect();
                         if !foreign.is_empty() {
                             failures.push(format!(
-                                "token {token}: got {status} carrying bytes written for {foreign:?} (999: the injected response): {:?}\n  the upstream wrote for it: {:?}",
+                                "token {token}: got {status} carrying bytes written for {foreign:?} (over 1000000: a copy appended to that token's answer): {:?}\n  the upstream wrote for it: {:?}",
                                 String::from_utf8_lossy(&body),
-                                String::from_utf8_lossy(&ours)
+                                String::from_utf8_lossy(&written(seed, token).0)
                             ));
                         }
                     }
@@ -319,9 +320,10 @@ async fn mutated_responses_never_reach_another_request() {
     assert!(ok > cases as usize / 4, "too few answered: {ok}");
     assert!(failed + ok == cases as usize);
 
-    let plain = upstream(|_| async { http::Response::new(full("fine")) }).await;
-    drop(gw);
-    let gw = TestGateway::to(plain, "");
-    assert_eq!(get(gw.addr, "/after").await.status(), 200);
+    let after = get(gw_addr, "/plain/after").await;
+    assert_eq!(
+        (after.status().as_u16(), &after.body()[..]),
+        (200, &b"fine"[..])
+    );
     assert_eq!(panics.load(Ordering::SeqCst), 0, "a task panicked");
 }
