@@ -30,7 +30,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::fuzz::{Rng, count_panics, env_or};
+use common::fuzz::{Alphabet, Rng, after_first_line, count_panics, env_or};
 use common::*;
 use http_body_util::BodyExt;
 use tokio::io::AsyncWriteExt;
@@ -101,54 +101,36 @@ const VERSIONS: &[&[u8]] = &[
 /// One mutated input: a corpus entry with 1 to 3 mutations, mostly 1.
 fn mutate(rng: &mut Rng) -> Vec<u8> {
     let mut b = rng.pick(CORPUS).to_vec();
+    let alphabet = Alphabet {
+        bytes: BYTES,
+        tokens: TOKENS,
+        max_span: 8,
+    };
     for _ in 0..*rng.pick(&[1, 1, 1, 2, 3]) {
         let at = rng.below(b.len() + 1);
-        match rng.below(10) {
-            0 if at < b.len() => b[at] ^= 1 << rng.below(8),
-            1 if at < b.len() => b[at] = *rng.pick(BYTES),
-            2 => {
-                let t = rng.pick(TOKENS);
-                b.splice(at..at, t.iter().copied());
-            }
-            3 if at < b.len() => {
-                let end = (at + 1 + rng.below(8)).min(b.len());
-                b.drain(at..end);
-            }
-            4 if at < b.len() => {
-                let end = (at + 1 + rng.below(16)).min(b.len());
-                let span = b[at..end].to_vec();
-                b.splice(at..at, span);
-            }
-            5 => b.truncate(at.max(1)),
-            6 => {
-                let other = rng.pick(CORPUS);
-                let from = rng.below(other.len());
-                b.splice(at..at, other[from..].iter().copied());
-            }
-            7 => {
-                if let Some(p) = b
-                    .windows(8)
-                    .position(|w| w == b"HTTP/1.1" || w == b"HTTP/1.0")
-                {
-                    b.splice(p..p + 8, rng.pick(VERSIONS).iter().copied());
+        let op = rng.below(10);
+        if !alphabet.mutate(rng, &mut b, op, at) {
+            match op {
+                6 => {
+                    let other = rng.pick(CORPUS);
+                    let from = rng.below(other.len());
+                    b.splice(at..at, other[from..].iter().copied());
                 }
-            }
-            8 => {
-                // A header line too long for the limit (431).
-                let line = b
-                    .windows(2)
-                    .position(|w| w == b"\r\n")
-                    .map_or(b.len(), |p| p + 2);
-                let big = format!("X-Big: {}\r\n", "a".repeat(3000 + rng.below(3000)));
-                b.splice(line..line, big.into_bytes());
-            }
-            _ => {
-                let t = rng.pick(TOKENS);
-                let line = b
-                    .windows(2)
-                    .position(|w| w == b"\r\n")
-                    .map_or(b.len(), |p| p + 2);
-                b.splice(line..line, t.iter().copied());
+                7 => {
+                    if let Some(p) = b
+                        .windows(8)
+                        .position(|w| w == b"HTTP/1.1" || w == b"HTTP/1.0")
+                    {
+                        b.splice(p..p + 8, rng.pick(VERSIONS).iter().copied());
+                    }
+                }
+                8 => {
+                    // A header line too long for the limit (431).
+                    let line = after_first_line(&b);
+                    let big = format!("X-Big: {}\r\n", "a".repeat(3000 + rng.below(3000)));
+                    b.splice(line..line, big.into_bytes());
+                }
+                _ => alphabet.token_after_first_line(rng, &mut b),
             }
         }
         if b.is_empty() {

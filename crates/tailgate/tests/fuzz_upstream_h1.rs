@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::fuzz::{Rng, count_panics, env_or};
+use common::fuzz::{Alphabet, Rng, count_panics, env_or};
 use common::*;
 use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -108,41 +108,25 @@ fn response(rng: &mut Rng, token: u64) -> (Vec<u8>, bool) {
 
 /// `r` with 1 to 3 mutations (mostly 1), one of them a whole second response appended.
 fn mutate(rng: &mut Rng, mut r: Vec<u8>, token: u64) -> Vec<u8> {
+    let alphabet = Alphabet {
+        bytes: BYTES,
+        tokens: TOKENS,
+        max_span: 6,
+    };
     for _ in 0..*rng.pick(&[1, 1, 1, 2, 3]) {
         let at = rng.below(r.len() + 1);
-        match rng.below(8) {
-            0 if at < r.len() => r[at] ^= 1 << rng.below(8),
-            1 if at < r.len() => r[at] = *rng.pick(BYTES),
-            2 => {
-                let t = rng.pick(TOKENS);
-                r.splice(at..at, t.iter().copied());
-            }
-            3 if at < r.len() => {
-                let end = (at + 1 + rng.below(6)).min(r.len());
-                r.drain(at..end);
-            }
-            4 if at < r.len() => {
-                let end = (at + 1 + rng.below(12)).min(r.len());
-                let span = r[at..end].to_vec();
-                r.splice(at..at, span);
-            }
-            5 => r.truncate(at.max(1)),
-            6 => {
+        let op = rng.below(8);
+        if !alphabet.mutate(rng, &mut r, op, at) {
+            if op == 6 {
                 let body = mark(injected(token));
                 let extra = format!(
                     "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
                     body.len()
                 );
                 r.extend_from_slice(extra.as_bytes());
-            }
-            _ => {
+            } else {
                 // A header right after the status line.
-                let t = rng.pick(TOKENS);
-                let line = r
-                    .windows(2)
-                    .position(|w| w == b"\r\n")
-                    .map_or(r.len(), |p| p + 2);
-                r.splice(line..line, t.iter().copied());
+                alphabet.token_after_first_line(rng, &mut r);
             }
         }
     }

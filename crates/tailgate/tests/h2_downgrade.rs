@@ -171,6 +171,24 @@ fn request(extra: &[(&[u8], &[u8])], path: &[u8]) -> Vec<u8> {
     block(&fields)
 }
 
+/// Stream 1: a POST head with `extra` fields, ending the stream.
+fn head_only(extra: &[(&[u8], &[u8])], path: &[u8]) -> Vec<Vec<u8>> {
+    vec![frame(
+        HEADERS,
+        END_HEADERS | END_STREAM,
+        1,
+        &request(extra, path),
+    )]
+}
+
+/// Stream 1: a POST head with `extra` fields, then `body` in one DATA frame that ends it.
+fn with_body(extra: &[(&[u8], &[u8])], path: &[u8], body: &[u8]) -> Vec<Vec<u8>> {
+    vec![
+        frame(HEADERS, END_HEADERS, 1, &request(extra, path)),
+        frame(DATA, END_STREAM, 1, body),
+    ]
+}
+
 const SMUGGLED: &[u8] = b"GET /smuggled HTTP/1.1\r\nHost: api.test\r\n\r\n";
 
 #[tokio::test]
@@ -197,125 +215,52 @@ async fn h2_requests_that_would_smuggle_when_downgraded_are_refused() {
     let cases: Vec<(&str, Vec<Vec<u8>>)> = vec![
         (
             "transfer-encoding: chunked",
-            vec![
-                frame(
-                    HEADERS,
-                    END_HEADERS,
-                    1,
-                    &request(&[(b"transfer-encoding", b"chunked")], b"/te"),
-                ),
-                frame(DATA, END_STREAM, 1, &chunked_body),
-            ],
+            with_body(&[(b"transfer-encoding", b"chunked")], b"/te", &chunked_body),
         ),
         (
             "content-length: 0 with a body",
-            vec![
-                frame(
-                    HEADERS,
-                    END_HEADERS,
-                    1,
-                    &request(&[(b"content-length", b"0")], b"/cl0"),
-                ),
-                frame(DATA, END_STREAM, 1, SMUGGLED),
-            ],
+            with_body(&[(b"content-length", b"0")], b"/cl0", SMUGGLED),
         ),
         (
             "content-length shorter than the body",
-            vec![
-                frame(
-                    HEADERS,
-                    END_HEADERS,
-                    1,
-                    &request(&[(b"content-length", b"5")], b"/cl5"),
-                ),
-                frame(
-                    DATA,
-                    END_STREAM,
-                    1,
-                    &[b"hello".as_slice(), SMUGGLED].concat(),
-                ),
-            ],
+            with_body(
+                &[(b"content-length", b"5")],
+                b"/cl5",
+                &[b"hello".as_slice(), SMUGGLED].concat(),
+            ),
         ),
         (
             "CR LF in a header value",
-            vec![frame(
-                HEADERS,
-                END_HEADERS | END_STREAM,
-                1,
-                &request(&[(b"x-a", b"1\r\nx-injected: 1")], b"/crlf-value"),
-            )],
+            head_only(&[(b"x-a", b"1\r\nx-injected: 1")], b"/crlf-value"),
         ),
         (
             "CR LF in a header name",
-            vec![frame(
-                HEADERS,
-                END_HEADERS | END_STREAM,
-                1,
-                &request(&[(b"x-a\r\nx-injected", b"1")], b"/crlf-name"),
-            )],
+            head_only(&[(b"x-a\r\nx-injected", b"1")], b"/crlf-name"),
         ),
         (
             "a request line in the path",
-            vec![frame(
-                HEADERS,
-                END_HEADERS | END_STREAM,
-                1,
-                &request(&[], b"/p HTTP/1.1\r\nHost: api.test\r\n\r\nGET /smuggled"),
-            )],
+            head_only(&[], b"/p HTTP/1.1\r\nHost: api.test\r\n\r\nGET /smuggled"),
         ),
-        (
-            "a space in the path",
-            vec![frame(
-                HEADERS,
-                END_HEADERS | END_STREAM,
-                1,
-                &request(&[], b"/a b"),
-            )],
-        ),
+        ("a space in the path", head_only(&[], b"/a b")),
         (
             "an upper-case header name",
-            vec![frame(
-                HEADERS,
-                END_HEADERS | END_STREAM,
-                1,
-                &request(&[(b"X-Injected", b"1")], b"/upper"),
-            )],
+            head_only(&[(b"X-Injected", b"1")], b"/upper"),
         ),
         (
             "connection: keep-alive",
-            vec![frame(
-                HEADERS,
-                END_HEADERS | END_STREAM,
-                1,
-                &request(&[(b"connection", b"keep-alive")], b"/conn"),
-            )],
+            head_only(&[(b"connection", b"keep-alive")], b"/conn"),
         ),
         (
             "upgrade: websocket",
-            vec![frame(
-                HEADERS,
-                END_HEADERS | END_STREAM,
-                1,
-                &request(&[(b"upgrade", b"websocket")], b"/upgrade"),
-            )],
+            head_only(&[(b"upgrade", b"websocket")], b"/upgrade"),
         ),
         (
             "te: chunked",
-            vec![frame(
-                HEADERS,
-                END_HEADERS | END_STREAM,
-                1,
-                &request(&[(b"te", b"chunked")], b"/te-chunked"),
-            )],
+            head_only(&[(b"te", b"chunked")], b"/te-chunked"),
         ),
         (
             "a NUL in a header value",
-            vec![frame(
-                HEADERS,
-                END_HEADERS | END_STREAM,
-                1,
-                &request(&[(b"x-a", b"1\0x")], b"/nul"),
-            )],
+            head_only(&[(b"x-a", b"1\0x")], b"/nul"),
         ),
     ];
 
@@ -356,15 +301,7 @@ async fn h2_requests_that_would_smuggle_when_downgraded_are_refused() {
     seen.lock().unwrap().clear();
     let ok = exchange(
         gw.addr,
-        &[
-            frame(
-                HEADERS,
-                END_HEADERS,
-                1,
-                &request(&[(b"content-length", b"5")], b"/fine"),
-            ),
-            frame(DATA, END_STREAM, 1, b"hello"),
-        ],
+        &with_body(&[(b"content-length", b"5")], b"/fine", b"hello"),
     )
     .await;
     assert_eq!(

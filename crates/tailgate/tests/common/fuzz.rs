@@ -47,3 +47,54 @@ pub fn count_panics() -> Arc<AtomicUsize> {
     }));
     panics
 }
+
+/// What a mutation may put in: single hostile bytes, and whole tokens (framing headers,
+/// line ends, a request or response line).
+pub struct Alphabet<'a> {
+    pub bytes: &'a [u8],
+    pub tokens: &'a [&'a [u8]],
+    /// The longest span deleted; spans up to twice as long are duplicated.
+    pub max_span: usize,
+}
+
+impl Alphabet<'_> {
+    /// The byte-level mutations the tests share, by number, at `at`: 0 flips a bit, 1 sets a
+    /// hostile byte, 2 inserts a token, 3 deletes a span, 4 duplicates one, 5 truncates.
+    /// `false`: not one of these (or no byte at `at`); the caller applies its own.
+    pub fn mutate(&self, rng: &mut Rng, b: &mut Vec<u8>, op: usize, at: usize) -> bool {
+        match op {
+            0 if at < b.len() => b[at] ^= 1 << rng.below(8),
+            1 if at < b.len() => b[at] = *rng.pick(self.bytes),
+            2 => {
+                let t = rng.pick(self.tokens);
+                b.splice(at..at, t.iter().copied());
+            }
+            3 if at < b.len() => {
+                let end = (at + 1 + rng.below(self.max_span)).min(b.len());
+                b.drain(at..end);
+            }
+            4 if at < b.len() => {
+                let end = (at + 1 + rng.below(2 * self.max_span)).min(b.len());
+                let span = b[at..end].to_vec();
+                b.splice(at..at, span);
+            }
+            5 => b.truncate(at.max(1)),
+            _ => return false,
+        }
+        true
+    }
+
+    /// Inserts a token right after the first line (a header where headers start).
+    pub fn token_after_first_line(&self, rng: &mut Rng, b: &mut Vec<u8>) {
+        let t = rng.pick(self.tokens);
+        let line = after_first_line(b);
+        b.splice(line..line, t.iter().copied());
+    }
+}
+
+/// Where the second line starts (the end, when there is one line).
+pub fn after_first_line(b: &[u8]) -> usize {
+    b.windows(2)
+        .position(|w| w == b"\r\n")
+        .map_or(b.len(), |p| p + 2)
+}
