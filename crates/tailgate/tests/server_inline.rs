@@ -336,6 +336,42 @@ async fn ri_partial_head_is_closed_after_the_header_timeout() {
     assert_eq!(hits.load(Ordering::SeqCst), 1);
 }
 
+/// On a connection hyper's server took (a chunked request hands it over), a pipelined head
+/// left incomplete while the request before it waits for a slow upstream does not start
+/// its header timer until that request is answered: the answer arrives, then the
+/// incomplete head still gets its full `header_read_timeout`, as nginx times a head only
+/// once it starts reading it.
+#[tokio::test]
+async fn ri_pipelined_partial_head_waits_for_the_request_in_flight() {
+    let (up, hits) = path_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"300ms\"\nidle_timeout = \"60s\"\n",
+    );
+    let mut s = connect(gw.addr).await;
+    s.write_all(
+        b"POST /a?delay=900 HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\nGET /b HTTP/1.1\r\nHo",
+    )
+    .await
+    .unwrap();
+    let got = read_responses(&mut s, 1).await;
+    assert_eq!(
+        got[0].body(),
+        "POST /a ok",
+        "the request in flight is answered"
+    );
+    // The head's timer started with the answer: the rest of it, sent at once, is in time.
+    s.write_all(b"st: a\r\n\r\n").await.unwrap();
+    let got = read_responses(&mut s, 1).await;
+    assert_eq!(got[0].body(), "GET /b");
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
+    // And a head left incomplete after that is still cut off by the timer.
+    s.write_all(b"GET /c HTTP/1.1\r\nHo").await.unwrap();
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed && text.is_empty(), "{text:?}");
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
+}
+
 /// A connection with nothing in flight is closed after `idle_timeout`; one with a slow
 /// request in flight is not cut off by it.
 #[tokio::test]

@@ -169,6 +169,7 @@ where
                     &rest,
                     settings.max_header_bytes,
                     settings.header_read_timeout,
+                    info.activity.clone(),
                 );
                 serve_h1(ctx, guard, info).await;
             }

@@ -16,17 +16,23 @@
 //!
 //! The guard also enforces the header read timeout (slowloris): from the first byte of a
 //! head to its end. Idle time between requests is the idle timeout's business, not this.
+//! A pipelined head that arrives while the request before it is still being answered is
+//! timed from that answer's end, not from its first byte: hyper reads ahead while a
+//! request is in flight, and nginx likewise starts timing a head only when it reads it.
 
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
 
 pub use self::framing::Refusal;
 use self::framing::{Framing, State};
+use crate::observe::ConnActivity;
 
 mod framing;
 
@@ -48,6 +54,8 @@ pub struct H1Guard<T> {
     framing: Framing,
     header_timeout: Duration,
     deadline: Option<Pin<Box<Sleep>>>,
+    /// The connection's requests in flight: a head is not timed while one is answered.
+    activity: Option<Arc<ConnActivity>>,
 }
 
 impl<T> H1Guard<T> {
@@ -66,14 +74,23 @@ impl<T> H1Guard<T> {
             },
             header_timeout,
             deadline: None,
+            activity: None,
         }
     }
 
-    /// A guard that goes on from bytes already read off `inner` (by the inline server).
-    pub fn resume(inner: T, read: &[u8], max_head: usize, header_timeout: Duration) -> Self {
+    /// A guard that goes on from bytes already read off `inner` (by the inline server), in
+    /// front of a server that reads ahead while `activity` has requests in flight.
+    pub fn resume(
+        inner: T,
+        read: &[u8],
+        max_head: usize,
+        header_timeout: Duration,
+        activity: Arc<ConnActivity>,
+    ) -> Self {
         let mut g = H1Guard::new(inner, max_head, header_timeout);
         g.buf = read.to_vec();
         g.end = read.len();
+        g.activity = Some(activity);
         g
     }
 
@@ -148,6 +165,46 @@ impl<T> H1Guard<T> {
             self.deadline = None;
         }
     }
+
+    /// A head is incomplete and the socket ran dry: starts its timer, unless a request
+    /// before it is still being answered (the timer then starts when hyper reads again
+    /// after that answer).
+    fn arm_head_timer(&mut self) {
+        let busy = self.activity.as_ref().is_some_and(|a| a.in_flight());
+        if self.framing.state == State::Head
+            && self.release < self.end
+            && self.deadline.is_none()
+            && !busy
+        {
+            self.deadline = Some(Box::pin(tokio::time::sleep(self.header_timeout)));
+        }
+    }
+
+    /// Ready with the error when the head's time is up. A timer that fires while a request
+    /// before the head is in flight is dropped (and armed again after it); one that fires
+    /// sooner than `header_timeout` after the last answer ended is moved to that time: a
+    /// head is timed from the later of its first byte and the end of the answer before it.
+    fn poll_head_timer(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
+        loop {
+            let Some(d) = self.deadline.as_mut() else {
+                return Poll::Pending;
+            };
+            if d.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            let Some(activity) = self.activity.as_ref() else {
+                return Poll::Ready(head_timed_out());
+            };
+            match activity.idle_deadline(self.header_timeout) {
+                None => {
+                    self.deadline = None;
+                    return Poll::Pending;
+                }
+                Some(at) if at > std::time::Instant::now() => d.as_mut().reset(at.into()),
+                Some(_) => return Poll::Ready(head_timed_out()),
+            }
+        }
+    }
 }
 
 impl<T: AsyncRead + Unpin> H1Guard<T> {
@@ -165,12 +222,10 @@ impl<T: AsyncRead + Unpin> H1Guard<T> {
             Poll::Ready(Ok(())) => {}
             Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
             Poll::Pending => {
-                if let Some(d) = self.deadline.as_mut()
-                    && d.as_mut().poll(cx).is_ready()
-                {
-                    return Poll::Ready(Err(head_timed_out()));
-                }
-                return Poll::Pending;
+                return match self.poll_head_timer(cx) {
+                    Poll::Ready(e) => Poll::Ready(Err(e)),
+                    Poll::Pending => Poll::Pending,
+                };
             }
         }
         let read = &out.filled()[before..];
@@ -289,18 +344,11 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                     // The head timer is armed only for a head still incomplete when the
                     // socket runs dry, not for the usual head that arrives whole in one
                     // read: from its first bytes (read in this same call, or earlier) on.
-                    if this.framing.state == State::Head
-                        && this.release < this.end
-                        && this.deadline.is_none()
-                    {
-                        this.deadline = Some(Box::pin(tokio::time::sleep(this.header_timeout)));
-                    }
-                    if let Some(d) = this.deadline.as_mut()
-                        && d.as_mut().poll(cx).is_ready()
-                    {
-                        return Poll::Ready(Err(head_timed_out()));
-                    }
-                    return Poll::Pending;
+                    this.arm_head_timer();
+                    return match this.poll_head_timer(cx) {
+                        Poll::Ready(e) => Poll::Ready(Err(e)),
+                        Poll::Pending => Poll::Pending,
+                    };
                 }
             }
         }
