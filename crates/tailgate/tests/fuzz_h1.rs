@@ -12,14 +12,16 @@
 //!   from its own `127.0.0.x`, which the gateway forwards in `X-Forwarded-For`), and the count
 //!   must equal the `200`s the client reads. A request smuggled past the gateway's framing
 //!   shows up as an upstream request with no answer to the client;
-//! - after a refusal of malformed input (400, 413, 431, 501, 505 from the gateway), the
-//!   connection is closed and nothing more is served on it.
+//! - every refusal of malformed input (400, 413, 431, 501, 505) is the gateway's JSON error,
+//!   whichever HTTP/1 server read the head (the inline one, or hyper's behind the smuggling
+//!   guard); after it the connection is closed and nothing more is served on it.
 //!
 //! No task may panic anywhere in the process (a panic hook counts them), and the gateway
 //! must serve a plain request at the end.
 //!
 //! Deterministic: a fixed seed. `TAILGATE_FUZZ_SEED` and `TAILGATE_FUZZ_CASES` run other or
-//! more cases locally, `TAILGATE_FUZZ_SHOW=<status>` prints the cases answered with it; a failure prints the seed, the case number and the bytes sent.
+//! more cases locally, `TAILGATE_FUZZ_SHOW=<status>` prints the cases answered with it; a
+//! failure prints the seed, the case number and the bytes sent.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -342,6 +344,14 @@ fn check(case: &Case, text: &[u8], closed: bool, upstream_answered: usize) -> Ve
         let end = at.get(i + 1).map_or(text.len(), |&(_, p)| p);
         if let Some(short) = cut_short(&text[start..end]) {
             problems.push(format!("the gateway's {status} arrived cut short: {short}"));
+        }
+    }
+    // Every refusal is the gateway's JSON error, from either HTTP/1 server (an answer to
+    // HEAD has no body, rightly).
+    for (i, &(status, start)) in at.iter().enumerate().filter(|_| !head_sent) {
+        let end = at.get(i + 1).map_or(text.len(), |&(_, p)| p);
+        if REFUSALS.contains(&status) && !is_gateway_answer(&text[start..end]) {
+            problems.push(format!("a {status} without the gateway's JSON error"));
         }
     }
     if let Some(i) = got.iter().position(|s| REFUSALS.contains(s)) {

@@ -257,55 +257,161 @@ async fn r_connect_gets_an_answer_and_a_close() {
 
 /// A head the HTTP parser refuses gets the gateway's JSON error with a request id (the same
 /// as the `x-request-id` header), like every other error the gateway makes; the connection
-/// is closed, and a keep-alive request before it is answered first.
+/// is closed, and a keep-alive request before it is answered first. The same from both
+/// HTTP/1 servers: the inline one, and hyper's behind the smuggling guard (which takes the
+/// connection from a chunked request on).
 #[tokio::test]
 async fn parser_refusals_carry_the_json_error() {
     let (up, hits) = counting_upstream().await;
-    let gw = TestGateway::to(up, "");
+    let gw = TestGateway::to(up, "[server]\nmax_header_bytes = 8192\n");
     let many: Vec<u8> = [
         &b"GET / HTTP/1.1\r\nHost: a\r\n"[..],
         &b"X: y\r\n".repeat(101),
         b"\r\n",
     ]
     .concat();
-    let served_first =
-        b"GET /ok HTTP/1.1\r\nHost: a\r\n\r\nGET / HTTP/1.1\r\nHost: a\r\nX-Bad: a\x01b\r\n\r\n";
-    for (bytes, status, code, before) in [
-        (
-            &b"GET / HTTP/1.1\r\nHost: a\r\nX-Bad: a\x01b\r\n\r\n"[..],
-            "400",
-            "bad_request",
-            0,
-        ),
-        (b"GET / HTTP/9.9\r\nHost: a\r\n\r\n", "400", "bad_request", 0),
-        (b"GET /\x7f HTTP/1.1\r\nHost: a\r\n\r\n", "400", "bad_request", 0),
-        (&many, "431", "header_too_large", 0),
+    let long = format!(
+        "GET / HTTP/1.1\r\nHost: a\r\nX: {}\r\n\r\n",
+        "v".repeat(9000)
+    );
+    let cases: [(&[u8], &str, &str); 12] = [
+        (b"GET / HTTP/1.1\r\nHost: a\r\nX-Bad: a\x01b\r\n\r\n", "400", "bad_request"),
+        (b"GET / HTTP/9.9\r\nHost: a\r\n\r\n", "400", "bad_request"),
+        (b"GET /\x7f HTTP/1.1\r\nHost: a\r\n\r\n", "400", "bad_request"),
+        (b"GET http://[::1 HTTP/1.1\r\nHost: a\r\n\r\n", "400", "bad_request"),
+        (&many, "431", "header_too_large"),
+        (long.as_bytes(), "431", "header_too_large"),
         (
             b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
             "400",
             "bad_request",
-            0,
         ),
-        (served_first, "400", "bad_request", 1),
-    ] {
-        let hits_before = hits.load(Ordering::SeqCst);
-        let (text, closed) = raw(gw.addr, bytes, Duration::from_secs(5)).await;
+        (
+            b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nabc",
+            "400",
+            "bad_request",
+        ),
+        (
+            b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3, 3\r\n\r\nabc",
+            "400",
+            "bad_request",
+        ),
+        (
+            b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 2, 3\r\n\r\nabc",
+            "400",
+            "bad_request",
+        ),
+        (
+            b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\nabc",
+            "400",
+            "bad_request",
+        ),
+        (
+            b"POST / HTTP/1.0\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            "400",
+            "bad_request",
+        ),
+    ];
+    let prefixes: [&[u8]; 3] = [
+        b"",
+        // Served inline first.
+        b"GET /ok HTTP/1.1\r\nHost: a\r\n\r\n",
+        // Hands the connection to hyper's server.
+        b"POST /h HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+    ];
+    for (bad, status, code) in cases {
+        for prefix in prefixes {
+            let before = usize::from(!prefix.is_empty());
+            let bytes = [prefix, bad].concat();
+            let hits_before = hits.load(Ordering::SeqCst);
+            let (text, closed) = raw(gw.addr, &bytes, Duration::from_secs(5)).await;
+            let text = format!(
+                "{}\n--- sent:\n{}",
+                text.replace("HTTP/1.1 200 OK", "HTTP/1.1 200"),
+                String::from_utf8_lossy(&bytes[..bytes.len().min(300)])
+            );
+            assert!(closed, "{text}");
+            // The refusal is the last answer on the connection.
+            let at = text.rfind("HTTP/1.1 ").unwrap();
+            assert_eq!(text.matches("HTTP/1.1 ").count(), before + 1, "{text}");
+            if before == 1 {
+                assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+            }
+            let refusal = &text[at..];
+            assert!(
+                refusal.starts_with(&format!("HTTP/1.1 {status} ")),
+                "{text}"
+            );
+            let refusal = &refusal[..refusal.find("\n--- sent:").unwrap()];
+            let (head, body) = refusal.split_once("\r\n\r\n").unwrap();
+            let v: serde_json::Value =
+                serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+            assert_eq!(v["error"], code, "{text}");
+            let id = v["request_id"].as_str().unwrap();
+            assert_eq!(id.len(), 24, "{text}");
+            let head = head.to_ascii_lowercase();
+            assert!(head.contains(&format!("x-request-id: {id}\r\n")), "{text}");
+            assert!(head.contains("content-type: application/json"), "{text}");
+            assert!(head.contains("connection: close"), "{text}");
+            assert_eq!(hits.load(Ordering::SeqCst) - hits_before, before, "{text}");
+        }
+    }
+}
+
+/// A target longer than hyper's server takes (65,534 bytes) gets the gateway's JSON `414`
+/// from both HTTP/1 servers, when `max_header_bytes` lets such a head in at all.
+#[tokio::test]
+async fn a_target_too_long_gets_the_json_414() {
+    let (up, hits) = counting_upstream().await;
+    let gw = TestGateway::to(up, "[server]\nmax_header_bytes = 131072\n");
+    let long = format!("GET /{} HTTP/1.1\r\nHost: a\r\n\r\n", "a".repeat(70_000));
+    let hand_over: &[u8] =
+        b"POST /h HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n";
+    for prefix in [&b""[..], hand_over] {
+        let (text, closed) = raw(
+            gw.addr,
+            &[prefix, long.as_bytes()].concat(),
+            Duration::from_secs(5),
+        )
+        .await;
         assert!(closed, "{text}");
-        // The refusal is the last answer on the connection.
-        let at = text.rfind("HTTP/1.1 ").unwrap();
-        assert_eq!(text.matches("HTTP/1.1 ").count(), before + 1, "{text}");
-        let refusal = &text[at..];
-        assert!(refusal.starts_with(&format!("HTTP/1.1 {status} ")), "{text}");
-        let (head, body) = refusal.split_once("\r\n\r\n").unwrap();
-        let v: serde_json::Value =
-            serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {text:?}"));
-        assert_eq!(v["error"], code, "{text}");
-        let id = v["request_id"].as_str().unwrap();
-        assert_eq!(id.len(), 24, "{text}");
-        let head = head.to_ascii_lowercase();
-        assert!(head.contains(&format!("x-request-id: {id}\r\n")), "{text}");
-        assert!(head.contains("content-type: application/json"), "{text}");
-        assert!(head.contains("connection: close"), "{text}");
-        assert_eq!(hits.load(Ordering::SeqCst) - hits_before, before, "{text}");
+        let last = &text[text.rfind("HTTP/1.1 ").unwrap()..];
+        assert!(last.starts_with("HTTP/1.1 414 "), "{text}");
+        assert!(last.contains("{\"error\":\"uri_too_long\""), "{text}");
+    }
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        1,
+        "only the chunked request went upstream"
+    );
+}
+
+/// The same `Content-Length` twice, which hyper's server takes, frames the body on both
+/// HTTP/1 servers: the request is served, and so is the next one on the connection.
+#[tokio::test]
+async fn a_repeated_content_length_frames_the_body() {
+    let gw = TestGateway::to(echo_upstream().await, "");
+    let hand_over: &[u8] =
+        b"POST /h HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n";
+    for prefix in [&b""[..], hand_over] {
+        {
+            let list = b"Content-Length: 3\r\nContent-Length: 3\r\n";
+            let bytes = [
+                prefix,
+                b"POST /l HTTP/1.1\r\nHost: a\r\n",
+                list,
+                b"\r\nabcGET /n HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+            ]
+            .concat();
+            let (text, closed) = raw(gw.addr, &bytes, Duration::from_secs(5)).await;
+            assert!(closed, "{text}");
+            let want = if prefix.is_empty() { 2 } else { 3 };
+            assert_eq!(text.matches("HTTP/1.1 200 OK").count(), want, "{text}");
+            assert!(text.contains("abc"), "the body was forwarded: {text}");
+            assert!(
+                text.to_ascii_lowercase().contains("x-echo-uri: /n"),
+                "{text}"
+            );
+        }
     }
 }

@@ -15,6 +15,8 @@ pub enum ProxyError {
     BadRequest(&'static str),
     #[error("request head too large: {0}")]
     HeadTooLarge(&'static str),
+    #[error("request target longer than 65534 bytes")]
+    UriTooLong,
     #[error("request body larger than {0} bytes")]
     BodyTooLarge(u64),
     #[error("upstream connect failed: {0}")]
@@ -42,6 +44,7 @@ impl ProxyError {
             ProxyError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::HeadTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            ProxyError::UriTooLong => StatusCode::URI_TOO_LONG,
             ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::UpstreamConnect(_)
             | ProxyError::UpstreamTls(_)
@@ -59,6 +62,7 @@ impl ProxyError {
             ProxyError::MethodNotAllowed(_) => "method_not_allowed",
             ProxyError::BadRequest(_) => "bad_request",
             ProxyError::HeadTooLarge(_) => "header_too_large",
+            ProxyError::UriTooLong => "uri_too_long",
             ProxyError::BodyTooLarge(_) => "body_too_large",
             ProxyError::UpstreamConnect(_) => "upstream_connect_failed",
             ProxyError::UpstreamTls(_) => "upstream_tls_failed",
@@ -112,7 +116,10 @@ impl ProxyError {
         }
         if matches!(
             self,
-            ProxyError::BadRequest(_) | ProxyError::HeadTooLarge(_) | ProxyError::BodyTooLarge(_)
+            ProxyError::BadRequest(_)
+                | ProxyError::HeadTooLarge(_)
+                | ProxyError::UriTooLong
+                | ProxyError::BodyTooLarge(_)
         ) {
             h.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }

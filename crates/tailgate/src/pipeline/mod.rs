@@ -58,6 +58,69 @@ pub struct ConnInfo {
     pub activity: Arc<ConnActivity>,
     /// Held while the connection (or a tunnel it became) lives; shutdown waits for it.
     pub drain: crate::server::DrainToken,
+    /// Set when the HTTP/1 smuggling guard refused a head on a connection hyper's server
+    /// reads (see [`crate::server::h1_guard`]).
+    pub refused: std::sync::OnceLock<RefusedHead>,
+}
+
+/// A head the HTTP/1 smuggling guard refused. In its place hyper's server is fed a
+/// stand-in request, in order after the requests before it, carrying `token` (random, so
+/// no client can send one) in the [`REFUSED_HEAD_HEADER`]; that request is answered with
+/// `error` by [`refusal_response`].
+pub struct RefusedHead {
+    pub token: u64,
+    pub error: ProxyError,
+}
+
+/// The header of the stand-in request that takes a refused head's place.
+pub const REFUSED_HEAD_HEADER: &str = "tailgate-refused-head";
+
+impl ConnInfo {
+    /// The refusal this request stands in for, when it is the stand-in for a refused head.
+    pub fn refused_head<B>(&self, req: &Request<B>) -> Option<&ProxyError> {
+        let refused = self.refused.get()?;
+        let token = req.headers().get(REFUSED_HEAD_HEADER)?.to_str().ok()?;
+        (token.parse::<u64>().ok()? == refused.token).then_some(&refused.error)
+    }
+}
+
+/// The answer to a request head refused before any server parsed it into a request (the
+/// inline server's, or the smuggling guard's in front of hyper's): its JSON error with
+/// `connection: close`, recorded like a request (method `-`, target `*`, no route) for the
+/// metrics and the access log before it is written, as every error is.
+pub fn refusal_response(worker: &Worker, info: &ConnInfo, e: &ProxyError) -> Response<RespBody> {
+    let shared = &worker.shared;
+    let id = shared.ids.next();
+    let mut rec = ExchangeRecorder::new(
+        Exchange {
+            request_id: id.clone(),
+            client: info.client.ip(),
+            tenant: info.tenant,
+            route: None,
+            method: http::Method::from_bytes(b"-").unwrap_or_default(),
+            uri: http::Uri::from_static("*"),
+            version: http::Version::HTTP_11,
+            status: e.status().as_u16(),
+            bytes_out: 0,
+            consumer: None,
+            reused_connection: false,
+            error: None,
+            timings: StageTimings::default(),
+        },
+        Instant::now(),
+        shared.observers.clone(),
+        worker.metrics.clone(),
+        info.activity.clone(),
+    );
+    let (mut parts, body) = e
+        .to_response(&id, &shared.settings.request_id_header)
+        .into_parts();
+    parts
+        .headers
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    rec.add_bytes_out(body.len() as u64);
+    rec.fail(e.code());
+    Response::from_parts(parts, RespBody::full(body))
 }
 
 /// Runs one request through the pipeline. Never fails: every error becomes a response here.

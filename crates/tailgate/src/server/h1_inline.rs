@@ -12,18 +12,17 @@
 //! worker), and closed-loop throughput went from below nginx's to above it (CHANGELOG).
 //!
 //! A head hyper's server would refuse is refused here, with the gateway's JSON error
-//! (`ProxyError`, where every error is made) and a close: one `httparse` refused (400; 431
-//! for too many lines), one over the head limit (431), `Content-Length` with
-//! `Transfer-Encoding` (400, as the smuggling guard refuses it), an invalid or conflicting
-//! `Content-Length`, a `Transfer-Encoding` that does not end in `chunked` or comes in
-//! HTTP/1.0, a target `Uri` refuses (400). The rules are hyper's, step for step, and
-//! `tests/fuzz_h1.rs` holds the two to the same answers.
+//! (`ProxyError`, where every error is made) and a close, by the rules in [`super::head`]
+//! that the smuggling guard in front of hyper's server applies too: one `httparse` refused
+//! (400; 431 for too many lines), one over the head limit (431), `Content-Length` with
+//! `Transfer-Encoding`, an invalid or conflicting `Content-Length`, a `Transfer-Encoding`
+//! that does not end in `chunked` or comes in HTTP/1.0, a target `Uri` refuses (400).
+//! `tests/fuzz_h1.rs` holds the two servers to the same answers.
 //!
 //! Anything else is not served here: the connection, with every byte not yet served, is
-//! handed to hyper's server behind the smuggling guard for the rest of its life (a head
-//! malformed in a way not listed above, such as a `Content-Length` list, is refused there
-//! by hyper: the same status, an empty body). A head is handed over only before any of it
-//! was acted on, so hyper sees the exact bytes the client sent. A body of up to 8 KiB that
+//! handed to hyper's server behind the smuggling guard for the rest of its life. A head is
+//! handed over only before any of it was acted on, so hyper sees the exact bytes the client
+//! sent. A body of up to 8 KiB that
 //! comes after its head is waited for here, as the rest of a head would be (under the
 //! header read timeout, counted again from each piece of the body that comes, so a body
 //! that stops is cut off and one that keeps coming is not); a larger one streams through
@@ -48,7 +47,7 @@ use http_body::{Body, Frame};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::time::Sleep;
 
-use crate::observe::{Exchange, ExchangeRecorder, StageTimings};
+use super::head::{self, BodyHeaders, MAX_HEADERS, content_length};
 use crate::pipeline::body::{ReqBody, RespBody};
 use crate::pipeline::error::ProxyError;
 use crate::pipeline::headers::{name_from_wire, put_header, token_in};
@@ -72,10 +71,6 @@ pub struct Limits {
 
 /// The largest request body waited for and read whole here when it comes after its head.
 const INLINE_BODY_MAX: u64 = 8 * 1024;
-/// The longest request target hyper's server takes (longer: it answers 414).
-const MAX_URI_LEN: usize = u16::MAX as usize - 1;
-/// As many header lines as hyper's server accepts (more: hyper answers 431).
-const MAX_HEADERS: usize = 100;
 /// Reads go into at least this much free buffer; a read that fills less than what was free
 /// tells the runtime the socket is drained, which spares the next read's system call.
 const READ_MIN: usize = 1024;
@@ -205,41 +200,12 @@ async fn refuse<I>(
 ) where
     I: AsyncRead + AsyncWrite + Unpin,
 {
-    let shared = &worker.shared;
-    let id = shared.ids.next();
-    let mut rec = ExchangeRecorder::new(
-        Exchange {
-            request_id: id.clone(),
-            client: info.client.ip(),
-            tenant: info.tenant,
-            route: None,
-            method: Method::from_bytes(b"-").unwrap_or_default(),
-            uri: Uri::from_static("*"),
-            version: Version::HTTP_11,
-            status: e.status().as_u16(),
-            bytes_out: 0,
-            consumer: None,
-            reused_connection: false,
-            error: None,
-            timings: StageTimings::default(),
-        },
-        std::time::Instant::now(),
-        shared.observers.clone(),
-        worker.metrics.clone(),
-        info.activity.clone(),
-    );
-    let (parts, body) = e
-        .to_response(&id, &shared.settings.request_id_header)
-        .into_parts();
-    // Recorded before it is written, as the pipeline records its errors.
-    rec.add_bytes_out(body.len() as u64);
-    rec.fail(e.code());
+    let resp = crate::pipeline::refusal_response(worker, info, &e);
     let meta = Meta {
         keep_alive: false,
         http10: false,
         head: false,
     };
-    let resp = Response::from_parts(parts, RespBody::full(body));
     if write_response(io, buf, out, resp, &meta, closing)
         .await
         .is_ok()
@@ -278,18 +244,6 @@ enum Unserved {
     Refused(ProxyError),
 }
 
-/// What is wrong with a head `httparse` refused, for the error body.
-fn head_error(e: httparse::Error) -> &'static str {
-    match e {
-        httparse::Error::HeaderName => "invalid header name",
-        httparse::Error::HeaderValue => "invalid header value",
-        httparse::Error::NewLine => "invalid line ending",
-        httparse::Error::Token => "invalid method or request target",
-        httparse::Error::Version => "invalid HTTP version",
-        httparse::Error::Status | httparse::Error::TooManyHeaders => "invalid request head",
-    }
-}
-
 /// Where a header's name and value lie in the head.
 struct HeaderAt {
     name: (usize, usize),
@@ -308,20 +262,8 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
         Ok(httparse::Status::Partial) if buf.len() <= limits.max_head => {
             return Err(Unserved::Partial);
         }
-        // No more bytes can mend these; hyper's server answers them 431 and 400.
-        Err(httparse::Error::TooManyHeaders) => {
-            return Err(Unserved::Refused(ProxyError::HeadTooLarge(
-                "more than 100 header lines",
-            )));
-        }
-        Err(e) => return Err(Unserved::Refused(ProxyError::BadRequest(head_error(e)))),
-        // Over the limit, whole or not: hyper's server never holds more than the limit of a
-        // head, and answers 431.
-        Ok(_) => {
-            return Err(Unserved::Refused(ProxyError::HeadTooLarge(
-                "larger than max_header_bytes",
-            )));
-        }
+        Err(e) => return Err(Unserved::Refused(head::parse_fault(e).into())),
+        Ok(_) => return Err(Unserved::Refused(head::OVER_LIMIT.into())),
     };
     let (Some(method), Some(path), Some(version)) = (req.method, req.path, req.version) else {
         return Err(Unserved::Other);
@@ -336,12 +278,7 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
     let base = buf.as_ptr() as usize;
     let at = |s: &[u8]| (s.as_ptr() as usize - base, s.len());
     let path_at = at(path.as_bytes());
-    // The body length as hyper's server reads it (one value, or the same value repeated);
-    // `plain`: one Content-Length, digits only, the shape served here.
-    let mut length: Option<u64> = None;
-    let (mut plain, mut bad_length) = (true, false);
-    // Transfer-Encoding, and whether its last header ends in `chunked`.
-    let (mut te, mut chunked) = (false, false);
+    let mut body = BodyHeaders::default();
     // Expect or an upgrade: hyper's server serves it.
     let mut elsewhere = false;
     let (mut close, mut keep_alive) = (false, false);
@@ -349,21 +286,9 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
     for h in req.headers.iter() {
         let name = h.name.as_bytes();
         match name.len() {
-            14 if name.eq_ignore_ascii_case(b"content-length") => {
-                let n = content_length(h.value);
-                plain &= length.is_none() && n.is_some();
-                match n.or_else(|| length_list(h.value)) {
-                    Some(n) if length.is_none_or(|l| l == n) => length = Some(n),
-                    _ => bad_length = true,
-                }
-            }
+            14 if name.eq_ignore_ascii_case(b"content-length") => body.content_length(h.value),
             17 if name.eq_ignore_ascii_case(b"transfer-encoding") => {
-                te = true;
-                chunked = h
-                    .value
-                    .rsplit(|&b| b == b',')
-                    .next()
-                    .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+                body.transfer_encoding(h.value);
             }
             6 if name.eq_ignore_ascii_case(b"expect") => elsewhere = true,
             7 if name.eq_ignore_ascii_case(b"upgrade") => elsewhere = true,
@@ -379,35 +304,16 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
             value: at(h.value),
         });
     }
-    if te && (length.is_some() || bad_length) {
-        // The smuggling shape: refused, as the guard in front of hyper's server does.
-        return Err(Unserved::Refused(ProxyError::BadRequest(
-            "Content-Length together with Transfer-Encoding",
-        )));
+    if let Err(f) = body.check(http10) {
+        return Err(Unserved::Refused(f.into()));
     }
-    if bad_length {
-        return Err(Unserved::Refused(ProxyError::BadRequest(
-            "invalid or conflicting Content-Length",
-        )));
-    }
-    // What hyper's server refuses as well (RFC 9112 §6.1, §6.3).
-    if te && http10 {
-        return Err(Unserved::Refused(ProxyError::BadRequest(
-            "Transfer-Encoding in an HTTP/1.0 request",
-        )));
-    }
-    if te && !chunked {
-        return Err(Unserved::Refused(ProxyError::BadRequest(
-            "a Transfer-Encoding that does not end in chunked",
-        )));
-    }
-    if te || elsewhere || !plain {
+    if body.te || elsewhere || !body.plain {
         return Err(Unserved::Other);
     }
     // A small body not all here yet (many clients write the head and the body apart) is
     // waited for like the rest of a head, under the header read timeout (counted again from
     // each piece of it that comes); a larger one is streamed by hyper's server.
-    let body_len = length.unwrap_or(0);
+    let body_len = body.length.unwrap_or(0);
     if ((buf.len() - head_len) as u64) < body_len {
         // One over the limit is refused (413) without waiting for it, by hyper's server.
         let within = limits.max_body == 0 || body_len <= limits.max_body;
@@ -457,14 +363,9 @@ fn build(
     path: (usize, usize),
     idx: &[HeaderAt],
 ) -> Result<(Method, Uri, HeaderMap), Unserved> {
-    let Ok(uri) = Uri::from_maybe_shared(head.slice(path.0..path.0 + path.1)) else {
-        // hyper's server parses the target the same way, and answers 400 (414 over its
-        // length limit, which it says itself).
-        return Err(if path.1 < MAX_URI_LEN {
-            Unserved::Refused(ProxyError::BadRequest("invalid request target"))
-        } else {
-            Unserved::Other
-        });
+    let target = head.slice(path.0..path.0 + path.1);
+    let Ok(uri) = Uri::from_maybe_shared(target.clone()) else {
+        return Err(Unserved::Refused(head::target_fault(&target).into()));
     };
     let mut headers = HeaderMap::with_capacity(idx.len());
     for h in idx {
@@ -477,34 +378,6 @@ fn build(
         headers.append(name, value);
     }
     Ok((method, uri, headers))
-}
-
-/// A `Content-Length` value: digits only, no overflow.
-fn content_length(v: &[u8]) -> Option<u64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.iter().try_fold(0u64, |n, &b| {
-        if b.is_ascii_digit() {
-            n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
-        } else {
-            None
-        }
-    })
-}
-
-/// A `Content-Length` that is a list of one value repeated (`5, 5`), which hyper's server
-/// accepts: the value.
-fn length_list(v: &[u8]) -> Option<u64> {
-    let mut out = None;
-    for part in v.split(|&b| b == b',') {
-        let n = content_length(part.trim_ascii())?;
-        if out.is_some_and(|o| o != n) {
-            return None;
-        }
-        out = Some(n);
-    }
-    out
 }
 
 /// Watches the client while its request is in flight, as hyper's server does: while no
@@ -839,6 +712,7 @@ mod tests {
             (b"GET \"d HTTP/1.1\r\n\r\n", 400),
             (b"POST / HTTP/1.1\r\nContent-Length: +5\r\n\r\nhello", 400),
             (b"POST / HTTP/1.1\r\nContent-Length: 5, 6\r\n\r\nhello", 400),
+            (b"POST / HTTP/1.1\r\nContent-Length: 5, 5\r\n\r\nhello", 400),
             (b"POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello", 400),
             (b"POST / HTTP/1.1\r\nContent-Length: 99999999999999999999\r\n\r\n", 400),
             (
@@ -876,8 +750,6 @@ mod tests {
             &b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"[..],
             b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, Chunked \r\n\r\n0\r\n\r\n",
             b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
-            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3, 3\r\n\r\nabc",
-            b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 3, 3\r\n\r\n",
             b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 8193\r\n\r\nabc",
             b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n",
             b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n",

@@ -4,6 +4,7 @@
 
 pub mod h1_guard;
 pub mod h1_inline;
+pub mod head;
 pub mod send_timeout;
 pub mod spawner;
 
@@ -15,6 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
+use futures_util::future::Either;
 use futures_util::task::AtomicWaker;
 use http::Request;
 use hyper::body::Incoming;
@@ -113,6 +115,7 @@ fn conn_info(
         tenant: ctx.listener.tenant.or(sni_tenant),
         activity: Arc::new(ConnActivity::default()),
         drain: ctx.drain.clone(),
+        refused: std::sync::OnceLock::new(),
     })
 }
 
@@ -169,7 +172,7 @@ where
                     &rest,
                     settings.max_header_bytes,
                     settings.header_read_timeout,
-                    info.activity.clone(),
+                    info.clone(),
                 );
                 serve_h1(ctx, guard, info).await;
             }
@@ -214,11 +217,16 @@ fn pipeline_service(
     let (worker, info) = (worker.clone(), info.clone());
     let limit = worker.shared.settings.max_body_bytes;
     service_fn(move |req: Request<Incoming>| {
-        handle(
+        // The stand-in for a head the smuggling guard refused: its JSON error.
+        if let Some(e) = info.refused_head(&req) {
+            let resp = crate::pipeline::refusal_response(&worker, &info, e);
+            return Either::Right(std::future::ready(Ok(resp)));
+        }
+        Either::Left(handle(
             worker.clone(),
             info.clone(),
             req.map(|b| ReqBody::new(b, limit)),
-        )
+        ))
     })
 }
 

@@ -34,11 +34,12 @@ pub const METHODS: [&str; 8] = [
 /// Status classes; `none` is an exchange that ended before any status (client gone).
 pub const CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "none"];
 /// Error kinds with their own label value (the codes of `ProxyError` and of the bodies).
-pub const ERROR_KINDS: [&str; 16] = [
+pub const ERROR_KINDS: [&str; 17] = [
     "no_route",
     "method_not_allowed",
     "bad_request",
     "header_too_large",
+    "uri_too_long",
     "body_too_large",
     "upstream_connect_failed",
     "upstream_connect_timeout",

@@ -1,9 +1,10 @@
 //! HTTP/1 request framing as the smuggling guard ([`super`]) follows it: where a
 //! head ends (found by `httparse`, the parser hyper uses), how long its body is
-//! (`Content-Length`, or chunked framing walked byte by byte), and which heads it refuses.
+//! (`Content-Length`, or chunked framing walked byte by byte), and which heads it refuses
+//! (the rules of [`crate::server::head`], which the inline server applies too).
 //! It looks at bytes wherever they are, the guard's own buffer or hyper's, and owns none.
 
-const MAX_HEADERS: usize = 128;
+use crate::server::head::{self, BodyHeaders, HeadFault, MAX_HEADERS};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Chunk {
@@ -28,19 +29,21 @@ pub(super) enum State {
     Chunked(Chunk),
     /// Not HTTP/1 framing we follow any more (h2 preface, upgrade, malformed): hands off.
     Passthrough,
-    /// A head was refused: the guard feeds hyper its poison head (`fed` bytes of it so
-    /// far), then end of stream.
+    /// A head (or chunked framing) was refused: the guard feeds hyper the stand-in for it
+    /// (`fed` bytes of it so far), then end of stream.
     Refused {
         fed: usize,
     },
 }
 
-/// Why the guard refused a head (for logs and tests).
+/// What the guard refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
-    ContentLengthAndTransferEncoding,
-    /// A head or chunked framing the guard cannot follow exactly.
-    Malformed,
+    /// A request head: answered with this error, in order, and the connection closed.
+    Head(HeadFault),
+    /// Chunked framing in a request body that the guard cannot follow exactly (the
+    /// request is in flight: hyper's body decoder fails it).
+    Chunked,
 }
 
 /// Where in HTTP/1 framing the guard is, and what it decided: the part of the guard that
@@ -55,14 +58,9 @@ pub(super) struct Framing {
 
 impl Framing {
     fn refuse(&mut self, why: Refusal) {
-        tracing::debug!(reason = ?why, "request head refused; answering 400 and closing");
+        tracing::debug!(reason = ?why, "request refused; answering with an error and closing");
         self.refused = Some(why);
         self.state = State::Refused { fed: 0 };
-        self.head_done = true;
-    }
-
-    pub(super) fn passthrough(&mut self) {
-        self.state = State::Passthrough;
         self.head_done = true;
     }
 
@@ -91,90 +89,62 @@ impl Framing {
         if pending.is_empty() {
             return None;
         }
-        // Left uninitialised: filling 128 empty headers (4 KiB) for every head cost more
-        // than parsing it. httparse writes only the headers it parses (hyper does the same).
+        // Left uninitialised: filling empty headers for every head cost more than parsing
+        // it. httparse writes only the headers it parses (hyper does the same).
         let mut headers = [std::mem::MaybeUninit::<httparse::Header<'_>>::uninit(); MAX_HEADERS];
         let mut req = httparse::Request::new(&mut []);
-        match req.parse_with_uninit_headers(pending, &mut headers) {
-            Ok(httparse::Status::Partial) => {
-                if pending.len() > self.max_head {
-                    // Too large: let hyper see it and answer 431.
-                    self.passthrough();
-                    return Some(0);
-                }
-                None
+        let len = match req.parse_with_uninit_headers(pending, &mut headers) {
+            Ok(httparse::Status::Partial) if pending.len() <= self.max_head => return None,
+            Ok(httparse::Status::Complete(len)) if len <= self.max_head => len,
+            Ok(_) => {
+                self.refuse(Refusal::Head(head::OVER_LIMIT));
+                return Some(0);
             }
-            // Not a head we can follow (bad bytes, too many headers): refused. hyper would
-            // refuse it too; refusing here means no difference between the two parsers can
-            // ever let later bytes past unchecked.
-            // More headers than hyper takes (100): hyper answers 431 and closes.
-            Err(httparse::Error::TooManyHeaders) => {
-                self.passthrough();
-                Some(0)
+            // Not a head hyper takes either: refused here, so that no difference between
+            // the two parsers can ever let later bytes past unchecked.
+            Err(e) => {
+                self.refuse(Refusal::Head(head::parse_fault(e)));
+                return Some(0);
             }
-            Err(_) => {
-                self.refuse(Refusal::Malformed);
-                Some(0)
-            }
-            Ok(httparse::Status::Complete(len)) => {
-                let mut content_length: Option<u64> = None;
-                let mut chunked = false;
-                let mut te = false;
-                let mut cl = false;
-                let mut upgrade = req.method == Some("CONNECT");
-                for h in req.headers.iter() {
-                    if h.name.eq_ignore_ascii_case("content-length") {
-                        cl = true;
-                        content_length = std::str::from_utf8(h.value)
-                            .ok()
-                            .and_then(|v| v.trim().parse().ok());
-                    } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
-                        te = true;
-                        chunked =
-                            h.value.rsplit(|&b| b == b',').next().is_some_and(|last| {
-                                last.trim_ascii().eq_ignore_ascii_case(b"chunked")
-                            });
-                    } else if h.name.eq_ignore_ascii_case("upgrade") {
-                        // The pipeline closes the connection after any answer but 101 to
-                        // such a request, so no unchecked head can follow a refused upgrade.
-                        upgrade = true;
-                    }
-                }
-                self.head_done = true;
-                if len > self.max_head {
-                    self.passthrough();
-                    return Some(0);
-                }
-                if te && cl {
-                    self.refuse(Refusal::ContentLengthAndTransferEncoding);
-                    return Some(0);
-                }
-                self.state = if upgrade {
-                    State::Passthrough
-                } else if te {
-                    if chunked {
-                        State::Chunked(Chunk::Size {
-                            n: 0,
-                            digits: false,
-                        })
-                    } else {
-                        State::Passthrough
-                    }
-                } else if cl {
-                    match content_length {
-                        Some(0) => State::Head,
-                        Some(n) => State::Body(n),
-                        None => {
-                            self.refuse(Refusal::Malformed);
-                            return Some(0);
-                        }
-                    }
-                } else {
-                    State::Head
-                };
-                Some(len)
+        };
+        self.head_done = true;
+        let mut body = BodyHeaders::default();
+        let mut upgrade = req.method == Some("CONNECT");
+        for h in req.headers.iter() {
+            if h.name.eq_ignore_ascii_case("content-length") {
+                body.content_length(h.value);
+            } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+                body.transfer_encoding(h.value);
+            } else if h.name.eq_ignore_ascii_case("upgrade") {
+                // The pipeline closes the connection after any answer but 101 to such a
+                // request, so no unchecked head can follow a refused upgrade.
+                upgrade = true;
             }
         }
+        let target = match req.path {
+            Some(p) if http::Uri::try_from(p).is_err() => Err(head::target_fault(p.as_bytes())),
+            _ => Ok(()),
+        };
+        let checked = body.check(req.version == Some(0)).and(target);
+        if let Err(f) = checked {
+            self.refuse(Refusal::Head(f));
+            return Some(0);
+        }
+        self.state = if upgrade {
+            State::Passthrough
+        } else if body.te {
+            // `check` let through only a Transfer-Encoding that ends in chunked.
+            State::Chunked(Chunk::Size {
+                n: 0,
+                digits: false,
+            })
+        } else {
+            match body.length {
+                None | Some(0) => State::Head,
+                Some(n) => State::Body(n),
+            }
+        };
+        Some(len)
     }
 
     fn advance_chunked(&mut self, mut c: Chunk, pending: &[u8]) -> Option<usize> {
@@ -202,7 +172,7 @@ impl Framing {
                         None => {
                             // Bytes before the bad framing are released; the rest is
                             // refused.
-                            self.refuse(Refusal::Malformed);
+                            self.refuse(Refusal::Chunked);
                             return Some(i - 1);
                         }
                     }

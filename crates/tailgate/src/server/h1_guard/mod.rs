@@ -9,10 +9,16 @@
 //! uses), then passes bytes through, counting `Content-Length` bodies and walking chunked
 //! framing to find where the next head starts.
 //!
-//! When a head is refused, hyper is handed a line it is certain to reject, so hyper answers
-//! `400 Bad Request` in order on the connection and closes it. Anything the guard cannot
-//! follow (an upgrade, a malformed head or chunk) is passed through untouched: hyper's own
-//! strict parser then decides.
+//! It refuses what hyper's parser would refuse too, by the rules the inline server applies
+//! ([`crate::server::head`]): a head `httparse` refuses, one over the head limit, an
+//! invalid or conflicting `Content-Length`, a `Transfer-Encoding` hyper does not take.
+//! A refused head is never shown to hyper. In its place hyper reads a stand-in request
+//! carrying a per-connection random token, which the pipeline answers with the gateway's
+//! JSON error for that head ([`crate::pipeline::refusal_response`]): in order after the
+//! requests before it, as hyper orders its answers, and then the connection closes. Chunked
+//! framing that cannot be followed is refused inside a body that is already in flight:
+//! hyper is fed bytes its chunked decoder rejects, which fails that request. An upgrade is
+//! passed through untouched.
 //!
 //! The guard also enforces the header read timeout (slowloris): from the first byte of a
 //! head to its end. Idle time between requests is the idle timeout's business, not this.
@@ -32,12 +38,13 @@ use tokio::time::Sleep;
 
 pub use self::framing::Refusal;
 use self::framing::{Framing, State};
-use crate::observe::ConnActivity;
+use crate::pipeline::{ConnInfo, REFUSED_HEAD_HEADER, RefusedHead};
 
 mod framing;
 
-/// What hyper is fed in place of a refused head: a header line with a control byte, which
-/// hyper's parser rejects with 400 (tested in the raw-byte tests).
+/// What hyper is fed when chunked framing is refused inside a body (hyper's chunked decoder
+/// rejects it), or a head is refused where there is no connection to answer for (tests): a
+/// header line with a control byte, which hyper's parser rejects with 400.
 const POISON: &[u8] = b"GET / HTTP/1.1\r\nx\x01: refused\r\n\r\n";
 /// Most request heads fit in 2 KiB; the buffer grows (to the head limit) when one does not.
 const INITIAL_BUF: usize = 2 * 1024;
@@ -54,8 +61,13 @@ pub struct H1Guard<T> {
     framing: Framing,
     header_timeout: Duration,
     deadline: Option<Pin<Box<Sleep>>>,
-    /// The connection's requests in flight: a head is not timed while one is answered.
-    activity: Option<Arc<ConnActivity>>,
+    /// The connection: its requests in flight (a head is not timed while one is
+    /// answered), and where a refused head's error is left for the pipeline.
+    info: Option<Arc<ConnInfo>>,
+    /// What hyper is fed in place of what was refused.
+    stand_in: std::borrow::Cow<'static, [u8]>,
+    /// The stand-in is a request the pipeline answers (not bytes hyper rejects).
+    stand_in_answered: bool,
 }
 
 impl<T> H1Guard<T> {
@@ -74,23 +86,25 @@ impl<T> H1Guard<T> {
             },
             header_timeout,
             deadline: None,
-            activity: None,
+            info: None,
+            stand_in: std::borrow::Cow::Borrowed(POISON),
+            stand_in_answered: false,
         }
     }
 
     /// A guard that goes on from bytes already read off `inner` (by the inline server), in
-    /// front of a server that reads ahead while `activity` has requests in flight.
+    /// front of hyper's server on the connection `info` describes.
     pub fn resume(
         inner: T,
         read: &[u8],
         max_head: usize,
         header_timeout: Duration,
-        activity: Arc<ConnActivity>,
+        info: Arc<ConnInfo>,
     ) -> Self {
         let mut g = H1Guard::new(inner, max_head, header_timeout);
         g.buf = read.to_vec();
         g.end = read.len();
-        g.activity = Some(activity);
+        g.info = Some(info);
         g
     }
 
@@ -160,9 +174,27 @@ impl<T> H1Guard<T> {
         }
     }
 
+    /// After the framing looked at bytes: a head done needs no timer; a head refused gets
+    /// its stand-in.
     fn settle_head(&mut self) {
         if std::mem::take(&mut self.framing.head_done) {
             self.deadline = None;
+            if let (Some(Refusal::Head(fault)), Some(info)) = (self.framing.refused, &self.info)
+                && info.refused.get().is_none()
+            {
+                let token = fastrand::u64(..);
+                let _ = info.refused.set(RefusedHead {
+                    token,
+                    error: fault.into(),
+                });
+                self.stand_in = format!(
+                    "GET / HTTP/1.1\r\nhost: refused.invalid\r\nconnection: close\r\n\
+                     {REFUSED_HEAD_HEADER}: {token}\r\n\r\n"
+                )
+                .into_bytes()
+                .into();
+                self.stand_in_answered = true;
+            }
         }
     }
 
@@ -170,7 +202,7 @@ impl<T> H1Guard<T> {
     /// before it is still being answered (the timer then starts when hyper reads again
     /// after that answer).
     fn arm_head_timer(&mut self) {
-        let busy = self.activity.as_ref().is_some_and(|a| a.in_flight());
+        let busy = self.info.as_ref().is_some_and(|i| i.activity.in_flight());
         if self.framing.state == State::Head
             && self.release < self.end
             && self.deadline.is_none()
@@ -192,10 +224,10 @@ impl<T> H1Guard<T> {
             if d.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
-            let Some(activity) = self.activity.as_ref() else {
+            let Some(info) = self.info.as_ref() else {
                 return Poll::Ready(head_timed_out());
             };
-            match activity.idle_deadline(self.header_timeout) {
+            match info.activity.idle_deadline(self.header_timeout) {
                 None => {
                     self.deadline = None;
                     return Poll::Pending;
@@ -285,8 +317,14 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
             if let State::Refused { fed } = this.framing.state
                 && this.release == this.start
             {
-                let n = (POISON.len() - fed).min(out.remaining());
-                out.put_slice(&POISON[fed..fed + n]);
+                let n = (this.stand_in.len() - fed).min(out.remaining());
+                if n == 0 && this.stand_in_answered {
+                    // Not the end of the stream: hyper's server drops a connection whose
+                    // stream ends while a request is in flight, before answering it. The
+                    // stand-in asks for `connection: close`; hyper closes after its answer.
+                    return Poll::Pending;
+                }
+                out.put_slice(&this.stand_in[fed..fed + n]);
                 this.framing.state = State::Refused { fed: fed + n };
                 return Poll::Ready(Ok(()));
             }
@@ -388,7 +426,12 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for H1Guard<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::head::{self, HeadFault};
     use tokio::io::AsyncReadExt;
+
+    const CL_TE: Refusal = Refusal::Head(HeadFault::Bad(
+        "Content-Length together with Transfer-Encoding",
+    ));
 
     async fn pass(input: &[u8]) -> (Vec<u8>, Option<Refusal>) {
         let mut g = H1Guard::new(input, 16 * 1024, Duration::from_secs(5));
@@ -409,7 +452,7 @@ mod tests {
     async fn refuses_cl_and_te_on_a_later_request() {
         let input: &[u8] = b"POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\nPOST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n";
         let (out, refused) = pass(input).await;
-        assert_eq!(refused, Some(Refusal::ContentLengthAndTransferEncoding));
+        assert_eq!(refused, Some(CL_TE));
         let first_len = input
             .windows(5)
             .position(|w| w == b"POST ")
@@ -431,9 +474,64 @@ mod tests {
             &b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\n0\r\n\r\n"[..],
         ] {
             let (out, refused) = pass(input).await;
-            assert_eq!(refused, Some(Refusal::Malformed), "{}", String::from_utf8_lossy(input));
+            assert_eq!(refused, Some(Refusal::Chunked), "{}", String::from_utf8_lossy(input));
             assert!(out.ends_with(POISON));
         }
+    }
+
+    /// The heads hyper's server refuses are refused by the same rules as in the inline
+    /// server, and nothing of them reaches hyper; the same `Content-Length` twice, which
+    /// hyper takes, frames its body.
+    #[tokio::test]
+    async fn refuses_what_hyper_refuses_and_frames_what_it_takes() {
+        let first: &[u8] = b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n";
+        let many = format!("GET / HTTP/1.1\r\n{}\r\n", "a: b\r\n".repeat(101));
+        let long = format!("GET / HTTP/1.1\r\nx: {}\r\n\r\n", "v".repeat(16 * 1024));
+        let cases: [(&[u8], HeadFault); 8] = [
+            (
+                b"GET / HTTP/1.1\r\nx\x01: y\r\n\r\n",
+                HeadFault::Bad("invalid header name"),
+            ),
+            (
+                b"POST / HTTP/1.1\r\nContent-Length: 3, 3\r\n\r\nabc",
+                HeadFault::Bad("invalid or conflicting Content-Length"),
+            ),
+            (
+                b"POST / HTTP/1.1\r\nContent-Length: 5, 6\r\n\r\n",
+                HeadFault::Bad("invalid or conflicting Content-Length"),
+            ),
+            (
+                b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked, gzip\r\n\r\n",
+                HeadFault::Bad("a Transfer-Encoding that does not end in chunked"),
+            ),
+            (
+                b"POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+                HeadFault::Bad("Transfer-Encoding in an HTTP/1.0 request"),
+            ),
+            (
+                b"GET http://[::1 HTTP/1.1\r\n\r\n",
+                HeadFault::Bad("invalid request target"),
+            ),
+            (
+                many.as_bytes(),
+                HeadFault::TooLarge("more than 100 header lines"),
+            ),
+            (long.as_bytes(), head::OVER_LIMIT),
+        ];
+        for (refused_head, fault) in cases {
+            let input = [first, refused_head].concat();
+            let (out, refused) = pass(&input).await;
+            assert_eq!(
+                refused,
+                Some(Refusal::Head(fault)),
+                "{}",
+                String::from_utf8_lossy(refused_head)
+            );
+            assert_eq!(out, [first, POISON].concat());
+        }
+        let list: &[u8] = b"POST /a HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabcGET /b HTTP/1.1\r\n\r\n";
+        let (out, refused) = pass(list).await;
+        assert_eq!((out.as_slice(), refused), (list, None));
     }
 
     #[tokio::test]
@@ -511,11 +609,7 @@ mod tests {
         for piece in 1..=smuggling.len() {
             for out_len in [1, 7, 64, 8192] {
                 let (out, refused) = pass_in_pieces(smuggling, piece, out_len).await;
-                assert_eq!(
-                    refused,
-                    Some(Refusal::ContentLengthAndTransferEncoding),
-                    "piece {piece}, out {out_len}"
-                );
+                assert_eq!(refused, Some(CL_TE), "piece {piece}, out {out_len}");
                 assert_eq!(
                     out,
                     [&b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"[..], POISON].concat()

@@ -1,0 +1,216 @@
+//! What makes an HTTP/1 request head unacceptable, decided once for both HTTP/1 servers: the
+//! inline one ([`super::h1_inline`]) and the smuggling guard in front of hyper's
+//! ([`super::h1_guard`]). The rules are hyper's server's, step for step (RFC 9112 §6.1,
+//! §6.3), plus the one hyper leaves out: `Content-Length` together with
+//! `Transfer-Encoding` is refused, as nginx and HAProxy refuse it. Both servers answer a
+//! refused head with the gateway's JSON error and close the connection.
+
+use crate::pipeline::error::ProxyError;
+
+/// As many header lines as hyper's server accepts (more: hyper answers 431).
+pub const MAX_HEADERS: usize = 100;
+/// The longest request target hyper's server takes (longer: it answers 414).
+pub const MAX_URI_LEN: usize = u16::MAX as usize - 1;
+
+/// Why a head is refused: the status and the message of the JSON error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadFault {
+    /// 400.
+    Bad(&'static str),
+    /// 431.
+    TooLarge(&'static str),
+    /// 414: a target over [`MAX_URI_LEN`].
+    UriTooLong,
+}
+
+impl From<HeadFault> for ProxyError {
+    fn from(f: HeadFault) -> ProxyError {
+        match f {
+            HeadFault::Bad(m) => ProxyError::BadRequest(m),
+            HeadFault::TooLarge(m) => ProxyError::HeadTooLarge(m),
+            HeadFault::UriTooLong => ProxyError::UriTooLong,
+        }
+    }
+}
+
+/// A head over `max_header_bytes`, whole or not: hyper's server never holds more than the
+/// limit of a head, and answers 431.
+pub const OVER_LIMIT: HeadFault = HeadFault::TooLarge("larger than max_header_bytes");
+
+/// What is wrong with a head `httparse` refused. No more bytes can mend it.
+pub fn parse_fault(e: httparse::Error) -> HeadFault {
+    HeadFault::Bad(match e {
+        httparse::Error::TooManyHeaders => {
+            return HeadFault::TooLarge("more than 100 header lines");
+        }
+        httparse::Error::HeaderName => "invalid header name",
+        httparse::Error::HeaderValue => "invalid header value",
+        httparse::Error::NewLine => "invalid line ending",
+        httparse::Error::Token => "invalid method or request target",
+        httparse::Error::Version => "invalid HTTP version",
+        httparse::Error::Status => "invalid request head",
+    })
+}
+
+/// What is wrong with a request target `http::Uri` refuses (hyper's server parses it the
+/// same way: 400, or 414 over [`MAX_URI_LEN`]).
+pub fn target_fault(target: &[u8]) -> HeadFault {
+    if target.len() >= MAX_URI_LEN {
+        HeadFault::UriTooLong
+    } else {
+        HeadFault::Bad("invalid request target")
+    }
+}
+
+/// The body framing a head declares, gathered header by header as the caller walks the
+/// head's lines (the inline server walks them once, for everything it needs).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyHeaders {
+    /// The body length as hyper's server reads it: one value of digits, or the same value
+    /// in several `Content-Length` lines (a list in one line, `5, 5`, is refused).
+    pub length: Option<u64>,
+    /// One `Content-Length`, digits only (or none): the shape the inline server serves.
+    pub plain: bool,
+    bad_length: bool,
+    /// A `Transfer-Encoding` came; `chunked`: its last one ends in `chunked`.
+    pub te: bool,
+    pub chunked: bool,
+}
+
+impl Default for BodyHeaders {
+    fn default() -> Self {
+        BodyHeaders {
+            length: None,
+            plain: true,
+            bad_length: false,
+            te: false,
+            chunked: false,
+        }
+    }
+}
+
+impl BodyHeaders {
+    /// A `Content-Length` line.
+    #[inline]
+    pub fn content_length(&mut self, v: &[u8]) {
+        let n = content_length(v);
+        self.plain &= self.length.is_none() && n.is_some();
+        match n {
+            Some(n) if self.length.is_none_or(|l| l == n) => self.length = Some(n),
+            _ => self.bad_length = true,
+        }
+    }
+
+    /// A `Transfer-Encoding` line.
+    #[inline]
+    pub fn transfer_encoding(&mut self, v: &[u8]) {
+        self.te = true;
+        self.chunked = v
+            .rsplit(|&b| b == b',')
+            .next()
+            .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+    }
+
+    /// The framing's verdict, once every line was seen.
+    pub fn check(&self, http10: bool) -> Result<(), HeadFault> {
+        if self.te && (self.length.is_some() || self.bad_length) {
+            // The smuggling shape.
+            return Err(HeadFault::Bad(
+                "Content-Length together with Transfer-Encoding",
+            ));
+        }
+        if self.bad_length {
+            return Err(HeadFault::Bad("invalid or conflicting Content-Length"));
+        }
+        if self.te && http10 {
+            return Err(HeadFault::Bad("Transfer-Encoding in an HTTP/1.0 request"));
+        }
+        if self.te && !self.chunked {
+            return Err(HeadFault::Bad(
+                "a Transfer-Encoding that does not end in chunked",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A `Content-Length` value: digits only, no overflow.
+pub fn content_length(v: &[u8]) -> Option<u64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.iter().try_fold(0u64, |n, &b| {
+        if b.is_ascii_digit() {
+            n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
+        } else {
+            None
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn framing(lines: &[(&str, &str)], http10: bool) -> Result<BodyHeaders, HeadFault> {
+        let mut b = BodyHeaders::default();
+        for (name, value) in lines {
+            match *name {
+                "content-length" => b.content_length(value.as_bytes()),
+                "transfer-encoding" => b.transfer_encoding(value.as_bytes()),
+                _ => unreachable!(),
+            }
+        }
+        b.check(http10).map(|()| b)
+    }
+
+    #[test]
+    fn lengths_as_hyper_reads_them() {
+        let one = framing(&[("content-length", "5")], false).expect("accepted");
+        assert_eq!((one.length, one.plain), (Some(5), true));
+        // The same value twice: accepted, not the plain shape.
+        let twice =
+            framing(&[("content-length", "5"), ("content-length", "5")], false).expect("accepted");
+        assert_eq!((twice.length, twice.plain), (Some(5), false));
+        // hyper's server takes no list in one line, not even of one value.
+        for bad in [
+            "5, 5",
+            "5, 6",
+            "+5",
+            "-1",
+            "",
+            "5 5",
+            "99999999999999999999",
+        ] {
+            assert_eq!(
+                framing(&[("content-length", bad)], false).expect_err("refused"),
+                HeadFault::Bad("invalid or conflicting Content-Length"),
+                "{bad:?}"
+            );
+        }
+        assert!(framing(&[("content-length", "5"), ("content-length", "6")], false).is_err());
+    }
+
+    #[test]
+    fn transfer_encodings_as_hyper_reads_them() {
+        assert!(
+            framing(&[("transfer-encoding", "gzip, chunked")], false)
+                .expect("accepted")
+                .chunked
+        );
+        for (lines, http10) in [
+            (
+                &[("transfer-encoding", "chunked"), ("content-length", "3")][..],
+                false,
+            ),
+            (
+                &[("content-length", "x"), ("transfer-encoding", "chunked")][..],
+                false,
+            ),
+            (&[("transfer-encoding", "chunked, gzip")][..], false),
+            (&[("transfer-encoding", "chunked")][..], true),
+        ] {
+            assert!(framing(lines, http10).is_err(), "{lines:?}");
+        }
+    }
+}
