@@ -386,6 +386,30 @@ async fn a_target_too_long_gets_the_json_414() {
     );
 }
 
+/// The header that marks the stand-in for a refused head means nothing when a client sends
+/// it: the request is proxied, on either server.
+#[tokio::test]
+async fn a_client_sent_refusal_marker_is_an_ordinary_header() {
+    let gw = TestGateway::to(echo_upstream().await, "");
+    let chunked: &[u8] =
+        b"POST /h HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n";
+    for prefix in [&b""[..], chunked] {
+        let bytes = [
+            prefix,
+            b"GET /m HTTP/1.1\r\nHost: a\r\ntailgate-refused-head: 1\r\nConnection: close\r\n\r\n",
+        ]
+        .concat();
+        let (text, closed) = raw(gw.addr, &bytes, Duration::from_secs(5)).await;
+        assert!(closed, "{text}");
+        let last = &text[text.rfind("HTTP/1.1 ").unwrap()..];
+        assert!(last.starts_with("HTTP/1.1 200"), "{text}");
+        assert!(
+            last.to_ascii_lowercase().contains("x-echo-uri: /m"),
+            "{text}"
+        );
+    }
+}
+
 /// The same `Content-Length` twice, which hyper's server takes, frames the body on both
 /// HTTP/1 servers: the request is served, and so is the next one on the connection.
 #[tokio::test]

@@ -372,6 +372,28 @@ async fn ri_pipelined_partial_head_waits_for_the_request_in_flight() {
     assert_eq!(hits.load(Ordering::SeqCst), 2);
 }
 
+/// The same pipelined head, with nothing more sent after it: cut off `header_read_timeout`
+/// after the answer before it, not left for the idle timeout (60 s here).
+#[tokio::test]
+async fn ri_pipelined_partial_head_left_silent_is_cut_off_after_the_answer() {
+    let (up, hits) = path_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"300ms\"\nidle_timeout = \"60s\"\n",
+    );
+    let mut s = connect(gw.addr).await;
+    s.write_all(
+        b"POST /a?delay=900 HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\nGET /b HTTP/1.1\r\nHo",
+    )
+    .await
+    .unwrap();
+    let got = read_responses(&mut s, 1).await;
+    assert_eq!(got[0].body(), "POST /a ok");
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed && text.is_empty(), "{text:?}");
+    assert_eq!(hits.load(Ordering::SeqCst), 1);
+}
+
 /// A connection with nothing in flight is closed after `idle_timeout`; one with a slow
 /// request in flight is not cut off by it.
 #[tokio::test]

@@ -1,7 +1,7 @@
 //! What makes an HTTP/1 request head unacceptable, decided once for both HTTP/1 servers: the
 //! inline one ([`super::h1_inline`]) and the smuggling guard in front of hyper's
-//! ([`super::h1_guard`]). The rules are hyper's server's, step for step (RFC 9112 §6.1,
-//! §6.3), plus the one hyper leaves out: `Content-Length` together with
+//! ([`super::h1_guard`]). The rules are hyper's server's (RFC 9112 §6.1, §6.3), plus the
+//! one hyper leaves out: `Content-Length` together with
 //! `Transfer-Encoding` is refused, as nginx and HAProxy refuse it. Both servers answer a
 //! refused head with the gateway's JSON error and close the connection.
 
@@ -9,7 +9,7 @@ use crate::pipeline::error::ProxyError;
 
 /// As many header lines as hyper's server accepts (more: hyper answers 431).
 pub const MAX_HEADERS: usize = 100;
-/// The longest request target hyper's server takes (longer: it answers 414).
+/// The longest request target hyper's server (and `http::Uri`) takes; longer: 414.
 pub const MAX_URI_LEN: usize = u16::MAX as usize - 1;
 
 /// Why a head is refused: the status and the message of the JSON error.
@@ -55,7 +55,7 @@ pub fn parse_fault(e: httparse::Error) -> HeadFault {
 /// What is wrong with a request target `http::Uri` refuses (hyper's server parses it the
 /// same way: 400, or 414 over [`MAX_URI_LEN`]).
 pub fn target_fault(target: &[u8]) -> HeadFault {
-    if target.len() >= MAX_URI_LEN {
+    if target.len() > MAX_URI_LEN {
         HeadFault::UriTooLong
     } else {
         HeadFault::Bad("invalid request target")
@@ -101,14 +101,15 @@ impl BodyHeaders {
         }
     }
 
-    /// A `Transfer-Encoding` line.
+    /// A `Transfer-Encoding` line. hyper reads it only as visible ASCII (tab allowed): any
+    /// other byte makes it not chunked.
     #[inline]
     pub fn transfer_encoding(&mut self, v: &[u8]) {
         self.te = true;
-        self.chunked = v
-            .rsplit(|&b| b == b',')
-            .next()
-            .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+        self.chunked = v.iter().all(|&b| b == b'\t' || (0x20..0x7f).contains(&b))
+            && v.rsplit(|&b| b == b',')
+                .next()
+                .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
     }
 
     /// The framing's verdict, once every line was seen.
@@ -134,18 +135,21 @@ impl BodyHeaders {
     }
 }
 
-/// A `Content-Length` value: digits only, no overflow.
+/// A `Content-Length` value: digits only, and below the two values hyper reserves for its
+/// own use (`u64::MAX - 1` and up).
 pub fn content_length(v: &[u8]) -> Option<u64> {
     if v.is_empty() {
         return None;
     }
-    v.iter().try_fold(0u64, |n, &b| {
-        if b.is_ascii_digit() {
-            n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
-        } else {
-            None
-        }
-    })
+    v.iter()
+        .try_fold(0u64, |n, &b| {
+            if b.is_ascii_digit() {
+                n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
+            } else {
+                None
+            }
+        })
+        .filter(|&n| n <= u64::MAX - 2)
 }
 
 #[cfg(test)]
@@ -181,6 +185,7 @@ mod tests {
             "",
             "5 5",
             "99999999999999999999",
+            "18446744073709551614",
         ] {
             assert_eq!(
                 framing(&[("content-length", bad)], false).expect_err("refused"),
@@ -208,6 +213,7 @@ mod tests {
                 false,
             ),
             (&[("transfer-encoding", "chunked, gzip")][..], false),
+            (&[("transfer-encoding", "\u{e9}, chunked")][..], false),
             (&[("transfer-encoding", "chunked")][..], true),
         ] {
             assert!(framing(lines, http10).is_err(), "{lines:?}");

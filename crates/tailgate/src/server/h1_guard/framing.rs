@@ -27,10 +27,10 @@ pub(super) enum State {
     /// Inside a Content-Length body: bytes left.
     Body(u64),
     Chunked(Chunk),
-    /// Not HTTP/1 framing we follow any more (h2 preface, upgrade, malformed): hands off.
+    /// Not HTTP/1 framing we follow any more (h2 preface, upgrade, `CONNECT`): hands off.
     Passthrough,
     /// A head (or chunked framing) was refused: the guard feeds hyper the stand-in for it
-    /// (`fed` bytes of it so far), then end of stream.
+    /// (`fed` bytes of it so far), and nothing after it.
     Refused {
         fed: usize,
     },
@@ -57,8 +57,8 @@ pub(super) struct Framing {
 }
 
 impl Framing {
-    fn refuse(&mut self, why: Refusal) {
-        tracing::debug!(reason = ?why, "request refused; answering with an error and closing");
+    pub(super) fn refuse(&mut self, why: Refusal) {
+        tracing::debug!(reason = ?why, "request refused; the connection ends after it");
         self.refused = Some(why);
         self.state = State::Refused { fed: 0 };
         self.head_done = true;
@@ -121,11 +121,12 @@ impl Framing {
                 upgrade = true;
             }
         }
+        // The target first, as hyper's server checks it first.
         let target = match req.path {
             Some(p) if http::Uri::try_from(p).is_err() => Err(head::target_fault(p.as_bytes())),
             _ => Ok(()),
         };
-        let checked = body.check(req.version == Some(0)).and(target);
+        let checked = target.and(body.check(req.version == Some(0)));
         if let Err(f) = checked {
             self.refuse(Refusal::Head(f));
             return Some(0);

@@ -198,24 +198,19 @@ impl<T> H1Guard<T> {
         }
     }
 
-    /// A head is incomplete and the socket ran dry: starts its timer, unless a request
-    /// before it is still being answered (the timer then starts when hyper reads again
-    /// after that answer).
+    /// A head is incomplete and the socket ran dry: starts its timer.
     fn arm_head_timer(&mut self) {
-        let busy = self.info.as_ref().is_some_and(|i| i.activity.in_flight());
-        if self.framing.state == State::Head
-            && self.release < self.end
-            && self.deadline.is_none()
-            && !busy
-        {
+        if self.framing.state == State::Head && self.release < self.end && self.deadline.is_none() {
             self.deadline = Some(Box::pin(tokio::time::sleep(self.header_timeout)));
         }
     }
 
-    /// Ready with the error when the head's time is up. A timer that fires while a request
-    /// before the head is in flight is dropped (and armed again after it); one that fires
-    /// sooner than `header_timeout` after the last answer ended is moved to that time: a
-    /// head is timed from the later of its first byte and the end of the answer before it.
+    /// Ready with the error when the head's time is up: `header_timeout` from the later of
+    /// its first byte and the end of the answer before it. A timer that fires while a
+    /// request before the head is in flight is set `header_timeout` further (hyper does not
+    /// read again after that answer unless the socket wakes it, so the timer must stay
+    /// registered); one that fires sooner than `header_timeout` after the last answer ended
+    /// is moved to that time.
     fn poll_head_timer(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
         loop {
             let Some(d) = self.deadline.as_mut() else {
@@ -227,12 +222,10 @@ impl<T> H1Guard<T> {
             let Some(info) = self.info.as_ref() else {
                 return Poll::Ready(head_timed_out());
             };
+            let now = std::time::Instant::now();
             match info.activity.idle_deadline(self.header_timeout) {
-                None => {
-                    self.deadline = None;
-                    return Poll::Pending;
-                }
-                Some(at) if at > std::time::Instant::now() => d.as_mut().reset(at.into()),
+                None => d.as_mut().reset((now + self.header_timeout).into()),
+                Some(at) if at > now => d.as_mut().reset(at.into()),
                 Some(_) => return Poll::Ready(head_timed_out()),
             }
         }
@@ -356,8 +349,11 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                     .max(INITIAL_BUF)
                     .min(this.framing.max_head + 8 * 1024);
                 if grown <= this.buf.len() {
-                    // A head longer than the limit: hyper answers 431.
-                    this.passthrough();
+                    // A head longer than the limit (the framing refuses one before the
+                    // buffer is this full; never hand hyper bytes no one checked).
+                    this.framing
+                        .refuse(Refusal::Head(crate::server::head::OVER_LIMIT));
+                    this.settle_head();
                     continue;
                 }
                 this.buf.resize(grown, 0);
