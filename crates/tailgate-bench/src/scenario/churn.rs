@@ -25,12 +25,14 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
         name: "direct",
         variant_suffix: closing_suffix,
         addr: closing,
+        upstream: None,
     }];
     start_proxies(&mut env, closing, closing_suffix, &mut targets, &mut notes);
     targets.push(Target {
         name: "direct",
         variant_suffix: steady_suffix,
         addr: steady,
+        upstream: None,
     });
     let mut steady_proxies = Vec::new();
     let mut steady_notes = Vec::new();

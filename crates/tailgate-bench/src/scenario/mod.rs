@@ -101,6 +101,18 @@ pub struct Row {
     /// omission); the median across rounds. How much of `p99` is the generator's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub p99_excl_lag_ms: Option<f64>,
+    /// CPU time (user and system) the target's processes used per request, in µs; the median
+    /// across rounds. `None` for the upstream measured directly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_us_per_request: Option<f64>,
+    /// The same for the upstream behind the target, in the same runs: a yardstick for how
+    /// fast the machine was. The target's CPU ÷ this compares proxies measured minutes apart
+    /// on a machine whose speed drifts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream_cpu_us_per_request: Option<f64>,
+    /// `cpu_us_per_request ÷ upstream_cpu_us_per_request` of each round; the median.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_per_upstream_cpu: Option<f64>,
 }
 
 /// One line of the `targets` array: a goal and whether this run met it.
@@ -139,6 +151,9 @@ pub struct Target {
     pub name: &'static str,
     pub variant_suffix: &'static str,
     pub addr: SocketAddr,
+    /// The upstream a proxy forwards to (`None`: the target is the upstream itself). The CPU
+    /// both use per request is measured from their processes.
+    pub upstream: Option<SocketAddr>,
 }
 
 /// The environment plus the targets that came up; peers that could not start become notes.
@@ -185,6 +200,7 @@ pub fn start_proxies(
                 name,
                 variant_suffix: suffix,
                 addr,
+                upstream: Some(upstream),
             }),
             Err(e) => notes.push(format!("{name}: not measured: {e}")),
         }
@@ -222,7 +238,26 @@ pub fn measure_with(
         opts.duration.as_secs_f64(),
         opts.warmup.as_secs_f64()
     );
+    // The CPU time the target's processes (and its upstream's) use over the run, warm-up
+    // included: per request, it is what the throughput on a shared core is made of.
+    let proxy_pid = target
+        .upstream
+        .and_then(|_| procs::pid_listening_on(target.addr));
+    let upstream_pid = procs::pid_listening_on(target.upstream.unwrap_or(target.addr));
+    let cpu_before = (
+        proxy_pid.and_then(procs::cpu_ns),
+        upstream_pid.and_then(procs::cpu_ns),
+    );
     let report = load::run(spec)?;
+    let cpu_after = (
+        proxy_pid.and_then(procs::cpu_ns),
+        upstream_pid.and_then(procs::cpu_ns),
+    );
+    let requests = report.rps() * (opts.duration + opts.warmup).as_secs_f64();
+    let per_request = |before: Option<u64>, after: Option<u64>| -> Option<f64> {
+        let used = after?.checked_sub(before?)?;
+        (requests >= 1.0).then(|| round2(used as f64 / 1000.0 / requests))
+    };
     let row = Row {
         target: target.name.to_string(),
         variant: format!("{variant}{}", target.variant_suffix),
@@ -231,6 +266,16 @@ pub fn measure_with(
         latency_ms: LatencySummary::of(&report.recorder.corrected),
         p99_range_ms: None,
         p99_excl_lag_ms: rate.map(|_| ms_at(&report.recorder.excl_lag, 99.0)),
+        cpu_us_per_request: per_request(cpu_before.0, cpu_after.0),
+        upstream_cpu_us_per_request: per_request(cpu_before.1, cpu_after.1),
+        cpu_per_upstream_cpu: None,
+    };
+    let row = Row {
+        cpu_per_upstream_cpu: match (row.cpu_us_per_request, row.upstream_cpu_us_per_request) {
+            (Some(c), Some(u)) if u > 0.0 => Some((c / u * 1000.0).round() / 1000.0),
+            _ => None,
+        },
+        ..row
     };
     Ok(Measured { row, report })
 }
@@ -268,8 +313,15 @@ pub fn combine(rounds: Vec<Measured>) -> Option<Measured> {
         max: med(|r| r.latency_ms.max),
     };
     let rps = round2(med(|r| r.rps));
-    let excl: Option<Vec<f64>> = rounds.iter().map(|m| m.row.p99_excl_lag_ms).collect();
-    let p99_excl_lag_ms = excl.map(|v| median(&v));
+    let med_opt = |f: fn(&Row) -> Option<f64>| {
+        let v: Option<Vec<f64>> = rounds.iter().map(|m| f(&m.row)).collect();
+        v.map(|v| median(&v))
+    };
+    let p99_excl_lag_ms = med_opt(|r| r.p99_excl_lag_ms);
+    let cpu_us_per_request = med_opt(|r| r.cpu_us_per_request);
+    let upstream_cpu_us_per_request = med_opt(|r| r.upstream_cpu_us_per_request);
+    // Each round's own ratio, then the median: both sides of a ratio from the same run.
+    let cpu_per_upstream_cpu = med_opt(|r| r.cpu_per_upstream_cpu);
     let errors = rounds.iter().map(|m| m.row.errors).sum();
     let pick = rounds.into_iter().min_by(|a, b| {
         let d = |m: &Measured| (m.row.latency_ms.p99 - latency_ms.p99).abs();
@@ -281,6 +333,9 @@ pub fn combine(rounds: Vec<Measured>) -> Option<Measured> {
         latency_ms,
         p99_range_ms: Some([lo, hi]),
         p99_excl_lag_ms,
+        cpu_us_per_request,
+        upstream_cpu_us_per_request,
+        cpu_per_upstream_cpu,
         ..pick.row
     };
     Some(Measured {
@@ -307,6 +362,17 @@ pub fn measure_rounds(
         }
     }
     Ok(per_target.into_iter().filter_map(combine).collect())
+}
+
+/// The CPU/req column: `11.6us (2.41×)`, or the upstream's own when measured directly.
+fn fmt_cpu(r: &Row) -> String {
+    match (r.cpu_us_per_request, r.cpu_per_upstream_cpu) {
+        (Some(c), Some(k)) => format!("{c:.1}us ({k:.2}×)"),
+        (Some(c), None) => format!("{c:.1}us"),
+        (None, _) => r
+            .upstream_cpu_us_per_request
+            .map_or("–".into(), |u| format!("{u:.1}us (upstream)")),
+    }
 }
 
 fn round2(x: f64) -> f64 {
@@ -342,16 +408,18 @@ impl Outcome {
         let _ = writeln!(
             out,
             "{} interleaved round(s) per row: medians across rounds (errors summed); p99 range = lowest–highest p99 of the rounds; \
-             p99 excl. lag (open loop) = p99 without the generator's lag in sending, still corrected for coordinated omission.\n",
+             p99 excl. lag (open loop) = p99 without the generator's lag in sending, still corrected for coordinated omission; \
+             CPU/req = CPU time (user + system) the target's processes used per request, and in brackets ÷ its upstream's in the same runs \
+             (the upstream does the same work for every target, so this ratio compares targets measured while the machine's speed drifted).\n",
             self.rounds
         );
         let _ = writeln!(
             out,
-            "| target | variant | rps | errors | p50 | p90 | p99 | p99 range | p99 excl. lag | p99.9 | p99.99 | max | rps ÷ direct | p99 ÷ direct |"
+            "| target | variant | rps | errors | p50 | p90 | p99 | p99 range | p99 excl. lag | p99.9 | p99.99 | max | CPU/req (÷ upstream's) | rps ÷ direct | p99 ÷ direct |"
         );
         let _ = writeln!(
             out,
-            "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
+            "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
         );
         for m in &self.measured {
             let r = &m.row;
@@ -367,7 +435,7 @@ impl Outcome {
             };
             let _ = writeln!(
                 out,
-                "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {rr} | {pr} |",
+                "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {rr} | {pr} |",
                 r.target,
                 r.variant,
                 r.rps,
@@ -383,7 +451,8 @@ impl Outcome {
                 r.p99_excl_lag_ms.map_or("–".into(), fmt_ms),
                 fmt_ms(l.p99_9),
                 fmt_ms(l.p99_99),
-                fmt_ms(l.max)
+                fmt_ms(l.max),
+                fmt_cpu(r)
             );
         }
         let _ = writeln!(out);
@@ -535,6 +604,9 @@ mod tests {
                 },
                 p99_range_ms: None,
                 p99_excl_lag_ms: Some(p99 / 2.0),
+                cpu_us_per_request: Some(rps / 100.0),
+                upstream_cpu_us_per_request: Some(p99),
+                cpu_per_upstream_cpu: Some(rps / 100.0 / p99),
             },
             report,
         }
@@ -561,6 +633,10 @@ mod tests {
         assert_eq!(r.p99_range_ms, Some([1.7, 24.0]));
         // The median of 0.85, 12.0 and 1.0.
         assert_eq!(r.p99_excl_lag_ms, Some(1.0));
+        assert_eq!(r.cpu_us_per_request, Some(10.0));
+        assert_eq!(r.upstream_cpu_us_per_request, Some(2.0));
+        // The median of each round's own ratio (10/1.7, 9/24, 11/2), not 10 ÷ 2.
+        assert_eq!(r.cpu_per_upstream_cpu, Some(5.5));
         assert!(combine(Vec::new()).is_none());
         let v = serde_json::to_value(r).unwrap();
         assert_eq!(v["p99_range_ms"], json!([1.7, 24.0]));

@@ -20,6 +20,7 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
         name: "direct",
         variant_suffix: "",
         addr: up,
+        upstream: None,
     }];
     start_proxies(&mut env, up, "", &mut targets, &mut notes);
     // nginx again, doing the same header work as tailgate (forwarding headers, request id).
@@ -29,6 +30,7 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
                 name: "nginx-fwd",
                 variant_suffix: "",
                 addr,
+                upstream: Some(up),
             }),
             Err(e) => notes.push(format!("nginx-fwd: not measured: {e}")),
         }

@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 /// Pids of live children, for the signal thread.
 static LIVE: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+/// Each child's pid by the address it listens on, for CPU accounting ([`pid_listening_on`]).
+static LISTENING: Mutex<Vec<(SocketAddr, u32)>> = Mutex::new(Vec::new());
 /// Temp dirs to remove on a signal.
 static DIRS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
@@ -155,6 +157,9 @@ impl Env {
         if let Ok(mut live) = LIVE.lock() {
             live.push(child.id());
         }
+        if let Ok(mut l) = LISTENING.lock() {
+            l.push((ready_addr, child.id()));
+        }
         self.procs.push(Proc {
             name: name.to_string(),
             child,
@@ -248,5 +253,72 @@ impl Drop for Env {
         if let Ok(mut d) = DIRS.lock() {
             d.retain(|x| x != &self.dir);
         }
+    }
+}
+
+/// The pid of the child this scenario started listening on `addr` (started through
+/// `taskset`, which execs the program: the same pid).
+pub fn pid_listening_on(addr: SocketAddr) -> Option<u32> {
+    let l = LISTENING.lock().ok()?;
+    l.iter()
+        .rev()
+        .find(|(a, _)| *a == addr)
+        .map(|&(_, pid)| pid)
+}
+
+/// CPU time used so far by process `pid`, all its threads and all its descendants (nginx's
+/// workers are children of its master), in nanoseconds: the first field of each thread's
+/// `/proc/PID/task/TID/schedstat`, which counts nanoseconds (`/proc/PID/stat` counts 10 ms
+/// ticks, too coarse for a 3 s run). `None` when the process is gone or there is no `/proc`.
+pub fn cpu_ns(pid: u32) -> Option<u64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let mut total = 0u64;
+    for task in tasks.flatten() {
+        let dir = task.path();
+        if let Some(ns) = std::fs::read_to_string(dir.join("schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        {
+            total += ns;
+        }
+        let children = std::fs::read_to_string(dir.join("children")).unwrap_or_default();
+        for child in children
+            .split_whitespace()
+            .filter_map(|c| c.parse::<u32>().ok())
+        {
+            total += cpu_ns(child).unwrap_or(0);
+        }
+    }
+    Some(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A descendant's CPU counts toward its ancestor's: a shell whose grandchild spins
+    /// (under `timeout`, which ends it whatever happens to the test).
+    #[test]
+    fn cpu_of_a_process_includes_its_descendants() {
+        let mut sh = Command::new("sh")
+            .args(["-c", "timeout 2 sh -c 'while :; do :; done' & wait"])
+            .spawn()
+            .expect("start sh");
+        let pid = sh.id();
+        std::thread::sleep(Duration::from_millis(300));
+        let busy = cpu_ns(pid).expect("a live process has a CPU time");
+        let own = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/schedstat"))
+            .expect("schedstat")
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .expect("a number");
+        let _ = sh.kill();
+        let _ = sh.wait();
+        assert!(
+            busy > own + 50_000_000,
+            "the spinning child's CPU is counted: {busy} ns in all, {own} ns the parent's"
+        );
+        assert_eq!(cpu_ns(pid), None, "a reaped process has none");
     }
 }

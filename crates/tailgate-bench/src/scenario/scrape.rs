@@ -52,11 +52,13 @@ pub fn run(opts: &Options, tailgate_exe: &std::path::Path) -> Result<Outcome, Sc
             name: "tailgate",
             variant_suffix: "+no-scraper",
             addr,
+            upstream: Some(up),
         },
         Target {
             name: "tailgate",
             variant_suffix: "+scraper-every-1s",
             addr,
+            upstream: Some(up),
         },
     ];
     let rounds = opts.rounds.max(1);
