@@ -167,9 +167,18 @@ fn scenario_json_has_the_documented_shape() {
     assert!(results.iter().any(|r| r["target"] == "direct"));
     for r in results {
         let open = r["variant"].as_str().unwrap().starts_with("open-");
-        // Open-loop rows also carry the p99 without the generator's lag.
-        let fields = if open { 7 } else { 6 };
+        let direct = r["target"] == "direct";
+        // Open-loop rows also carry the p99 without the generator's lag; every row the
+        // upstream's CPU per request, proxies their own and its ratio to the upstream's.
+        let fields = 6 + usize::from(open) + if direct { 1 } else { 3 };
         assert_eq!(r.as_object().unwrap().len(), fields, "{r}");
+        let up_cpu = r["upstream_cpu_us_per_request"].as_f64().unwrap();
+        assert!(up_cpu > 0.0, "{r}");
+        if !direct {
+            let cpu = r["cpu_us_per_request"].as_f64().unwrap();
+            let ratio = r["cpu_per_upstream_cpu"].as_f64().unwrap();
+            assert!(cpu > 0.0 && ratio > 0.0, "{r}");
+        }
         let range = r["p99_range_ms"].as_array().unwrap();
         let (lo, hi) = (range[0].as_f64().unwrap(), range[1].as_f64().unwrap());
         let p99 = r["latency_ms"]["p99"].as_f64().unwrap();
