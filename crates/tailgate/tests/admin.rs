@@ -801,6 +801,8 @@ async fn refused_heads_are_counted() {
     let gw = two_tenants(up, "[server]\nworkers = 1\nmax_header_bytes = 1024\n");
     let chunked: &[u8] =
         b"POST /h HTTP/1.1\r\nHost: nowhere.test\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n";
+    // The JSON bodies of every answer (refusals, and the chunked request's 404).
+    let mut body_bytes = 0usize;
     for prefix in [&b""[..], chunked] {
         for bytes in [
             &b"GET / HTTP/1.1\r\nHost: acme.test\r\nX-Bad: a\x01b\r\n\r\n"[..],
@@ -809,6 +811,11 @@ async fn refused_heads_are_counted() {
         ] {
             let (text, closed) = raw(gw.addr, &[prefix, bytes].concat(), Duration::from_secs(5)).await;
             assert!(closed, "{text}");
+            body_bytes += text
+                .split("HTTP/1.1 ")
+                .filter_map(|r| r.split_once("\r\n\r\n"))
+                .map(|(_, body)| body.len())
+                .sum::<usize>();
             let last = &text[text.rfind("HTTP/1.1 ").unwrap()..];
             assert!(last.starts_with("HTTP/1.1 4") && last.contains("\"request_id\""), "{text}");
         }
@@ -821,6 +828,14 @@ async fn refused_heads_are_counted() {
         )
     };
     assert_eq!(none("bad_request"), 4.0);
+    // Error bodies count as body bytes out, refusals' and the pipeline's alike.
+    assert_eq!(
+        ex.value(
+            "tailgate_response_body_bytes_total",
+            &[("tenant", ""), ("route", "")]
+        ),
+        body_bytes as f64
+    );
     assert_eq!(none("header_too_large"), 2.0);
     assert_eq!(
         ex.value(

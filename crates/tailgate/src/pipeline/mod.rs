@@ -172,19 +172,25 @@ pub async fn handle(
         worker.metrics.clone(),
         conn.activity.clone(),
     );
+    // An answer to HEAD carries no body: its error body is not sent, nor counted.
+    let head_request = req.method() == http::Method::HEAD;
     let fail = |rec: &mut ExchangeRecorder,
                 e: ProxyError|
      -> Result<Response<RespBody>, Infallible> {
         if let Some(ex) = rec.exchange_mut() {
             ex.status = e.status().as_u16();
         }
+        let (parts, b) = e
+            .to_response(&request_id, &settings.request_id_header)
+            .into_parts();
+        // The error's body counts as body bytes out, as an upstream's would.
+        if !head_request {
+            rec.add_bytes_out(b.len() as u64);
+        }
         rec.fail(e.code());
         if e.is_upstream() {
             tracing::debug!(request.id = request_id.to_str().unwrap_or("-"), error = %e, "upstream error");
         }
-        let (parts, b) = e
-            .to_response(&request_id, &settings.request_id_header)
-            .into_parts();
         Ok(close_after_refused_upgrade(
             Response::from_parts(parts, RespBody::full(b)),
             sticky,
