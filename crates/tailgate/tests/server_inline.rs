@@ -336,13 +336,11 @@ async fn ri_partial_head_is_closed_after_the_header_timeout() {
     assert_eq!(hits.load(Ordering::SeqCst), 1);
 }
 
-/// On a connection hyper's server took (a chunked request hands it over), a pipelined head
-/// left incomplete while the request before it waits for a slow upstream does not start
-/// its header timer until that request is answered: the answer arrives, then the
-/// incomplete head still gets its full `header_read_timeout`, as nginx times a head only
-/// once it starts reading it.
-#[tokio::test]
-async fn ri_pipelined_partial_head_waits_for_the_request_in_flight() {
+/// A gateway with a 300 ms header timeout (and a 60 s idle timeout), and a connection on
+/// which a chunked request (handing the connection to hyper's server) that the upstream
+/// answers after 900 ms is followed by the start of a pipelined head; returns once that
+/// request's answer has arrived.
+async fn partial_head_behind_a_slow_request() -> (TestGateway, TcpStream, Arc<AtomicUsize>) {
     let (up, hits) = path_upstream().await;
     let gw = TestGateway::to(
         up,
@@ -360,6 +358,16 @@ async fn ri_pipelined_partial_head_waits_for_the_request_in_flight() {
         "POST /a ok",
         "the request in flight is answered"
     );
+    (gw, s, hits)
+}
+
+/// On a connection hyper's server took, a pipelined head left incomplete while the request
+/// before it waits for a slow upstream does not start its header timer until that request
+/// is answered: the answer arrives, then the incomplete head still gets its full
+/// `header_read_timeout`, as nginx times a head only once it starts reading it.
+#[tokio::test]
+async fn ri_pipelined_partial_head_waits_for_the_request_in_flight() {
+    let (_gw, mut s, hits) = partial_head_behind_a_slow_request().await;
     // The head's timer started with the answer: the rest of it, sent at once, is in time.
     s.write_all(b"st: a\r\n\r\n").await.unwrap();
     let got = read_responses(&mut s, 1).await;
@@ -376,19 +384,7 @@ async fn ri_pipelined_partial_head_waits_for_the_request_in_flight() {
 /// after the answer before it, not left for the idle timeout (60 s here).
 #[tokio::test]
 async fn ri_pipelined_partial_head_left_silent_is_cut_off_after_the_answer() {
-    let (up, hits) = path_upstream().await;
-    let gw = TestGateway::to(
-        up,
-        "[server]\nworkers = 1\nheader_read_timeout = \"300ms\"\nidle_timeout = \"60s\"\n",
-    );
-    let mut s = connect(gw.addr).await;
-    s.write_all(
-        b"POST /a?delay=900 HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\nGET /b HTTP/1.1\r\nHo",
-    )
-    .await
-    .unwrap();
-    let got = read_responses(&mut s, 1).await;
-    assert_eq!(got[0].body(), "POST /a ok");
+    let (_gw, mut s, hits) = partial_head_behind_a_slow_request().await;
     let (text, closed) = read_until_close(&mut s, WAIT).await;
     assert!(closed && text.is_empty(), "{text:?}");
     assert_eq!(hits.load(Ordering::SeqCst), 1);
