@@ -365,12 +365,20 @@ async fn a_target_too_long_gets_the_json_414() {
     let (up, hits) = counting_upstream().await;
     let gw = TestGateway::to(up, "[server]\nmax_header_bytes = 131072\n");
     let long = format!("GET /{} HTTP/1.1\r\nHost: a\r\n\r\n", "a".repeat(70_000));
+    // The target is checked before the body headers, on both servers.
+    let long_and_bad_length = format!(
+        "POST /{} HTTP/1.1\r\nHost: a\r\nContent-Length: 1, 2\r\n\r\nx",
+        "a".repeat(70_000)
+    );
     let hand_over: &[u8] =
         b"POST /h HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n";
-    for prefix in [&b""[..], hand_over] {
+    for (prefix, head) in [&b""[..], hand_over]
+        .into_iter()
+        .flat_map(|p| [(p, &long), (p, &long_and_bad_length)])
+    {
         let (text, closed) = raw(
             gw.addr,
-            &[prefix, long.as_bytes()].concat(),
+            &[prefix, head.as_bytes()].concat(),
             Duration::from_secs(5),
         )
         .await;
@@ -381,8 +389,8 @@ async fn a_target_too_long_gets_the_json_414() {
     }
     assert_eq!(
         hits.load(Ordering::SeqCst),
-        1,
-        "only the chunked request went upstream"
+        2,
+        "only the chunked requests went upstream"
     );
 }
 

@@ -47,7 +47,7 @@ use http_body::{Body, Frame};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::time::Sleep;
 
-use super::head::{self, BodyHeaders, MAX_HEADERS, content_length};
+use super::head::{self, BodyHeaders, MAX_HEADERS, MAX_URI_LEN, content_length};
 use crate::pipeline::body::{ReqBody, RespBody};
 use crate::pipeline::error::ProxyError;
 use crate::pipeline::headers::{name_from_wire, put_header, token_in};
@@ -303,6 +303,11 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
             name: at(name),
             value: at(h.value),
         });
+    }
+    // The target's length before the body headers, as hyper's server (and the guard) check
+    // them; the rest of the target is parsed in `build`.
+    if path.len() > MAX_URI_LEN {
+        return Err(Unserved::Refused(head::HeadFault::UriTooLong.into()));
     }
     if let Err(f) = body.check(http10) {
         return Err(Unserved::Refused(f.into()));
