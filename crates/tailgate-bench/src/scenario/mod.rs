@@ -244,19 +244,25 @@ pub fn measure_with(
         .upstream
         .and_then(|_| procs::pid_listening_on(target.addr));
     let upstream_pid = procs::pid_listening_on(target.upstream.unwrap_or(target.addr));
-    let cpu_before = (
-        proxy_pid.and_then(procs::cpu_ns),
-        upstream_pid.and_then(procs::cpu_ns),
-    );
+    let cpu = || {
+        (
+            proxy_pid.and_then(procs::cpu_ns),
+            upstream_pid.and_then(procs::cpu_ns),
+        )
+    };
+    let cpu_before = cpu();
     let report = load::run(spec)?;
-    let cpu_after = (
-        proxy_pid.and_then(procs::cpu_ns),
-        upstream_pid.and_then(procs::cpu_ns),
-    );
+    let cpu_after = cpu();
     let requests = report.rps() * (opts.duration + opts.warmup).as_secs_f64();
     let per_request = |before: Option<u64>, after: Option<u64>| -> Option<f64> {
         let used = after?.checked_sub(before?)?;
         (requests >= 1.0).then(|| round2(used as f64 / 1000.0 / requests))
+    };
+    let cpu_us_per_request = per_request(cpu_before.0, cpu_after.0);
+    let upstream_cpu_us_per_request = per_request(cpu_before.1, cpu_after.1);
+    let cpu_per_upstream_cpu = match (cpu_us_per_request, upstream_cpu_us_per_request) {
+        (Some(c), Some(u)) if u > 0.0 => Some((c / u * 1000.0).round() / 1000.0),
+        _ => None,
     };
     let row = Row {
         target: target.name.to_string(),
@@ -266,16 +272,9 @@ pub fn measure_with(
         latency_ms: LatencySummary::of(&report.recorder.corrected),
         p99_range_ms: None,
         p99_excl_lag_ms: rate.map(|_| ms_at(&report.recorder.excl_lag, 99.0)),
-        cpu_us_per_request: per_request(cpu_before.0, cpu_after.0),
-        upstream_cpu_us_per_request: per_request(cpu_before.1, cpu_after.1),
-        cpu_per_upstream_cpu: None,
-    };
-    let row = Row {
-        cpu_per_upstream_cpu: match (row.cpu_us_per_request, row.upstream_cpu_us_per_request) {
-            (Some(c), Some(u)) if u > 0.0 => Some((c / u * 1000.0).round() / 1000.0),
-            _ => None,
-        },
-        ..row
+        cpu_us_per_request,
+        upstream_cpu_us_per_request,
+        cpu_per_upstream_cpu,
     };
     Ok(Measured { row, report })
 }

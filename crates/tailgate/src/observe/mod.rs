@@ -112,11 +112,6 @@ impl ConnActivity {
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 
-    /// Whether a request is being answered.
-    pub fn in_flight(&self) -> bool {
-        self.in_flight.load(Ordering::Relaxed) > 0
-    }
-
     /// When the connection may be closed for idleness, or `None` while a request is in flight.
     pub fn idle_deadline(&self, idle: Duration) -> Option<Instant> {
         if self.in_flight.load(Ordering::Relaxed) > 0 {

@@ -85,8 +85,8 @@ impl ConnInfo {
 }
 
 /// The answer to a request head refused before any server parsed it into a request (the
-/// inline server's, or the smuggling guard's in front of hyper's): its JSON error with
-/// `connection: close`, recorded like a request (method `-`, target `*`, no route) for the
+/// inline server's, or the smuggling guard's in front of hyper's): its JSON error, which
+/// says `connection: close` as every malformed-request error does, recorded like a request (method `-`, target `*`, no route) for the
 /// metrics and the access log before it is written, as every error is.
 pub fn refusal_response(worker: &Worker, info: &ConnInfo, e: &ProxyError) -> Response<RespBody> {
     let shared = &worker.shared;
@@ -112,12 +112,9 @@ pub fn refusal_response(worker: &Worker, info: &ConnInfo, e: &ProxyError) -> Res
         worker.metrics.clone(),
         info.activity.clone(),
     );
-    let (mut parts, body) = e
+    let (parts, body) = e
         .to_response(&id, &shared.settings.request_id_header)
         .into_parts();
-    parts
-        .headers
-        .insert(header::CONNECTION, HeaderValue::from_static("close"));
     rec.add_bytes_out(body.len() as u64);
     rec.fail(e.code());
     Response::from_parts(parts, RespBody::full(body))

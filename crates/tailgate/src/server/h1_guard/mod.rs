@@ -28,10 +28,9 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
-
-use std::sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
@@ -64,10 +63,9 @@ pub struct H1Guard<T> {
     /// The connection: its requests in flight (a head is not timed while one is
     /// answered), and where a refused head's error is left for the pipeline.
     info: Option<Arc<ConnInfo>>,
-    /// What hyper is fed in place of what was refused.
-    stand_in: std::borrow::Cow<'static, [u8]>,
-    /// The stand-in is a request the pipeline answers (not bytes hyper rejects).
-    stand_in_answered: bool,
+    /// The request hyper is fed in place of a refused head, which the pipeline answers
+    /// (`None`: [`POISON`], which hyper rejects itself).
+    stand_in: Option<Vec<u8>>,
 }
 
 impl<T> H1Guard<T> {
@@ -87,8 +85,7 @@ impl<T> H1Guard<T> {
             header_timeout,
             deadline: None,
             info: None,
-            stand_in: std::borrow::Cow::Borrowed(POISON),
-            stand_in_answered: false,
+            stand_in: None,
         }
     }
 
@@ -187,13 +184,13 @@ impl<T> H1Guard<T> {
                     token,
                     error: fault.into(),
                 });
-                self.stand_in = format!(
-                    "GET / HTTP/1.1\r\nhost: refused.invalid\r\nconnection: close\r\n\
-                     {REFUSED_HEAD_HEADER}: {token}\r\n\r\n"
-                )
-                .into_bytes()
-                .into();
-                self.stand_in_answered = true;
+                self.stand_in = Some(
+                    format!(
+                        "GET / HTTP/1.1\r\nhost: refused.invalid\r\nconnection: close\r\n\
+                         {REFUSED_HEAD_HEADER}: {token}\r\n\r\n"
+                    )
+                    .into_bytes(),
+                );
             }
         }
     }
@@ -246,12 +243,7 @@ impl<T: AsyncRead + Unpin> H1Guard<T> {
         match Pin::new(&mut self.inner).poll_read(cx, out) {
             Poll::Ready(Ok(())) => {}
             Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-            Poll::Pending => {
-                return match self.poll_head_timer(cx) {
-                    Poll::Ready(e) => Poll::Ready(Err(e)),
-                    Poll::Pending => Poll::Pending,
-                };
-            }
+            Poll::Pending => return self.poll_head_timer(cx).map(Err),
         }
         let read = &out.filled()[before..];
         if read.is_empty() {
@@ -310,14 +302,16 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
             if let State::Refused { fed } = this.framing.state
                 && this.release == this.start
             {
-                let n = (this.stand_in.len() - fed).min(out.remaining());
-                if n == 0 && this.stand_in_answered {
+                let answered = this.stand_in.is_some();
+                let stand_in = this.stand_in.as_deref().unwrap_or(POISON);
+                let n = (stand_in.len() - fed).min(out.remaining());
+                if n == 0 && answered {
                     // Not the end of the stream: hyper's server drops a connection whose
                     // stream ends while a request is in flight, before answering it. The
                     // stand-in asks for `connection: close`; hyper closes after its answer.
                     return Poll::Pending;
                 }
-                out.put_slice(&this.stand_in[fed..fed + n]);
+                out.put_slice(&stand_in[fed..fed + n]);
                 this.framing.state = State::Refused { fed: fed + n };
                 return Poll::Ready(Ok(()));
             }
@@ -379,10 +373,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                     // socket runs dry, not for the usual head that arrives whole in one
                     // read: from its first bytes (read in this same call, or earlier) on.
                     this.arm_head_timer();
-                    return match this.poll_head_timer(cx) {
-                        Poll::Ready(e) => Poll::Ready(Err(e)),
-                        Poll::Pending => Poll::Pending,
-                    };
+                    return this.poll_head_timer(cx).map(Err);
                 }
             }
         }
