@@ -22,11 +22,10 @@
 //! Anything else is not served here: the connection, with every byte not yet served, is
 //! handed to hyper's server behind the smuggling guard for the rest of its life. A head is
 //! handed over only before any of it was acted on, so hyper sees the exact bytes the client
-//! sent. A body of up to 8 KiB that
-//! comes after its head is waited for here, as the rest of a head would be (under the
-//! header read timeout, counted again from each piece of the body that comes, so a body
-//! that stops is cut off and one that keeps coming is not); a larger one streams through
-//! hyper's server.
+//! sent. A body of up to 8 KiB that comes after its head is waited for here, as the rest
+//! of a head would be (under the header read timeout, counted again from each piece of the
+//! body that comes, so a body that stops is cut off and one that keeps coming is not); a
+//! larger one streams through hyper's server.
 //!
 //! The connection's read side is watched while a request is in flight, as hyper's server
 //! watches it: the client's end of stream cancels the request, unless bytes of a pipelined
@@ -368,9 +367,8 @@ fn build(
     path: (usize, usize),
     idx: &[HeaderAt],
 ) -> Result<(Method, Uri, HeaderMap), Unserved> {
-    let target = head.slice(path.0..path.0 + path.1);
-    let Ok(uri) = Uri::from_maybe_shared(target.clone()) else {
-        return Err(Unserved::Refused(head::target_fault(&target).into()));
+    let Ok(uri) = Uri::from_maybe_shared(head.slice(path.0..path.0 + path.1)) else {
+        return Err(Unserved::Refused(head::target_fault(path.1).into()));
     };
     let mut headers = HeaderMap::with_capacity(idx.len());
     for h in idx {

@@ -54,8 +54,8 @@ pub fn parse_fault(e: httparse::Error) -> HeadFault {
 
 /// What is wrong with a request target `http::Uri` refuses (hyper's server parses it the
 /// same way: 400, or 414 over [`MAX_URI_LEN`]).
-pub fn target_fault(target: &[u8]) -> HeadFault {
-    if target.len() > MAX_URI_LEN {
+pub fn target_fault(target_len: usize) -> HeadFault {
+    if target_len > MAX_URI_LEN {
         HeadFault::UriTooLong
     } else {
         HeadFault::Bad("invalid request target")

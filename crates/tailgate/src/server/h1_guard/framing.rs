@@ -123,7 +123,7 @@ impl Framing {
         }
         // The target first, as hyper's server checks it first.
         let target = match req.path {
-            Some(p) if http::Uri::try_from(p).is_err() => Err(head::target_fault(p.as_bytes())),
+            Some(p) if http::Uri::try_from(p).is_err() => Err(head::target_fault(p.len())),
             _ => Ok(()),
         };
         let checked = target.and(body.check(req.version == Some(0)));
