@@ -69,9 +69,34 @@ pub fn serve_blocking(listen: &str, opts: Options) -> std::io::Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let listener = TcpListener::bind(listen).await?;
+        let listener = bind(listen).await?;
         serve(listener, opts).await
     })
+}
+
+/// The listen backlog: tailgate's own listeners' and the kernel's default `somaxconn`.
+/// `TcpListener::bind` asks for 128, and a burst of new connections from a proxy (its pool
+/// growing on a cold start) then overflows the accept queue while the upstream waits for the
+/// CPU: the kernel drops those SYNs and each such request waits a second for the resend,
+/// which would measure this fixture's queue instead of the proxy.
+pub const LISTEN_BACKLOG: i32 = 4096;
+
+/// Binds `listen` (an address, or a name that resolves to one) with [`LISTEN_BACKLOG`].
+pub async fn bind(listen: &str) -> std::io::Result<TcpListener> {
+    let addr = tokio::net::lookup_host(listen)
+        .await?
+        .next()
+        .ok_or_else(|| std::io::Error::other(format!("{listen} resolves to no address")))?;
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    socket.set_reuse_address(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(LISTEN_BACKLOG)?;
+    TcpListener::from_std(socket.into())
 }
 
 /// Serves on an already bound listener until the task is dropped.
@@ -215,5 +240,24 @@ async fn serve_h1(mut stream: TcpStream, r: &Responses, opts: &Options) -> std::
             let _ = stream.shutdown().await;
             return Ok(());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// More connections than `TcpListener::bind`'s backlog of 128 wait in the accept queue
+    /// of a listener that is not accepting yet, instead of having their SYNs dropped.
+    #[tokio::test]
+    async fn a_burst_of_connects_fits_in_the_accept_queue() {
+        let listener = bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let connects = (0..400)
+            .map(|_| tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr)));
+        let done = futures_util::future::join_all(connects).await;
+        let established = done.iter().filter(|r| matches!(r, Ok(Ok(_)))).count();
+        assert_eq!(established, 400, "connects dropped by a full accept queue");
+        drop(listener);
     }
 }
