@@ -57,6 +57,10 @@ const MAX_HEADERS: usize = 100;
 const READ_RESERVE: usize = 8 * 1024;
 /// The longest chunk-size line (size and extensions).
 const MAX_CHUNK_LINE: usize = 4 * 1024;
+/// Interim (1xx) responses skipped before one final response. A server sends one or two
+/// (`100 Continue`, `103 Early Hints`); an endless stream of them is a broken server, which
+/// would otherwise hold the request until its response timeout.
+const MAX_INTERIM: u32 = 32;
 
 /// An upstream connection's socket, plain or TLS: what a connect returns, under either
 /// protocol's connection.
@@ -142,6 +146,11 @@ pub struct H1Conn {
     /// HTTP/1.0 server, or it ended the body by closing): what teaches the pool the
     /// server's requests-per-connection limit. Closes the gateway decides on do not.
     peer_closed: bool,
+    /// Writing this exchange's request body failed part-way: whatever the response head
+    /// says, the server may still be waiting for the rest, so the connection is not reused.
+    body_write_failed: bool,
+    /// Interim responses skipped in this exchange.
+    interim: u32,
     /// The response deadline, re-armed for each request: moving a registered timer later
     /// is one atomic update, where a new timer per request costs a registration in the
     /// runtime's timer wheel and a removal (about 1,400 instructions).
@@ -159,6 +168,8 @@ impl H1Conn {
             sending: None,
             keep_alive: true,
             peer_closed: false,
+            body_write_failed: false,
+            interim: 0,
             timer: None,
         }
     }
@@ -212,6 +223,8 @@ impl H1Conn {
         // lost, a timeout) leaves a connection nobody may pool.
         self.keep_alive = false;
         self.peer_closed = false;
+        self.body_write_failed = false;
+        self.interim = 0;
         let timed = match (deadline, self.timer.as_mut()) {
             (Some(d), Some(t)) => {
                 t.as_mut().reset(d.into());
@@ -278,10 +291,16 @@ impl H1Conn {
     }
 
     /// Has the response deadline passed (registering the task to be woken when it does)?
+    ///
+    /// Polled outside the task's cooperative budget, as `tokio::time::timeout` polls its
+    /// timer: this is asked when a read or write returned `Pending`, which it also does when
+    /// the budget ran out under a steady stream of bytes (a fast upload, a server that never
+    /// stops sending), and a timer polled then would never be seen to fire.
     fn timer_fired(&mut self, cx: &mut Context<'_>) -> bool {
-        self.timer
-            .as_mut()
-            .is_some_and(|t| t.as_mut().poll(cx).is_ready())
+        self.timer.as_mut().is_some_and(|t| {
+            let mut t = tokio::task::coop::unconstrained(t.as_mut());
+            Pin::new(&mut t).poll(cx).is_ready()
+        })
     }
 
     /// The request head into `wbuf`: request line, headers (without the framing ones, which
@@ -413,6 +432,7 @@ impl H1Conn {
                     Poll::Ready(_) => {
                         self.sending = None;
                         self.keep_alive = false;
+                        self.body_write_failed = true;
                         return Ok(());
                     }
                     Poll::Pending => return Ok(()),
@@ -424,6 +444,7 @@ impl H1Conn {
                     Poll::Ready(Err(_)) => {
                         self.sending = None;
                         self.keep_alive = false;
+                        self.body_write_failed = true;
                     }
                     Poll::Pending => {}
                 }
@@ -493,6 +514,10 @@ impl H1Conn {
             let status = StatusCode::from_u16(code)
                 .map_err(|_| H1Error::BadResponse("invalid status code"))?;
             if status.is_informational() && status != StatusCode::SWITCHING_PROTOCOLS {
+                self.interim += 1;
+                if self.interim > MAX_INTERIM {
+                    return Err(H1Error::BadResponse("more than 32 interim (1xx) responses"));
+                }
                 self.rbuf.advance(len);
                 continue;
             }
@@ -548,7 +573,7 @@ impl H1Conn {
             }
             // Any `close` wins; an HTTP/1.0 server keeps the connection only when it says so.
             self.peer_closed = close_token || (version == Version::HTTP_10 && !keep_alive_token);
-            self.keep_alive = !self.peer_closed;
+            self.keep_alive = !self.peer_closed && !self.body_write_failed;
             let no_body = head_request
                 || status == StatusCode::NO_CONTENT
                 || status == StatusCode::NOT_MODIFIED;
@@ -946,6 +971,36 @@ fn parse_chunk_size(line: &[u8]) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+
+    /// The response deadline is seen even when the task's cooperative budget ran out (a
+    /// steady stream of bytes makes every read end that way): a timer polled inside the
+    /// budget then answers `Pending` forever.
+    #[tokio::test]
+    async fn the_deadline_is_seen_with_the_budget_spent() {
+        use std::time::Duration;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let (client, _server) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());
+        let mut conn = H1Conn::new(Transport::Tcp(client.expect("connect")));
+        conn.timer = Some(Box::pin(tokio::time::sleep(Duration::ZERO)));
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for i in 0..1000 {
+            tx.send(i).expect("send");
+        }
+        let fired = std::future::poll_fn(|cx| {
+            let mut spent = 0;
+            while let Poll::Ready(Some(_)) = rx.poll_recv(cx) {
+                spent += 1;
+            }
+            assert!(spent < 1000, "the budget ran out");
+            Poll::Ready(conn.timer_fired(cx))
+        })
+        .await;
+        assert!(fired);
+    }
     use super::*;
 
     #[test]
