@@ -497,6 +497,136 @@ async fn r_absolute_form_target_replaces_the_host_header() {
     assert!(!req.contains("other.test"), "{req}");
 }
 
+/// Login info in an absolute-form target (`user@`) never reaches the upstream's Host or
+/// X-Forwarded-Host: only the host and port route, and only they are sent.
+#[tokio::test]
+async fn r_absolute_form_userinfo_stays_out_of_the_host() {
+    let up = scripted(
+        |_| answer("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
+        false,
+    )
+    .await;
+    let gw = TestGateway::to(up.addr, "");
+    let (text, _) = raw(
+        gw.addr,
+        b"GET http://evil:pw@routed.test:8080/x HTTP/1.1\r\nhost: routed.test:8080\r\n\r\n",
+        Duration::from_millis(500),
+    )
+    .await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    let req = up.requests.lock().unwrap()[0].to_lowercase();
+    assert!(req.contains("\r\nhost: routed.test:8080\r\n"), "{req}");
+    assert!(
+        req.contains("\r\nx-forwarded-host: routed.test:8080\r\n"),
+        "{req}"
+    );
+    assert!(!req.contains("evil"), "{req}");
+}
+
+/// `101 Switching Protocols` to a request that asked for no upgrade is a bad answer (502):
+/// passed on, it would tell the client its connection now speaks another protocol.
+#[tokio::test]
+async fn r_unsolicited_switching_protocols_is_a_502() {
+    let up = scripted(
+        |_| {
+            answer(
+                "HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n",
+                false,
+            )
+        },
+        false,
+    )
+    .await;
+    let r = gets(&up, 1).await.remove(0).expect("an answer");
+    assert_eq!(r.status(), 502, "{:?}", r.headers());
+    assert!(
+        String::from_utf8_lossy(r.body()).contains("upstream_reset"),
+        "{:?}",
+        r.body()
+    );
+}
+
+/// More than 32 interim (1xx) responses before the final one end the exchange with a 502;
+/// a server streaming them would otherwise hold the request until its response timeout.
+#[tokio::test]
+async fn r_endless_interim_responses_are_a_502() {
+    fn flood(_: usize) -> (Vec<u8>, bool) {
+        let mut a = "HTTP/1.1 100 Continue\r\n\r\n".repeat(33);
+        a.push_str("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok");
+        (a.into_bytes(), false)
+    }
+    let up = scripted(flood, false).await;
+    let r = gets(&up, 1).await.remove(0).expect("an answer");
+    assert_eq!(r.status(), 502, "{:?}", r.body());
+}
+
+/// A malformed answer on a reused connection is an answer: the server had the request, so
+/// it is not sent again (only a connection that failed before answering is retried).
+#[tokio::test]
+async fn r_a_malformed_answer_is_not_replayed() {
+    fn script(n: usize) -> (Vec<u8>, bool) {
+        match n {
+            0 => answer("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
+            1 => answer("HTTP/1.1 2x0 Nope\r\n\r\n", true),
+            _ => answer("HTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\nreplayd", false),
+        }
+    }
+    let up = scripted(script, false).await;
+    let got = gets(&up, 2).await;
+    assert_eq!(got[0].as_ref().expect("first").status(), 200);
+    let second = got[1].as_ref().expect("an answer");
+    assert_eq!(second.status(), 502, "{:?}", second.body());
+    assert_eq!(up.requests.lock().unwrap().len(), 2, "sent once each");
+}
+
+/// A request replayed after its reused connection failed gets what is left of its deadline:
+/// with a 3 s total timeout and the failure 2 s in, the resend has about 1 s (the time
+/// already spent was counted twice, which left it none: a 504 at once).
+#[tokio::test]
+async fn r_a_replay_gets_the_rest_of_the_total_deadline() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut first = true;
+        while let Ok((mut s, _)) = l.accept().await {
+            let stall = std::mem::replace(&mut first, false);
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let ok = |body: &str| {
+                    format!(
+                        "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    )
+                };
+                if stall {
+                    read_request(&mut s, &mut buf, false).await;
+                    s.write_all(ok("first").as_bytes()).await.unwrap();
+                    read_request(&mut s, &mut buf, false).await;
+                    // Fails under the second request, without an answer.
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    return;
+                }
+                while read_request(&mut s, &mut buf, false).await.is_some() {
+                    // Well within what is left of the deadline.
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    if s.write_all(ok("resent").as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{addr}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"30s\"\ntotal_timeout = \"3s\"\n"
+    ));
+    let mut c = h1_client(gw.addr).await;
+    let a = fetch(&mut c, "GET", "/").await.expect("first");
+    assert_eq!(a.body(), "first");
+    let b = fetch(&mut c, "GET", "/").await.expect("second");
+    assert_eq!(b.status(), 200, "{:?}", b.body());
+    assert_eq!(b.body(), "resent");
+}
+
 /// A response whose last transfer coding is not chunked (here gzip) is read until close;
 /// its Transfer-Encoding header is hop-by-hop and removed, so the client must not get the
 /// still-gzip-coded bytes as if they were the identity body (nginx answers 502).

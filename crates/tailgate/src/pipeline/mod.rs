@@ -303,7 +303,11 @@ async fn forward(
     // (or HTTP/2's `:authority`) routed the request, so its authority replaces any Host
     // the client sent (RFC 9112 §3.2.2).
     let (host_value, host_missing) = match parts.uri.authority() {
-        Some(a) => (HeaderValue::from_str(a.as_str()).ok(), true),
+        // Without any `user@` in it: the Host names a host (RFC 9112 §3.2.2).
+        Some(a) => (
+            HeaderValue::from_str(a.as_str().rsplit('@').next().unwrap_or_default()).ok(),
+            true,
+        ),
         None => (parts.headers.get(header::HOST).cloned(), false),
     };
     // `TE: trailers` is kept for HTTP/2 upstreams (gRPC servers require it); the
@@ -460,8 +464,9 @@ async fn forward(
             Ok(resp)
         }
     };
-    let left =
-        || remaining(route.response_timeout, total_deadline).saturating_sub(t_send.elapsed());
+    // A resend (connect included) gets what is left of this request's response deadline,
+    // which the total deadline already cut short when it comes first.
+    let left = || deadline.saturating_duration_since(Instant::now());
     let result = match sent {
         Ok(resp) => Ok(resp),
         // The connection closed before the request was written: sending it again on a
@@ -484,10 +489,11 @@ async fn forward(
         // Written, then the connection failed before a response: replay it once on a fresh
         // connection (idempotent and bodiless only; never a POST unless the route says its
         // requests are idempotent, then with its body if it was read whole within the
-        // copy's limit).
+        // copy's limit). A malformed answer is an answer: the server had the request.
         Err(e)
             if may_replay
                 && e.req_body_error().is_none()
+                && !e.malformed_response()
                 && let Some(body) = replay_body()
                 && cluster.try_spend_retry() =>
         {
@@ -527,10 +533,15 @@ async fn forward(
     }
 
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        // A switch the client did not ask for cannot be passed on: the client would be
+        // told the connection now speaks another protocol, with no tunnel behind it.
+        let Some(client_upgrade) = client_upgrade else {
+            return Err(ProxyError::UpstreamReset(
+                "101 Switching Protocols to a request that did not ask to upgrade".into(),
+            ));
+        };
         let (mut parts, _) = resp.into_parts();
-        if let Some(client_upgrade) = client_upgrade
-            && let Some(mut upstream) = up.into_upgraded()
-        {
+        if let Some(mut upstream) = up.into_upgraded() {
             let tunnel_conn = conn.clone();
             tokio::spawn(async move {
                 let _hold = tunnel_conn;
@@ -625,10 +636,13 @@ fn send_on_new<'a>(
     left: Duration,
 ) -> std::pin::Pin<Box<impl std::future::Future<Output = Resent> + 'a>> {
     Box::pin(async move {
-        *up = pool.connect().await?;
-        tokio::time::timeout(left, up.send(parts, added, body, None))
+        let resend = async {
+            *up = pool.connect().await?;
+            Ok(up.send(parts, added, body, None).await)
+        };
+        tokio::time::timeout(left, resend)
             .await
-            .map_err(|_| ProxyError::UpstreamTimeout)
+            .unwrap_or(Err(ProxyError::UpstreamTimeout))
     })
 }
 

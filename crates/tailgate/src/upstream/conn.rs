@@ -112,6 +112,16 @@ impl SendError {
         }
     }
 
+    /// Did the upstream answer with something that is not a valid response? It had the
+    /// request and answered it, so the request is not sent again.
+    pub fn malformed_response(&self) -> bool {
+        match self {
+            SendError::H1(H1Error::BadResponse(_)) => true,
+            SendError::Hyper(e) => e.is_parse() || e.is_parse_status(),
+            _ => false,
+        }
+    }
+
     /// Did the upstream refuse the request before processing any of it (HTTP/2)?
     pub fn refused_before_processing(&self) -> bool {
         matches!(self, SendError::Hyper(e) if refused_before_processing(e))
