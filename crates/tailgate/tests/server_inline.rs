@@ -336,6 +336,27 @@ async fn ri_partial_head_is_closed_after_the_header_timeout() {
     assert_eq!(hits.load(Ordering::SeqCst), 1);
 }
 
+/// A small body's wait is timed on its own: a head that took most of `header_read_timeout`
+/// to arrive, followed by a body that comes within that timeout of the head, is served
+/// (the head's timer, left running, cut it off with no answer).
+#[tokio::test]
+async fn ri_small_body_gets_its_own_timer_after_a_slow_head() {
+    let (up, _) = path_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"2s\"\nidle_timeout = \"60s\"\n",
+    );
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"POST /slow HTTP/1.1\r\nHost: a\r\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    s.write_all(b"Content-Length: 3\r\n\r\nx").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    s.write_all(b"yz").await.unwrap();
+    assert_eq!(read_responses(&mut s, 1).await[0].body(), "POST /slow xyz");
+}
+
 /// A gateway with a 300 ms header timeout (and a 60 s idle timeout), and a connection on
 /// which a chunked request (handing the connection to hyper's server) that the upstream
 /// answers after 900 ms is followed by the start of a pipelined head; returns once that

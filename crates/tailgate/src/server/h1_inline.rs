@@ -110,7 +110,13 @@ where
                         return Ended::Closed;
                     }
                     Err(Unserved::Partial) => {}
-                    Err(Unserved::Body) => body_on_its_way = true,
+                    // The head is whole: the wait for its body is timed on its own, from
+                    // the next time the socket runs dry, not from the head's first pause.
+                    Err(Unserved::Body) if !body_on_its_way => {
+                        body_on_its_way = true;
+                        head_deadline = None;
+                    }
+                    Err(Unserved::Body) => {}
                 }
             }
             let waited = std::future::poll_fn(|cx| {
