@@ -307,10 +307,7 @@ fn run_worker(
         .enable_all()
         .build()
     {
-        Ok(rt) => {
-            let _ = handle_tx.send(rt.handle().clone());
-            rt
-        }
+        Ok(rt) => rt,
         Err(e) => {
             tracing::error!(error = %e, "cannot build a worker runtime");
             return;
@@ -329,6 +326,10 @@ fn run_worker(
         for (socket, listener) in sockets {
             tokio::spawn(listener::accept_loop(socket, listener, worker.clone(), spawner.clone(), shutdown.clone(), drain.clone()));
         }
+        // Handed out only now: whatever is spawned through it queues behind the probe and
+        // the accept loops (a task spawned first would run before the probe even started,
+        // and a stall in it would go unmeasured).
+        let _ = handle_tx.send(tokio::runtime::Handle::current());
         drop(drain);
         let _ = shutdown.wait_for(|stop| *stop).await;
         // Every token dropped (accept loops gone, connections closed) ends the wait.
