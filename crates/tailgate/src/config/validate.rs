@@ -77,6 +77,32 @@ impl Checker<'_> {
         }
     }
 
+    /// A timeout: a [`duration`](Self::duration) longer than zero (a zero timeout would
+    /// cut off every request, connection or head at once).
+    pub(super) fn timeout(
+        &mut self,
+        v: &Option<Spanned<String>>,
+        field: String,
+        default: Duration,
+    ) -> Duration {
+        let d = self.duration(v, field.clone(), default);
+        if let Some(v) = v
+            && d.is_zero()
+        {
+            self.err(
+                Some(v.span()),
+                field,
+                "a timeout of 0 would cut everything off at once".into(),
+                Some(&format!(
+                    "write a duration longer than 0, e.g. \"{}\", or remove it for that default",
+                    humantime::format_duration(default)
+                )),
+            );
+            return default;
+        }
+        d
+    }
+
     /// The file `v` names (relative to `base_dir`), if it exists; else an error saying
     /// to write the path of a PEM `what`.
     pub(super) fn existing_file(
@@ -114,6 +140,33 @@ impl Checker<'_> {
                 None
             }
         }
+    }
+}
+
+impl Checker<'_> {
+    /// Can a listening socket be bound to `a`? Listeners bind IPv6 addresses IPv6-only, so
+    /// an IPv4-mapped one is refused by the kernel, as is a link-local one with no scope.
+    pub(super) fn bindable(&mut self, a: SocketAddr, v: &Spanned<String>, field: String) -> bool {
+        let SocketAddr::V6(v6) = a else { return true };
+        let (message, hint) = if let Some(v4) = v6.ip().to_ipv4_mapped() {
+            (
+                format!("`{}` is an IPv4 address written as IPv6", v.get_ref()),
+                format!("write it as IPv4: \"{v4}:{}\"", a.port()),
+            )
+        } else if v6.ip().is_unicast_link_local() && v6.scope_id() == 0 {
+            (
+                format!("`{}` is link-local, with no interface named", v.get_ref()),
+                format!(
+                    "add the interface's index: \"[{}%2]:{}\" (`ip link` lists them)",
+                    v6.ip(),
+                    a.port()
+                ),
+            )
+        } else {
+            return true;
+        };
+        self.err(Some(v.span()), field, message, Some(&hint));
+        false
     }
 }
 
@@ -216,12 +269,12 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             "server.shutdown_grace".into(),
             Duration::from_secs(10),
         ),
-        header_read_timeout: c.duration(
+        header_read_timeout: c.timeout(
             &s.header_read_timeout,
             "server.header_read_timeout".into(),
             Duration::from_secs(10),
         ),
-        idle_timeout: c.duration(
+        idle_timeout: c.timeout(
             &s.idle_timeout,
             "server.idle_timeout".into(),
             Duration::from_secs(60),
@@ -342,7 +395,10 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     // [[demo]]
     let mut demos = Vec::new();
     for (i, d) in raw.demo.iter().enumerate() {
-        if let Some(a) = c.address(&d.address, format!("demo[{i}].address")) {
+        if let Some(a) = c
+            .address(&d.address, format!("demo[{i}].address"))
+            .filter(|a| c.bindable(*a, &d.address, format!("demo[{i}].address")))
+        {
             demos.push(a);
         }
     }
@@ -351,7 +407,9 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     let mut listeners = Vec::new();
     let mut seen_addrs: HashSet<SocketAddr> = demos.iter().copied().collect();
     for (i, l) in raw.listener.iter().enumerate() {
-        let address = c.address(&l.address, format!("listener[{i}].address"));
+        let address = c
+            .address(&l.address, format!("listener[{i}].address"))
+            .filter(|a| c.bindable(*a, &l.address, format!("listener[{i}].address")));
         if let Some(a) = address
             && a.port() != 0
             && !seen_addrs.insert(a)
@@ -378,10 +436,24 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 &base_dir,
                 "private key",
             );
-            TlsFiles {
+            let files = TlsFiles {
                 cert: cert.unwrap_or_default(),
                 key: key.unwrap_or_default(),
+            };
+            // Read now, so that `check` finds what `serve` would fail to start with: an
+            // empty file, a key that is not the certificate's, a swapped pair.
+            if !files.cert.as_os_str().is_empty()
+                && !files.key.as_os_str().is_empty()
+                && let Err(e) = crate::listener::tls::acceptor(&files)
+            {
+                c.err(
+                    Some(t.cert.span()),
+                    format!("listener[{i}].tls"),
+                    e.to_string(),
+                    Some("write the paths of a PEM certificate chain (`cert`) and of its own private key (`key`)"),
+                );
             }
+            files
         });
         if let Some(address) = address {
             listeners.push(Listener {
@@ -454,7 +526,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             name,
             endpoints,
             hostnames,
-            connect_timeout: c.duration(
+            connect_timeout: c.timeout(
                 &cl.connect_timeout,
                 format!("cluster[{i}].connect_timeout"),
                 Duration::from_secs(2),
@@ -473,7 +545,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                     Duration::from_secs(300),
                 )
             }),
-            min_warm_connections: cl.min_warm_connections.unwrap_or(0),
+            min_warm_connections: cl.min_warm_connections.as_ref().map_or(0, |m| *m.get_ref()),
             balance: match &cl.balance {
                 None => crate::upstream::Balance::P2c,
                 Some(b) => match b.get_ref().as_str() {
@@ -486,7 +558,14 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 },
             },
             eject_after_failures: cl.eject_after_failures.unwrap_or(5),
-            retry_budget_percent: cl.retry_budget_percent.unwrap_or(10),
+            retry_budget_percent: match &cl.retry_budget_percent {
+                Some(p) if *p.get_ref() > 100 => {
+                    c.err(Some(p.span()), format!("cluster[{i}].retry_budget_percent"), "must be between 0 and 100".into(), Some("10 lets retries add at most a tenth to the requests sent"));
+                    10
+                }
+                Some(p) => *p.get_ref(),
+                None => 10,
+            },
             hedge_budget_percent: match &cl.hedge_budget_percent {
                 Some(p) if *p.get_ref() > 100 => {
                     c.err(Some(p.span()), format!("cluster[{i}].hedge_budget_percent"), "must be between 0 and 100".into(), Some("10 hedges at most one request in ten"));
@@ -574,13 +653,13 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             methods.clone(),
             span,
         ));
-        let response_timeout = c.duration(
+        let response_timeout = c.timeout(
             &r.response_timeout,
             format!("route[{i}].response_timeout"),
             Duration::from_secs(30),
         );
         let total_timeout = r.total_timeout.as_ref().map(|_| {
-            c.duration(
+            c.timeout(
                 &r.total_timeout,
                 format!("route[{i}].total_timeout"),
                 Duration::from_secs(60),
@@ -607,6 +686,24 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     }
 
     let (admin, metrics) = super::admin::check(c, raw.admin.as_ref(), &raw.metrics);
+    // The admin plane binds after the listeners: an address they took would stop the start.
+    if let (Some(a), Some(raw_admin)) = (&admin, &raw.admin) {
+        let clash = |b: &SocketAddr| {
+            a.address.port() != 0
+                && a.address.port() == b.port()
+                && (a.address.ip() == b.ip()
+                    || a.address.ip().is_unspecified()
+                    || b.ip().is_unspecified())
+        };
+        if let Some(b) = seen_addrs.iter().find(|b| clash(b)) {
+            c.err(
+                Some(raw_admin.address.span()),
+                "admin.address".into(),
+                format!("{} is taken by a listener or demo ({b})", a.address),
+                Some("give the admin plane its own port, e.g. \"127.0.0.1:9901\""),
+            );
+        }
+    }
 
     Config {
         source: c.path.to_path_buf(),
@@ -626,10 +723,15 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
 /// Pool settings that would make the warm keeper open connections in a loop, or rotate
 /// connections faster than they can be opened.
 fn pool_limits(c: &mut Checker<'_>, raw: &super::file::RawCluster, i: usize, cl: &Cluster) {
-    let at = Some(raw.name.span());
+    // At the field that says it, else at the cluster's name.
+    let warm_at = Some(
+        raw.min_warm_connections
+            .as_ref()
+            .map_or_else(|| raw.name.span(), |m| m.span()),
+    );
     if cl.min_warm_connections > 0 && cl.min_warm_connections > cl.max_idle_per_endpoint {
         c.err(
-            at.clone(),
+            warm_at.clone(),
             format!("cluster[{i}].min_warm_connections"),
             format!(
                 "{} warm connections cannot be kept with max_idle_per_endpoint = {}",
@@ -639,8 +741,9 @@ fn pool_limits(c: &mut Checker<'_>, raw: &super::file::RawCluster, i: usize, cl:
         );
     }
     if cl.min_warm_connections > 0 && cl.idle_timeout.is_zero() {
+        let idle_at = raw.idle_timeout.as_ref().map(|v| v.span()).or(warm_at);
         c.err(
-            at.clone(),
+            idle_at,
             format!("cluster[{i}].idle_timeout"),
             "warm connections with an idle timeout of 0 would expire as soon as they open".into(),
             Some("write an idle timeout such as \"4s\", or remove min_warm_connections"),
@@ -796,11 +899,68 @@ mod tests {
         let errs = parse_and_validate(Path::new("t.toml"), text)
             .expect_err("looping pool")
             .to_string();
-        assert!(errs.contains("cluster[0].min_warm_connections: 4 warm connections cannot be kept with max_idle_per_endpoint = 2"), "{errs}");
+        assert!(errs.contains("t.toml:6:24: cluster[0].min_warm_connections: 4 warm connections cannot be kept with max_idle_per_endpoint = 2"), "{errs}");
         assert!(
             errs.contains(
                 "t.toml:8:27: cluster[0].max_connection_lifetime: a lifetime of 0ns would rotate"
             ),
+            "{errs}"
+        );
+    }
+
+    #[test]
+    fn settings_that_validate_but_cannot_start_are_refused() {
+        let text = r#"[server]
+header_read_timeout = "0s"
+[admin]
+address = "0.0.0.0:8080"
+[[listener]]
+address = "127.0.0.1:8080"
+[[listener]]
+address = "[::ffff:127.0.0.1]:8081"
+[[listener]]
+address = "[fe80::1]:8082"
+[[cluster]]
+name = "c"
+endpoints = ["127.0.0.1:1"]
+connect_timeout = "0ms"
+retry_budget_percent = 150
+[[route]]
+path_prefix = "/"
+cluster = "c"
+response_timeout = "0s"
+"#;
+        let errs = parse_and_validate(Path::new("t.toml"), text)
+            .expect_err("unstartable")
+            .to_string();
+        for want in [
+            "t.toml:2:23: server.header_read_timeout: a timeout of 0 would cut everything off at once",
+            "t.toml:4:11: admin.address: 0.0.0.0:8080 is taken by a listener or demo (127.0.0.1:8080)",
+            "t.toml:8:11: listener[1].address: `[::ffff:127.0.0.1]:8081` is an IPv4 address written as IPv6",
+            "write it as IPv4: \"127.0.0.1:8081\"",
+            "t.toml:10:11: listener[2].address: `[fe80::1]:8082` is link-local, with no interface named",
+            "t.toml:14:19: cluster[0].connect_timeout: a timeout of 0",
+            "t.toml:15:24: cluster[0].retry_budget_percent: must be between 0 and 100",
+            "t.toml:19:20: route[0].response_timeout: a timeout of 0",
+        ] {
+            assert!(errs.contains(want), "missing {want:?} in:\n{errs}");
+        }
+    }
+
+    /// A listener's certificate and key are read by `check`, not first by `serve`.
+    #[test]
+    fn unreadable_listener_certificates_are_refused() {
+        let dir = tempfile::Builder::new()
+            .prefix("tailgate-config-")
+            .tempdir()
+            .expect("dir");
+        std::fs::write(dir.path().join("empty.pem"), "").expect("write");
+        let text = "[[listener]]\naddress = \"127.0.0.1:0\"\ntls = { cert = \"empty.pem\", key = \"empty.pem\" }\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\n";
+        let errs = parse_and_validate(&dir.path().join("t.toml"), text)
+            .expect_err("no certificate")
+            .to_string();
+        assert!(
+            errs.contains(":3:16: listener[0].tls: cannot read"),
             "{errs}"
         );
     }
