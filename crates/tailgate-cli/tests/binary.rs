@@ -241,6 +241,54 @@ fn serve_config(dir: &Path, port: u16, upstream: SocketAddr, log: &str) -> PathB
     path
 }
 
+/// A second signal during the drain stops the gateway at once (exit 1), without waiting
+/// `shutdown_grace` for a request that is still in flight.
+#[test]
+fn a_second_signal_stops_the_drain() {
+    let up = slow_upstream(Duration::from_secs(20));
+    let port = free_port();
+    let dir = tmpdir();
+    let cfg = serve_config(dir.path(), port, up, "");
+    let mut p = Proc(
+        Command::new(BIN)
+            .args(["serve", "--config"])
+            .arg(&cfg)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_listening(addr);
+    std::thread::spawn(move || http_get(addr, "/slow"));
+    std::thread::sleep(Duration::from_millis(400));
+    let pid = p.0.id().to_string();
+    let signal = |sig: &str| {
+        assert!(
+            Command::new("kill")
+                .args([sig, &pid])
+                .status()
+                .unwrap()
+                .success()
+        )
+    };
+    signal("-TERM");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(p.0.try_wait().unwrap().is_none(), "still draining");
+    signal("-INT");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        if let Some(s) = p.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the second signal did not stop the drain"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(1), "{status:?}");
+}
+
 #[test]
 fn sigterm_drains_in_flight_requests_and_exits_zero() {
     let up = slow_upstream(Duration::from_millis(1500));

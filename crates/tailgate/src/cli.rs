@@ -22,18 +22,23 @@ pub enum CliError {
     BadAddress(String),
     #[error("error: {0}")]
     Watchdog(#[from] WatchdogError),
+    #[error(
+        "error: a second signal during the drain: stopped without waiting for the requests in flight"
+    )]
+    Interrupted,
 }
 
 impl CliError {
     pub fn exit_code(&self) -> u8 {
         match self {
             CliError::Config(_) | CliError::BadAddress(_) | CliError::Watchdog(_) => 2,
-            CliError::Start(_) | CliError::Io(_) => 1,
+            CliError::Start(_) | CliError::Io(_) | CliError::Interrupted => 1,
         }
     }
 }
 
-/// `tailgate serve`: run until SIGTERM or SIGINT, then drain and return.
+/// `tailgate serve`: run until SIGTERM or SIGINT, then drain and return; a second signal
+/// during the drain stops at once ([`CliError::Interrupted`]).
 /// With `watchdog`, systemd's watchdog is fed while every worker is responsive.
 pub fn serve(path: &Path, watchdog: bool) -> Result<(), CliError> {
     let config = Config::load(path)?;
@@ -44,6 +49,9 @@ pub fn serve(path: &Path, watchdog: bool) -> Result<(), CliError> {
     } else {
         None
     };
+    // Listened for from before the start: a signal while it waits (for DNS, say) stops the
+    // gateway cleanly once it is up, instead of killing the process half-started.
+    let mut signals = Signals::new()?;
     let mut gateway = Gateway::start(config)?;
     if let Some((target, interval)) = watchdog {
         gateway.start_watchdog(target, interval)?;
@@ -56,10 +64,22 @@ pub fn serve(path: &Path, watchdog: bool) -> Result<(), CliError> {
             }
         }
     }
-    wait_for_signal()?;
+    signals.wait();
     tracing::info!(grace = ?grace, "shutting down: no new connections; finishing requests in flight");
-    gateway.shutdown();
-    gateway.join();
+    let (done_tx, done) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("tailgate-drain".into())
+        .spawn(move || {
+            gateway.shutdown();
+            gateway.join();
+            let _ = done_tx.send(());
+        })?;
+    if !signals.wait_for(done) {
+        tracing::warn!(
+            "a second signal during the drain: stopping without waiting for the requests in flight"
+        );
+        return Err(CliError::Interrupted);
+    }
     tracing::info!("stopped");
     Ok(())
 }
@@ -86,26 +106,58 @@ pub fn demo_upstream(listen: &str) -> Result<(), CliError> {
     let socket = std::net::TcpListener::bind(addr)?;
     socket.set_nonblocking(true)?;
     eprintln!("demo upstream listening on {}", socket.local_addr()?);
+    let mut signals = Signals::new()?;
     let (tx, rx) = watch::channel(false);
     let thread = std::thread::spawn(move || crate::demo::run_blocking(socket, rx));
-    wait_for_signal()?;
+    signals.wait();
     let _ = tx.send(true);
     let _ = thread.join();
     Ok(())
 }
 
-fn wait_for_signal() -> std::io::Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
+/// SIGTERM and SIGINT, caught from when this is made.
+struct Signals {
+    rt: tokio::runtime::Runtime,
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Signals> {
         use tokio::signal::unix::{SignalKind, signal};
-        let mut term = signal(SignalKind::terminate())?;
-        let mut int = signal(SignalKind::interrupt())?;
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-        Ok(())
-    })
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let (term, int) = {
+            let _in = rt.enter();
+            (
+                signal(SignalKind::terminate())?,
+                signal(SignalKind::interrupt())?,
+            )
+        };
+        Ok(Signals { rt, term, int })
+    }
+
+    /// Until a signal comes (at once if one came since the last wait).
+    fn wait(&mut self) {
+        let Signals { rt, term, int } = self;
+        rt.block_on(async {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        });
+    }
+
+    /// Until `done` (true), or a signal first (false).
+    fn wait_for(&mut self, done: tokio::sync::oneshot::Receiver<()>) -> bool {
+        let Signals { rt, term, int } = self;
+        rt.block_on(async {
+            tokio::select! {
+                _ = done => true,
+                _ = term.recv() => false,
+                _ = int.recv() => false,
+            }
+        })
+    }
 }
