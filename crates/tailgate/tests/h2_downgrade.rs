@@ -11,6 +11,9 @@
 //! arrives. A well-formed request on a new connection is served afterwards, and nothing
 //! panics. (The answer's status is read only when HPACK sends it plainly: 200, 204, 206,
 //! 304, 400, 404, 500; any other counts as not refused, so such a change fails loudly.)
+//!
+//! Also here, with the same hand-written framing: an idle client that never answers the
+//! graceful close is dropped.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -322,4 +325,32 @@ async fn h2_requests_that_would_smuggle_when_downgraded_are_refused() {
         0,
         "a task panicked"
     );
+}
+
+/// An h2c client that never answers the PING of HTTP/2's graceful close is not left holding
+/// its connection: once closed for idleness, the connection is dropped one idle timeout
+/// later (hyper waits for the PING's answer before it closes).
+#[tokio::test]
+async fn an_idle_h2_client_that_never_answers_is_dropped() {
+    let up = upstream(|_| async { http::Response::new(full("ok")) }).await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nidle_timeout = \"300ms\"\nshutdown_grace = \"5s\"\n",
+    );
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    let mut hello = PREFACE.to_vec();
+    hello.extend(frame(SETTINGS, 0, 0, &[]));
+    s.write_all(&hello).await.unwrap();
+    // Reads (and ignores) whatever comes, answering nothing, until the server closes.
+    let mut chunk = [0u8; 4096];
+    let closed = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the connection is still open after 5 s");
 }

@@ -166,7 +166,7 @@ where
                 |_| closing.store(true, Ordering::Relaxed),
             )
             .await;
-            if let h1_inline::Ended::Handover(rest) = ended {
+            if let Some(h1_inline::Ended::Handover(rest)) = ended {
                 let guard = H1Guard::resume(
                     io,
                     &rest,
@@ -270,14 +270,23 @@ where
 
 /// A connection hyper's server ended with an error: worth a debug line, no more (the client
 /// left, sent garbage, or timed out).
-fn log_failed_end(info: &ConnInfo, ended: Result<(), hyper::Error>) {
-    if let Err(e) = ended {
-        tracing::debug!(client.addr = %info.client, error = %e, "client connection ended with an error");
+fn log_failed_end(info: &ConnInfo, ended: Option<Result<(), hyper::Error>>) {
+    match ended {
+        Some(Err(e)) => {
+            tracing::debug!(client.addr = %info.client, error = %e, "client connection ended with an error");
+        }
+        None => {
+            tracing::debug!(client.addr = %info.client, "client connection dropped: it did not close when asked to");
+        }
+        Some(Ok(())) => {}
     }
 }
 
 /// Polls a connection to its end, closing it gracefully at shutdown or after `idle` with no
-/// request in flight.
+/// request in flight. One closed for idleness that has not ended one more `idle` later is
+/// dropped (`None`): an HTTP/2 client that never sends its preface, or never answers the
+/// PING of HTTP/2's graceful close, would otherwise hold it for good. (At shutdown the
+/// worker's grace period bounds it.)
 ///
 /// The connection is what wakes this task on nearly every wake-up (a request arrives, the
 /// upstream answers), so the shutdown signal and the idle timer are not polled on each one:
@@ -289,7 +298,7 @@ async fn drive<C: Future>(
     info: &ConnInfo,
     idle: Duration,
     mut graceful: impl FnMut(Pin<&mut C>),
-) -> C::Output {
+) -> Option<C::Output> {
     let mut conn = std::pin::pin!(conn);
     let mut closing = *shutdown.borrow();
     if closing {
@@ -302,12 +311,27 @@ async fn drive<C: Future>(
     let mut idle_timer = std::pin::pin!(tokio::time::sleep(idle));
     let side = Arc::new(SideWake::default());
     let side_waker = Waker::from(side.clone());
+    // Set when the connection was asked to close for idleness: it must have ended by then.
+    let mut close_by: Option<tokio::time::Instant> = None;
     std::future::poll_fn(|cx| {
         loop {
             if let Poll::Ready(res) = conn.as_mut().poll(cx) {
-                return Poll::Ready(res);
+                return Poll::Ready(Some(res));
             }
             if closing {
+                let Some(by) = close_by else {
+                    return Poll::Pending;
+                };
+                // Only the close deadline is left to watch, on the timer's own waker.
+                side.task.register(cx.waker());
+                if !side.woken.swap(false, Ordering::AcqRel) {
+                    return Poll::Pending;
+                }
+                let mut side_cx = Context::from_waker(&side_waker);
+                idle_timer.as_mut().reset(by);
+                if idle_timer.as_mut().poll(&mut side_cx).is_ready() {
+                    return Poll::Ready(None);
+                }
                 return Poll::Pending;
             }
             // Registered before the flag is read: a wake-up in between is not lost.
@@ -327,6 +351,7 @@ async fn drive<C: Future>(
             match info.activity.idle_deadline(idle) {
                 Some(at) if at <= std::time::Instant::now() => {
                     closing = true;
+                    close_by = Some(tokio::time::Instant::now() + idle);
                     graceful(conn.as_mut());
                 }
                 Some(at) => idle_timer.as_mut().reset(at.into()),
