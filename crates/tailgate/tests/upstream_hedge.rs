@@ -76,6 +76,31 @@ fn stat(
         .cluster_stat(|c| f(c).load(Ordering::Relaxed))
 }
 
+/// A hedge's fast 5xx does not beat the first copy's slower success: a request the slow,
+/// healthy endpoint sits on is hedged to one that fails at once with 503, and still gets
+/// the slow endpoint's 200.
+#[tokio::test]
+async fn a_fast_failure_does_not_beat_a_slow_success() {
+    let (slow_addr, _) = counting(Duration::from_millis(150)).await;
+    let failing = upstream(|_| async {
+        let mut r = http::Response::new(full("down"));
+        *r.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+        r
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{slow_addr}\", \"{failing}\"]\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 1000\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"20ms\"\nresponse_timeout = \"2s\"\n"
+    ));
+    let mut ok = 0;
+    for _ in 0..8 {
+        if send(gw.addr, http::Method::GET, "/", "").await == 200 {
+            ok += 1;
+        }
+    }
+    // Round robin: every other first copy goes to the slow endpoint and is hedged.
+    assert!(ok >= 3, "{ok} of 8 got the slow endpoint's 200");
+}
+
 /// Every request the slow endpoint sits on is hedged to the fast one, which wins; all
 /// requests succeed although the slow endpoint answers after the response timeout.
 #[tokio::test]

@@ -200,17 +200,18 @@ impl<'a> Hedge<'a> {
 }
 
 /// Runs `primary`; with a hedge, fires it after the delay (budget permitting) and returns
-/// whichever response head comes first. A failed copy waits for the other one. The loser is
-/// dropped: its request is cancelled and its connection closed.
+/// whichever response head comes first. A copy that failed, or answered 5xx, waits for the
+/// other one (as Envoy discards a retriable answer while another attempt is out): an
+/// endpoint that fails fast must not beat one that succeeds slowly. The loser is dropped:
+/// its request is cancelled and its connection closed.
 ///
 /// Without a hedge this is `primary` itself (no state around it, no copy of it): the
 /// request's future stays as small as the send, and every move of it as cheap.
-pub fn race<'a, T, E>(
+pub fn race<'a, E>(
     hedge: Option<Hedge<'a>>,
-    primary: impl Future<Output = Result<T, E>> + 'a,
-) -> impl Future<Output = Raced<Result<T, E>>> + 'a
+    primary: impl Future<Output = Result<http::Response<UpBody>, E>> + 'a,
+) -> impl Future<Output = Raced<Result<http::Response<UpBody>, E>>> + 'a
 where
-    T: 'a,
     E: 'a,
 {
     match hedge {
@@ -221,10 +222,10 @@ where
     }
 }
 
-async fn race_hedged<T, E>(
+async fn race_hedged<E>(
     hedge: Hedge<'_>,
-    primary: impl Future<Output = Result<T, E>>,
-) -> Raced<Result<T, E>> {
+    primary: impl Future<Output = Result<http::Response<UpBody>, E>>,
+) -> Raced<Result<http::Response<UpBody>, E>> {
     let mut primary = std::pin::pin!(primary);
     tokio::select! {
         biased;
@@ -241,17 +242,25 @@ async fn race_hedged<T, E>(
         cluster.stats.hedges_won.fetch_add(1, Ordering::Relaxed);
         Raced::Hedge(Box::new(h))
     };
+    let failed = |r: &http::Response<UpBody>| r.status().is_server_error();
     tokio::select! {
         biased;
         r = &mut primary => match r {
-            Ok(_) => Raced::Primary(r),
-            Err(_) => match (&mut second).await {
-                Ok(h) => won(h),
-                Err(_) => Raced::Primary(r),
+            Ok(ref resp) if !failed(resp) => Raced::Primary(r),
+            // An error or a 5xx: the copy's answer wins unless it is no better (a 5xx
+            // after a 5xx: the first's).
+            _ => match (&mut second).await {
+                Ok(h) if !failed(&h.0) || r.is_err() => won(h),
+                _ => Raced::Primary(r),
             },
         },
         h = &mut second => match h {
-            Ok(h) => won(h),
+            Ok(h) if !failed(&h.0) => won(h),
+            // The copy's 5xx: the first's answer, if it has any.
+            Ok(h) => match primary.await {
+                Err(_) => won(h),
+                r => Raced::Primary(r),
+            },
             Err(e) => {
                 tracing::debug!(error = %e, "hedged request failed; waiting for the first");
                 Raced::Primary(primary.await)
