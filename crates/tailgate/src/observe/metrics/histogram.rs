@@ -49,7 +49,8 @@ impl Snapshot {
         for (a, b) in self.buckets.iter_mut().zip(other.buckets.iter()) {
             *a += b;
         }
-        self.sum_ns += other.sum_ns;
+        // Wraps like the per-worker counter it adds up (a reader sees a counter reset).
+        self.sum_ns = self.sum_ns.wrapping_add(other.sum_ns);
     }
 }
 
@@ -75,7 +76,7 @@ impl Histogram {
         for (o, b) in s.buckets.iter_mut().zip(self.buckets.iter()) {
             *o += b.load(Ordering::Relaxed);
         }
-        s.sum_ns += self.sum_ns.load(Ordering::Relaxed);
+        s.sum_ns = s.sum_ns.wrapping_add(self.sum_ns.load(Ordering::Relaxed));
     }
 }
 
@@ -95,5 +96,21 @@ mod tests {
         assert_eq!(s.buckets[BUCKETS - 1], 1);
         assert_eq!(s.count(), 3);
         assert_eq!(s.sum_ns, 11_000_200_001);
+    }
+
+    /// The sum of nanoseconds wraps (about 584 years of request time in all, reachable by
+    /// long-lived streams summed over workers) without a panic when workers are added up.
+    #[test]
+    fn sums_wrap_when_added_up() {
+        let (a, b) = (Histogram::default(), Histogram::default());
+        a.record(Duration::from_nanos(u64::MAX / 2 + 1));
+        b.record(Duration::from_nanos(u64::MAX / 2 + 2));
+        let mut s = a.snapshot();
+        b.add_to(&mut s);
+        assert_eq!(s.sum_ns, 1);
+        let mut t = a.snapshot();
+        t.add(&b.snapshot());
+        assert_eq!(t.sum_ns, 1);
+        assert_eq!(t.count(), 2);
     }
 }
