@@ -460,6 +460,48 @@ fn watchdog_notifies_systemd() {
     }
 }
 
+/// READY=1 comes as soon as the gateway is ready, not at the next watchdog ping: here the
+/// warm connections open about 1.5 s after the start (the upstream comes up 1 s late), and
+/// the pings are 10 s apart.
+#[test]
+fn ready_is_sent_when_ready_not_at_the_next_ping() {
+    use std::os::unix::net::UnixDatagram;
+    let dir = tmpdir();
+    let (port, up_port) = (free_port(), free_port());
+    let cfg = dir.path().join("gw.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\nworkers = 1\n[[listener]]\naddress = \"127.0.0.1:{port}\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"127.0.0.1:{up_port}\"]\nmin_warm_connections = 1\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+        ),
+    )
+    .unwrap();
+    let sock_path = dir.path().join("notify.sock");
+    let sock = UnixDatagram::bind(&sock_path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(6))).unwrap();
+    let started = Instant::now();
+    let _p = Proc(
+        Command::new(BIN)
+            .args(["serve", "--watchdog", "--config"])
+            .arg(&cfg)
+            .env("NOTIFY_SOCKET", &sock_path)
+            .env("WATCHDOG_USEC", "20000000")
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    let _up = TcpListener::bind(("127.0.0.1", up_port)).unwrap();
+    let mut buf = [0u8; 128];
+    loop {
+        let n = sock.recv(&mut buf).expect("READY=1 within 6 s");
+        if &buf[..n] == b"READY=1" {
+            break;
+        }
+    }
+    assert!(started.elapsed() < Duration::from_secs(7));
+}
+
 /// `Type=notify` without `WatchdogSec=`: readiness and stopping, no pings.
 #[test]
 fn notify_without_a_watchdog_sends_ready_and_no_pings() {

@@ -20,6 +20,8 @@ use super::AdminState;
 
 /// The shortest ping interval, whatever `WATCHDOG_USEC` says.
 const MIN_INTERVAL: Duration = Duration::from_millis(10);
+/// How often readiness and the drain are looked at between pings.
+const STEP: Duration = Duration::from_millis(50);
 
 /// Where notifications go: a socket path, or a Linux abstract socket name.
 #[derive(Debug, Clone)]
@@ -105,7 +107,12 @@ impl Watchdog {
             .name("tailgate-watchdog".into())
             .spawn(move || {
                 let (mut ready, mut draining, mut was_stalled) = (false, false, false);
+                let every = interval.unwrap_or(MIN_INTERVAL * 10);
+                let mut next_ping = std::time::Instant::now();
                 while !stopping.load(Ordering::Relaxed) {
+                    // Readiness and the drain are looked at every step, not every ping
+                    // interval: with `WatchdogSec=180s`, READY=1 would otherwise come up to
+                    // 90 s late, past systemd's start timeout.
                     if !ready && state.not_ready().is_none() {
                         notify("READY=1");
                         ready = true;
@@ -114,6 +121,12 @@ impl Watchdog {
                         notify("STOPPING=1");
                         draining = true;
                     }
+                    let now = std::time::Instant::now();
+                    if now < next_ping {
+                        sleep_unless_stopped((next_ping - now).min(STEP), &stopping);
+                        continue;
+                    }
+                    next_ping = now + every;
                     let stalled = state.stalled_workers();
                     if stalled.is_empty() {
                         if was_stalled {
@@ -126,7 +139,6 @@ impl Watchdog {
                         tracing::error!(workers = ?stalled, "workers stalled; not feeding the systemd watchdog");
                     }
                     was_stalled = ready && !stalled.is_empty();
-                    sleep_unless_stopped(interval.unwrap_or(MIN_INTERVAL * 10), &stopping);
                 }
                 if !draining {
                     notify("STOPPING=1");
