@@ -66,7 +66,8 @@ pub struct RouteTable {
     by_host: HashMap<String, RouteList>,
     /// Exact tenant host → tenant.
     tenant_hosts: HashMap<String, usize>,
-    /// `*.suffix` tenant hosts, as (suffix pattern, tenant).
+    /// `*.suffix` tenant hosts, as (suffix pattern, tenant), longest first: the most
+    /// specific pattern that matches wins, as in nginx's `server_name`.
     tenant_wildcards: Vec<(String, usize)>,
     /// Per tenant: its routes without a host.
     tenant_routes: Vec<RouteList>,
@@ -93,6 +94,9 @@ impl RouteTable {
                 }
             }
         }
+        // Stable: equally long patterns keep the config's order.
+        t.tenant_wildcards
+            .sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
         for (id, r) in config.routes.iter().enumerate() {
             let entry = Arc::new(RouteEntry {
                 id,
@@ -251,6 +255,29 @@ cluster = "b"
             t.lookup("other.test", "/", &http::Method::GET, Some(0)),
             Match::Found(_)
         ));
+    }
+
+    /// `*.eu.acme.test` belongs to its own tenant although `*.acme.test` comes first.
+    #[test]
+    fn the_most_specific_wildcard_names_the_tenant() {
+        let t = table(
+            r#"
+[[listener]]
+address = "127.0.0.1:0"
+[[tenant]]
+name = "acme"
+hosts = ["*.acme.test"]
+[[tenant]]
+name = "acme-eu"
+hosts = ["*.eu.acme.test"]
+[[cluster]]
+name = "a"
+endpoints = ["127.0.0.1:1"]
+"#,
+        );
+        assert_eq!(t.tenant_of_host("x.eu.acme.test"), Some(1));
+        assert_eq!(t.tenant_of_host("x.acme.test"), Some(0));
+        assert_eq!(t.tenant_of_host("eu.acme.test"), Some(0));
     }
 
     #[test]
