@@ -82,12 +82,22 @@ impl Checker<'_> {
             );
         }
         if max_refresh < min_refresh {
-            self.err(
-                raw.max_refresh.as_ref().map(Spanned::span),
-                "dns.max_refresh".into(),
-                format!("{max_refresh:?} is shorter than dns.min_refresh ({min_refresh:?})"),
-                Some("make max_refresh at least min_refresh"),
-            );
+            // At the field that was written: with only min_refresh set, it is the one
+            // above the other's default.
+            match (&raw.max_refresh, &raw.min_refresh) {
+                (None, Some(min)) => self.err(
+                    Some(min.span()),
+                    "dns.min_refresh".into(),
+                    format!("{min_refresh:?} is longer than dns.max_refresh ({max_refresh:?}, its default)"),
+                    Some("make min_refresh at most max_refresh, or set max_refresh too"),
+                ),
+                (max, _) => self.err(
+                    max.as_ref().map(Spanned::span),
+                    "dns.max_refresh".into(),
+                    format!("{max_refresh:?} is shorter than dns.min_refresh ({min_refresh:?})"),
+                    Some("make max_refresh at least min_refresh"),
+                ),
+            }
         }
         let query_timeout = self.duration(
             &raw.query_timeout,
@@ -166,5 +176,11 @@ mod tests {
             "{e}"
         );
         assert!(e.contains("help:"), "{e}");
+        // Only min_refresh written: the error is at it, about it.
+        let e = errors("[dns]\nmin_refresh = \"10m\"\n");
+        assert!(
+            e.contains("t.toml:4:15: dns.min_refresh: 600s is longer than dns.max_refresh (300s, its default)"),
+            "{e}"
+        );
     }
 }

@@ -31,7 +31,8 @@ impl Checker<'_> {
         }
         let d = self.duration(&Some(v.clone()), field.clone(), std::time::Duration::ZERO);
         if d.is_zero() {
-            if humantime::parse_duration(text).is_ok() {
+            // Only a delay written as 0: one that was refused already has its error.
+            if humantime::parse_duration(text).is_ok_and(|z| z.is_zero()) {
                 self.err(
                     Some(v.span()),
                     field,
@@ -61,6 +62,13 @@ mod tests {
 
     fn route(delay: &str) -> String {
         format!("[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\nhedge_delay = \"{delay}\"\n")
+    }
+
+    #[test]
+    fn a_refused_delay_gets_one_error() {
+        let errs = parse(&route("31d")).expect_err("too long").to_string();
+        assert!(errs.contains("longer than 30 days"), "{errs}");
+        assert!(!errs.contains("longer than 0"), "{errs}");
     }
 
     #[test]
