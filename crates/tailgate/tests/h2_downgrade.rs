@@ -354,3 +354,52 @@ async fn an_idle_h2_client_that_never_answers_is_dropped() {
     .await;
     assert!(closed.is_ok(), "the connection is still open after 5 s");
 }
+
+/// A stream the client opens after the idle close began (before it saw the GOAWAY) is
+/// served, although it is still in flight when the close's deadline passes.
+#[tokio::test]
+async fn a_stream_opened_during_the_idle_close_is_served() {
+    let up = upstream(|_| async {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        http::Response::new(full("ok"))
+    })
+    .await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nidle_timeout = \"300ms\"\nshutdown_grace = \"5s\"\n",
+    );
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    let mut hello = PREFACE.to_vec();
+    hello.extend(frame(SETTINGS, 0, 0, &[]));
+    s.write_all(&hello).await.unwrap();
+    // Past the idle timeout: the graceful close (GOAWAY, PING) is under way.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    for f in head_only(&[], b"/slow") {
+        s.write_all(&f).await.unwrap();
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 16384];
+    loop {
+        while buf.len() >= 9 {
+            let len = (buf[0] as usize) << 16 | (buf[1] as usize) << 8 | buf[2] as usize;
+            if buf.len() < 9 + len {
+                break;
+            }
+            let kind = buf[3];
+            let stream = u32::from_be_bytes([buf[5], buf[6], buf[7], buf[8]]) & 0x7fff_ffff;
+            let payload = buf[9..9 + len].to_vec();
+            buf.drain(..9 + len);
+            if kind == HEADERS && stream == 1 {
+                assert_eq!(status(&payload), Some(200));
+                return;
+            }
+            assert!(!(kind == RST_STREAM && stream == 1), "the stream was reset");
+        }
+        match tokio::time::timeout_at(deadline, s.read(&mut chunk)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => panic!("closed before the stream was answered"),
+            Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
+            Err(_) => panic!("no answer within 5 s"),
+        }
+    }
+}

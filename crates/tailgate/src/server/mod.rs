@@ -283,10 +283,12 @@ fn log_failed_end(info: &ConnInfo, ended: Option<Result<(), hyper::Error>>) {
 }
 
 /// Polls a connection to its end, closing it gracefully at shutdown or after `idle` with no
-/// request in flight. One closed for idleness that has not ended one more `idle` later is
-/// dropped (`None`): an HTTP/2 client that never sends its preface, or never answers the
-/// PING of HTTP/2's graceful close, would otherwise hold it for good. (At shutdown the
-/// worker's grace period bounds it.)
+/// request in flight. One closed for idleness that has not ended one more `idle` later,
+/// and has no request in flight then, is dropped (`None`): an HTTP/2 client that never
+/// sends its preface, or never answers the PING of HTTP/2's graceful close, would otherwise
+/// hold it for good. A request that started meanwhile (a stream opened before the client
+/// saw the GOAWAY, a head that was already coming) is served, and the deadline moves on.
+/// (At shutdown the worker's grace period bounds it.)
 ///
 /// The connection is what wakes this task on nearly every wake-up (a request arrives, the
 /// upstream answers), so the shutdown signal and the idle timer are not polled on each one:
@@ -329,10 +331,15 @@ async fn drive<C: Future>(
                 }
                 let mut side_cx = Context::from_waker(&side_waker);
                 idle_timer.as_mut().reset(by);
-                if idle_timer.as_mut().poll(&mut side_cx).is_ready() {
+                if idle_timer.as_mut().poll(&mut side_cx).is_pending() {
+                    return Poll::Pending;
+                }
+                if info.activity.idle_deadline(idle).is_some() {
                     return Poll::Ready(None);
                 }
-                return Poll::Pending;
+                close_by = Some(tokio::time::Instant::now() + idle);
+                side.woken.store(true, Ordering::Release);
+                continue;
             }
             // Registered before the flag is read: a wake-up in between is not lost.
             side.task.register(cx.waker());
