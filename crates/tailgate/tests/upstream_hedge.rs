@@ -101,6 +101,25 @@ async fn a_fast_failure_does_not_beat_a_slow_success() {
     assert!(ok >= 3, "{ok} of 8 got the slow endpoint's 200");
 }
 
+/// A copy's fast 503 is held while the first copy hangs, and answered when the response
+/// deadline comes: never turned into a 504.
+#[tokio::test]
+async fn a_held_failure_is_answered_at_the_deadline() {
+    let (hung_addr, _) = counting(Duration::from_secs(5)).await;
+    let failing = upstream(|_| async {
+        let mut r = http::Response::new(full("down"));
+        *r.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+        r
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{hung_addr}\", \"{failing}\"]\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 1000\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"20ms\"\nresponse_timeout = \"400ms\"\n"
+    ));
+    for _ in 0..4 {
+        assert_eq!(send(gw.addr, http::Method::GET, "/", "").await, 503);
+    }
+}
+
 /// Every request the slow endpoint sits on is hedged to the fast one, which wins; all
 /// requests succeed although the slow endpoint answers after the response timeout.
 #[tokio::test]

@@ -446,7 +446,7 @@ async fn forward(
         )),
         hedge => tokio::time::timeout_at(
             deadline.into(),
-            hedge::race(hedge, up.send(&parts, &added, body, None)),
+            hedge::race(hedge, up.send(&parts, &added, body, None), deadline),
         )
         .await
         .map_err(|_| ()),

@@ -202,14 +202,17 @@ impl<'a> Hedge<'a> {
 /// Runs `primary`; with a hedge, fires it after the delay (budget permitting) and returns
 /// whichever response head comes first. A copy that failed, or answered 5xx, waits for the
 /// other one (as Envoy discards a retriable answer while another attempt is out): an
-/// endpoint that fails fast must not beat one that succeeds slowly. The loser is dropped:
-/// its request is cancelled and its connection closed.
+/// endpoint that fails fast must not beat one that succeeds slowly. The wait ends at
+/// `deadline` (the response deadline the caller enforces), with the 5xx held: a copy that
+/// hangs must not turn a fast 503 into a late 504. The loser is dropped: its request is
+/// cancelled and its connection closed.
 ///
 /// Without a hedge this is `primary` itself (no state around it, no copy of it): the
 /// request's future stays as small as the send, and every move of it as cheap.
 pub fn race<'a, E>(
     hedge: Option<Hedge<'a>>,
     primary: impl Future<Output = Result<http::Response<UpBody>, E>> + 'a,
+    deadline: std::time::Instant,
 ) -> impl Future<Output = Raced<Result<http::Response<UpBody>, E>>> + 'a
 where
     E: 'a,
@@ -218,13 +221,14 @@ where
         None => Either::Left(primary.map(Raced::Primary)),
         // The race's state (two sends, a timer, the copy's request) is kilobytes: on the
         // heap, and only for requests that may be hedged.
-        Some(hedge) => Either::Right(Box::pin(race_hedged(hedge, primary))),
+        Some(hedge) => Either::Right(Box::pin(race_hedged(hedge, primary, deadline.into()))),
     }
 }
 
 async fn race_hedged<E>(
     hedge: Hedge<'_>,
     primary: impl Future<Output = Result<http::Response<UpBody>, E>>,
+    deadline: tokio::time::Instant,
 ) -> Raced<Result<http::Response<UpBody>, E>> {
     let mut primary = std::pin::pin!(primary);
     tokio::select! {
@@ -249,17 +253,17 @@ async fn race_hedged<E>(
             Ok(ref resp) if !failed(resp) => Raced::Primary(r),
             // An error or a 5xx: the copy's answer wins unless it is no better (a 5xx
             // after a 5xx: the first's).
-            _ => match (&mut second).await {
-                Ok(h) if !failed(&h.0) || r.is_err() => won(h),
+            _ => match tokio::time::timeout_at(deadline, &mut second).await {
+                Ok(Ok(h)) if !failed(&h.0) || r.is_err() => won(h),
                 _ => Raced::Primary(r),
             },
         },
         h = &mut second => match h {
             Ok(h) if !failed(&h.0) => won(h),
             // The copy's 5xx: the first's answer, if it has any.
-            Ok(h) => match primary.await {
-                Err(_) => won(h),
-                r => Raced::Primary(r),
+            Ok(h) => match tokio::time::timeout_at(deadline, primary).await {
+                Ok(Err(_)) | Err(_) => won(h),
+                Ok(r) => Raced::Primary(r),
             },
             Err(e) => {
                 tracing::debug!(error = %e, "hedged request failed; waiting for the first");
