@@ -395,10 +395,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     // [[demo]]
     let mut demos = Vec::new();
     for (i, d) in raw.demo.iter().enumerate() {
-        if let Some(a) = c
-            .address(&d.address, format!("demo[{i}].address"))
-            .filter(|a| c.bindable(*a, &d.address, format!("demo[{i}].address")))
-        {
+        if let Some(a) = c.address(&d.address, format!("demo[{i}].address")) {
             demos.push(a);
         }
     }
@@ -688,12 +685,21 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     let (admin, metrics) = super::admin::check(c, raw.admin.as_ref(), &raw.metrics);
     // The admin plane binds after the listeners: an address they took would stop the start.
     if let (Some(a), Some(raw_admin)) = (&admin, &raw.admin) {
+        // The admin socket is dual-stack (an IPv4-mapped address is its IPv4 one, `[::]`
+        // takes IPv4 too); listeners bind IPv6 IPv6-only, and demos dual-stack.
+        let v4 = |ip: std::net::IpAddr| match ip {
+            std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
+            ip => ip,
+        };
+        let ip = v4(a.address.ip());
         let clash = |b: &SocketAddr| {
+            let b_ip = v4(b.ip());
             a.address.port() != 0
                 && a.address.port() == b.port()
-                && (a.address.ip() == b.ip()
-                    || a.address.ip().is_unspecified()
-                    || b.ip().is_unspecified())
+                && (ip == b_ip
+                    || (ip.is_ipv4() == b_ip.is_ipv4()
+                        && (ip.is_unspecified() || b_ip.is_unspecified()))
+                    || (ip.is_ipv6() && ip.is_unspecified() && b_ip.is_ipv4()))
         };
         if let Some(b) = seen_addrs.iter().find(|b| clash(b)) {
             c.err(
@@ -920,6 +926,8 @@ address = "127.0.0.1:8080"
 address = "[::ffff:127.0.0.1]:8081"
 [[listener]]
 address = "[fe80::1]:8082"
+[[demo]]
+address = "[::ffff:127.0.0.1]:8083"
 [[cluster]]
 name = "c"
 endpoints = ["127.0.0.1:1"]
@@ -939,12 +947,40 @@ response_timeout = "0s"
             "t.toml:8:11: listener[1].address: `[::ffff:127.0.0.1]:8081` is an IPv4 address written as IPv6",
             "write it as IPv4: \"127.0.0.1:8081\"",
             "t.toml:10:11: listener[2].address: `[fe80::1]:8082` is link-local, with no interface named",
-            "t.toml:14:19: cluster[0].connect_timeout: a timeout of 0",
-            "t.toml:15:24: cluster[0].retry_budget_percent: must be between 0 and 100",
-            "t.toml:19:20: route[0].response_timeout: a timeout of 0",
+            "t.toml:16:19: cluster[0].connect_timeout: a timeout of 0",
+            "t.toml:17:24: cluster[0].retry_budget_percent: must be between 0 and 100",
+            "t.toml:21:20: route[0].response_timeout: a timeout of 0",
         ] {
             assert!(errs.contains(want), "missing {want:?} in:\n{errs}");
         }
+        // A demo binds dual-stack: an IPv4-mapped address is fine there.
+        assert!(!errs.contains("demo[0]"), "{errs}");
+    }
+
+    /// The admin socket is dual-stack, listeners bind IPv6 IPv6-only: `[::]:P` beside an
+    /// IPv4 admin address on P starts; an IPv4-mapped admin address is its IPv4 one.
+    #[test]
+    fn admin_clashes_follow_the_address_families() {
+        let cfg = |admin: &str, listener: &str| {
+            format!(
+                "[admin]\naddress = \"{admin}\"\n[[listener]]\naddress = \"{listener}\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\n"
+            )
+        };
+        assert!(parse_and_validate(Path::new("t.toml"), &cfg("0.0.0.0:9901", "[::]:9901")).is_ok());
+        let errs = parse_and_validate(
+            Path::new("t.toml"),
+            &cfg("[::ffff:127.0.0.1]:9902", "127.0.0.1:9902"),
+        )
+        .expect_err("the same socket")
+        .to_string();
+        assert!(
+            errs.contains("admin.address: [::ffff:127.0.0.1]:9902 is taken"),
+            "{errs}"
+        );
+        assert!(
+            parse_and_validate(Path::new("t.toml"), &cfg("[::]:9903", "127.0.0.1:9903")).is_err(),
+            "a dual-stack [::] takes IPv4 too"
+        );
     }
 
     /// A listener's certificate and key are read by `check`, not first by `serve`.
