@@ -22,9 +22,7 @@ pub enum CliError {
     BadAddress(String),
     #[error("error: {0}")]
     Watchdog(#[from] WatchdogError),
-    #[error(
-        "error: a second signal during the drain: stopped without waiting for the requests in flight"
-    )]
+    #[error("error: SIGINT during the drain: stopped without waiting for the requests in flight")]
     Interrupted,
 }
 
@@ -37,8 +35,9 @@ impl CliError {
     }
 }
 
-/// `tailgate serve`: run until SIGTERM or SIGINT, then drain and return; a second signal
-/// during the drain stops at once ([`CliError::Interrupted`]).
+/// `tailgate serve`: run until SIGTERM or SIGINT, then drain and return; a SIGINT during
+/// the drain (Ctrl-C again) stops at once ([`CliError::Interrupted`]). Another SIGTERM does
+/// not: service managers send one after their own stop command's.
 /// With `watchdog`, systemd's watchdog is fed while every worker is responsive.
 pub fn serve(path: &Path, watchdog: bool) -> Result<(), CliError> {
     let config = Config::load(path)?;
@@ -76,7 +75,7 @@ pub fn serve(path: &Path, watchdog: bool) -> Result<(), CliError> {
         })?;
     if !signals.wait_for(done) {
         tracing::warn!(
-            "a second signal during the drain: stopping without waiting for the requests in flight"
+            "SIGINT during the drain: stopping without waiting for the requests in flight"
         );
         return Err(CliError::Interrupted);
     }
@@ -149,14 +148,18 @@ impl Signals {
         });
     }
 
-    /// Until `done` (true), or a signal first (false).
+    /// Until `done` (true), or a SIGINT first (false); SIGTERMs meanwhile are taken and
+    /// ignored.
     fn wait_for(&mut self, done: tokio::sync::oneshot::Receiver<()>) -> bool {
         let Signals { rt, term, int } = self;
         rt.block_on(async {
-            tokio::select! {
-                _ = done => true,
-                _ = term.recv() => false,
-                _ = int.recv() => false,
+            let mut done = std::pin::pin!(done);
+            loop {
+                tokio::select! {
+                    _ = &mut done => return true,
+                    _ = term.recv() => {}
+                    _ = int.recv() => return false,
+                }
             }
         })
     }
