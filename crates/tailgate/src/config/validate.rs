@@ -170,6 +170,46 @@ impl Checker<'_> {
     }
 }
 
+/// A socket the gateway binds: its address, and whether it is dual-stack. The admin plane
+/// and demos bind with `std` (an IPv6 socket takes IPv4 too, and an IPv4-mapped address is
+/// its IPv4 one); listeners bind IPv6 addresses IPv6-only.
+#[derive(Clone, Copy)]
+struct Bound {
+    addr: SocketAddr,
+    dual: bool,
+}
+
+/// Would the second of two exclusive binds fail (`EADDRINUSE`)?
+fn clash(a: Bound, b: Bound) -> bool {
+    use std::net::IpAddr;
+    if a.addr.port() == 0 || a.addr.port() != b.addr.port() {
+        return false;
+    }
+    let ip = |s: Bound| match s.addr.ip() {
+        IpAddr::V6(v6) if s.dual => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+        ip => ip,
+    };
+    let (x, y) = (ip(a), ip(b));
+    if x == y {
+        return true;
+    }
+    if x.is_ipv4() == y.is_ipv4() {
+        return x.is_unspecified() || y.is_unspecified();
+    }
+    // Across families, only a dual-stack IPv6 wildcard takes the IPv4 side too.
+    let takes_v4 = |s: Bound, ip: IpAddr| s.dual && ip.is_ipv6() && ip.is_unspecified();
+    takes_v4(a, x) || takes_v4(b, y)
+}
+
+/// The error for an address a socket bound before it already takes.
+fn taken(a: SocketAddr, b: SocketAddr) -> String {
+    if a == b {
+        format!("address {a} is used twice")
+    } else {
+        format!("address {a} overlaps {b}, bound before it")
+    }
+}
+
 /// 1-based line and column (in characters) of a byte offset.
 fn line_col(text: &str, offset: usize) -> (usize, usize) {
     let offset = offset.min(text.len());
@@ -394,29 +434,56 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
 
     // [[demo]]
     let mut demos = Vec::new();
+    // Every socket bound so far: demos first, then listeners.
+    let mut bound: Vec<Bound> = Vec::new();
     for (i, d) in raw.demo.iter().enumerate() {
         if let Some(a) = c.address(&d.address, format!("demo[{i}].address")) {
+            let this = Bound {
+                addr: a,
+                dual: true,
+            };
+            if let Some(b) = bound.iter().find(|b| clash(this, **b)) {
+                c.err(
+                    Some(d.address.span()),
+                    format!("demo[{i}].address"),
+                    taken(a, b.addr),
+                    Some("give each listener and demo its own address"),
+                );
+            }
+            bound.push(this);
             demos.push(a);
         }
     }
 
     // [[listener]]
     let mut listeners = Vec::new();
-    let mut seen_addrs: HashSet<SocketAddr> = demos.iter().copied().collect();
     for (i, l) in raw.listener.iter().enumerate() {
         let address = c
             .address(&l.address, format!("listener[{i}].address"))
             .filter(|a| c.bindable(*a, &l.address, format!("listener[{i}].address")));
-        if let Some(a) = address
-            && a.port() != 0
-            && !seen_addrs.insert(a)
-        {
-            c.err(
-                Some(l.address.span()),
-                format!("listener[{i}].address"),
-                format!("address {a} is used twice"),
-                Some("give each listener and demo its own address"),
-            );
+        if let Some(a) = address {
+            let this = Bound {
+                addr: a,
+                dual: false,
+            };
+            // Listeners share ports among themselves (SO_REUSEPORT): only the same
+            // address twice is a mistake; a demo's socket is exclusive.
+            let other = bound.iter().find(|b| {
+                if b.dual {
+                    clash(this, **b)
+                } else {
+                    a.port() != 0 && b.addr == a
+                }
+            });
+            if let Some(b) = other {
+                c.err(
+                    Some(l.address.span()),
+                    format!("listener[{i}].address"),
+                    taken(a, b.addr),
+                    Some("give each listener and demo its own address"),
+                );
+            }
+            bound.push(this);
         }
         let tenant = tenant_ref(c, &l.tenant, format!("listener[{i}].tenant"));
         let tls = l.tls.as_ref().map(|t| {
@@ -685,23 +752,11 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     let (admin, metrics) = super::admin::check(c, raw.admin.as_ref(), &raw.metrics);
     // The admin plane binds after the listeners: an address they took would stop the start.
     if let (Some(a), Some(raw_admin)) = (&admin, &raw.admin) {
-        // The admin socket is dual-stack (an IPv4-mapped address is its IPv4 one, `[::]`
-        // takes IPv4 too); listeners bind IPv6 IPv6-only, and demos dual-stack.
-        let v4 = |ip: std::net::IpAddr| match ip {
-            std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
-            ip => ip,
+        let this = Bound {
+            addr: a.address,
+            dual: true,
         };
-        let ip = v4(a.address.ip());
-        let clash = |b: &SocketAddr| {
-            let b_ip = v4(b.ip());
-            a.address.port() != 0
-                && a.address.port() == b.port()
-                && (ip == b_ip
-                    || (ip.is_ipv4() == b_ip.is_ipv4()
-                        && (ip.is_unspecified() || b_ip.is_unspecified()))
-                    || (ip.is_ipv6() && ip.is_unspecified() && b_ip.is_ipv4()))
-        };
-        if let Some(b) = seen_addrs.iter().find(|b| clash(b)) {
+        if let Some(b) = bound.iter().find(|b| clash(this, **b)).map(|b| b.addr) {
             c.err(
                 Some(raw_admin.address.span()),
                 "admin.address".into(),
@@ -957,10 +1012,32 @@ response_timeout = "0s"
         assert!(!errs.contains("demo[0]"), "{errs}");
     }
 
-    /// The admin socket is dual-stack, listeners bind IPv6 IPv6-only: `[::]:P` beside an
-    /// IPv4 admin address on P starts; an IPv4-mapped admin address is its IPv4 one.
+    /// The admin socket and demos are dual-stack, listeners bind IPv6 IPv6-only: `[::]:P`
+    /// beside an IPv4 admin address on P starts; an IPv4-mapped admin address is its IPv4
+    /// one; a demo on `[::]:P` takes IPv4 too.
     #[test]
     fn admin_clashes_follow_the_address_families() {
+        let demo = |admin: &str, demo: &str| {
+            format!(
+                "[admin]\naddress = \"{admin}\"\n[[demo]]\naddress = \"{demo}\"\n[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\n"
+            )
+        };
+        assert!(
+            parse_and_validate(Path::new("t.toml"), &demo("127.0.0.1:9904", "[::]:9904")).is_err()
+        );
+        assert!(
+            parse_and_validate(Path::new("t.toml"), &demo("127.0.0.1:9905", "[::1]:9905")).is_ok()
+        );
+        let errs = parse_and_validate(
+            Path::new("t.toml"),
+            "[[demo]]\naddress = \"[::]:9906\"\n[[listener]]\naddress = \"0.0.0.0:9906\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\n",
+        )
+        .expect_err("the demo takes IPv4 too")
+        .to_string();
+        assert!(
+            errs.contains("listener[0].address: address 0.0.0.0:9906 overlaps [::]:9906"),
+            "{errs}"
+        );
         let cfg = |admin: &str, listener: &str| {
             format!(
                 "[admin]\naddress = \"{admin}\"\n[[listener]]\naddress = \"{listener}\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\n"
