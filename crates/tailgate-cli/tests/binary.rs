@@ -292,6 +292,51 @@ fn sigint_during_the_drain_stops_it() {
     assert_eq!(status.code(), Some(1), "{status:?}");
 }
 
+/// A terminal's SIGINT and a wrapper's SIGTERM arriving together start one drain: the
+/// second is not taken for a request to stop at once.
+#[test]
+fn signals_that_come_together_drain_once() {
+    let up = slow_upstream(Duration::from_millis(1500));
+    let port = free_port();
+    let dir = tmpdir();
+    let cfg = serve_config(dir.path(), port, up, "");
+    let mut p = Proc(
+        Command::new(BIN)
+            .args(["serve", "--config"])
+            .arg(&cfg)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_listening(addr);
+    let req = std::thread::spawn(move || http_get(addr, "/slow"));
+    std::thread::sleep(Duration::from_millis(400));
+    let pid = p.0.id().to_string();
+    // The shell's built-in kill: the two signals microseconds apart.
+    assert!(
+        Command::new("sh")
+            .args(["-c", "kill -INT \"$0\"; kill -TERM \"$0\"", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let resp = req.join().unwrap();
+    assert!(
+        resp.ends_with("done"),
+        "the in-flight request completes: {resp}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(s) = p.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "did not exit after the drain");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "exit status {status:?}");
+}
+
 #[test]
 fn sigterm_drains_in_flight_requests_and_exits_zero() {
     let up = slow_upstream(Duration::from_millis(1500));

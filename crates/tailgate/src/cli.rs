@@ -24,13 +24,20 @@ pub enum CliError {
     Watchdog(#[from] WatchdogError),
     #[error("error: SIGINT during the drain: stopped without waiting for the requests in flight")]
     Interrupted,
+    #[error(
+        "error: the workers had not stopped {0:?} after shutdown_grace ended (one is stuck); stopped without them"
+    )]
+    DrainStuck(std::time::Duration),
 }
 
 impl CliError {
     pub fn exit_code(&self) -> u8 {
         match self {
             CliError::Config(_) | CliError::BadAddress(_) | CliError::Watchdog(_) => 2,
-            CliError::Start(_) | CliError::Io(_) | CliError::Interrupted => 1,
+            CliError::Start(_)
+            | CliError::Io(_)
+            | CliError::Interrupted
+            | CliError::DrainStuck(_) => 1,
         }
     }
 }
@@ -73,11 +80,20 @@ pub fn serve(path: &Path, watchdog: bool) -> Result<(), CliError> {
             gateway.join();
             let _ = done_tx.send(());
         })?;
-    if !signals.wait_for(done) {
-        tracing::warn!(
-            "SIGINT during the drain: stopping without waiting for the requests in flight"
-        );
-        return Err(CliError::Interrupted);
+    // Each worker ends its own drain when the grace period is over; one that is stuck (the
+    // watchdog's case) never does, so the wait has an end of its own.
+    match signals.wait_for(done, grace + DRAIN_MARGIN) {
+        Drained::Done => {}
+        Drained::Interrupted => {
+            tracing::warn!(
+                "SIGINT during the drain: stopping without waiting for the requests in flight"
+            );
+            return Err(CliError::Interrupted);
+        }
+        Drained::TimedOut => {
+            tracing::error!(margin = ?DRAIN_MARGIN, "the workers had not stopped after shutdown_grace; stopping without them");
+            return Err(CliError::DrainStuck(DRAIN_MARGIN));
+        }
     }
     tracing::info!("stopped");
     Ok(())
@@ -114,6 +130,18 @@ pub fn demo_upstream(listen: &str) -> Result<(), CliError> {
     Ok(())
 }
 
+/// How long past `shutdown_grace` the process waits for its workers to stop.
+const DRAIN_MARGIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// How a drain ended.
+enum Drained {
+    Done,
+    /// SIGINT came first.
+    Interrupted,
+    /// The time allowed passed first.
+    TimedOut,
+}
+
 /// SIGTERM and SIGINT, caught from when this is made.
 struct Signals {
     rt: tokio::runtime::Runtime,
@@ -137,7 +165,9 @@ impl Signals {
         Ok(Signals { rt, term, int })
     }
 
-    /// Until a signal comes (at once if one came since the last wait).
+    /// Until a signal comes (at once if one came since the last wait). Signals that came
+    /// with it (a terminal's SIGINT and a wrapper's SIGTERM) are taken too: only one that
+    /// comes later counts in [`Self::wait_for`].
     fn wait(&mut self) {
         let Signals { rt, term, int } = self;
         rt.block_on(async {
@@ -145,20 +175,34 @@ impl Signals {
                 _ = term.recv() => {}
                 _ = int.recv() => {}
             }
+            // Whatever the signal driver has delivered by now, taken without waiting.
+            tokio::task::yield_now().await;
+            std::future::poll_fn(|cx| {
+                while term.poll_recv(cx).is_ready() {}
+                while int.poll_recv(cx).is_ready() {}
+                std::task::Poll::Ready(())
+            })
+            .await;
         });
     }
 
-    /// Until `done` (true), or a SIGINT first (false); SIGTERMs meanwhile are taken and
-    /// ignored.
-    fn wait_for(&mut self, done: tokio::sync::oneshot::Receiver<()>) -> bool {
+    /// Until `done`, a SIGINT, or `limit`, whichever comes first; SIGTERMs meanwhile are
+    /// taken and ignored.
+    fn wait_for(
+        &mut self,
+        done: tokio::sync::oneshot::Receiver<()>,
+        limit: std::time::Duration,
+    ) -> Drained {
         let Signals { rt, term, int } = self;
         rt.block_on(async {
             let mut done = std::pin::pin!(done);
+            let mut limit = std::pin::pin!(tokio::time::sleep(limit));
             loop {
                 tokio::select! {
-                    _ = &mut done => return true,
+                    _ = &mut done => return Drained::Done,
+                    _ = int.recv() => return Drained::Interrupted,
+                    _ = &mut limit => return Drained::TimedOut,
                     _ = term.recv() => {}
-                    _ = int.recv() => return false,
                 }
             }
         })
