@@ -241,66 +241,18 @@ fn serve_config(dir: &Path, port: u16, upstream: SocketAddr, log: &str) -> PathB
     path
 }
 
-/// SIGINT during the drain stops the gateway at once (exit 1), without waiting
-/// `shutdown_grace` for a request that is still in flight; another SIGTERM does not (a
-/// service manager sends one after its own stop command's).
-#[test]
-fn sigint_during_the_drain_stops_it() {
-    let up = slow_upstream(Duration::from_secs(20));
+/// A gateway (one worker, `shutdown_grace` 10 s) in front of an upstream that answers after
+/// `delay`, with a request to it in flight: the process, its pid, and the request's answer
+/// to come.
+fn gateway_with_a_request_in_flight(
+    dir: &Path,
+    delay: Duration,
+    log: &str,
+) -> (Proc, String, std::thread::JoinHandle<String>) {
+    let up = slow_upstream(delay);
     let port = free_port();
-    let dir = tmpdir();
-    let cfg = serve_config(dir.path(), port, up, "");
-    let mut p = Proc(
-        Command::new(BIN)
-            .args(["serve", "--config"])
-            .arg(&cfg)
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    wait_listening(addr);
-    std::thread::spawn(move || http_get(addr, "/slow"));
-    std::thread::sleep(Duration::from_millis(400));
-    let pid = p.0.id().to_string();
-    let signal = |sig: &str| {
-        assert!(
-            Command::new("kill")
-                .args([sig, &pid])
-                .status()
-                .unwrap()
-                .success()
-        )
-    };
-    signal("-TERM");
-    std::thread::sleep(Duration::from_millis(300));
-    signal("-TERM");
-    std::thread::sleep(Duration::from_millis(300));
-    assert!(p.0.try_wait().unwrap().is_none(), "still draining");
-    signal("-INT");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let status = loop {
-        if let Some(s) = p.0.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the second signal did not stop the drain"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert_eq!(status.code(), Some(1), "{status:?}");
-}
-
-/// A terminal's SIGINT and a wrapper's SIGTERM arriving together start one drain: the
-/// second is not taken for a request to stop at once.
-#[test]
-fn signals_that_come_together_drain_once() {
-    let up = slow_upstream(Duration::from_millis(1500));
-    let port = free_port();
-    let dir = tmpdir();
-    let cfg = serve_config(dir.path(), port, up, "");
-    let mut p = Proc(
+    let cfg = serve_config(dir, port, up, log);
+    let p = Proc(
         Command::new(BIN)
             .args(["serve", "--config"])
             .arg(&cfg)
@@ -313,6 +265,60 @@ fn signals_that_come_together_drain_once() {
     let req = std::thread::spawn(move || http_get(addr, "/slow"));
     std::thread::sleep(Duration::from_millis(400));
     let pid = p.0.id().to_string();
+    (p, pid, req)
+}
+
+fn kill(sig: &str, pid: &str) {
+    assert!(
+        Command::new("kill")
+            .args([sig, pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+}
+
+/// The process's exit status, which must come `within`.
+fn exit_within(p: &mut Proc, within: Duration, what: &str) -> std::process::ExitStatus {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(s) = p.0.try_wait().unwrap() {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// SIGINT during the drain stops the gateway at once (exit 1), without waiting
+/// `shutdown_grace` for a request that is still in flight; another SIGTERM does not (a
+/// service manager sends one after its own stop command's).
+#[test]
+fn sigint_during_the_drain_stops_it() {
+    let dir = tmpdir();
+    let (mut p, pid, _req) =
+        gateway_with_a_request_in_flight(dir.path(), Duration::from_secs(20), "");
+    kill("-TERM", &pid);
+    std::thread::sleep(Duration::from_millis(300));
+    kill("-TERM", &pid);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(p.0.try_wait().unwrap().is_none(), "still draining");
+    kill("-INT", &pid);
+    let status = exit_within(
+        &mut p,
+        Duration::from_secs(5),
+        "the second signal did not stop the drain",
+    );
+    assert_eq!(status.code(), Some(1), "{status:?}");
+}
+
+/// A terminal's SIGINT and a wrapper's SIGTERM arriving together start one drain: the
+/// second is not taken for a request to stop at once.
+#[test]
+fn signals_that_come_together_drain_once() {
+    let dir = tmpdir();
+    let (mut p, pid, req) =
+        gateway_with_a_request_in_flight(dir.path(), Duration::from_millis(1500), "");
     // The shell's built-in kill: the two signals microseconds apart.
     assert!(
         Command::new("sh")
@@ -326,60 +332,34 @@ fn signals_that_come_together_drain_once() {
         resp.ends_with("done"),
         "the in-flight request completes: {resp}"
     );
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let status = loop {
-        if let Some(s) = p.0.try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "did not exit after the drain");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = exit_within(
+        &mut p,
+        Duration::from_secs(15),
+        "did not exit after the drain",
+    );
     assert!(status.success(), "exit status {status:?}");
 }
 
 #[test]
 fn sigterm_drains_in_flight_requests_and_exits_zero() {
-    let up = slow_upstream(Duration::from_millis(1500));
-    let port = free_port();
     let dir = tmpdir();
-    let cfg = serve_config(dir.path(), port, up, "[log]\nlevel = \"info\"\n");
-    let mut p = Proc(
-        Command::new(BIN)
-            .args(["serve", "--config"])
-            .arg(&cfg)
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+    let (mut p, pid, req) = gateway_with_a_request_in_flight(
+        dir.path(),
+        Duration::from_millis(1500),
+        "[log]\nlevel = \"info\"\n",
     );
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    wait_listening(addr);
-    let req = std::thread::spawn(move || http_get(addr, "/slow"));
-    std::thread::sleep(Duration::from_millis(400));
-    let pid = p.0.id().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    kill("-TERM", &pid);
     let resp = req.join().unwrap();
     assert!(
         resp.starts_with("HTTP/1.1 200"),
         "the in-flight request completes: {resp}"
     );
     assert!(resp.ends_with("done"), "{resp}");
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let status = loop {
-        if let Some(s) = p.0.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "gateway did not exit after the drain"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = exit_within(
+        &mut p,
+        Duration::from_secs(15),
+        "gateway did not exit after the drain",
+    );
     assert!(status.success(), "exit status {status:?}");
 }
 
@@ -492,20 +472,9 @@ fn watchdog_notifies_systemd() {
     assert_eq!(recv(), "WATCHDOG=1");
     let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
     assert!(http_get(admin, "/healthz").starts_with("HTTP/1.1 200"));
-    let pid = p.0.id().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    kill("-TERM", &p.0.id().to_string());
     while recv() != "STOPPING=1" {}
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while p.0.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "did not exit");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    exit_within(&mut p, Duration::from_secs(15), "did not exit");
 }
 
 /// READY=1 comes as soon as the gateway is ready, not at the next watchdog ping: here the

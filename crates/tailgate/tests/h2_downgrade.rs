@@ -327,12 +327,9 @@ async fn h2_requests_that_would_smuggle_when_downgraded_are_refused() {
     );
 }
 
-/// An h2c client that never answers the PING of HTTP/2's graceful close is not left holding
-/// its connection: once closed for idleness, the connection is dropped one idle timeout
-/// later (hyper waits for the PING's answer before it closes).
-#[tokio::test]
-async fn an_idle_h2_client_that_never_answers_is_dropped() {
-    let up = upstream(|_| async { http::Response::new(full("ok")) }).await;
+/// A gateway with a 300 ms idle timeout in front of `up`, and an h2c connection to it that
+/// has sent its preface and SETTINGS, and nothing more.
+async fn idle_h2c_client(up: std::net::SocketAddr) -> (TestGateway, TcpStream) {
     let gw = TestGateway::to(
         up,
         "[server]\nworkers = 1\nidle_timeout = \"300ms\"\nshutdown_grace = \"5s\"\n",
@@ -341,6 +338,16 @@ async fn an_idle_h2_client_that_never_answers_is_dropped() {
     let mut hello = PREFACE.to_vec();
     hello.extend(frame(SETTINGS, 0, 0, &[]));
     s.write_all(&hello).await.unwrap();
+    (gw, s)
+}
+
+/// An h2c client that never answers the PING of HTTP/2's graceful close is not left holding
+/// its connection: once closed for idleness, the connection is dropped one idle timeout
+/// later (hyper waits for the PING's answer before it closes).
+#[tokio::test]
+async fn an_idle_h2_client_that_never_answers_is_dropped() {
+    let up = upstream(|_| async { http::Response::new(full("ok")) }).await;
+    let (_gw, mut s) = idle_h2c_client(up).await;
     // Reads (and ignores) whatever comes, answering nothing, until the server closes.
     let mut chunk = [0u8; 4096];
     let closed = tokio::time::timeout(Duration::from_secs(5), async {
@@ -364,14 +371,7 @@ async fn a_stream_opened_during_the_idle_close_is_served() {
         http::Response::new(full("ok"))
     })
     .await;
-    let gw = TestGateway::to(
-        up,
-        "[server]\nworkers = 1\nidle_timeout = \"300ms\"\nshutdown_grace = \"5s\"\n",
-    );
-    let mut s = TcpStream::connect(gw.addr).await.unwrap();
-    let mut hello = PREFACE.to_vec();
-    hello.extend(frame(SETTINGS, 0, 0, &[]));
-    s.write_all(&hello).await.unwrap();
+    let (_gw, mut s) = idle_h2c_client(up).await;
     // Past the idle timeout: the graceful close (GOAWAY, PING) is under way.
     tokio::time::sleep(Duration::from_millis(400)).await;
     for f in head_only(&[], b"/slow") {

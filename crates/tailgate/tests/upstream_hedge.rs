@@ -76,21 +76,27 @@ fn stat(
         .cluster_stat(|c| f(c).load(Ordering::Relaxed))
 }
 
-/// A hedge's fast 5xx does not beat the first copy's slower success: a request the slow,
-/// healthy endpoint sits on is hedged to one that fails at once with 503, and still gets
-/// the slow endpoint's 200.
-#[tokio::test]
-async fn a_fast_failure_does_not_beat_a_slow_success() {
-    let (slow_addr, _) = counting(Duration::from_millis(150)).await;
+/// A gateway hedging after 20 ms, round robin over an endpoint that answers after `delay`
+/// and one that answers 503 at once (never ejected).
+async fn slow_and_failing(delay: Duration, response_timeout: &str) -> TestGateway {
+    let (slow_addr, _) = counting(delay).await;
     let failing = upstream(|_| async {
         let mut r = http::Response::new(full("down"));
         *r.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
         r
     })
     .await;
-    let gw = TestGateway::start(&format!(
-        "[[cluster]]\nname = \"up\"\nendpoints = [\"{slow_addr}\", \"{failing}\"]\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 1000\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"20ms\"\nresponse_timeout = \"2s\"\n"
-    ));
+    TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{slow_addr}\", \"{failing}\"]\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 1000\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"20ms\"\nresponse_timeout = \"{response_timeout}\"\n"
+    ))
+}
+
+/// A hedge's fast 5xx does not beat the first copy's slower success: a request the slow,
+/// healthy endpoint sits on is hedged to one that fails at once with 503, and still gets
+/// the slow endpoint's 200.
+#[tokio::test]
+async fn a_fast_failure_does_not_beat_a_slow_success() {
+    let gw = slow_and_failing(Duration::from_millis(150), "2s").await;
     let mut ok = 0;
     for _ in 0..8 {
         if send(gw.addr, http::Method::GET, "/", "").await == 200 {
@@ -105,16 +111,7 @@ async fn a_fast_failure_does_not_beat_a_slow_success() {
 /// deadline comes: never turned into a 504.
 #[tokio::test]
 async fn a_held_failure_is_answered_at_the_deadline() {
-    let (hung_addr, _) = counting(Duration::from_secs(5)).await;
-    let failing = upstream(|_| async {
-        let mut r = http::Response::new(full("down"));
-        *r.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
-        r
-    })
-    .await;
-    let gw = TestGateway::start(&format!(
-        "[[cluster]]\nname = \"up\"\nendpoints = [\"{hung_addr}\", \"{failing}\"]\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 1000\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"20ms\"\nresponse_timeout = \"400ms\"\n"
-    ));
+    let gw = slow_and_failing(Duration::from_secs(5), "400ms").await;
     for _ in 0..4 {
         assert_eq!(send(gw.addr, http::Method::GET, "/", "").await, 503);
     }
