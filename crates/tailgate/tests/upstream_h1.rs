@@ -474,25 +474,25 @@ async fn each_request_on_a_reused_connection_gets_its_own_deadline() {
 
 // ---- review-h1: regression tests for defects found in review ----
 
-/// RFC 9112 §3.2.2: a request in absolute-form is routed by its target's authority, so the
-/// Host sent upstream must be that authority, not the client's (different) Host header.
-#[tokio::test]
-async fn r_absolute_form_target_replaces_the_host_header() {
+/// Sends raw `request` through a gateway to an upstream that answers `200 ok`; returns the
+/// request as the upstream received it, lower-cased.
+async fn as_received(request: &[u8]) -> String {
     let up = scripted(
         |_| answer("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
         false,
     )
     .await;
     let gw = TestGateway::to(up.addr, "");
-    let (text, _) = raw(
-        gw.addr,
-        b"GET http://routed.test/x HTTP/1.1\r\nhost: other.test\r\n\r\n",
-        Duration::from_millis(500),
-    )
-    .await;
+    let (text, _) = raw(gw.addr, request, Duration::from_millis(500)).await;
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-    let seen = up.requests.lock().unwrap().clone();
-    let req = seen[0].to_lowercase();
+    up.requests.lock().unwrap()[0].to_lowercase()
+}
+
+/// RFC 9112 §3.2.2: a request in absolute-form is routed by its target's authority, so the
+/// Host sent upstream must be that authority, not the client's (different) Host header.
+#[tokio::test]
+async fn r_absolute_form_target_replaces_the_host_header() {
+    let req = as_received(b"GET http://routed.test/x HTTP/1.1\r\nhost: other.test\r\n\r\n").await;
     assert!(req.contains("\r\nhost: routed.test\r\n"), "{req}");
     assert!(!req.contains("other.test"), "{req}");
 }
@@ -501,20 +501,10 @@ async fn r_absolute_form_target_replaces_the_host_header() {
 /// X-Forwarded-Host: only the host and port route, and only they are sent.
 #[tokio::test]
 async fn r_absolute_form_userinfo_stays_out_of_the_host() {
-    let up = scripted(
-        |_| answer("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
-        false,
-    )
-    .await;
-    let gw = TestGateway::to(up.addr, "");
-    let (text, _) = raw(
-        gw.addr,
+    let req = as_received(
         b"GET http://evil:pw@routed.test:8080/x HTTP/1.1\r\nhost: routed.test:8080\r\n\r\n",
-        Duration::from_millis(500),
     )
     .await;
-    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-    let req = up.requests.lock().unwrap()[0].to_lowercase();
     assert!(req.contains("\r\nhost: routed.test:8080\r\n"), "{req}");
     assert!(
         req.contains("\r\nx-forwarded-host: routed.test:8080\r\n"),
