@@ -178,8 +178,8 @@ impl Signals {
             // Whatever the signal driver has delivered by now, taken without waiting.
             tokio::task::yield_now().await;
             std::future::poll_fn(|cx| {
-                while term.poll_recv(cx).is_ready() {}
-                while int.poll_recv(cx).is_ready() {}
+                while let std::task::Poll::Ready(Some(())) = term.poll_recv(cx) {}
+                while let std::task::Poll::Ready(Some(())) = int.poll_recv(cx) {}
                 std::task::Poll::Ready(())
             })
             .await;
