@@ -682,3 +682,28 @@ async fn forwarding_headers_reach_an_http2_upstream() {
         ["xff=10.0.0.1, 127.0.0.1 via=1.1 tailgate id=rid-7 proto=http expect="]
     );
 }
+
+/// Bursts of 30 requests, each connection sent GOAWAY after its first answer: the requests
+/// a closing connection turns away share one new connection instead of opening one each
+/// (after a GOAWAY, hyper keeps the connection looking open until its task runs, and every
+/// request sent on it meanwhile comes back unsent). 5 to 6 connections in all; each
+/// turned-away request opening its own made 21 to 100.
+#[tokio::test]
+async fn requests_turned_away_by_a_closing_connection_share_its_successor() {
+    let (up, seen) = h2c_upstream(Gate::new(0), 1, 100).await;
+    let gw = gateway(up, "");
+    for round in 0..5 {
+        assert_eq!(
+            concurrent_gets(gw.addr, 30).await,
+            vec![200; 30],
+            "round {round}"
+        );
+    }
+    let conns = seen.conns.load(Ordering::SeqCst);
+    assert!(conns <= 15, "{conns} connections for 5 bursts");
+    assert_eq!(
+        seen.processed.lock().unwrap().len(),
+        150,
+        "each request processed once"
+    );
+}

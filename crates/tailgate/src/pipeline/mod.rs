@@ -473,7 +473,7 @@ async fn forward(
         // fresh connection is always safe, whatever the method.
         Err(SendError::NotSent(NotSentBody(body))) if up.reused => {
             tracing::debug!(upstream.addr = %pool.addr, "pooled connection closed before the request was sent; resending on a new one");
-            send_on_new(&pool, &mut up, &parts, &added, body, left()).await?
+            send_on_new(&mut up, &parts, &added, body, left()).await?
         }
         // Refused unprocessed by an HTTP/2 upstream: sending it again is safe whatever the
         // method, and costs no retry budget (with its body only when the copy holds it
@@ -484,7 +484,7 @@ async fn forward(
         {
             tracing::debug!(upstream.addr = %pool.addr, error = %e, "upstream refused the request unprocessed; resending on a new connection");
             pool.count_refused_resend();
-            send_on_new(&pool, &mut up, &parts, &added, body, left()).await?
+            send_on_new(&mut up, &parts, &added, body, left()).await?
         }
         // Written, then the connection failed before a response: replay it once on a fresh
         // connection (idempotent and bodiless only; never a POST unless the route says its
@@ -499,7 +499,7 @@ async fn forward(
         {
             tracing::debug!(upstream.addr = %pool.addr, error = %e, "pooled connection failed under a request; retrying it on a new one");
             pool.count_retry();
-            send_on_new(&pool, &mut up, &parts, &added, body, left()).await?
+            send_on_new(&mut up, &parts, &added, body, left()).await?
         }
         Err(e) => Err(e),
     };
@@ -623,12 +623,12 @@ fn is_idempotent(m: &http::Method) -> bool {
 /// What a resend on a new connection gives: the upstream's answer, or why none came.
 type Resent = Result<Result<Response<UpBody>, SendError>, ProxyError>;
 
-/// Sends the request again, on a new connection to `pool` that replaces `up`, within `left`.
+/// Sends the request again on `up`'s replacement (see `Conn::replacement`: a fresh
+/// HTTP/1.1 connection, or a shared HTTP/2 one), within `left`.
 ///
 /// A rare path: its state lives on the heap, so that it does not make every request's
 /// future larger (and every move of it dearer).
 fn send_on_new<'a>(
-    pool: &'a Arc<crate::upstream::EndpointPool>,
     up: &'a mut crate::upstream::Conn,
     parts: &'a http::request::Parts,
     added: &'a headers::Added<'a>,
@@ -637,7 +637,7 @@ fn send_on_new<'a>(
 ) -> std::pin::Pin<Box<impl std::future::Future<Output = Resent> + 'a>> {
     Box::pin(async move {
         let resend = async {
-            *up = pool.connect().await?;
+            *up = up.replacement().await?;
             Ok(up.send(parts, added, body, None).await)
         };
         tokio::time::timeout(left, resend)

@@ -149,6 +149,23 @@ impl Conn {
         matches!(self.sender, Sender::H2(_))
     }
 
+    /// A connection for a request this one could not carry (closed before the request was
+    /// written, refused, failed): a fresh HTTP/1.1 connection; for HTTP/2, the shared
+    /// connection this one was on is forgotten first, and the request takes a stream on
+    /// another open one, or waits for the one being opened, or opens it. One connect is
+    /// then shared by every request a closing connection turned away (after a GOAWAY, hyper
+    /// keeps the connection looking open until its task runs again, and each request sent
+    /// on it meanwhile comes back unsent).
+    pub async fn replacement(&self) -> Result<Conn, ProxyError> {
+        match &self._slot {
+            Some(slot) => {
+                self.pool.forget_h2(slot);
+                self.pool.checkout().await
+            }
+            None => self.pool.connect().await,
+        }
+    }
+
     /// Sends the request `parts` with `body` and waits for the response head. The head is
     /// borrowed, so a resend needs no copy of it kept aside; an HTTP/2 request is built
     /// from a copy fitted to that protocol (absolute-form, `:authority`).

@@ -194,6 +194,15 @@ impl H2Set {
         })
     }
 
+    /// Forgets one connection (the one `slot` is on): no new streams go on it, and it closes
+    /// when its last stream ends.
+    pub(super) fn forget(&self, slot: &StreamSlot) {
+        self.conns
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|c| !Arc::ptr_eq(c, &slot.conn));
+    }
+
     /// Forgets every connection: no new streams go on them, and each closes when its last
     /// stream ends.
     pub(super) fn clear(&self) {

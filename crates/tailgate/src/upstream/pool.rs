@@ -426,6 +426,11 @@ impl EndpointPool {
         }
     }
 
+    /// Takes no new streams on the HTTP/2 connection `slot` is on.
+    pub(super) fn forget_h2(&self, slot: &super::multiplex::StreamSlot) {
+        self.h2.forget(slot);
+    }
+
     /// Counts a request sent again after a failure.
     pub fn count_retry(&self) {
         self.stats.retries.fetch_add(1, Ordering::Relaxed);
