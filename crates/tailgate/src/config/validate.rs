@@ -141,9 +141,7 @@ impl Checker<'_> {
             }
         }
     }
-}
 
-impl Checker<'_> {
     /// Can a listening socket be bound to `a`? Listeners bind IPv6 addresses IPv6-only, so
     /// an IPv4-mapped one is refused by the kernel, as is a link-local one with no scope.
     pub(super) fn bindable(&mut self, a: SocketAddr, v: &Spanned<String>, field: String) -> bool {

@@ -313,31 +313,34 @@ async fn drive<C: Future>(
     let mut idle_timer = std::pin::pin!(tokio::time::sleep(idle));
     let side = Arc::new(SideWake::default());
     let side_waker = Waker::from(side.clone());
-    // Set when the connection was asked to close for idleness: it must have ended by then.
-    let mut close_by: Option<tokio::time::Instant> = None;
+    // The connection was asked to close for idleness: from then on the idle timer runs to
+    // when it must have ended.
+    let mut closed_for_idleness = false;
     std::future::poll_fn(|cx| {
         loop {
             if let Poll::Ready(res) = conn.as_mut().poll(cx) {
                 return Poll::Ready(Some(res));
             }
             if closing {
-                let Some(by) = close_by else {
+                if !closed_for_idleness {
                     return Poll::Pending;
-                };
-                // Only the close deadline is left to watch, on the timer's own waker.
+                }
+                // Only the close deadline is left to watch (the idle timer, set to it), on
+                // the timer's own waker.
                 side.task.register(cx.waker());
                 if !side.woken.swap(false, Ordering::AcqRel) {
                     return Poll::Pending;
                 }
                 let mut side_cx = Context::from_waker(&side_waker);
-                idle_timer.as_mut().reset(by);
                 if idle_timer.as_mut().poll(&mut side_cx).is_pending() {
                     return Poll::Pending;
                 }
                 if info.activity.idle_deadline(idle).is_some() {
                     return Poll::Ready(None);
                 }
-                close_by = Some(tokio::time::Instant::now() + idle);
+                idle_timer
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + idle);
                 side.woken.store(true, Ordering::Release);
                 continue;
             }
@@ -358,7 +361,10 @@ async fn drive<C: Future>(
             match info.activity.idle_deadline(idle) {
                 Some(at) if at <= std::time::Instant::now() => {
                     closing = true;
-                    close_by = Some(tokio::time::Instant::now() + idle);
+                    closed_for_idleness = true;
+                    idle_timer
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + idle);
                     graceful(conn.as_mut());
                 }
                 Some(at) => idle_timer.as_mut().reset(at.into()),
