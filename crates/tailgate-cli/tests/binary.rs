@@ -363,6 +363,64 @@ fn sigterm_drains_in_flight_requests_and_exits_zero() {
     assert!(status.success(), "exit status {status:?}");
 }
 
+/// Each thread of process `pid`: its name and its scheduling policy (field 41 of
+/// `/proc/PID/task/TID/stat`; 0 is `SCHED_OTHER`, 5 `SCHED_IDLE`).
+fn thread_policies(pid: u32) -> Vec<(String, u32)> {
+    let mut out = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let dir = t.unwrap().path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap();
+        let stat = std::fs::read_to_string(dir.join("stat")).unwrap();
+        // The name in brackets may hold spaces; the fields after it start at field 3.
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .unwrap()
+            .1
+            .split_whitespace()
+            .collect();
+        out.push((comm.trim().to_owned(), fields[41 - 3].parse().unwrap()));
+    }
+    out
+}
+
+/// The admin thread runs under `SCHED_IDLE`, so a large scrape never takes the core from a
+/// worker that has a request to serve; the workers keep the normal policy.
+#[test]
+fn the_admin_thread_yields_its_core_to_the_workers() {
+    let up = slow_upstream(Duration::from_millis(0));
+    let (port, admin_port) = (free_port(), free_port());
+    let dir = tmpdir();
+    let cfg = serve_config(
+        dir.path(),
+        port,
+        up,
+        &format!("[admin]\naddress = \"127.0.0.1:{admin_port}\"\n"),
+    );
+    let p = Proc(
+        Command::new(BIN)
+            .args(["serve", "--config"])
+            .arg(&cfg)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
+    wait_listening(admin);
+    // Answered by the admin thread, so it has set its policy by now.
+    let metrics = http_get(admin, "/metrics");
+    assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
+    let threads = thread_policies(p.0.id());
+    let of = |name: &str| -> Vec<u32> {
+        threads
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, policy)| *policy)
+            .collect()
+    };
+    assert_eq!(of("tailgate-admin"), [5], "{threads:?}");
+    assert_eq!(of("tailgate-worker"), [0], "{threads:?}");
+}
+
 #[test]
 fn json_access_log_has_stage_timings() {
     let up = slow_upstream(Duration::from_millis(0));
