@@ -77,19 +77,20 @@ async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> 
         Kind::Counter,
         "Requests finished, by tenant, route, method and status class.",
     );
-    let mut labels = String::new();
+    // Label texts made once per scrape, not once per series.
+    let method_class: Vec<String> = METHODS
+        .iter()
+        .flat_map(|m| {
+            CLASSES
+                .iter()
+                .map(move |c| format!("method=\"{m}\",status_class=\"{c}\""))
+        })
+        .collect();
     for s in 0..slots {
-        for (m, method) in METHODS.iter().enumerate() {
-            for (c, class) in CLASSES.iter().enumerate() {
-                let n = sum(
-                    &|slot| slot.requests[m * CLASSES.len() + c].load(Ordering::Relaxed),
-                    s,
-                );
-                if n > 0 {
-                    labels.clear();
-                    let _ = write!(labels, "method=\"{method}\",status_class=\"{class}\"");
-                    w.counter("tailgate_requests", &[&plan.slot_labels[s], &labels], n);
-                }
+        for (i, labels) in method_class.iter().enumerate() {
+            let n = sum(&|slot| slot.requests[i].load(Ordering::Relaxed), s);
+            if n > 0 {
+                w.counter("tailgate_requests", &[&plan.slot_labels[s], labels], n);
             }
         }
         w.maybe_flush().await?;
@@ -100,12 +101,15 @@ async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> 
         Kind::Counter,
         "Requests that ended in an error, by kind.",
     );
+    let kinds: Vec<String> = ERROR_KINDS
+        .iter()
+        .map(|k| format!("kind=\"{k}\""))
+        .collect();
     for s in 0..slots {
-        for (k, kind) in ERROR_KINDS.iter().enumerate() {
+        for (k, kind) in kinds.iter().enumerate() {
             let n = sum(&|slot| slot.errors[k].load(Ordering::Relaxed), s);
             if n > 0 {
-                let kind = format!("kind=\"{kind}\"");
-                w.counter("tailgate_request_errors", &[&plan.slot_labels[s], &kind], n);
+                w.counter("tailgate_request_errors", &[&plan.slot_labels[s], kind], n);
             }
         }
     }
@@ -171,17 +175,20 @@ async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> 
         Kind::Histogram,
         "Time spent in each stage of the request pipeline.",
     );
+    let stages: Vec<String> = STAGES
+        .iter()
+        .map(|stage| format!("stage=\"{stage}\""))
+        .collect();
     for s in 0..slots {
-        for (i, stage) in STAGES.iter().enumerate() {
+        for (i, stage) in stages.iter().enumerate() {
             let mut h = Snapshot::default();
             for wk in workers {
                 wk.metrics.slots()[s].stages[i].add_to(&mut h);
             }
             if h.count() > 0 {
-                let stage = format!("stage=\"{stage}\"");
                 w.histogram(
                     "tailgate_request_stage_duration_seconds",
-                    &[&plan.slot_labels[s], &stage],
+                    &[&plan.slot_labels[s], stage],
                     &h,
                 );
             }
