@@ -63,42 +63,53 @@ pub async fn serve_connection(ctx: ConnCtx, stream: TcpStream, peer: SocketAddr)
     let handshake_timeout = settings.header_read_timeout;
     // Under TLS and both HTTP versions: a client that stops reading is cut off.
     let stream = SendTimeout::new(stream, settings.idle_timeout);
-    match &ctx.listener.tls {
+    match ctx.listener.tls.clone() {
         None => serve_plain(ctx, stream, peer, None).await,
-        Some(acceptor) => {
-            // Shutdown does not wait for a handshake in progress.
-            let mut shutdown = ctx.shutdown.clone();
-            let accepted = tokio::select! {
-                a = tokio::time::timeout(handshake_timeout, acceptor.accept(stream)) => a,
-                _ = shutdown.wait_for(|stop| *stop) => return,
-            };
-            let tls = match accepted {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    tracing::debug!(client.addr = %peer, error = %e, "TLS handshake failed");
-                    return;
-                }
-                Err(_) => {
-                    tracing::debug!(client.addr = %peer, "TLS handshake timed out");
-                    return;
-                }
-            };
-            let (_, session) = tls.get_ref();
-            let h2 = session.alpn_protocol() == Some(b"h2");
-            // SNI classifies the connection's tenant when the listener does not.
-            let sni_tenant = session.server_name().and_then(|n| {
-                ctx.worker
-                    .shared
-                    .routes
-                    .tenant_of_host(&n.to_ascii_lowercase())
-            });
-            if h2 {
-                let info = conn_info(&ctx, peer, true, sni_tenant);
-                serve_h2(ctx, tls, info).await;
-            } else {
-                serve_plain(ctx, tls, peer, sni_tenant).await;
-            }
+        // On the heap: the TLS session and the futures over it are twice the size of the
+        // plain path's, and inline they would size every connection's task, plain or not.
+        Some(acceptor) => Box::pin(serve_tls(ctx, acceptor, stream, peer, handshake_timeout)).await,
+    }
+}
+
+/// A TLS connection: the handshake, then HTTP/2 by ALPN or HTTP/1.1.
+async fn serve_tls(
+    ctx: ConnCtx,
+    acceptor: tokio_rustls::TlsAcceptor,
+    stream: SendTimeout<TcpStream>,
+    peer: SocketAddr,
+    handshake_timeout: Duration,
+) {
+    // Shutdown does not wait for a handshake in progress.
+    let mut shutdown = ctx.shutdown.clone();
+    let accepted = tokio::select! {
+        a = tokio::time::timeout(handshake_timeout, acceptor.accept(stream)) => a,
+        _ = shutdown.wait_for(|stop| *stop) => return,
+    };
+    let tls = match accepted {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            tracing::debug!(client.addr = %peer, error = %e, "TLS handshake failed");
+            return;
         }
+        Err(_) => {
+            tracing::debug!(client.addr = %peer, "TLS handshake timed out");
+            return;
+        }
+    };
+    let (_, session) = tls.get_ref();
+    let h2 = session.alpn_protocol() == Some(b"h2");
+    // SNI classifies the connection's tenant when the listener does not.
+    let sni_tenant = session.server_name().and_then(|n| {
+        ctx.worker
+            .shared
+            .routes
+            .tenant_of_host(&n.to_ascii_lowercase())
+    });
+    if h2 {
+        let info = conn_info(&ctx, peer, true, sni_tenant);
+        serve_h2(ctx, tls, info).await;
+    } else {
+        serve_plain(ctx, tls, peer, sni_tenant).await;
     }
 }
 
@@ -150,22 +161,27 @@ where
                 header_timeout: settings.header_read_timeout,
             };
             let closing = AtomicBool::new(false);
-            let inline = h1_inline::serve(
-                &mut io,
-                bytes::BytesMut::from(&sniffed[..]),
-                &ctx.worker,
-                &info,
-                &limits,
-                &closing,
-            );
-            let ended = drive(
-                inline,
-                ctx.shutdown.clone(),
-                &info,
-                settings.idle_timeout,
-                |_| closing.store(true, Ordering::Relaxed),
-            )
-            .await;
+            let ended = {
+                // Pinned here and lent to `drive`: given by value, the future (kilobytes)
+                // would be stored twice in this one, as `drive`'s argument and as its
+                // pinned local.
+                let inline = std::pin::pin!(h1_inline::serve(
+                    &mut io,
+                    bytes::BytesMut::from(&sniffed[..]),
+                    &ctx.worker,
+                    &info,
+                    &limits,
+                    &closing,
+                ));
+                drive(
+                    inline,
+                    ctx.shutdown.clone(),
+                    &info,
+                    settings.idle_timeout,
+                    |_| closing.store(true, Ordering::Relaxed),
+                )
+                .await
+            };
             if let Some(h1_inline::Ended::Handover(rest)) = ended {
                 let guard = H1Guard::resume(
                     io,
