@@ -117,6 +117,54 @@ async fn a_held_failure_is_answered_at_the_deadline() {
     }
 }
 
+/// With one of two endpoints ejected, nothing is hedged to it: requests the healthy,
+/// slow endpoint sits on wait for it, no copy is sent and no hedge budget is spent.
+#[tokio::test]
+async fn nothing_is_hedged_to_an_ejected_endpoint() {
+    let (slow_addr, _) = counting(Duration::from_millis(150)).await;
+    let failing_hits = Arc::new(AtomicUsize::new(0));
+    let h = failing_hits.clone();
+    let failing = upstream(move |_| {
+        h.fetch_add(1, Ordering::SeqCst);
+        async {
+            let mut r = http::Response::new(full("down"));
+            *r.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+            r
+        }
+    })
+    .await;
+    let s = Setup {
+        gw: TestGateway::start(&format!(
+            "[[cluster]]\nname = \"up\"\nendpoints = [\"{slow_addr}\", \"{failing}\"]\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 1\neject_duration = \"60s\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"20ms\"\nresponse_timeout = \"2s\"\n"
+        )),
+        fast: Arc::new(AtomicUsize::new(0)),
+        slow: Arc::new(AtomicUsize::new(0)),
+    };
+    // The first request (or its hedge) meets the failing endpoint's 503, which ejects it.
+    for _ in 0..4 {
+        if failing_hits.load(Ordering::SeqCst) > 0 {
+            break;
+        }
+        send(s.gw.addr, http::Method::GET, "/", "").await;
+    }
+    let hits = failing_hits.load(Ordering::SeqCst);
+    assert!(hits > 0, "the failing endpoint was never tried");
+    let fired = stat(&s, |c| &c.hedges_fired);
+    for i in 0..6 {
+        assert_eq!(
+            send(s.gw.addr, http::Method::GET, "/", "").await,
+            200,
+            "request {i}"
+        );
+    }
+    assert_eq!(
+        failing_hits.load(Ordering::SeqCst),
+        hits,
+        "a copy went to the ejected endpoint"
+    );
+    assert_eq!(stat(&s, |c| &c.hedges_fired), fired, "hedges fired");
+}
+
 /// Every request the slow endpoint sits on is hedged to the fast one, which wins; all
 /// requests succeed although the slow endpoint answers after the response timeout.
 #[tokio::test]

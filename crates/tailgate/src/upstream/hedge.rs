@@ -14,13 +14,14 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures_util::FutureExt as _;
 use futures_util::future::Either;
 
-use super::{ClusterPools, Conn, UpBody};
+use super::{ClusterPools, Conn, EndpointPool, UpBody};
 use crate::config::HedgeDelay;
 use crate::pipeline::body::ReqBody;
 use crate::pipeline::error::ProxyError;
@@ -172,9 +173,11 @@ impl<'a> Hedge<'a> {
         })
     }
 
-    /// Sends the copy to another endpoint; records the outcome on that endpoint's load.
-    async fn send(self) -> Result<(http::Response<UpBody>, Conn), ProxyError> {
-        let pool = self.cluster.pick_other(self.avoid)?;
+    /// Sends the copy to `pool`; records the outcome on that endpoint's load.
+    async fn send(
+        self,
+        pool: Arc<EndpointPool>,
+    ) -> Result<(http::Response<UpBody>, Conn), ProxyError> {
         let in_flight = pool.load.start();
         let mut conn = match self.cluster.checkout(&pool).await {
             Ok(c) => c,
@@ -237,11 +240,16 @@ async fn race_hedged<E>(
         _ = tokio::time::sleep(hedge.delay) => {}
     }
     let cluster = hedge.cluster;
+    // No other endpoint that is not ejected (one of two failed): no copy, and no budget
+    // spent on one.
+    let Some(target) = cluster.pick_other(hedge.avoid) else {
+        return Raced::Primary(primary.await);
+    };
     if !cluster.try_spend_hedge() {
         return Raced::Primary(primary.await);
     }
     cluster.stats.hedges_fired.fetch_add(1, Ordering::Relaxed);
-    let mut second = std::pin::pin!(hedge.send());
+    let mut second = std::pin::pin!(hedge.send(target));
     let won = |h| {
         cluster.stats.hedges_won.fetch_add(1, Ordering::Relaxed);
         Raced::Hedge(Box::new(h))

@@ -147,13 +147,16 @@ impl ClusterPools {
         Ok((i, endpoints[i].clone()))
     }
 
-    /// An endpoint other than `avoid`, by the balancer; an error when there is none.
-    pub fn pick_other(&self, avoid: SocketAddr) -> Result<Arc<EndpointPool>, ProxyError> {
+    /// An endpoint other than `avoid` that is not ejected, by the balancer (a hedge's
+    /// target); `None` when there is none. Unlike [`pick`](Self::pick), it does not fall
+    /// back to an ejected endpoint: a second copy is worth sending only where a first would
+    /// be.
+    pub fn pick_other(&self, avoid: SocketAddr) -> Option<Arc<EndpointPool>> {
         let endpoints = self.endpoints.load();
-        let exclude = endpoints.iter().position(|p| p.addr == avoid);
         if endpoints.len() < 2 {
-            return Err(ProxyError::NoEndpoints);
+            return None;
         }
+        let exclude = endpoints.iter().position(|p| p.addr == avoid);
         let i = balance::pick(
             self.balance,
             endpoints.len(),
@@ -161,7 +164,8 @@ impl ClusterPools {
             &self.next,
             exclude,
         );
-        Ok(endpoints[i].clone())
+        let pool = &endpoints[i];
+        (Some(i) != exclude && !pool.load.is_ejected()).then(|| pool.clone())
     }
 
     /// How many endpoints the cluster has now.
