@@ -363,30 +363,36 @@ fn sigterm_drains_in_flight_requests_and_exits_zero() {
     assert!(status.success(), "exit status {status:?}");
 }
 
-/// Each thread of process `pid`: its name and its scheduling policy (field 41 of
-/// `/proc/PID/task/TID/stat`; 0 is `SCHED_OTHER`, 5 `SCHED_IDLE`).
-fn thread_policies(pid: u32) -> Vec<(String, u32)> {
+/// Each thread of process `pid`: its name, nice value and scheduling policy (fields 19 and
+/// 41 of `/proc/PID/task/TID/stat`; policy 0 is `SCHED_OTHER`, 5 `SCHED_IDLE`). A thread
+/// that ends while it is read is left out.
+fn thread_priorities(pid: u32) -> Vec<(String, i64, u32)> {
     let mut out = Vec::new();
     for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
         let dir = t.unwrap().path();
-        let comm = std::fs::read_to_string(dir.join("comm")).unwrap();
-        let stat = std::fs::read_to_string(dir.join("stat")).unwrap();
+        let (Ok(comm), Ok(stat)) = (
+            std::fs::read_to_string(dir.join("comm")),
+            std::fs::read_to_string(dir.join("stat")),
+        ) else {
+            continue;
+        };
         // The name in brackets may hold spaces; the fields after it start at field 3.
-        let fields: Vec<&str> = stat
-            .rsplit_once(')')
-            .unwrap()
-            .1
-            .split_whitespace()
-            .collect();
-        out.push((comm.trim().to_owned(), fields[41 - 3].parse().unwrap()));
+        let fields: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
+        out.push((
+            comm.trim().to_owned(),
+            fields[19 - 3].parse().unwrap(),
+            fields[41 - 3].parse().unwrap(),
+        ));
     }
     out
 }
 
-/// The admin thread runs under `SCHED_IDLE`, so a large scrape never takes the core from a
-/// worker that has a request to serve; the workers keep the normal policy.
+/// Scrapes render on a thread under `SCHED_IDLE`, so a large one never takes the core from
+/// a worker that has a request to serve; the admin thread (health, readiness) runs at nice
+/// 10, so a saturated machine still answers its probes; the workers keep the normal
+/// policy and nice 0.
 #[test]
-fn the_admin_thread_yields_its_core_to_the_workers() {
+fn scrapes_yield_the_core_to_the_workers() {
     let up = slow_upstream(Duration::from_millis(0));
     let (port, admin_port) = (free_port(), free_port());
     let dir = tmpdir();
@@ -406,19 +412,23 @@ fn the_admin_thread_yields_its_core_to_the_workers() {
     );
     let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
     wait_listening(admin);
-    // Answered by the admin thread, so it has set its policy by now.
+    // Rendered by the scrape thread and answered by the admin thread: both have set their
+    // priority by now.
     let metrics = http_get(admin, "/metrics");
     assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
-    let threads = thread_policies(p.0.id());
-    let of = |name: &str| -> Vec<u32> {
+    assert!(metrics.contains("# TYPE tailgate_requests_total counter"), "{metrics}");
+    let threads = thread_priorities(p.0.id());
+    let of = |name: &str| -> Vec<(i64, u32)> {
         threads
             .iter()
-            .filter(|(n, _)| n == name)
-            .map(|(_, policy)| *policy)
+            .filter(|(n, _, _)| n == name)
+            .map(|(_, nice, policy)| (*nice, *policy))
             .collect()
     };
-    assert_eq!(of("tailgate-admin"), [5], "{threads:?}");
-    assert_eq!(of("tailgate-worker"), [0], "{threads:?}");
+    assert_eq!(of("tailgate-scrape").len(), 1, "{threads:?}");
+    assert_eq!(of("tailgate-scrape")[0].1, 5, "{threads:?}");
+    assert_eq!(of("tailgate-admin"), [(10, 0)], "{threads:?}");
+    assert_eq!(of("tailgate-worker"), [(0, 0)], "{threads:?}");
 }
 
 #[test]

@@ -2,15 +2,16 @@
 //! OS thread with its own current-thread runtime and its own listener, never from a
 //! data-plane worker (seed 001: a scrape rendered on a request worker stalled requests).
 //!
-//! The thread runs under Linux's `SCHED_IDLE` policy: where it shares a core with a worker,
-//! a worker that wakes up takes the core at once, so a large scrape takes longer instead of
-//! delaying requests. Nice 10, the earlier setting, was not enough: on a quiet machine a
-//! 14 ms scrape of 105k series once a second still moved the p99 at 5000 requests/s from
-//! 185 µs to 711 µs (`tailgate bench scenario metrics-scrape`), because a nice-10 thread
-//! keeps the core until the scheduler's wake-up granularity has passed. `SCHED_IDLE` is
-//! not starvation: the thread still gets a small share of a saturated core (its weight is 3
-//! against a worker's 1024), enough for `/healthz` and `/readyz`; the systemd watchdog has
-//! a thread of its own.
+//! The admin thread runs at a lower priority than the workers (nice 10), and `/metrics`
+//! renders on a thread of its own under Linux's `SCHED_IDLE` policy: where it shares a core
+//! with a worker, a worker that wakes up takes the core from it at once, so a large scrape
+//! takes longer instead of delaying requests. Rendering at nice 10 was not enough: on a
+//! quiet machine a 14 ms scrape of 105k series once a second moved the p99 at 5000
+//! requests/s from 185 µs to 711 µs (`tailgate bench scenario metrics-scrape`). Health and
+//! readiness stay on the nice-10 thread: a `SCHED_IDLE` thread on a saturated core gets
+//! its turn about once a second (its weight is 3 against a worker's 1024), too late for a
+//! liveness probe. The body of a scrape is still written to its socket by the admin
+//! thread; the systemd watchdog has a thread of its own.
 //!
 //! - `/metrics`: Prometheus text 0.0.4, or OpenMetrics 1.0 when `Accept` asks for
 //!   `application/openmetrics-text`; gzip when `Accept-Encoding` allows it; streamed in
@@ -27,8 +28,8 @@ pub mod watchdog;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -69,6 +70,8 @@ pub struct AdminState {
     pub last_render_ns: AtomicU64,
     pub last_samples: AtomicU64,
     pub scrapes: AtomicU64,
+    /// The runtime of the `SCHED_IDLE` thread scrapes render on (unset: the admin thread's).
+    scrape_runtime: OnceLock<tokio::runtime::Handle>,
 }
 
 impl AdminState {
@@ -94,6 +97,7 @@ impl AdminState {
             last_render_ns: AtomicU64::new(0),
             last_samples: AtomicU64::new(0),
             scrapes: AtomicU64::new(0),
+            scrape_runtime: OnceLock::new(),
         }
     }
 
@@ -152,32 +156,71 @@ impl AdminState {
     }
 }
 
-/// The running admin thread.
+/// The running admin thread, and the thread scrapes render on.
 pub struct Admin {
     pub addr: SocketAddr,
     stop: watch::Sender<bool>,
     thread: JoinHandle<()>,
+    scrape_thread: JoinHandle<()>,
 }
 
 impl Admin {
-    /// Binds the admin listener and starts the admin thread.
+    /// Binds the admin listener and starts the admin thread and the scrape thread.
     pub fn start(settings: &AdminSettings, state: Arc<AdminState>) -> std::io::Result<Admin> {
         let listener = std::net::TcpListener::bind(settings.address)?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let (stop, stop_rx) = watch::channel(false);
+        let (runtime_tx, runtime_rx) = std::sync::mpsc::channel();
+        let scrape_stop = stop_rx.clone();
+        let scrape_thread = std::thread::Builder::new()
+            .name("tailgate-scrape".into())
+            .spawn(move || run_scrapes(runtime_tx, scrape_stop))?;
+        // Without it (its runtime could not be built), scrapes render on the admin thread.
+        if let Ok(handle) = runtime_rx.recv() {
+            let _ = state.scrape_runtime.set(handle);
+        }
         let thread = std::thread::Builder::new()
             .name("tailgate-admin".into())
             .spawn(move || run(listener, state, stop_rx))?;
         tracing::info!(admin.addr = %addr, "admin listening");
-        Ok(Admin { addr, stop, thread })
+        Ok(Admin {
+            addr,
+            stop,
+            thread,
+            scrape_thread,
+        })
     }
 
-    /// Stops the admin thread (after the data plane has stopped).
+    /// Stops the admin thread and the scrape thread (after the data plane has stopped).
     pub fn stop(self) {
         let _ = self.stop.send(true);
         let _ = self.thread.join();
+        let _ = self.scrape_thread.join();
     }
+}
+
+/// The scrape thread: a runtime that only renders expositions, under `SCHED_IDLE`, until
+/// the admin plane stops.
+fn run_scrapes(
+    runtime_tx: std::sync::mpsc::Sender<tokio::runtime::Handle>,
+    mut stop: watch::Receiver<bool>,
+) {
+    idle_priority();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot build the scrape runtime; scrapes render on the admin thread");
+            return;
+        }
+    };
+    let _ = runtime_tx.send(rt.handle().clone());
+    rt.block_on(async move {
+        let _ = stop.wait_for(|s| *s).await;
+    });
 }
 
 fn run(listener: std::net::TcpListener, state: Arc<AdminState>, mut stop: watch::Receiver<bool>) {
@@ -223,25 +266,35 @@ fn run(listener: std::net::TcpListener, state: Arc<AdminState>, mut stop: watch:
     });
 }
 
-/// `SCHED_IDLE` for this thread only; nice 10 where that is refused (a seccomp filter, a
-/// kernel without it). Linux applies both to the calling thread, not the process.
+/// Nice 10 for this thread only (Linux applies `setpriority` to a thread id).
 fn lower_priority() {
+    let tid = rustix::thread::gettid();
+    if let Err(e) = rustix::process::setpriority_process(Some(tid), 10) {
+        tracing::debug!(error = %e, "cannot lower the admin thread's priority");
+    }
+}
+
+/// `SCHED_IDLE` for this thread only; nice 10 where that is refused (a seccomp filter, a
+/// kernel without it).
+fn idle_priority() {
     use thread_priority::unix::{
         NormalThreadSchedulePolicy, ThreadSchedulePolicy, set_thread_priority_and_policy,
-        thread_native_id,
+        thread_native_id, thread_schedule_policy,
     };
-    let idle = set_thread_priority_and_policy(
+    const IDLE: ThreadSchedulePolicy =
+        ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Idle);
+    let set = set_thread_priority_and_policy(
         thread_native_id(),
         thread_priority::ThreadPriority::Min,
-        ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Idle),
+        IDLE,
     );
-    if let Err(e) = idle {
-        tracing::debug!(error = ?e, "SCHED_IDLE refused for the admin thread; nice 10 instead");
-        let tid = rustix::thread::gettid();
-        if let Err(e) = rustix::process::setpriority_process(Some(tid), 10) {
-            tracing::debug!(error = %e, "cannot lower the admin thread's priority");
-        }
+    // After the policy, the call also sets the thread's nice value (to 0), which fails in a
+    // process started niced; the policy is what counts.
+    if thread_schedule_policy().is_ok_and(|p| p == IDLE) {
+        return;
     }
+    tracing::debug!(error = ?set.err(), "SCHED_IDLE refused for the scrape thread; nice 10 instead");
+    lower_priority();
 }
 
 async fn serve(
@@ -311,7 +364,7 @@ fn handle(state: Arc<AdminState>, req: Request<Incoming>) -> Response<AdminBody>
     }
 }
 
-/// Starts rendering on the admin runtime and answers with the stream of its chunks.
+/// Starts rendering on the scrape thread and answers with the stream of its chunks.
 fn metrics(state: Arc<AdminState>, req: &Request<Incoming>) -> Response<AdminBody> {
     let format = Format::from_accept(
         req.headers()
@@ -321,7 +374,8 @@ fn metrics(state: Arc<AdminState>, req: &Request<Incoming>) -> Response<AdminBod
     let gzip = accepts_gzip(req.headers());
     let (tx, rx) = mpsc::channel(4);
     if req.method() == Method::GET {
-        tokio::spawn(async move {
+        let runtime = state.scrape_runtime.get().cloned();
+        let render = async move {
             let t = Instant::now();
             let mut w = TextWriter::new(format, gzip, tx);
             let done = match exposition::render(&state, &mut w).await {
@@ -335,7 +389,11 @@ fn metrics(state: Arc<AdminState>, req: &Request<Incoming>) -> Response<AdminBod
                     .store(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
                 state.last_samples.store(samples, Ordering::Relaxed);
             }
-        });
+        };
+        match runtime {
+            Some(rt) => drop(rt.spawn(render)),
+            None => drop(tokio::spawn(render)),
+        }
     }
     let body = if req.method() == Method::GET {
         AdminBody::Stream(rx)
