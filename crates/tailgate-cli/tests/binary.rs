@@ -377,7 +377,12 @@ fn thread_priorities(pid: u32) -> Vec<(String, i64, u32)> {
             continue;
         };
         // The name in brackets may hold spaces; the fields after it start at field 3.
-        let fields: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .unwrap()
+            .1
+            .split_whitespace()
+            .collect();
         out.push((
             comm.trim().to_owned(),
             fields[19 - 3].parse().unwrap(),
@@ -416,7 +421,10 @@ fn scrapes_yield_the_core_to_the_workers() {
     // priority by now.
     let metrics = http_get(admin, "/metrics");
     assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
-    assert!(metrics.contains("# TYPE tailgate_requests_total counter"), "{metrics}");
+    assert!(
+        metrics.contains("# TYPE tailgate_requests_total counter"),
+        "{metrics}"
+    );
     let threads = thread_priorities(p.0.id());
     let of = |name: &str| -> Vec<(i64, u32)> {
         threads
