@@ -433,10 +433,20 @@ fn scrapes_yield_the_core_to_the_workers() {
             .map(|(_, nice, policy)| (*nice, *policy))
             .collect()
     };
+    // The process's own nice value (a test run under `nice` starts it niced): the workers
+    // keep it; the admin thread asks for nice 10, which a process niced beyond it cannot
+    // get back to without privilege.
+    let base = of("tailgate")[0].0;
     assert_eq!(of("tailgate-scrape").len(), 1, "{threads:?}");
     assert_eq!(of("tailgate-scrape")[0].1, 5, "{threads:?}");
-    assert_eq!(of("tailgate-admin"), [(10, 0)], "{threads:?}");
-    assert_eq!(of("tailgate-worker"), [(0, 0)], "{threads:?}");
+    let admin = of("tailgate-admin");
+    assert_eq!(admin.len(), 1, "{threads:?}");
+    assert_eq!(admin[0].1, 0, "{threads:?}");
+    assert!(
+        admin[0].0 == 10 || (base > 10 && admin[0].0 == base),
+        "{threads:?}"
+    );
+    assert_eq!(of("tailgate-worker"), [(base, 0)], "{threads:?}");
 }
 
 #[test]

@@ -150,6 +150,7 @@ async fn nothing_is_hedged_to_an_ejected_endpoint() {
     let hits = failing_hits.load(Ordering::SeqCst);
     assert!(hits > 0, "the failing endpoint was never tried");
     let fired = stat(&s, |c| &c.hedges_fired);
+    let refused = stat(&s, |c| &c.hedges_refused);
     for i in 0..6 {
         assert_eq!(
             send(s.gw.addr, http::Method::GET, "/", "").await,
@@ -163,6 +164,11 @@ async fn nothing_is_hedged_to_an_ejected_endpoint() {
         "a copy went to the ejected endpoint"
     );
     assert_eq!(stat(&s, |c| &c.hedges_fired), fired, "hedges fired");
+    assert_eq!(
+        stat(&s, |c| &c.hedges_refused),
+        refused,
+        "hedge budget asked for"
+    );
 }
 
 /// Every request the slow endpoint sits on is hedged to the fast one, which wins; all

@@ -1,6 +1,7 @@
 //! What `/metrics` says: every family, in a fixed order, summed over the workers from their
-//! own atomics. Runs on the admin thread only; it reads the data plane's counters and takes
-//! no lock a worker takes (the consumer merge below is the admin thread's own).
+//! own atomics. Runs on the scrape thread (see `admin`) only; it reads the data plane's
+//! counters and takes no lock a worker takes (the consumer merge below is the admin plane's
+//! own).
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -202,7 +203,7 @@ async fn consumers(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
     if state.plan.consumer_header.is_none() {
         return Ok(());
     }
-    // The admin thread's own lock, held only to merge and copy the index (never while
+    // The admin plane's own lock, held only to merge and copy the index (never while
     // streaming, so a scraper that stops reading cannot hold up the next one).
     let mut rows: Vec<ConsumerRow> = {
         let mut merge = state.consumers.lock().await;

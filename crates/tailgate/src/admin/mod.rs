@@ -206,7 +206,6 @@ fn run_scrapes(
     runtime_tx: std::sync::mpsc::Sender<tokio::runtime::Handle>,
     mut stop: watch::Receiver<bool>,
 ) {
-    idle_priority();
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -218,6 +217,9 @@ fn run_scrapes(
         }
     };
     let _ = runtime_tx.send(rt.handle().clone());
+    // Only after the handle is sent: `Admin::start` waits for it, and a `SCHED_IDLE` thread
+    // on a busy core may wait a second for its turn.
+    idle_priority();
     rt.block_on(async move {
         let _ = stop.wait_for(|s| *s).await;
     });
@@ -270,7 +272,8 @@ fn run(listener: std::net::TcpListener, state: Arc<AdminState>, mut stop: watch:
 fn lower_priority() {
     let tid = rustix::thread::gettid();
     if let Err(e) = rustix::process::setpriority_process(Some(tid), 10) {
-        tracing::debug!(error = %e, "cannot lower the admin thread's priority");
+        let thread = std::thread::current();
+        tracing::debug!(error = %e, thread = thread.name().unwrap_or("-"), "cannot lower the thread's priority");
     }
 }
 

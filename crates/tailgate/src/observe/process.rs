@@ -1,5 +1,5 @@
 //! Process metrics (`process_*`, as the Prometheus client libraries name them), read from
-//! `/proc/self` by the admin thread at scrape time. Nothing here runs on the data plane.
+//! `/proc/self` by the admin plane at scrape time. Nothing here runs on the data plane.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 

@@ -241,13 +241,14 @@ async fn race_hedged<E>(
     }
     let cluster = hedge.cluster;
     // No other endpoint that is not ejected (one of two failed): no copy, and no budget
-    // spent on one.
+    // spent on one. Asked before the budget, picked after it: a pick may take a recovered
+    // endpoint's probe, which only a copy that is sent may use.
+    if !cluster.has_other_usable(hedge.avoid) || !cluster.try_spend_hedge() {
+        return Raced::Primary(primary.await);
+    }
     let Some(target) = cluster.pick_other(hedge.avoid) else {
         return Raced::Primary(primary.await);
     };
-    if !cluster.try_spend_hedge() {
-        return Raced::Primary(primary.await);
-    }
     cluster.stats.hedges_fired.fetch_add(1, Ordering::Relaxed);
     let mut second = std::pin::pin!(hedge.send(target));
     let won = |h| {

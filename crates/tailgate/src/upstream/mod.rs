@@ -147,6 +147,15 @@ impl ClusterPools {
         Ok((i, endpoints[i].clone()))
     }
 
+    /// Whether an endpoint other than `avoid` is not ejected (a hedge has somewhere to go),
+    /// asked without drawing from the balancer.
+    pub fn has_other_usable(&self, avoid: SocketAddr) -> bool {
+        self.endpoints
+            .load()
+            .iter()
+            .any(|p| p.addr != avoid && !p.load.is_ejected())
+    }
+
     /// An endpoint other than `avoid` that is not ejected, by the balancer (a hedge's
     /// target); `None` when there is none. Unlike [`pick`](Self::pick), it does not fall
     /// back to an ejected endpoint: a second copy is worth sending only where a first would
