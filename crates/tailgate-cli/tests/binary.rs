@@ -142,6 +142,18 @@ impl Drop for Proc {
     }
 }
 
+/// `tailgate serve --config CONFIG`, its standard error going to `stderr`.
+fn serve(config: impl AsRef<Path>, stderr: Stdio) -> Proc {
+    Proc(
+        Command::new(BIN)
+            .args(["serve", "--config"])
+            .arg(config.as_ref())
+            .stderr(stderr)
+            .spawn()
+            .unwrap(),
+    )
+}
+
 fn wait_listening(addr: SocketAddr) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while TcpStream::connect(addr).is_err() {
@@ -178,14 +190,7 @@ fn example_config_serves_through_the_demo_upstream() {
         .replace("127.0.0.1:9901", &format!("127.0.0.1:{admin_port}"));
     let dir = tmpdir();
     std::fs::write(dir.path().join("gw.toml"), text).unwrap();
-    let _p = Proc(
-        Command::new(BIN)
-            .args(["serve", "--config"])
-            .arg(dir.path().join("gw.toml"))
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let _p = serve(dir.path().join("gw.toml"), Stdio::null());
     let addr: SocketAddr = format!("127.0.0.1:{gw_port}").parse().unwrap();
     let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
     // The gateway, the demo upstream and the admin plane each open their listener on a
@@ -252,14 +257,7 @@ fn gateway_with_a_request_in_flight(
     let up = slow_upstream(delay);
     let port = free_port();
     let cfg = serve_config(dir, port, up, log);
-    let p = Proc(
-        Command::new(BIN)
-            .args(["serve", "--config"])
-            .arg(&cfg)
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let p = serve(&cfg, Stdio::null());
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     wait_listening(addr);
     let req = std::thread::spawn(move || http_get(addr, "/slow"));
@@ -407,14 +405,7 @@ fn scrapes_yield_the_core_to_the_workers() {
         up,
         &format!("[admin]\naddress = \"127.0.0.1:{admin_port}\"\n"),
     );
-    let p = Proc(
-        Command::new(BIN)
-            .args(["serve", "--config"])
-            .arg(&cfg)
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let p = serve(&cfg, Stdio::null());
     let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
     wait_listening(admin);
     // Rendered by the scrape thread and answered by the admin thread: both have set their
@@ -460,14 +451,7 @@ fn json_access_log_has_stage_timings() {
         up,
         "[log]\nlevel = \"info\"\nformat = \"json\"\naccess_log = true\n",
     );
-    let mut p = Proc(
-        Command::new(BIN)
-            .args(["serve", "--config"])
-            .arg(&cfg)
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
+    let mut p = serve(&cfg, Stdio::piped());
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     wait_listening(addr);
     let resp = http_get(addr, "/logged?q=1");
