@@ -74,10 +74,7 @@ pub async fn serve(socket: tokio::net::TcpListener, mut shutdown: watch::Receive
 
 /// Runs the demo on the current thread with its own runtime.
 pub fn run_blocking(socket: std::net::TcpListener, shutdown: watch::Receiver<bool>) {
-    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    else {
+    let Some(rt) = crate::runtime::for_thread("demo upstream", "") else {
         return;
     };
     rt.block_on(async move {

@@ -303,15 +303,8 @@ fn run_worker(
     mut shutdown: watch::Receiver<bool>,
     handle_tx: std::sync::mpsc::SyncSender<Handle>,
 ) {
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot build a worker runtime");
-            return;
-        }
+    let Some(rt) = crate::runtime::for_thread("worker", "") else {
+        return;
     };
     let grace = worker.shared.settings.shutdown_grace;
     let spawner = Arc::new(TenantSpawner::new(config.tenants.len()));

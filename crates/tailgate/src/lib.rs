@@ -14,6 +14,7 @@ pub mod listener;
 pub mod logging;
 pub mod observe;
 pub mod pipeline;
+pub mod runtime;
 pub mod server;
 pub mod upstream;
 

@@ -206,15 +206,9 @@ fn run_scrapes(
     runtime_tx: std::sync::mpsc::Sender<tokio::runtime::Handle>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot build the scrape runtime; scrapes render on the admin thread");
-            return;
-        }
+    let Some(rt) = crate::runtime::for_thread("scrape", "; scrapes render on the admin thread")
+    else {
+        return;
     };
     let _ = runtime_tx.send(rt.handle().clone());
     // Only after the handle is sent: `Admin::start` waits for it, and a `SCHED_IDLE` thread
@@ -227,15 +221,8 @@ fn run_scrapes(
 
 fn run(listener: std::net::TcpListener, state: Arc<AdminState>, mut stop: watch::Receiver<bool>) {
     lower_priority();
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot build the admin runtime");
-            return;
-        }
+    let Some(rt) = crate::runtime::for_thread("admin", "") else {
+        return;
     };
     rt.block_on(async move {
         let listener = match tokio::net::TcpListener::from_std(listener) {

@@ -220,15 +220,9 @@ fn run(
     mut shutdown: watch::Receiver<bool>,
     ready: std::sync::mpsc::Sender<()>,
 ) {
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot build the DNS runtime; host-name endpoints will not resolve");
-            return;
-        }
+    let Some(rt) = crate::runtime::for_thread("DNS", "; host-name endpoints will not resolve")
+    else {
+        return;
     };
     rt.block_on(async move {
         let resolver = match build_resolver(&settings) {
