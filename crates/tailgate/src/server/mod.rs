@@ -60,14 +60,13 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 pub async fn serve_connection(ctx: ConnCtx, stream: TcpStream, peer: SocketAddr) {
     let _ = stream.set_nodelay(true);
     let settings = &ctx.worker.shared.settings;
-    let handshake_timeout = settings.header_read_timeout;
     // Under TLS and both HTTP versions: a client that stops reading is cut off.
     let stream = SendTimeout::new(stream, settings.idle_timeout);
     match ctx.listener.tls.clone() {
         None => serve_plain(ctx, stream, peer, None).await,
         // On the heap: the TLS session and the futures over it are twice the size of the
         // plain path's, and inline they would size every connection's task, plain or not.
-        Some(acceptor) => Box::pin(serve_tls(ctx, acceptor, stream, peer, handshake_timeout)).await,
+        Some(acceptor) => Box::pin(serve_tls(ctx, acceptor, stream, peer)).await,
     }
 }
 
@@ -77,8 +76,8 @@ async fn serve_tls(
     acceptor: tokio_rustls::TlsAcceptor,
     stream: SendTimeout<TcpStream>,
     peer: SocketAddr,
-    handshake_timeout: Duration,
 ) {
+    let handshake_timeout = ctx.worker.shared.settings.header_read_timeout;
     // Shutdown does not wait for a handshake in progress.
     let mut shutdown = ctx.shutdown.clone();
     let accepted = tokio::select! {
