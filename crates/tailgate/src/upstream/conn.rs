@@ -24,7 +24,7 @@ use hyper::client::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-use super::h1::{H1Conn, H1Error, H1SendError, Upgraded};
+use super::h1::{H1Conn, H1Error, Upgraded};
 use super::multiplex::StreamSlot;
 use super::pool::EndpointPool;
 use crate::pipeline::body::{ReqBody, ReqBodyError};
@@ -180,12 +180,7 @@ impl Conn {
     ) -> Result<Response<UpBody>, SendError> {
         let addr = self.pool.addr;
         match &mut self.sender {
-            Sender::H1(c) => match c.send(parts, added, body, addr, deadline).await {
-                Ok(resp) => Ok(resp.map(|()| UpBody::H1)),
-                Err(H1SendError::NotSent(body)) => Err(SendError::NotSent(NotSentBody(body))),
-                Err(H1SendError::Failed(H1Error::TimedOut)) => Err(SendError::TimedOut),
-                Err(H1SendError::Failed(e)) => Err(SendError::H1(e)),
-            },
+            Sender::H1(c) => c.send(parts, added, body, addr, deadline).await,
             Sender::H2(s) => {
                 let mut req = Request::new(body);
                 *req.method_mut() = parts.method.clone();

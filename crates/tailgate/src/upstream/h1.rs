@@ -46,6 +46,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Sleep;
 
+use super::conn::{NotSentBody, SendError, UpBody};
 use crate::pipeline::body::{ReqBody, ReqBodyError};
 use crate::pipeline::headers::{Added, put_header, token_in};
 
@@ -85,13 +86,6 @@ pub enum H1Error {
     Body(ReqBodyError),
     #[error("the upstream did not answer in time")]
     TimedOut,
-}
-
-/// Why a request could not be sent: nothing was written (the connection had been closed),
-/// so the body comes back to be sent elsewhere; or the exchange failed.
-pub enum H1SendError {
-    NotSent(ReqBody),
-    Failed(H1Error),
 }
 
 /// How the rest of the response body is delimited.
@@ -216,7 +210,7 @@ impl H1Conn {
         body: ReqBody,
         addr: SocketAddr,
         deadline: Option<Instant>,
-    ) -> Result<Response<()>, H1SendError> {
+    ) -> Result<Response<UpBody>, SendError> {
         self.framing = Framing::Done;
         self.sending = None;
         // Not reusable until a response head says so: a send dropped half-way (a hedge
@@ -263,11 +257,11 @@ impl H1Conn {
         if let Err(e) = wrote {
             self.keep_alive = false;
             return Err(if e.kind() == io::ErrorKind::TimedOut {
-                H1SendError::Failed(H1Error::TimedOut)
+                SendError::TimedOut
             } else if written == 0 {
-                H1SendError::NotSent(body)
+                SendError::NotSent(NotSentBody(body))
             } else {
-                H1SendError::Failed(e.into())
+                SendError::H1(e.into())
             });
         }
         if !bodiless {
@@ -286,7 +280,10 @@ impl H1Conn {
         .await
         .map_err(|e| {
             self.keep_alive = false;
-            H1SendError::Failed(e)
+            match e {
+                H1Error::TimedOut => SendError::TimedOut,
+                e => SendError::H1(e),
+            }
         })
     }
 
@@ -378,7 +375,7 @@ impl H1Conn {
         &mut self,
         cx: &mut Context<'_>,
         head_request: bool,
-    ) -> Poll<Result<Response<()>, H1Error>> {
+    ) -> Poll<Result<Response<UpBody>, H1Error>> {
         loop {
             self.drive_sending(cx)?;
             if let Some(resp) = self.parse_head(head_request)? {
@@ -488,7 +485,7 @@ impl H1Conn {
 
     /// A complete response head from `rbuf`, if there is one (1xx interim responses other
     /// than 101 are consumed and skipped).
-    fn parse_head(&mut self, head_request: bool) -> Result<Option<Response<()>>, H1Error> {
+    fn parse_head(&mut self, head_request: bool) -> Result<Option<Response<UpBody>>, H1Error> {
         loop {
             if self.rbuf.is_empty() {
                 return Ok(None);
@@ -617,7 +614,7 @@ impl H1Conn {
             // The version stays the default (HTTP/1.1): the gateway frames the response to
             // its client itself, and an HTTP/1.0 upstream must not close the client's
             // connection.
-            let mut resp = Response::new(());
+            let mut resp = Response::new(UpBody::H1);
             *resp.status_mut() = status;
             *resp.headers_mut() = map;
             return Ok(Some(resp));
