@@ -97,13 +97,17 @@ where
     let mut out = Vec::with_capacity(1024);
     let mut idx = Vec::with_capacity(16);
     let mut head_deadline: Option<Pin<Box<Sleep>>> = None;
+    let mut gate = ParseGate::default();
     loop {
         // 1. A whole head, or the reason there is none.
         let mut body_on_its_way = false;
         let (req, meta) = loop {
-            if !buf.is_empty() {
+            if !buf.is_empty() && gate.worth_parsing(&buf, limits.max_head) {
                 match parse(&mut buf, limits, &mut idx) {
-                    Ok(served) => break served,
+                    Ok(served) => {
+                        gate = ParseGate::default();
+                        break served;
+                    }
                     Err(Unserved::Other) => return Ended::Handover(buf),
                     Err(Unserved::Refused(e)) => {
                         refuse(io, &mut buf, &mut out, worker, info, e, closing).await;
@@ -112,11 +116,12 @@ where
                     Err(Unserved::Partial) => {}
                     // The head is whole: the wait for its body is timed on its own, from
                     // the next time the socket runs dry, not from the head's first pause.
-                    Err(Unserved::Body) if !body_on_its_way => {
+                    Err(Unserved::Body(whole)) if !body_on_its_way => {
+                        gate.whole = whole;
                         body_on_its_way = true;
                         head_deadline = None;
                     }
-                    Err(Unserved::Body) => {}
+                    Err(Unserved::Body(_)) => {}
                 }
             }
             let waited = std::future::poll_fn(|cx| {
@@ -235,13 +240,32 @@ struct Meta {
 /// A request served here, with what it asks of the connection.
 type Parsed = Result<(Request<ReqBody>, Meta), Unserved>;
 
+/// When buffered bytes are worth parsing again: a head as [`head::HeadScan`] says; a whole
+/// head whose small body is awaited, not until the body is all here.
+#[derive(Default)]
+struct ParseGate {
+    head: head::HeadScan,
+    /// A whole head was parsed and its body is awaited: the bytes the two need.
+    whole: usize,
+}
+
+impl ParseGate {
+    fn worth_parsing(&mut self, buf: &[u8], max_head: usize) -> bool {
+        if self.whole > 0 {
+            return buf.len() >= self.whole;
+        }
+        self.head.worth_parsing(buf, max_head)
+    }
+}
+
 /// Why the buffered bytes are not (yet) a request served here.
 #[derive(Debug)]
 enum Unserved {
     /// A head not complete yet, within the limit.
     Partial,
-    /// A whole head, its small body still on its way.
-    Body,
+    /// A whole head, its small body still on its way: the head and body are this many
+    /// bytes.
+    Body(usize),
     /// Not served here: hyper's server reads it from the start.
     Other,
     /// A head hyper's parser would refuse too (the same `httparse` call): answered here,
@@ -328,7 +352,7 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
         // One over the limit is refused (413) without waiting for it, by hyper's server.
         let within = limits.max_body == 0 || body_len <= limits.max_body;
         return Err(if body_len <= INLINE_BODY_MAX && within {
-            Unserved::Body
+            Unserved::Body(head_len + body_len as usize)
         } else {
             Unserved::Other
         });
@@ -652,6 +676,47 @@ mod tests {
     }
 
     #[test]
+    fn a_request_in_small_pieces_is_parsed_once_per_line_and_once_for_its_body() {
+        let mut wire = b"POST /up HTTP/1.1\r\nHost: x\r\n".to_vec();
+        for i in 0..30 {
+            wire.extend_from_slice(format!("x-filler-{i}: {}\r\n", "v".repeat(200)).as_bytes());
+        }
+        wire.extend_from_slice(b"Content-Length: 500\r\n\r\n");
+        let lines = wire.iter().filter(|&&b| b == b'\n').count();
+        wire.extend(std::iter::repeat_n(b'b', 500));
+        wire.extend_from_slice(b"GET /next");
+        let limits = Limits {
+            max_head: 16 * 1024,
+            ..limits()
+        };
+        let (mut gate, mut buf, mut idx) = (ParseGate::default(), BytesMut::new(), Vec::new());
+        let mut parses = 0;
+        let mut served = None;
+        // Two bytes at a time, as a slow client sends them.
+        for piece in wire.chunks(2) {
+            buf.extend_from_slice(piece);
+            if served.is_some() || !gate.worth_parsing(&buf, limits.max_head) {
+                continue;
+            }
+            parses += 1;
+            match parse(&mut buf, &limits, &mut idx) {
+                Ok(s) => served = Some(s),
+                Err(Unserved::Partial) => {}
+                Err(Unserved::Body(whole)) => gate.whole = whole,
+                Err(e) => panic!("{e:?}"),
+            }
+        }
+        let Some((req, _)) = served else {
+            panic!("not served")
+        };
+        assert_eq!(req.uri(), "/up");
+        assert_eq!(req.body().size_hint().exact(), Some(500));
+        assert_eq!(&buf[..], b"GET /next");
+        // The first bytes, each line's end, and the body once whole.
+        assert_eq!(parses, lines + 2);
+    }
+
+    #[test]
     fn usual_requests_are_served_here() {
         let (p, rest) =
             parsed(b"GET /a?b=1 HTTP/1.1\r\nHost: x\r\nX-Two: 1\r\nx-two: 2\r\n\r\nGET /next");
@@ -793,7 +858,7 @@ mod tests {
         // A small body still on its way is waited for; its bytes stay where they are.
         let small = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 8192\r\n\r\nabc";
         let (p, rest) = parsed(small);
-        assert!(matches!(p, Err(Unserved::Body)));
+        assert!(matches!(p, Err(Unserved::Body(n)) if n == small.len() - 3 + 8192));
         assert_eq!(&rest[..], small);
         // ... unless it is over the body limit: that is refused without waiting for it.
         let mut buf = BytesMut::from(&small[..]);

@@ -54,11 +54,14 @@ pub(super) struct Framing {
     pub(super) refused: Option<Refusal>,
     /// A head was completed, refused or given up on: its read timer is no longer needed.
     pub(super) head_done: bool,
+    /// How much of the head in progress was looked at.
+    pub(super) head_scan: head::HeadScan,
 }
 
 impl Framing {
     pub(super) fn refuse(&mut self, why: Refusal) {
         tracing::debug!(reason = ?why, "request refused; the connection ends after it");
+        self.head_scan = head::HeadScan::default();
         self.refused = Some(why);
         self.state = State::Refused { fed: 0 };
         self.head_done = true;
@@ -86,7 +89,7 @@ impl Framing {
     }
 
     fn advance_head(&mut self, pending: &[u8]) -> Option<usize> {
-        if pending.is_empty() {
+        if pending.is_empty() || !self.head_scan.worth_parsing(pending, self.max_head) {
             return None;
         }
         // Left uninitialised: filling empty headers for every head cost more than parsing
@@ -108,6 +111,7 @@ impl Framing {
             }
         };
         self.head_done = true;
+        self.head_scan = head::HeadScan::default();
         let mut body = BodyHeaders::default();
         let mut upgrade = req.method == Some("CONNECT");
         for h in req.headers.iter() {

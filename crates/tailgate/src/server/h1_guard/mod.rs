@@ -81,6 +81,7 @@ impl<T> H1Guard<T> {
                 max_head,
                 refused: None,
                 head_done: false,
+                head_scan: Default::default(),
             },
             header_timeout,
             deadline: None,
