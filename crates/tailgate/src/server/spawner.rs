@@ -83,6 +83,7 @@ impl TenantSpawner {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
