@@ -312,6 +312,88 @@ async fn ri_head_split_byte_by_byte_is_served() {
     assert_eq!(read_responses(&mut s, 1).await[0].body(), "GET /next");
 }
 
+/// Pipelined requests, one with a small body, sent two bytes at a time: each is served,
+/// in order, long before the header timeout (the heads are parsed as their lines end, the
+/// body once it is all here).
+#[tokio::test]
+async fn ri_pipelined_requests_in_small_pieces_are_served_in_order() {
+    let (up, hits) = path_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"5s\"\nidle_timeout = \"60s\"\n",
+    );
+    let mut s = connect(gw.addr).await;
+    let mut wire = b"\r\nPOST /one HTTP/1.1\r\nHost: a\r\nX-Pad: ".to_vec();
+    wire.extend_from_slice(&[b'p'; 300]);
+    wire.extend_from_slice(b"\r\nContent-Length: 5\r\n\r\nhello");
+    wire.extend_from_slice(get_req("/two").as_bytes());
+    let started = std::time::Instant::now();
+    for piece in wire.chunks(2) {
+        s.write_all(piece).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let got = read_responses(&mut s, 2).await;
+    assert_eq!(got[0].body(), "POST /one hello");
+    assert_eq!(got[1].body(), "GET /two");
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+/// A head already wrong whose bytes stop in the middle of a line is refused with the
+/// gateway's answer when it is given up on, at the header timeout or the end of the
+/// stream, not closed in silence; on the inline server and behind the smuggling guard
+/// (after a chunked request handed the connection to hyper's server).
+#[tokio::test]
+async fn ri_a_wrong_head_cut_off_mid_line_gets_its_refusal() {
+    let (up, hits) = path_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"300ms\"\nidle_timeout = \"60s\"\n",
+    );
+    // The wrong bytes come after the head's last line was parsed, with no line end after
+    // them: no read gives a reason to parse them again.
+    let (good, wrong) = ("GET /w HTTP/1.1\r\nHost: a\r\n", "Bad\x01name: v");
+    let chunked =
+        "POST /c HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
+    let send = |s: TcpStream, before: &'static str| async move {
+        let mut s = s;
+        s.write_all(format!("{before}{good}").as_bytes())
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        s.write_all(wrong.as_bytes()).await.unwrap();
+        s
+    };
+    for before in ["", chunked] {
+        // Left waiting: refused at the header timeout.
+        let mut s = send(connect(gw.addr).await, before).await;
+        let (text, closed) = read_until_close(&mut s, WAIT).await;
+        assert!(closed, "{text:?}");
+        let got = responses(text.as_bytes(), &[]);
+        let last = got.last().unwrap_or_else(|| panic!("no answer: {text:?}"));
+        assert_eq!(last.status, 400, "{text:?}");
+        assert!(last.body().contains("\"request_id\""), "{text:?}");
+        assert_eq!(got.len(), if before.is_empty() { 1 } else { 2 }, "{text:?}");
+
+        // Cut off by the end of the stream: refused too.
+        let mut s = send(connect(gw.addr).await, before).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        s.shutdown().await.unwrap();
+        let (text, closed) = read_until_close(&mut s, WAIT).await;
+        assert!(closed, "{text:?}");
+        let got = responses(text.as_bytes(), &[]);
+        let last = got.last().unwrap_or_else(|| panic!("no answer: {text:?}"));
+        assert_eq!(last.status, 400, "{text:?}");
+        assert!(last.body().contains("\"request_id\""), "{text:?}");
+    }
+    // Only the chunked requests reached the upstream.
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
+}
+
 /// A head that never completes is cut off after `header_read_timeout`, without an answer
 /// and without reaching the upstream; so is a pipelined head left incomplete after a
 /// request served inline.

@@ -140,7 +140,7 @@ where
                                 Box::pin(tokio::time::sleep(limits.header_timeout))
                             });
                             if d.as_mut().poll(cx).is_ready() {
-                                return Poll::Ready(Wait::Close);
+                                return Poll::Ready(Wait::HeadTimeout);
                             }
                         }
                         Poll::Pending
@@ -155,10 +155,23 @@ where
                 Wait::More if body_on_its_way => head_deadline = None,
                 Wait::More => {}
                 Wait::Close => return Ended::Closed,
-                // A head cut off by the end of the stream: hyper's server says what it
-                // says to that.
                 Wait::End if buf.is_empty() => return Ended::Closed,
-                Wait::End => return Ended::Handover(buf),
+                // Given up on: the bytes since the head's last line were not parsed (see
+                // `ParseGate`); one last look (at a copy: these bytes are not served), so a
+                // head already wrong gets its refusal rather than a silent close or
+                // hyper's plain answer.
+                Wait::End | Wait::HeadTimeout => {
+                    if let Err(Unserved::Refused(e)) = parse(&mut buf.clone(), limits, &mut idx) {
+                        refuse(io, &mut buf, &mut out, worker, info, e, closing).await;
+                        return Ended::Closed;
+                    }
+                    // A head cut off by the end of the stream: hyper's server says what
+                    // it says to that.
+                    return match waited {
+                        Wait::End => Ended::Handover(buf),
+                        _ => Ended::Closed,
+                    };
+                }
             }
         };
         head_deadline = None;
@@ -227,6 +240,8 @@ async fn refuse<I>(
 enum Wait {
     More,
     End,
+    /// The header read timeout passed with a head (or its small body) incomplete.
+    HeadTimeout,
     Close,
 }
 

@@ -38,26 +38,44 @@ impl From<HeadFault> for ProxyError {
 /// comes in many small pieces cost its length squared: a 16 KiB head sent a byte at a time
 /// was 16,384 parses over 134 MB. (Measured: a 61 KB head sent in 1-byte writes cost the
 /// worker 3.65 s of CPU before, 3.15 s after; the rest is the reads themselves, as many
-/// as the client makes.) A head is parsed when its first bytes come
-/// (a request that is not HTTP at all is refused at once), then again only once a line
-/// of it has ended since the last look (where a parse can newly succeed or fail), or
-/// when it is over the head limit (refused). The parses of one head are then at most its
-/// lines and one, which [`MAX_HEADERS`] bounds. nginx parses heads incrementally for the
-/// same reason.
+/// as the client makes.) A head is parsed when the first byte of its request line comes
+/// (a request that is not HTTP at all is refused at once; the empty lines `httparse`
+/// skips before a request line are not worth a parse), then again only once a line of it
+/// has ended since the last look (where a parse can newly succeed or fail), or when it is
+/// over the head limit (refused). The parses of one head are then at most its lines and
+/// one, which [`MAX_HEADERS`] bounds. A head whose last bytes were not parsed is looked
+/// at once more ([`force`](Self::force)) before it is given up on at the end of the
+/// stream or the header timeout, so a head already wrong gets its refusal rather than a
+/// silent close. nginx parses heads incrementally for the same reason.
 #[derive(Debug, Default)]
 pub struct HeadScan {
-    /// Bytes at the start of the head already looked at for a line's end.
+    /// Bytes at the start of the head already looked at.
     scanned: usize,
+    /// A byte other than CR and LF came: the request line has begun.
+    started: bool,
+    /// The next look parses, whatever came.
+    forced: bool,
 }
 
 impl HeadScan {
     /// Should `head` (the bytes from the head's first one on, as many as have come) be
     /// parsed now? Counts them as looked at.
     pub fn worth_parsing(&mut self, head: &[u8], max_head: usize) -> bool {
-        let first = self.scanned == 0;
         let new = &head[self.scanned.min(head.len())..];
         self.scanned = head.len();
-        first || new.contains(&b'\n') || head.len() > max_head
+        if std::mem::take(&mut self.forced) || head.len() > max_head {
+            return true;
+        }
+        if !self.started {
+            self.started = new.iter().any(|&b| b != b'\r' && b != b'\n');
+            return self.started;
+        }
+        new.contains(&b'\n')
+    }
+
+    /// Makes the next look parse: the head is about to be given up on.
+    pub fn force(&mut self) {
+        self.forced = true;
     }
 }
 
@@ -206,6 +224,29 @@ mod tests {
         assert!(parses(&head, 7, 16 * 1024) <= lines + 1);
         // All at once: one parse.
         assert_eq!(parses(&head, head.len(), 16 * 1024), 1);
+    }
+
+    #[test]
+    fn empty_lines_before_a_request_line_are_not_parsed_one_by_one() {
+        // httparse skips them; each was a parse of all before it.
+        assert_eq!(parses(&[b'\n'; 16 * 1024], 1, 16 * 1024), 0);
+        assert_eq!(parses(&b"\r\n".repeat(8 * 1024), 1, 16 * 1024), 0);
+        let mut head = b"\r\n".repeat(1000);
+        head.extend_from_slice(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+        // The request line's first byte, then its three lines' ends.
+        assert_eq!(parses(&head, 1, 16 * 1024), 4);
+        // Over the limit, they are parsed (and refused).
+        assert_eq!(parses(&[b'\n'; 2000], 1000, 1024), 1);
+    }
+
+    #[test]
+    fn a_forced_look_parses_once() {
+        let mut scan = HeadScan::default();
+        assert!(scan.worth_parsing(b"GET / HTTP/1.1\r\nx", 1024));
+        assert!(!scan.worth_parsing(b"GET / HTTP/1.1\r\nx\x01", 1024));
+        scan.force();
+        assert!(scan.worth_parsing(b"GET / HTTP/1.1\r\nx\x01", 1024));
+        assert!(!scan.worth_parsing(b"GET / HTTP/1.1\r\nx\x01y", 1024));
     }
 
     #[test]

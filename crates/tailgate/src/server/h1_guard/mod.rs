@@ -358,8 +358,17 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                 Poll::Ready(Ok(())) => {
                     let n = rb.filled().len();
                     if n == 0 {
-                        // End of stream: hand over what is left, then the EOF.
+                        // End of stream: hand over what is left, then the EOF. A head held
+                        // back gets one last look first (its bytes since its last line were
+                        // not parsed): one already wrong is refused, with the gateway's
+                        // answer.
                         if this.end > this.release {
+                            if this.framing.state == State::Head {
+                                this.framing.head_scan.force();
+                                if this.advance() {
+                                    continue;
+                                }
+                            }
                             this.release = this.end;
                             this.framing.state = State::Passthrough;
                             continue;
@@ -374,7 +383,18 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                     // socket runs dry, not for the usual head that arrives whole in one
                     // read: from its first bytes (read in this same call, or earlier) on.
                     this.arm_head_timer();
-                    return this.poll_head_timer(cx).map(Err);
+                    let Poll::Ready(timed_out) = this.poll_head_timer(cx) else {
+                        return Poll::Pending;
+                    };
+                    // Before the head is given up on, one last look, as at the end of the
+                    // stream: one already wrong gets its refusal, not a silent close.
+                    if this.framing.state == State::Head && this.end > this.release {
+                        this.framing.head_scan.force();
+                        if this.advance() {
+                            continue;
+                        }
+                    }
+                    return Poll::Ready(Err(timed_out));
                 }
             }
         }
