@@ -312,9 +312,9 @@ async fn ri_head_split_byte_by_byte_is_served() {
     assert_eq!(read_responses(&mut s, 1).await[0].body(), "GET /next");
 }
 
-/// Pipelined requests, one with a small body, sent two bytes at a time: each is served,
-/// in order, long before the header timeout (the heads are parsed as their lines end, the
-/// body once it is all here).
+/// Pipelined requests, one with a small body, sent two bytes at a time: each is served, in
+/// order (the heads are parsed as their lines end, the body once it is all here; a head
+/// still unparsed at the header timeout would be cut off unanswered).
 #[tokio::test]
 async fn ri_pipelined_requests_in_small_pieces_are_served_in_order() {
     let (up, hits) = path_upstream().await;
@@ -327,7 +327,6 @@ async fn ri_pipelined_requests_in_small_pieces_are_served_in_order() {
     wire.extend_from_slice(&[b'p'; 300]);
     wire.extend_from_slice(b"\r\nContent-Length: 5\r\n\r\nhello");
     wire.extend_from_slice(get_req("/two").as_bytes());
-    let started = std::time::Instant::now();
     for piece in wire.chunks(2) {
         s.write_all(piece).await.unwrap();
         tokio::time::sleep(Duration::from_millis(1)).await;
@@ -336,11 +335,6 @@ async fn ri_pipelined_requests_in_small_pieces_are_served_in_order() {
     assert_eq!(got[0].body(), "POST /one hello");
     assert_eq!(got[1].body(), "GET /two");
     assert_eq!(hits.load(Ordering::SeqCst), 2);
-    assert!(
-        started.elapsed() < Duration::from_secs(4),
-        "{:?}",
-        started.elapsed()
-    );
 }
 
 /// A head already wrong whose bytes stop in the middle of a line is refused with the
