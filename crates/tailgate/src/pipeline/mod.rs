@@ -347,7 +347,7 @@ async fn forward(
     parts.version = http::Version::HTTP_11;
     let cluster = &worker.upstreams.clusters[route.cluster];
     cluster.count_request();
-    let (first, mut pool) = cluster.pick(None)?;
+    let mut pool = cluster.pick(None)?;
     // One clock read ends the route stage and starts the upstream one.
     let t_connect = Instant::now();
     if let Some(ex) = rec.exchange_mut() {
@@ -365,7 +365,7 @@ async fn forward(
             in_flight.failed();
             tracing::debug!(upstream.addr = %pool.addr, error = %e, "connect failed; trying another endpoint");
             pool.count_retry();
-            (_, pool) = cluster.pick(Some(first))?;
+            pool = cluster.pick(Some(pool.addr))?;
             in_flight = pool.load.start();
             match cluster.checkout(&pool).await {
                 Ok(up) => up,

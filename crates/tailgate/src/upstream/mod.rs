@@ -131,12 +131,15 @@ impl ClusterPools {
         }
     }
 
-    /// Picks an endpoint (never `exclude` when there is another): its index and pool.
-    pub fn pick(&self, exclude: Option<usize>) -> Result<(usize, Arc<EndpointPool>), ProxyError> {
+    /// Picks an endpoint's pool (never the one at `exclude` when there is another). The
+    /// endpoint to avoid is named by its address, not its place in the list: the list may
+    /// have been swapped (a new DNS answer, in another order) since it was picked.
+    pub fn pick(&self, exclude: Option<SocketAddr>) -> Result<Arc<EndpointPool>, ProxyError> {
         let endpoints = self.endpoints.load();
         if endpoints.is_empty() {
             return Err(ProxyError::NoEndpoints);
         }
+        let exclude = exclude.and_then(|a| endpoints.iter().position(|p| p.addr == a));
         let i = balance::pick(
             self.balance,
             endpoints.len(),
@@ -144,7 +147,7 @@ impl ClusterPools {
             &self.next,
             exclude,
         );
-        Ok((i, endpoints[i].clone()))
+        Ok(endpoints[i].clone())
     }
 
     /// Whether an endpoint other than `avoid` is not ejected (a hedge has somewhere to go),
@@ -331,6 +334,25 @@ impl Upstreams {
 mod tests {
     use super::*;
     use std::path::Path;
+
+    #[test]
+    fn a_retry_avoids_the_failed_endpoint_after_the_list_was_swapped() {
+        let cfg = Config::parse(
+            Path::new("t.toml"),
+            "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\", \"127.0.0.1:2\", \"127.0.0.1:3\"]\nbalance = \"round_robin\"\n",
+        )
+        .expect("valid");
+        let ups = Upstreams::new(&cfg, &dns::Dns::none());
+        let c = &ups.clusters[0];
+        let failed = c.pick(None).expect("an endpoint").addr;
+        // A new answer for the cluster's names, in another order, while the first try ran.
+        let mut swapped: Vec<_> = c.endpoints.load().iter().cloned().collect();
+        swapped.rotate_left(1);
+        c.endpoints.store(Arc::new(swapped));
+        for _ in 0..30 {
+            assert_ne!(c.pick(Some(failed)).expect("an endpoint").addr, failed);
+        }
+    }
 
     #[test]
     fn retry_budget_has_a_floor_and_a_ratio() {
