@@ -165,7 +165,9 @@ impl ClusterPools {
     /// be.
     pub fn pick_other(&self, avoid: SocketAddr) -> Option<Arc<EndpointPool>> {
         let endpoints = self.endpoints.load();
-        if endpoints.len() < 2 {
+        // A list of one may still be another endpoint: `avoid` may be an address a new DNS
+        // answer replaced (the balancer then picks that one, and it is checked below).
+        if endpoints.is_empty() {
             return None;
         }
         let exclude = endpoints.iter().position(|p| p.addr == avoid);
@@ -352,6 +354,25 @@ mod tests {
         for _ in 0..30 {
             assert_ne!(c.pick(Some(failed)).expect("an endpoint").addr, failed);
         }
+    }
+
+    #[test]
+    fn a_hedge_goes_to_the_one_address_a_new_answer_left() {
+        let cfg = Config::parse(
+            Path::new("t.toml"),
+            "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\", \"127.0.0.1:2\"]\n",
+        )
+        .expect("valid");
+        let ups = Upstreams::new(&cfg, &dns::Dns::none());
+        let c = &ups.clusters[0];
+        let list: Vec<_> = c.endpoints.load().iter().cloned().collect();
+        let (primary, other) = (list[0].addr, list[1].clone());
+        // The primary's address is gone from the answer; one other is left.
+        c.endpoints.store(Arc::new(vec![other.clone()]));
+        assert!(c.has_other_usable(primary));
+        assert_eq!(c.pick_other(primary).map(|p| p.addr), Some(other.addr));
+        // The one left is the primary's own: nowhere else to go.
+        assert_eq!(c.pick_other(other.addr).map(|p| p.addr), None);
     }
 
     #[test]
