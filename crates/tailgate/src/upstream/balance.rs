@@ -189,27 +189,25 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// Picks an endpoint index among `n` (n ≥ 1), never `exclude` when another exists. Ejected
-/// endpoints are skipped unless all are ejected (then ejection is ignored, as Envoy's
-/// panic threshold does, rather than failing every request).
+/// Picks an endpoint index among `n` (n ≥ 1), never one `excluded` says when another
+/// exists (a predicate, not an index: the endpoint to avoid is named by its address, which
+/// may stand in the list more than once). Ejected endpoints are skipped unless all are
+/// ejected (then ejection is ignored, as Envoy's panic threshold does, rather than failing
+/// every request).
 pub fn pick<'a>(
     balance: Balance,
     n: usize,
     load: impl Fn(usize) -> &'a EndpointLoad,
     rr: &AtomicU64,
-    exclude: Option<usize>,
+    excluded: impl Fn(usize) -> bool,
 ) -> usize {
     if n == 1 {
         return 0;
     }
-    let usable = |i: usize| Some(i) != exclude && !load(i).is_ejected();
+    let usable = |i: usize| !excluded(i) && !load(i).is_ejected();
     let any_usable = (0..n).any(usable);
     let ok = |i: usize| {
-        if any_usable {
-            usable(i)
-        } else {
-            Some(i) != exclude || n == 1
-        }
+        if any_usable { usable(i) } else { !excluded(i) }
     };
     match balance {
         Balance::RoundRobin => {
@@ -281,7 +279,9 @@ mod tests {
         slow.sample(Duration::from_millis(50));
         let rr = AtomicU64::new(0);
         let loads = [&fast, &slow];
-        let pick = |b, rr: &AtomicU64, ex| super::pick(b, 2, |i| loads[i], rr, ex);
+        let pick = |b, rr: &AtomicU64, ex: Option<usize>| {
+            super::pick(b, 2, |i| loads[i], rr, |i| Some(i) == ex)
+        };
         for _ in 0..50 {
             assert_eq!(pick(Balance::P2c, &rr, None), 0);
         }

@@ -139,13 +139,12 @@ impl ClusterPools {
         if endpoints.is_empty() {
             return Err(ProxyError::NoEndpoints);
         }
-        let exclude = exclude.and_then(|a| endpoints.iter().position(|p| p.addr == a));
         let i = balance::pick(
             self.balance,
             endpoints.len(),
             |i| &endpoints[i].load,
             &self.next,
-            exclude,
+            |i| exclude == Some(endpoints[i].addr),
         );
         Ok(endpoints[i].clone())
     }
@@ -170,16 +169,15 @@ impl ClusterPools {
         if endpoints.is_empty() {
             return None;
         }
-        let exclude = endpoints.iter().position(|p| p.addr == avoid);
         let i = balance::pick(
             self.balance,
             endpoints.len(),
             |i| &endpoints[i].load,
             &self.next,
-            exclude,
+            |i| endpoints[i].addr == avoid,
         );
         let pool = &endpoints[i];
-        (Some(i) != exclude && !pool.load.is_ejected()).then(|| pool.clone())
+        (pool.addr != avoid && !pool.load.is_ejected()).then(|| pool.clone())
     }
 
     /// How many endpoints the cluster has now.
@@ -353,6 +351,24 @@ mod tests {
         c.endpoints.store(Arc::new(swapped));
         for _ in 0..30 {
             assert_ne!(c.pick(Some(failed)).expect("an endpoint").addr, failed);
+        }
+    }
+
+    #[test]
+    fn a_retry_avoids_every_entry_of_the_failed_address() {
+        // The same address twice in a static list (a crude weight): a retry after it
+        // failed goes to the other one.
+        let cfg = Config::parse(
+            Path::new("t.toml"),
+            "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\", \"127.0.0.1:1\", \"127.0.0.1:2\"]\nbalance = \"round_robin\"\n",
+        )
+        .expect("valid");
+        let ups = Upstreams::new(&cfg, &dns::Dns::none());
+        let c = &ups.clusters[0];
+        let twice: SocketAddr = "127.0.0.1:1".parse().expect("an address");
+        for _ in 0..30 {
+            assert_ne!(c.pick(Some(twice)).expect("an endpoint").addr, twice);
+            assert_ne!(c.pick_other(twice).map(|p| p.addr), Some(twice));
         }
     }
 
