@@ -161,7 +161,10 @@ where
                 // head already wrong gets its refusal rather than a silent close or
                 // hyper's plain answer.
                 Wait::End | Wait::HeadTimeout => {
-                    if let Err(Unserved::Refused(e)) = parse(&mut buf.clone(), limits, &mut idx) {
+                    let last = parse(&mut buf.clone(), limits, &mut idx);
+                    // A whole head ends with a line, and a line's end is always parsed.
+                    debug_assert!(!matches!(last, Ok(_) | Err(Unserved::Other)));
+                    if let Err(Unserved::Refused(e)) = last {
                         refuse(io, &mut buf, &mut out, worker, info, e, closing).await;
                         return Ended::Closed;
                     }

@@ -67,7 +67,13 @@ impl HeadScan {
             return true;
         }
         if !self.started {
-            self.started = new.iter().any(|&b| b != b'\r' && b != b'\n');
+            // Anything but an empty line: a byte other than CR and LF, or a CR not followed
+            // by LF (refused at once, as before).
+            let from = head.len() - new.len();
+            self.started = head[from.saturating_sub(1)..]
+                .windows(2)
+                .any(|w| w[0] == b'\r' && w[1] != b'\n')
+                || new.iter().any(|&b| b != b'\r' && b != b'\n');
             return self.started;
         }
         new.contains(&b'\n')
@@ -237,6 +243,11 @@ mod tests {
         assert_eq!(parses(&head, 1, 16 * 1024), 4);
         // Over the limit, they are parsed (and refused).
         assert_eq!(parses(&[b'\n'; 2000], 1000, 1024), 1);
+        // A CR not followed by LF is no empty line: parsed (and refused) at once.
+        assert!(HeadScan::default().worth_parsing(b"\r\r", 1024));
+        let mut scan = HeadScan::default();
+        assert!(!scan.worth_parsing(b"\r\n\r", 1024));
+        assert!(scan.worth_parsing(b"\r\n\r\r", 1024));
     }
 
     #[test]
