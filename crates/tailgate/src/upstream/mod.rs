@@ -335,14 +335,23 @@ mod tests {
     use super::*;
     use std::path::Path;
 
-    #[test]
-    fn a_retry_avoids_the_failed_endpoint_after_the_list_was_swapped() {
+    /// One worker's upstreams for a config of one cluster `c` with these settings.
+    fn one_cluster(settings: &str) -> Upstreams {
         let cfg = Config::parse(
             Path::new("t.toml"),
-            "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\", \"127.0.0.1:2\", \"127.0.0.1:3\"]\nbalance = \"round_robin\"\n",
+            &format!(
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\n{settings}\n"
+            ),
         )
         .expect("valid");
-        let ups = Upstreams::new(&cfg, &dns::Dns::none());
+        Upstreams::new(&cfg, &dns::Dns::none())
+    }
+
+    #[test]
+    fn a_retry_avoids_the_failed_endpoint_after_the_list_was_swapped() {
+        let ups = one_cluster(
+            "endpoints = [\"127.0.0.1:1\", \"127.0.0.1:2\", \"127.0.0.1:3\"]\nbalance = \"round_robin\"",
+        );
         let c = &ups.clusters[0];
         let failed = c.pick(None).expect("an endpoint").addr;
         // A new answer for the cluster's names, in another order, while the first try ran.
@@ -358,12 +367,9 @@ mod tests {
     fn a_retry_avoids_every_entry_of_the_failed_address() {
         // The same address twice in a static list (a crude weight): a retry after it
         // failed goes to the other one.
-        let cfg = Config::parse(
-            Path::new("t.toml"),
-            "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\", \"127.0.0.1:1\", \"127.0.0.1:2\"]\nbalance = \"round_robin\"\n",
-        )
-        .expect("valid");
-        let ups = Upstreams::new(&cfg, &dns::Dns::none());
+        let ups = one_cluster(
+            "endpoints = [\"127.0.0.1:1\", \"127.0.0.1:1\", \"127.0.0.1:2\"]\nbalance = \"round_robin\"",
+        );
         let c = &ups.clusters[0];
         let twice: SocketAddr = "127.0.0.1:1".parse().expect("an address");
         for _ in 0..30 {
@@ -374,12 +380,7 @@ mod tests {
 
     #[test]
     fn a_hedge_goes_to_the_one_address_a_new_answer_left() {
-        let cfg = Config::parse(
-            Path::new("t.toml"),
-            "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\", \"127.0.0.1:2\"]\n",
-        )
-        .expect("valid");
-        let ups = Upstreams::new(&cfg, &dns::Dns::none());
+        let ups = one_cluster("endpoints = [\"127.0.0.1:1\", \"127.0.0.1:2\"]");
         let c = &ups.clusters[0];
         let list: Vec<_> = c.endpoints.load().iter().cloned().collect();
         let (primary, other) = (list[0].addr, list[1].clone());
@@ -393,12 +394,7 @@ mod tests {
 
     #[test]
     fn retry_budget_has_a_floor_and_a_ratio() {
-        let cfg = Config::parse(
-            Path::new("t.toml"),
-            "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\nretry_budget_percent = 20\n",
-        )
-        .expect("valid");
-        let ups = Upstreams::new(&cfg, &dns::Dns::none());
+        let ups = one_cluster("endpoints = [\"127.0.0.1:1\"]\nretry_budget_percent = 20");
         let c = &ups.clusters[0];
         // With no requests yet, the floor (10/s over a 10 s window) allows 100 retries.
         for _ in 0..100 {
