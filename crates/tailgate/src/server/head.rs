@@ -67,13 +67,14 @@ impl HeadScan {
             return true;
         }
         if !self.started {
-            // Anything but an empty line: a byte other than CR and LF, or a CR not followed
-            // by LF (refused at once, as before).
+            // Anything but an empty line: a byte other than CR and LF (a usual request's
+            // first byte, so this stops there), or a CR not followed by LF (refused at
+            // once, as before).
             let from = head.len() - new.len();
-            self.started = head[from.saturating_sub(1)..]
-                .windows(2)
-                .any(|w| w[0] == b'\r' && w[1] != b'\n')
-                || new.iter().any(|&b| b != b'\r' && b != b'\n');
+            self.started = new.iter().any(|&b| b != b'\r' && b != b'\n')
+                || head[from.saturating_sub(1)..]
+                    .windows(2)
+                    .any(|w| w[0] == b'\r' && w[1] != b'\n');
             return self.started;
         }
         new.contains(&b'\n')
