@@ -133,7 +133,7 @@ impl ClusterPools {
 
     /// Picks an endpoint's pool (never the one at `exclude` when there is another). The
     /// endpoint to avoid is named by its address, not its place in the list: the list may
-    /// have been swapped (a new DNS answer, in another order) since it was picked.
+    /// have been swapped since it was picked (a new DNS answer: an address added or gone, and the places after it shift).
     pub fn pick(&self, exclude: Option<SocketAddr>) -> Result<Arc<EndpointPool>, ProxyError> {
         let endpoints = self.endpoints.load();
         if endpoints.is_empty() {
@@ -354,7 +354,7 @@ mod tests {
         );
         let c = &ups.clusters[0];
         let failed = c.pick(None).expect("an endpoint").addr;
-        // A new answer for the cluster's names, in another order, while the first try ran.
+        // A new answer for the cluster's names, its places shifted, while the first try ran.
         let mut swapped: Vec<_> = c.endpoints.load().iter().cloned().collect();
         swapped.rotate_left(1);
         c.endpoints.store(Arc::new(swapped));
