@@ -133,7 +133,8 @@ impl ClusterPools {
 
     /// Picks an endpoint's pool (never the one at `exclude` when there is another). The
     /// endpoint to avoid is named by its address, not its place in the list: the list may
-    /// have been swapped since it was picked (a new DNS answer: an address added or gone, and the places after it shift).
+    /// have been swapped since it was picked (a new DNS answer: an address added or gone,
+    /// and the places after it shift).
     pub fn pick(&self, exclude: Option<SocketAddr>) -> Result<Arc<EndpointPool>, ProxyError> {
         let endpoints = self.endpoints.load();
         if endpoints.is_empty() {
