@@ -483,169 +483,177 @@ enum Step {
 
 /// Writes the response; returns whether the connection may serve another request. While
 /// the body is awaited the client is watched as in [`poll_client_end`], with `buf`.
-async fn write_response<I>(
+/// (An `async move` block, not an `async fn`, so the response is not copied once more on
+/// the first poll: see [`crate::pipeline::handle`].)
+#[allow(
+    clippy::manual_async_fn,
+    reason = "an `async fn` copies its arguments once more"
+)]
+fn write_response<I>(
     io: &mut I,
     buf: &mut BytesMut,
     out: &mut Vec<u8>,
     resp: Response<RespBody>,
     meta: &Meta,
     closing: &AtomicBool,
-) -> std::io::Result<bool>
+) -> impl Future<Output = std::io::Result<bool>>
 where
     I: AsyncRead + AsyncWrite + Unpin,
 {
-    let (parts, mut body) = resp.into_parts();
-    let status = parts.status;
-    let mut keep = meta.keep_alive && !closing.load(Ordering::Relaxed);
-    out.clear();
-    out.extend_from_slice(b"HTTP/1.1 ");
-    out.extend_from_slice(status.as_str().as_bytes());
-    out.push(b' ');
-    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
-    out.extend_from_slice(b"\r\n");
-    // RFC 9110 §8.6: no Content-Length in a 1xx or 204 answer (hyper's server and nginx
-    // drop one an upstream sent).
-    let length_allowed = !status.is_informational() && status != http::StatusCode::NO_CONTENT;
-    let (mut declared, mut has_date, mut has_connection) = (None, false, false);
-    for (name, value) in &parts.headers {
-        if name == header::CONTENT_LENGTH {
-            if !length_allowed {
+    async move {
+        let (parts, mut body) = resp.into_parts();
+        let status = parts.status;
+        let mut keep = meta.keep_alive && !closing.load(Ordering::Relaxed);
+        out.clear();
+        out.extend_from_slice(b"HTTP/1.1 ");
+        out.extend_from_slice(status.as_str().as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+        out.extend_from_slice(b"\r\n");
+        // RFC 9110 §8.6: no Content-Length in a 1xx or 204 answer (hyper's server and nginx
+        // drop one an upstream sent).
+        let length_allowed = !status.is_informational() && status != http::StatusCode::NO_CONTENT;
+        let (mut declared, mut has_date, mut has_connection) = (None, false, false);
+        for (name, value) in &parts.headers {
+            if name == header::CONTENT_LENGTH {
+                if !length_allowed {
+                    continue;
+                }
+                // The first valid one frames the body; another is not sent.
+                match (declared, content_length(value.as_bytes())) {
+                    (None, Some(n)) => declared = Some(n),
+                    _ => continue,
+                }
+            } else if name == header::TRANSFER_ENCODING {
+                // Framing is this connection's to choose.
                 continue;
+            } else if name == header::DATE {
+                has_date = true;
+            } else if name == header::CONNECTION {
+                has_connection = true;
+                if token_in(value.as_bytes(), b"close") {
+                    keep = false;
+                }
             }
-            // The first valid one frames the body; another is not sent.
-            match (declared, content_length(value.as_bytes())) {
-                (None, Some(n)) => declared = Some(n),
-                _ => continue,
-            }
-        } else if name == header::TRANSFER_ENCODING {
-            // Framing is this connection's to choose.
-            continue;
-        } else if name == header::DATE {
-            has_date = true;
-        } else if name == header::CONNECTION {
-            has_connection = true;
-            if token_in(value.as_bytes(), b"close") {
-                keep = false;
-            }
+            put_header(out, name, value);
         }
-        put_header(out, name, value);
-    }
-    let no_body = meta.head
-        || status.is_informational()
-        || status == http::StatusCode::NO_CONTENT
-        || status == http::StatusCode::NOT_MODIFIED;
-    let framing = if no_body {
-        // A HEAD answer made here (an error) says the length its GET answer has, as hyper's
-        // server wrote it; an upstream's says its own.
-        if meta.head
-            && declared.is_none()
-            && let Some(n) = body.size_hint().exact()
-            && n > 0
-        {
-            // Written straight into the buffer (`io::Write` for `Vec` cannot fail).
+        let no_body = meta.head
+            || status.is_informational()
+            || status == http::StatusCode::NO_CONTENT
+            || status == http::StatusCode::NOT_MODIFIED;
+        let framing = if no_body {
+            // A HEAD answer made here (an error) says the length its GET answer has, as hyper's
+            // server wrote it; an upstream's says its own.
+            if meta.head
+                && declared.is_none()
+                && let Some(n) = body.size_hint().exact()
+                && n > 0
+            {
+                // Written straight into the buffer (`io::Write` for `Vec` cannot fail).
+                let _ = write!(out, "content-length: {n}\r\n");
+            }
+            Framing::NoBody
+        } else if let Some(n) = declared {
+            Framing::Length(n)
+        } else if let Some(n) = body.size_hint().exact() {
             let _ = write!(out, "content-length: {n}\r\n");
-        }
-        Framing::NoBody
-    } else if let Some(n) = declared {
-        Framing::Length(n)
-    } else if let Some(n) = body.size_hint().exact() {
-        let _ = write!(out, "content-length: {n}\r\n");
-        Framing::Length(n)
-    } else if meta.http10 {
-        keep = false;
-        Framing::UntilClose
-    } else {
-        out.extend_from_slice(b"transfer-encoding: chunked\r\n");
-        Framing::Chunked
-    };
-    if status == http::StatusCode::SWITCHING_PROTOCOLS {
-        // No upgrade was asked for on this path; the connection cannot go on as HTTP.
-        keep = false;
-    }
-    if !has_date {
-        date::append(out);
-    }
-    if !has_connection {
-        if !keep {
-            out.extend_from_slice(b"connection: close\r\n");
+            Framing::Length(n)
         } else if meta.http10 {
-            out.extend_from_slice(b"connection: keep-alive\r\n");
+            keep = false;
+            Framing::UntilClose
+        } else {
+            out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+            Framing::Chunked
+        };
+        if status == http::StatusCode::SWITCHING_PROTOCOLS {
+            // No upgrade was asked for on this path; the connection cannot go on as HTTP.
+            keep = false;
         }
-    }
-    out.extend_from_slice(b"\r\n");
-    if framing == Framing::NoBody {
-        // A HEAD answer's body (none, normally) is not read: dropping it ends the exchange.
-        drop(body);
-        io.write_all(out).await?;
-        io.flush().await?;
-        return Ok(keep);
-    }
-
-    let mut sent: u64 = 0;
-    loop {
-        let step = std::future::poll_fn(|cx| match Pin::new(&mut body).poll_frame(cx) {
-            Poll::Ready(f) => Poll::Ready(Step::Frame(f)),
-            Poll::Pending if !out.is_empty() => Poll::Ready(Step::Write),
-            Poll::Pending => match poll_client_end(io, buf, cx) {
-                Poll::Ready(()) => Poll::Ready(Step::ClientGone),
-                Poll::Pending => Poll::Pending,
-            },
-        })
-        .await;
-        match step {
-            Step::Write => {
-                io.write_all(out).await?;
-                out.clear();
-                io.flush().await?;
+        if !has_date {
+            date::append(out);
+        }
+        if !has_connection {
+            if !keep {
+                out.extend_from_slice(b"connection: close\r\n");
+            } else if meta.http10 {
+                out.extend_from_slice(b"connection: keep-alive\r\n");
             }
-            Step::Frame(Some(Ok(frame))) => {
-                // Trailers are not sent to HTTP/1.1 clients.
-                let Ok(data) = frame.into_data() else {
-                    continue;
-                };
-                if data.is_empty() {
-                    continue;
-                }
-                sent += data.len() as u64;
-                if let Framing::Length(n) = framing
-                    && sent > n
-                {
-                    // More than the length said: the rest cannot be framed.
-                    io.write_all(out).await?;
-                    return Ok(false);
-                }
-                if framing == Framing::Chunked {
-                    let _ = write!(out, "{:x}\r\n", data.len());
-                }
-                if out.len() + data.len() <= WRITE_GATHER {
-                    out.extend_from_slice(&data);
-                } else {
+        }
+        out.extend_from_slice(b"\r\n");
+        if framing == Framing::NoBody {
+            // A HEAD answer's body (none, normally) is not read: dropping it ends the exchange.
+            drop(body);
+            io.write_all(out).await?;
+            io.flush().await?;
+            return Ok(keep);
+        }
+
+        let mut sent: u64 = 0;
+        loop {
+            let step = std::future::poll_fn(|cx| match Pin::new(&mut body).poll_frame(cx) {
+                Poll::Ready(f) => Poll::Ready(Step::Frame(f)),
+                Poll::Pending if !out.is_empty() => Poll::Ready(Step::Write),
+                Poll::Pending => match poll_client_end(io, buf, cx) {
+                    Poll::Ready(()) => Poll::Ready(Step::ClientGone),
+                    Poll::Pending => Poll::Pending,
+                },
+            })
+            .await;
+            match step {
+                Step::Write => {
                     io.write_all(out).await?;
                     out.clear();
-                    io.write_all(&data).await?;
+                    io.flush().await?;
                 }
-                if framing == Framing::Chunked {
-                    out.extend_from_slice(b"\r\n");
+                Step::Frame(Some(Ok(frame))) => {
+                    // Trailers are not sent to HTTP/1.1 clients.
+                    let Ok(data) = frame.into_data() else {
+                        continue;
+                    };
+                    if data.is_empty() {
+                        continue;
+                    }
+                    sent += data.len() as u64;
+                    if let Framing::Length(n) = framing
+                        && sent > n
+                    {
+                        // More than the length said: the rest cannot be framed.
+                        io.write_all(out).await?;
+                        return Ok(false);
+                    }
+                    if framing == Framing::Chunked {
+                        let _ = write!(out, "{:x}\r\n", data.len());
+                    }
+                    if out.len() + data.len() <= WRITE_GATHER {
+                        out.extend_from_slice(&data);
+                    } else {
+                        io.write_all(out).await?;
+                        out.clear();
+                        io.write_all(&data).await?;
+                    }
+                    if framing == Framing::Chunked {
+                        out.extend_from_slice(b"\r\n");
+                    }
                 }
-            }
-            Step::ClientGone => return Ok(false),
-            Step::Frame(Some(Err(e))) => {
-                // The upstream's body failed: what came is sent, and the connection closes
-                // so the client sees the body cut short.
-                tracing::debug!(error = %e, "response body failed while streaming");
-                io.write_all(out).await?;
-                io.flush().await?;
-                return Ok(false);
-            }
-            Step::Frame(None) => {
-                match framing {
-                    Framing::Chunked => out.extend_from_slice(b"0\r\n\r\n"),
-                    Framing::Length(n) if sent != n => keep = false,
-                    _ => {}
+                Step::ClientGone => return Ok(false),
+                Step::Frame(Some(Err(e))) => {
+                    // The upstream's body failed: what came is sent, and the connection closes
+                    // so the client sees the body cut short.
+                    tracing::debug!(error = %e, "response body failed while streaming");
+                    io.write_all(out).await?;
+                    io.flush().await?;
+                    return Ok(false);
                 }
-                io.write_all(out).await?;
-                io.flush().await?;
-                return Ok(keep);
+                Step::Frame(None) => {
+                    match framing {
+                        Framing::Chunked => out.extend_from_slice(b"0\r\n\r\n"),
+                        Framing::Length(n) if sent != n => keep = false,
+                        _ => {}
+                    }
+                    io.write_all(out).await?;
+                    io.flush().await?;
+                    return Ok(keep);
+                }
             }
         }
     }

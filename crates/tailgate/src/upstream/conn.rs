@@ -171,38 +171,47 @@ impl Conn {
     /// from a copy fitted to that protocol (absolute-form, `:authority`).
     ///
     /// With a `deadline`, the response head must come before it ([`SendError::TimedOut`]).
-    pub async fn send(
+    ///
+    /// (An `async move` block, not an `async fn`, so `body` is not copied once more on the
+    /// first poll: see [`crate::pipeline::handle`].)
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an `async fn` copies its arguments once more"
+    )]
+    pub fn send(
         &mut self,
         parts: &Parts,
         added: &Added<'_>,
         body: ReqBody,
         deadline: Option<Instant>,
-    ) -> Result<Response<UpBody>, SendError> {
-        let addr = self.pool.addr;
-        match &mut self.sender {
-            Sender::H1(c) => c.send(parts, added, body, addr, deadline).await,
-            Sender::H2(s) => {
-                let mut req = Request::new(body);
-                *req.method_mut() = parts.method.clone();
-                *req.uri_mut() = parts.uri.clone();
-                *req.headers_mut() = parts.headers.clone();
-                added.apply(req.headers_mut());
-                let req = adapt_h2(req, self.pool.tls_enabled(), addr);
-                // On the heap: inline, hyper's future and the request would make every
-                // request's future (HTTP/1.1 ones too) larger, and each move of it dearer.
-                let sending = s.try_send_request(req);
-                let sent = match deadline {
-                    Some(d) => Box::pin(tokio::time::timeout_at(d.into(), sending))
-                        .await
-                        .map_err(|_| SendError::TimedOut)?,
-                    None => Box::pin(sending).await,
-                };
-                match sent {
-                    Ok(resp) => Ok(resp.map(UpBody::Hyper)),
-                    Err(mut e) => match e.take_message() {
-                        Some(req) => Err(SendError::NotSent(NotSentBody(req.into_body()))),
-                        None => Err(SendError::Hyper(e.into_error())),
-                    },
+    ) -> impl Future<Output = Result<Response<UpBody>, SendError>> {
+        async move {
+            let addr = self.pool.addr;
+            match &mut self.sender {
+                Sender::H1(c) => c.send(parts, added, body, addr, deadline).await,
+                Sender::H2(s) => {
+                    let mut req = Request::new(body);
+                    *req.method_mut() = parts.method.clone();
+                    *req.uri_mut() = parts.uri.clone();
+                    *req.headers_mut() = parts.headers.clone();
+                    added.apply(req.headers_mut());
+                    let req = adapt_h2(req, self.pool.tls_enabled(), addr);
+                    // On the heap: inline, hyper's future and the request would make every
+                    // request's future (HTTP/1.1 ones too) larger, and each move of it dearer.
+                    let sending = s.try_send_request(req);
+                    let sent = match deadline {
+                        Some(d) => Box::pin(tokio::time::timeout_at(d.into(), sending))
+                            .await
+                            .map_err(|_| SendError::TimedOut)?,
+                        None => Box::pin(sending).await,
+                    };
+                    match sent {
+                        Ok(resp) => Ok(resp.map(UpBody::Hyper)),
+                        Err(mut e) => match e.take_message() {
+                            Some(req) => Err(SendError::NotSent(NotSentBody(req.into_body()))),
+                            None => Err(SendError::Hyper(e.into_error())),
+                        },
+                    }
                 }
             }
         }

@@ -203,88 +203,99 @@ impl H1Conn {
 
     /// Writes the request and reads the response head (skipping 1xx interim responses),
     /// writing the body meanwhile; the body keeps streaming while the response is read.
-    pub async fn send(
+    /// (An `async move` block, not an `async fn`: see [`crate::pipeline::handle`].)
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an `async fn` copies its arguments once more"
+    )]
+    pub fn send(
         &mut self,
         parts: &Parts,
         added: &Added<'_>,
         body: ReqBody,
         addr: SocketAddr,
         deadline: Option<Instant>,
-    ) -> Result<Response<UpBody>, SendError> {
-        self.framing = Framing::Done;
-        self.sending = None;
-        // Not reusable until a response head says so: a send dropped half-way (a hedge
-        // lost, a timeout) leaves a connection nobody may pool.
-        self.keep_alive = false;
-        self.peer_closed = false;
-        self.body_write_failed = false;
-        self.interim = 0;
-        let timed = match (deadline, self.timer.as_mut()) {
-            (Some(d), Some(t)) => {
-                t.as_mut().reset(d.into());
-                true
-            }
-            (Some(d), None) => {
-                self.timer = Some(Box::pin(tokio::time::sleep_until(d.into())));
-                true
-            }
-            (None, _) => false,
-        };
-        let bodiless = body.is_end_stream();
-        let chunked = self.encode_head(parts, added, &body, bodiless, addr);
-        let mut written = 0;
-        let wrote = std::future::poll_fn(|cx| {
-            while written < self.wbuf.len() {
-                match Pin::new(&mut self.io).poll_write(cx, &self.wbuf[written..]) {
-                    Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
-                    Poll::Ready(Ok(n)) => written += n,
-                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                    Poll::Pending if timed && self.timer_fired(cx) => {
-                        return Poll::Ready(Err(io::ErrorKind::TimedOut.into()));
-                    }
-                    Poll::Pending => return Poll::Pending,
+    ) -> impl Future<Output = Result<Response<UpBody>, SendError>> {
+        async move {
+            self.framing = Framing::Done;
+            self.sending = None;
+            // Not reusable until a response head says so: a send dropped half-way (a hedge
+            // lost, a timeout) leaves a connection nobody may pool.
+            self.keep_alive = false;
+            self.peer_closed = false;
+            self.body_write_failed = false;
+            self.interim = 0;
+            let timed = match (deadline, self.timer.as_mut()) {
+                (Some(d), Some(t)) => {
+                    t.as_mut().reset(d.into());
+                    true
                 }
+                (Some(d), None) => {
+                    self.timer = Some(Box::pin(tokio::time::sleep_until(d.into())));
+                    true
+                }
+                (None, _) => false,
+            };
+            let bodiless = body.is_end_stream();
+            let chunked = self.encode_head(parts, added, &body, bodiless, addr);
+            let mut written = 0;
+            let wrote = std::future::poll_fn(|cx| {
+                while written < self.wbuf.len() {
+                    match Pin::new(&mut self.io).poll_write(cx, &self.wbuf[written..]) {
+                        Poll::Ready(Ok(0)) => {
+                            return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+                        }
+                        Poll::Ready(Ok(n)) => written += n,
+                        Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                        Poll::Pending if timed && self.timer_fired(cx) => {
+                            return Poll::Ready(Err(io::ErrorKind::TimedOut.into()));
+                        }
+                        Poll::Pending => return Poll::Pending,
+                    }
+                }
+                // Over TLS the bytes leave in the flush: it waits under the deadline too.
+                match Pin::new(&mut self.io).poll_flush(cx) {
+                    Poll::Pending if timed && self.timer_fired(cx) => {
+                        Poll::Ready(Err(io::ErrorKind::TimedOut.into()))
+                    }
+                    r => r,
+                }
+            })
+            .await;
+            if let Err(e) = wrote {
+                self.keep_alive = false;
+                return Err(if e.kind() == io::ErrorKind::TimedOut {
+                    SendError::TimedOut
+                } else if written == 0 {
+                    SendError::NotSent(NotSentBody(body))
+                } else {
+                    SendError::H1(e.into())
+                });
             }
-            // Over TLS the bytes leave in the flush: it waits under the deadline too.
-            match Pin::new(&mut self.io).poll_flush(cx) {
+            if !bodiless {
+                self.sending = Some(Sending {
+                    body,
+                    chunked,
+                    out: VecDeque::new(),
+                    ended: false,
+                });
+            }
+            let head_request = parts.method == Method::HEAD;
+            std::future::poll_fn(|cx| match self.poll_head(cx, head_request) {
                 Poll::Pending if timed && self.timer_fired(cx) => {
-                    Poll::Ready(Err(io::ErrorKind::TimedOut.into()))
+                    Poll::Ready(Err(H1Error::TimedOut))
                 }
                 r => r,
-            }
-        })
-        .await;
-        if let Err(e) = wrote {
-            self.keep_alive = false;
-            return Err(if e.kind() == io::ErrorKind::TimedOut {
-                SendError::TimedOut
-            } else if written == 0 {
-                SendError::NotSent(NotSentBody(body))
-            } else {
-                SendError::H1(e.into())
-            });
+            })
+            .await
+            .map_err(|e| {
+                self.keep_alive = false;
+                match e {
+                    H1Error::TimedOut => SendError::TimedOut,
+                    e => SendError::H1(e),
+                }
+            })
         }
-        if !bodiless {
-            self.sending = Some(Sending {
-                body,
-                chunked,
-                out: VecDeque::new(),
-                ended: false,
-            });
-        }
-        let head_request = parts.method == Method::HEAD;
-        std::future::poll_fn(|cx| match self.poll_head(cx, head_request) {
-            Poll::Pending if timed && self.timer_fired(cx) => Poll::Ready(Err(H1Error::TimedOut)),
-            r => r,
-        })
-        .await
-        .map_err(|e| {
-            self.keep_alive = false;
-            match e {
-                H1Error::TimedOut => SendError::TimedOut,
-                e => SendError::H1(e),
-            }
-        })
     }
 
     /// Has the response deadline passed (registering the task to be woken when it does)?
