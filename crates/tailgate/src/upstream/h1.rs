@@ -279,6 +279,9 @@ impl H1Conn {
                     out: VecDeque::new(),
                     ended: false,
                 });
+            } else {
+                // Dropped now, while its lines are warm, not when the response comes.
+                drop(body);
             }
             let head_request = parts.method == Method::HEAD;
             std::future::poll_fn(|cx| match self.poll_head(cx, head_request) {
