@@ -44,7 +44,8 @@ fn bad_arguments_exit_2_with_a_message() {
 
 #[test]
 fn dead_target_ends_on_time_with_connect_errors() {
-    let url = format!("http://127.0.0.1:{}/", common::dead_port());
+    let dead = common::dead_port();
+    let url = format!("http://127.0.0.1:{}/", dead.port());
     let mut cmd = bench();
     cmd.args([
         "run", &url, "-r", "100", "-d", "1s", "--warmup", "0s", "--json",

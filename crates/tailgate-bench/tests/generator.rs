@@ -166,7 +166,8 @@ fn request_index_restarts_when_the_server_closes() {
 /// A port nobody listens on: every attempt is a connect error, and the run ends.
 #[test]
 fn dead_target_counts_connect_errors() {
-    let url = format!("http://127.0.0.1:{}/", common::dead_port());
+    let dead = common::dead_port();
+    let url = format!("http://127.0.0.1:{}/", dead.port());
     let r = load::run(spec(
         &url,
         2,

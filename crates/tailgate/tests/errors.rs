@@ -53,7 +53,8 @@ async fn wrong_method_is_405_with_allow() {
 
 #[tokio::test]
 async fn upstream_refused_is_502() {
-    let gw = TestGateway::to(dead_port(), "");
+    let dead = dead_port();
+    let gw = TestGateway::to(dead.addr(), "");
     let resp = get(gw.addr, "/").await;
     assert_eq!(resp.status(), 502);
     assert_eq!(json(&resp)["error"], "upstream_connect_failed");

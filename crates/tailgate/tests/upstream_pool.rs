@@ -456,7 +456,8 @@ async fn upstream_closing_idle_connections_is_invisible() {
 #[tokio::test]
 async fn down_endpoint_is_ejected_and_comes_back() {
     let live = raw_upstream(|_, _| Act::Answer).await;
-    let dead = dead_port();
+    let held = dead_port();
+    let dead = held.addr();
     let gw = TestGateway::start(&format!(
         "[[cluster]]\nname = \"up\"\nendpoints = [\"{}\", \"{dead}\"]\nbalance = \"round_robin\"\neject_after_failures = 2\neject_duration = \"300ms\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
         live.addr
@@ -481,6 +482,7 @@ async fn down_endpoint_is_ejected_and_comes_back() {
         "ejected endpoints are not tried on every request ({failures} connect failures in 40 requests)"
     );
     // Bring it back on the same port.
+    drop(held);
     let Ok(revived) = TcpListener::bind(dead).await else {
         eprintln!("port {dead} was taken meanwhile; skipping the recovery half");
         return;
