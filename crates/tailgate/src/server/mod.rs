@@ -192,9 +192,8 @@ async fn serve_plain<I: Ready>(ctx: ConnCtx, io: I, peer: SocketAddr, sni_tenant
             };
             let closing = AtomicBool::new(false);
             let ended = {
-                // Pinned here and lent to `drive`: given by value, the future (kilobytes)
-                // would be stored twice in this one, as `drive`'s argument and as its
-                // pinned local.
+                // Pinned here and lent to `drive` (which takes an `Unpin` connection):
+                // the future (kilobytes) is stored once, in this one.
                 let inline = std::pin::pin!(h1_inline::serve(
                     &mut io,
                     bytes::BytesMut::from(&sniffed[..]),
@@ -290,8 +289,9 @@ where
         .writev(false)
         .serve_connection(TokioIo::new(io), service)
         .with_upgrades();
+    let conn = std::pin::pin!(conn);
     let ended = drive(conn, ctx.shutdown, &info, settings.idle_timeout, |c| {
-        c.graceful_shutdown()
+        c.as_mut().graceful_shutdown()
     })
     .await;
     log_failed_end(&info, ended);
@@ -307,8 +307,9 @@ where
         .timer(TokioTimer::new())
         .max_header_list_size(settings.max_header_bytes as u32)
         .serve_connection(TokioIo::new(io), service);
+    let conn = std::pin::pin!(conn);
     let ended = drive(conn, ctx.shutdown, &info, settings.idle_timeout, |c| {
-        c.graceful_shutdown()
+        c.as_mut().graceful_shutdown()
     })
     .await;
     log_failed_end(&info, ended);
@@ -340,89 +341,127 @@ fn log_failed_end(info: &ConnInfo, ended: Option<Result<(), hyper::Error>>) {
 /// upstream answers), so the shutdown signal and the idle timer are not polled on each one:
 /// they are polled with their own waker, and only after it fired. Polling them each time
 /// cost a lock of the shutdown signal's waiter list and a timer poll, twice per request.
-async fn drive<C: Future>(
-    conn: C,
+fn drive<'a, C, G>(
+    mut conn: C,
     mut shutdown: watch::Receiver<bool>,
-    info: &ConnInfo,
+    info: &'a ConnInfo,
     idle: Duration,
-    mut graceful: impl FnMut(Pin<&mut C>),
-) -> Option<C::Output> {
-    let mut conn = std::pin::pin!(conn);
-    let mut closing = *shutdown.borrow();
+    mut graceful: G,
+) -> Drive<'a, C, G>
+where
+    C: Future + Unpin,
+    G: FnMut(&mut C) + Unpin,
+{
+    let closing = *shutdown.borrow();
     if closing {
-        graceful(conn.as_mut());
+        graceful(&mut conn);
     }
-    // Any change of the shutdown value (or its sender going away) means: close.
-    let mut stop = std::pin::pin!(async move {
-        let _ = shutdown.changed().await;
-    });
-    let mut idle_timer = std::pin::pin!(tokio::time::sleep(idle));
     let side = Arc::new(SideWake::default());
-    let side_waker = Waker::from(side.clone());
-    // The connection was asked to close for idleness: from then on the idle timer runs to
-    // when it must have ended.
-    let mut closed_for_idleness = false;
-    std::future::poll_fn(|cx| {
+    Drive {
+        conn,
+        side_waker: Waker::from(side.clone()),
+        side,
+        closing,
+        closed_for_idleness: false,
+        info,
+        idle,
+        graceful,
+        // Any change of the shutdown value (or its sender going away) means: close.
+        stop: Box::pin(async move {
+            let _ = shutdown.changed().await;
+        }),
+        idle_timer: Box::pin(tokio::time::sleep(idle)),
+    }
+}
+
+/// [`drive`]'s future: a struct polled directly, not a state machine of its own around the
+/// connection's, whose state every wake-up would read from another line of the task. What
+/// is polled only after the side waker fired (the shutdown signal, the idle timer) is on
+/// the heap, out of the lines each wake-up reads.
+struct Drive<'a, C, G> {
+    conn: C,
+    side: Arc<SideWake>,
+    side_waker: Waker,
+    closing: bool,
+    /// The connection was asked to close for idleness: from then on the idle timer runs to
+    /// when it must have ended.
+    closed_for_idleness: bool,
+    info: &'a ConnInfo,
+    idle: Duration,
+    graceful: G,
+    stop: Pin<Box<dyn Future<Output = ()> + Send>>,
+    idle_timer: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl<C, G> Future for Drive<'_, C, G>
+where
+    C: Future + Unpin,
+    G: FnMut(&mut C) + Unpin,
+{
+    type Output = Option<C::Output>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
         loop {
-            if let Poll::Ready(res) = conn.as_mut().poll(cx) {
+            if let Poll::Ready(res) = Pin::new(&mut this.conn).poll(cx) {
                 return Poll::Ready(Some(res));
             }
-            if closing {
-                if !closed_for_idleness {
+            if this.closing {
+                if !this.closed_for_idleness {
                     return Poll::Pending;
                 }
                 // Only the close deadline is left to watch (the idle timer, set to it), on
                 // the timer's own waker.
-                side.task.register(cx.waker());
-                if !side.woken.swap(false, Ordering::AcqRel) {
+                this.side.task.register(cx.waker());
+                if !this.side.woken.swap(false, Ordering::AcqRel) {
                     return Poll::Pending;
                 }
-                let mut side_cx = Context::from_waker(&side_waker);
-                if idle_timer.as_mut().poll(&mut side_cx).is_pending() {
+                let mut side_cx = Context::from_waker(&this.side_waker);
+                if this.idle_timer.as_mut().poll(&mut side_cx).is_pending() {
                     return Poll::Pending;
                 }
-                if info.activity.idle_deadline(idle).is_some() {
+                if this.info.activity.idle_deadline(this.idle).is_some() {
                     return Poll::Ready(None);
                 }
-                idle_timer
+                this.idle_timer
                     .as_mut()
-                    .reset(tokio::time::Instant::now() + idle);
-                side.woken.store(true, Ordering::Release);
+                    .reset(tokio::time::Instant::now() + this.idle);
+                this.side.woken.store(true, Ordering::Release);
                 continue;
             }
             // Registered before the flag is read: a wake-up in between is not lost.
-            side.task.register(cx.waker());
-            if !side.woken.swap(false, Ordering::AcqRel) {
+            this.side.task.register(cx.waker());
+            if !this.side.woken.swap(false, Ordering::AcqRel) {
                 return Poll::Pending;
             }
-            let mut side_cx = Context::from_waker(&side_waker);
-            if stop.as_mut().poll(&mut side_cx).is_ready() {
-                closing = true;
-                graceful(conn.as_mut());
+            let mut side_cx = Context::from_waker(&this.side_waker);
+            if this.stop.as_mut().poll(&mut side_cx).is_ready() {
+                this.closing = true;
+                (this.graceful)(&mut this.conn);
                 continue;
             }
-            if idle_timer.as_mut().poll(&mut side_cx).is_pending() {
+            if this.idle_timer.as_mut().poll(&mut side_cx).is_pending() {
                 return Poll::Pending;
             }
-            match info.activity.idle_deadline(idle) {
+            match this.info.activity.idle_deadline(this.idle) {
                 Some(at) if at <= std::time::Instant::now() => {
-                    closing = true;
-                    closed_for_idleness = true;
-                    idle_timer
+                    this.closing = true;
+                    this.closed_for_idleness = true;
+                    this.idle_timer
                         .as_mut()
-                        .reset(tokio::time::Instant::now() + idle);
-                    graceful(conn.as_mut());
+                        .reset(tokio::time::Instant::now() + this.idle);
+                    (this.graceful)(&mut this.conn);
                 }
-                Some(at) => idle_timer.as_mut().reset(at.into()),
-                None => idle_timer
+                Some(at) => this.idle_timer.as_mut().reset(at.into()),
+                None => this
+                    .idle_timer
                     .as_mut()
-                    .reset(tokio::time::Instant::now() + idle),
+                    .reset(tokio::time::Instant::now() + this.idle),
             }
             // The timer was reset (or the connection is closing): poll again.
-            side.woken.store(true, Ordering::Release);
+            this.side.woken.store(true, Ordering::Release);
         }
-    })
-    .await
+    }
 }
 
 /// The waker given to the shutdown signal and the idle timer of [`drive`]: marks that one of
