@@ -125,7 +125,7 @@ pub fn refusal_response(worker: &Worker, info: &ConnInfo, e: &ProxyError) -> Res
 /// The body comes as a [`ReqBody`] already limited to `max_body_bytes` by the server that
 /// read the head (hyper's, or the inline HTTP/1.1 one).
 ///
-/// One async fn, not a wrapper around another: each level of nesting stores the inner
+/// One future, not a wrapper around another: each level of nesting stores the inner
 /// future beside its own state, which doubled the future's size (and what every request
 /// moves and touches) per level.
 ///
