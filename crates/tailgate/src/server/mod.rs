@@ -62,7 +62,7 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// machine around the connection's, polled on every wake-up with its state in another line
 /// of the task (`scripts/footprint.py`: about 2.5 last-level-cache read and 3.5 write misses
 /// and 50 instruction-cache misses per request less without it). The socket is prepared
-/// ([`Prepare`]), and a TLS connection's future boxed, by the path's first poll on the
+/// (`Prepare`), and a TLS connection's future boxed, by the path's first poll on the
 /// connection's task, not here in the accept loop.
 pub fn serve_connection(
     ctx: ConnCtx,
