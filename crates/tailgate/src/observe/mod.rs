@@ -162,6 +162,11 @@ impl ExchangeRecorder {
         }
     }
 
+    /// When the exchange started.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
     pub fn exchange_mut(&mut self) -> Option<&mut Exchange> {
         self.ex.as_deref_mut()
     }

@@ -168,13 +168,13 @@ impl RouteTable {
 ///
 /// [`SeveralHosts`] for more than one Host header: which one names the request would be
 /// ambiguous (RFC 9112 §3.2 asks for a 400).
-pub fn request_host<B>(req: &http::Request<B>) -> Result<Option<&str>, SeveralHosts> {
-    let mut hosts = req.headers().get_all(http::header::HOST).iter();
+pub fn request_host(parts: &http::request::Parts) -> Result<Option<&str>, SeveralHosts> {
+    let mut hosts = parts.headers.get_all(http::header::HOST).iter();
     let first = hosts.next();
     if hosts.next().is_some() {
         return Err(SeveralHosts);
     }
-    let raw = match req.uri().authority() {
+    let raw = match parts.uri.authority() {
         Some(a) => Some(a.host()),
         None => first.and_then(|h| h.to_str().ok()),
     };

@@ -277,10 +277,12 @@ fn pipeline_service(
             let resp = crate::pipeline::refusal_response(&worker, &info, e);
             return Either::Right(std::future::ready(Ok(resp)));
         }
+        let (parts, body) = req.into_parts();
         Either::Left(handle(
             worker.clone(),
             info.clone(),
-            req.map(|b| ReqBody::new(b, limit)),
+            Box::new(parts),
+            ReqBody::new(body, limit),
         ))
     })
 }
