@@ -277,6 +277,9 @@ fn pipeline_service(
             let resp = crate::pipeline::refusal_response(&worker, &info, e);
             return Either::Right(std::future::ready(Ok(resp)));
         }
+        // The head boxed, as the inline server's is: one allocation per request on this
+        // path (bodies that stream, `Expect`, HTTP/2), so that the pipeline has one shape
+        // and the inline path, nearly every request, passes its head by pointer.
         let (parts, body) = req.into_parts();
         Either::Left(handle(
             worker.clone(),
