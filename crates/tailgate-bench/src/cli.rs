@@ -35,6 +35,21 @@ enum Command {
     Scenario(ScenarioArgs),
     /// Run every scenario and regenerate docs/bench/ and the README's benchmark section.
     Report(ReportArgs),
+    /// The training workload of the profile-guided release build (scripts/pgo.sh): a
+    /// gateway of this binary under the traffic it is optimized for; fails if any request
+    /// fails.
+    Train(TrainArgs),
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    /// Load per phase (the first phase gets twice this).
+    #[arg(long, value_parser = parse_duration, default_value = "2s")]
+    phase: Duration,
+    /// LLVM_PROFILE_FILE for the gateways started: where an instrumented build writes its
+    /// profile (`%p` is the process id). The upstreams keep this process's environment.
+    #[arg(long)]
+    profile_file: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -202,6 +217,28 @@ pub fn main(args: Vec<OsString>, tailgate_exe: PathBuf) -> ExitCode {
         Command::Upstream(a) => upstream(a),
         Command::Scenario(a) => scenario_cmd(a, tailgate_exe),
         Command::Report(a) => report_cmd(a, tailgate_exe),
+        Command::Train(a) => train_cmd(a, tailgate_exe),
+    }
+}
+
+fn train_cmd(a: TrainArgs, exe: PathBuf) -> ExitCode {
+    if a.phase.is_zero() {
+        return usage("--phase must be more than 0");
+    }
+    let opts = crate::train::Options {
+        phase: a.phase,
+        profile_file: a.profile_file,
+    };
+    eprintln!("training {} on its own gateway", exe.display());
+    match crate::train::run(&opts, &exe) {
+        Ok(()) => {
+            eprintln!("training done");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tailgate bench train: {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 

@@ -1,14 +1,29 @@
 //! tailgate's load generator (`tailgate bench run`), its fast upstream
 //! (`tailgate bench upstream`) and the reproducible benchmark scenarios
-//! (`tailgate bench scenario`, `tailgate bench report`).
+//! (`tailgate bench scenario`, `tailgate bench report`), and the training workload of the
+//! profile-guided release build (`tailgate bench train`).
 //!
 //! Layout: [`load`] sends requests and records into [`stats`]; [`output`] prints tables, JSON
 //! and SVG; [`upstream`] is the fixed-answer server; [`scenario`] starts the processes under
-//! test and compares them side by side; [`cli`] parses `tailgate bench ...`.
+//! test and compares them side by side; [`train`] runs a gateway under the traffic a
+//! profile-guided build is optimized for; [`cli`] parses `tailgate bench ...`.
 pub mod cli;
 pub mod load;
 pub mod output;
 pub mod pin;
 pub mod scenario;
 pub mod stats;
+pub mod train;
 pub mod upstream;
+
+/// Whether this binary is the profile-guided release build: `scripts/pgo.sh` sets
+/// `TAILGATE_PGO` for its final build (and nothing else does).
+pub const PGO: bool = option_env!("TAILGATE_PGO").is_some();
+
+/// `tailgate --version`: the version, and how the binary was built when it was built by
+/// `scripts/pgo.sh`, so a benchmark report can say which build it measured.
+pub const VERSION: &str = if PGO {
+    concat!(env!("CARGO_PKG_VERSION"), " (profile-guided build)")
+} else {
+    env!("CARGO_PKG_VERSION")
+};

@@ -16,7 +16,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Parser)]
 #[command(
     name = "tailgate",
-    version,
+    version = tailgate_bench::VERSION,
     about = "A multi-tenant API gateway built for the tail."
 )]
 struct Cli {

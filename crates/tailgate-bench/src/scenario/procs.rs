@@ -7,7 +7,7 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -143,12 +143,25 @@ impl Env {
         args: &[&str],
         ready_addr: SocketAddr,
     ) -> Result<(), SetupError> {
+        self.spawn_with_env(name, program, args, &[], ready_addr)
+    }
+
+    /// [`Env::spawn`] with environment variables set for the child alone.
+    pub fn spawn_with_env(
+        &mut self,
+        name: &str,
+        program: &Path,
+        args: &[&str],
+        vars: &[(&str, &std::ffi::OsStr)],
+        ready_addr: SocketAddr,
+    ) -> Result<(), SetupError> {
         let log = self.dir.join(format!("{name}.log"));
         let out =
             std::fs::File::create(&log).map_err(io_err(format!("create {}", log.display())))?;
         let err = out.try_clone().map_err(io_err("clone log file"))?;
         let child = crate::pin::command(program, self.child_core)
             .args(args)
+            .envs(vars.iter().copied())
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -166,6 +179,40 @@ impl Env {
             log,
         });
         self.wait_ready(ready_addr)
+    }
+
+    /// Stops the child started as `name` with SIGTERM and waits for it to exit (SIGKILL
+    /// after `grace`); returns how it exited, or why that is not known.
+    pub fn stop(&mut self, name: &str, grace: Duration) -> Result<ExitStatus, SetupError> {
+        let i = self
+            .procs
+            .iter()
+            .position(|p| p.name == name)
+            .ok_or_else(|| SetupError::NotReady(format!("no process named {name}")))?;
+        let mut p = self.procs.remove(i);
+        let pid = p.child.id();
+        signal(&[pid], "-TERM");
+        let deadline = Instant::now() + grace;
+        let status = loop {
+            match p.child.try_wait() {
+                Ok(Some(status)) => break Ok(status),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                Ok(None) => {
+                    let _ = p.child.kill();
+                    let _ = p.child.wait();
+                    break Err(SetupError::NotReady(format!(
+                        "{name} did not exit within {grace:?} of SIGTERM (killed)"
+                    )));
+                }
+                Err(e) => break Err(io_err(format!("wait for {name}"))(e)),
+            }
+        };
+        if let Ok(mut live) = LIVE.lock() {
+            live.retain(|&live| live != pid);
+        }
+        status
     }
 
     fn wait_ready(&mut self, addr: SocketAddr) -> Result<(), SetupError> {

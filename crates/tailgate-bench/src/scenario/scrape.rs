@@ -49,13 +49,13 @@ pub fn run(opts: &Options, tailgate_exe: &std::path::Path) -> Result<Outcome, Sc
     let variant = format!("open-{}rps-{}c", opts.rate, opts.connections);
     let targets = [
         Target {
-            name: "tailgate",
+            name: "tailgate".into(),
             variant_suffix: "+no-scraper",
             addr,
             upstream: Some(up),
         },
         Target {
-            name: "tailgate",
+            name: "tailgate".into(),
             variant_suffix: "+scraper-every-1s",
             addr,
             upstream: Some(up),
@@ -187,13 +187,13 @@ fn read_response(s: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<()> {
 
 /// One whole `/metrics` read.
 #[derive(Debug, Clone, Copy)]
-struct Scrape {
+pub(crate) struct Scrape {
     took: Duration,
     bytes: usize,
     samples: usize,
 }
 
-fn scrape(admin: SocketAddr) -> std::io::Result<Scrape> {
+pub(crate) fn scrape(admin: SocketAddr) -> std::io::Result<Scrape> {
     let t = Instant::now();
     let mut s = TcpStream::connect(admin)?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
@@ -219,13 +219,13 @@ fn scrape(admin: SocketAddr) -> std::io::Result<Scrape> {
 }
 
 /// Scrapes `/metrics` every second on its own thread until stopped.
-struct Scraper {
+pub(crate) struct Scraper {
     stop: Arc<AtomicBool>,
     thread: JoinHandle<Vec<Scrape>>,
 }
 
 impl Scraper {
-    fn start(admin: SocketAddr) -> Scraper {
+    pub(crate) fn start(admin: SocketAddr) -> Scraper {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let thread = std::thread::spawn(move || {
@@ -249,7 +249,7 @@ impl Scraper {
         Scraper { stop, thread }
     }
 
-    fn stop(self) -> Vec<Scrape> {
+    pub(crate) fn stop(self) -> Vec<Scrape> {
         self.stop.store(true, Ordering::Relaxed);
         self.thread.join().unwrap_or_default()
     }

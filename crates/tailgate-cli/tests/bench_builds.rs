@@ -1,0 +1,96 @@
+//! The `tailgate bench` commands that need the whole binary (they start its gateway): the
+//! training workload of the profile-guided build.
+#![allow(clippy::unwrap_used)]
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tailgate");
+
+/// Runs `cmd`, killing it if it has not finished within `limit`.
+fn run_limited(mut cmd: Command, limit: Duration) -> Output {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + limit;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "still running after {limit:?}; stderr so far:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Every phase of the training is served without an error, the scraper got `/metrics`, and
+/// both gateways stopped cleanly on SIGTERM (an instrumented build writes its profile then).
+/// A phase that breaks (a config field renamed, a route that no longer matches) fails this.
+#[test]
+fn the_training_workload_is_served_without_errors() {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["bench", "train", "--phase", "300ms"]);
+    let out = run_limited(cmd, Duration::from_secs(180));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let phases = [
+        "h1 keep-alive, closed loop",
+        "h1 keep-alive, 5000 req/s over 50 connections",
+        "h1 keep-alive, 2000 req/s over 500 connections",
+        "h1 POST, 1 KiB body",
+        "h1 POST, 64 KiB body",
+        "h1 with a consumer header",
+        "h2c from the client",
+        "TLS, http/1.1",
+        "TLS, h2",
+        "HTTP/2 upstream",
+        "upstream closing every 80 requests",
+        "h1 with the JSON access log",
+    ];
+    for phase in phases {
+        let line = stderr
+            .lines()
+            .find(|l| l.trim_start().starts_with(phase))
+            .unwrap_or_else(|| panic!("no line for {phase:?}:\n{stderr}"));
+        let answered: u64 = line[phase.len() + 2..]
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no count in {line:?}"));
+        assert!(answered > 0, "{line}");
+    }
+    let scraped = stderr
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("/metrics scraped "))
+        .and_then(|rest| rest.split_whitespace().next()?.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no scrape count:\n{stderr}"));
+    assert!(scraped >= 1, "{stderr}");
+    assert!(stderr.contains("training done"), "{stderr}");
+}
+
+/// The binary says how it was built, for the benchmark report's "Builds" line.
+#[test]
+fn version_says_which_build() {
+    let out = Command::new(BIN).arg("--version").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    let pgo = option_env!("TAILGATE_PGO").is_some();
+    assert_eq!(
+        text.trim(),
+        if pgo {
+            concat!(
+                "tailgate ",
+                env!("CARGO_PKG_VERSION"),
+                " (profile-guided build)"
+            )
+        } else {
+            concat!("tailgate ", env!("CARGO_PKG_VERSION"))
+        }
+    );
+}
