@@ -160,6 +160,11 @@ struct ScenarioOpts {
     /// Do not pin processes to cores.
     #[arg(long)]
     no_pin: bool,
+    /// Also measure another tailgate build, as target NAME (overhead and keepalive-churn),
+    /// e.g. `--compare tailgate-plain=target/release/tailgate` beside the profile-guided
+    /// build. Repeatable.
+    #[arg(long, value_name = "NAME=PATH")]
+    compare: Vec<String>,
 }
 
 #[derive(Args)]
@@ -380,6 +385,14 @@ fn options(o: &ScenarioOpts) -> Result<Options, String> {
     if o.connections == 0 || o.many_connections == 0 {
         return Err("connection counts must be at least 1".into());
     }
+    let mut compare: Vec<(String, PathBuf)> = Vec::new();
+    for c in &o.compare {
+        let (name, path) = parse_compare(c)?;
+        if compare.iter().any(|(n, _)| *n == name) {
+            return Err(format!("--compare {c:?}: {name:?} is named twice"));
+        }
+        compare.push((name, path));
+    }
     Ok(Options {
         duration: o.duration,
         warmup: o.warmup,
@@ -389,7 +402,45 @@ fn options(o: &ScenarioOpts) -> Result<Options, String> {
         close_every: o.close_every,
         pin: !o.no_pin,
         rounds: o.rounds as usize,
+        compare,
     })
+}
+
+/// Names the scenarios give their own targets; a compared build may not take one.
+const TARGET_NAMES: [&str; 5] = ["direct", "tailgate", "nginx", "haproxy", "nginx-fwd"];
+
+/// `NAME=PATH` of `--compare`: a name of letters, digits, `-`, `_` and `.` that no other
+/// target has, and an executable that exists.
+fn parse_compare(arg: &str) -> Result<(String, PathBuf), String> {
+    let Some((name, path)) = arg.split_once('=') else {
+        return Err(format!(
+            "--compare {arg:?}: expected NAME=PATH, e.g. tailgate-plain=target/release/tailgate"
+        ));
+    };
+    let name_ok = !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+    if !name_ok {
+        return Err(format!(
+            "--compare {arg:?}: the name must be letters, digits, '-', '_' or '.'"
+        ));
+    }
+    if TARGET_NAMES.contains(&name) {
+        return Err(format!(
+            "--compare {arg:?}: {name:?} is a target of the scenarios already; choose another name"
+        ));
+    }
+    let path = PathBuf::from(path);
+    if !path.is_file() {
+        return Err(format!(
+            "--compare {arg:?}: {} is not a file (build it first)",
+            path.display()
+        ));
+    }
+    // Absolute, so the report names the file whichever directory it was run from.
+    let path = std::path::absolute(&path).map_err(|e| format!("--compare {arg:?}: {e}"))?;
+    Ok((name.to_string(), path))
 }
 
 /// Pins this process (and so the generator threads it starts) to core 1.
@@ -455,13 +506,16 @@ fn report_cmd(a: ReportArgs, exe: PathBuf) -> ExitCode {
     };
     let nproc = std::thread::available_parallelism().map_or(1, |n| n.get());
     pin_generator(&opts);
-    let command = format!(
+    let mut command = format!(
         "tailgate bench report --duration {} --warmup {} --rounds {} --rate {}",
         humantime::format_duration(opts.duration),
         humantime::format_duration(opts.warmup),
         opts.rounds,
         opts.rate
     );
+    for c in &a.opts.compare {
+        command.push_str(&format!(" --compare {c}"));
+    }
     let target = report::Target {
         out_dir: &a.out,
         readme: &a.readme,

@@ -1,5 +1,6 @@
 //! The `tailgate bench` commands that need the whole binary (they start its gateway): the
-//! training workload of the profile-guided build.
+//! training workload of the profile-guided build, and a second build measured beside the
+//! first (`--compare`).
 #![allow(clippy::unwrap_used)]
 
 use std::process::{Command, Output, Stdio};
@@ -72,6 +73,58 @@ fn the_training_workload_is_served_without_errors() {
         .unwrap_or_else(|| panic!("no scrape count:\n{stderr}"));
     assert!(scraped >= 1, "{stderr}");
     assert!(stderr.contains("training done"), "{stderr}");
+}
+
+/// `--compare NAME=PATH` measures another build as its own target, through the same
+/// scenario as `tailgate`: here the same binary under a second name.
+#[test]
+fn a_compared_build_is_measured_as_its_own_target() {
+    let mut cmd = Command::new(BIN);
+    cmd.args([
+        "bench",
+        "scenario",
+        "keepalive-churn",
+        "--duration",
+        "1s",
+        "--warmup",
+        "0s",
+        "--rate",
+        "200",
+        "--connections",
+        "4",
+        "--rounds",
+        "1",
+        "--no-pin",
+        "--json",
+        "--compare",
+    ])
+    .arg(format!("second-build={BIN}"));
+    let out = run_limited(cmd, Duration::from_secs(180));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["results"].as_array().unwrap();
+    let row = |target: &str| {
+        rows.iter()
+            .find(|r| r["target"] == target)
+            .unwrap_or_else(|| panic!("no {target} row in {v}"))
+    };
+    for target in ["tailgate", "second-build"] {
+        let r = row(target);
+        assert_eq!(
+            r["variant"], "open-200rps-4c+closing-upstream",
+            "{target}: {r}"
+        );
+        assert_eq!(r["errors"], 0, "{target}: {r}");
+        assert!(r["rps"].as_f64().unwrap() > 100.0, "{target}: {r}");
+        assert!(r["cpu_us_per_request"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    // Only tailgate itself is measured against the never-closing upstream (its baseline).
+    let second = rows
+        .iter()
+        .filter(|r| r["target"] == "second-build")
+        .count();
+    assert_eq!(second, 1, "{v}");
 }
 
 /// The binary says how it was built, for the benchmark report's "Builds" line.

@@ -22,14 +22,21 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
     let closing_suffix: &'static str = "+closing-upstream";
     let steady_suffix: &'static str = "+never-closing-upstream";
     let mut targets = vec![Target {
-        name: "direct",
+        name: "direct".into(),
         variant_suffix: closing_suffix,
         addr: closing,
         upstream: None,
     }];
-    start_proxies(&mut env, closing, closing_suffix, &mut targets, &mut notes);
+    start_proxies(
+        &mut env,
+        closing,
+        closing_suffix,
+        &opts.compare,
+        &mut targets,
+        &mut notes,
+    );
     targets.push(Target {
-        name: "direct",
+        name: "direct".into(),
         variant_suffix: steady_suffix,
         addr: steady,
         upstream: None,
@@ -40,6 +47,7 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
         &mut env,
         steady,
         steady_suffix,
+        &[],
         &mut steady_proxies,
         &mut steady_notes,
     );

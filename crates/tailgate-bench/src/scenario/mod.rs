@@ -49,6 +49,9 @@ pub struct Options {
     pub pin: bool,
     /// Interleaved measurements per (target, variant); rows report the medians.
     pub rounds: usize,
+    /// Other tailgate builds measured beside the running one, as (target name, binary): e.g.
+    /// a plain `cargo build --release` beside the profile-guided release build.
+    pub compare: Vec<(String, PathBuf)>,
 }
 
 impl Default for Options {
@@ -62,6 +65,7 @@ impl Default for Options {
             close_every: 80,
             pin: true,
             rounds: 5,
+            compare: Vec::new(),
         }
     }
 }
@@ -148,7 +152,7 @@ pub fn run(name: &str, opts: &Options, tailgate_exe: &Path) -> Result<Outcome, S
 
 /// A target to measure: who, and where it listens.
 pub struct Target {
-    pub name: &'static str,
+    pub name: String,
     pub variant_suffix: &'static str,
     pub addr: SocketAddr,
     /// The upstream a proxy forwards to (`None`: the target is the upstream itself). The CPU
@@ -173,12 +177,14 @@ pub fn new_env(
     Env::new(tailgate_exe.to_path_buf(), core)
 }
 
-/// Starts tailgate, nginx and HAProxy in front of `upstream`, adding whichever came up to
-/// `targets` (named `name`, with a variant suffix) and a note for each that did not.
+/// Starts tailgate, nginx and HAProxy in front of `upstream`, then the tailgate builds of
+/// `compare`, adding whichever came up to `targets` (named `name`, with a variant suffix)
+/// and a note for each that did not.
 pub fn start_proxies(
     env: &mut Env,
     upstream: SocketAddr,
     suffix: &'static str,
+    compare: &[(String, PathBuf)],
     targets: &mut Vec<Target>,
     notes: &mut Vec<String>,
 ) {
@@ -197,7 +203,18 @@ pub fn start_proxies(
         }
         match start(env, &format!("{name}{suffix}"), upstream) {
             Ok(addr) => targets.push(Target {
-                name,
+                name: name.to_string(),
+                variant_suffix: suffix,
+                addr,
+                upstream: Some(upstream),
+            }),
+            Err(e) => notes.push(format!("{name}: not measured: {e}")),
+        }
+    }
+    for (name, exe) in compare {
+        match peers::tailgate_build(env, &format!("{name}{suffix}"), exe, upstream, "") {
+            Ok(addr) => targets.push(Target {
+                name: name.clone(),
                 variant_suffix: suffix,
                 addr,
                 upstream: Some(upstream),
@@ -265,7 +282,7 @@ pub fn measure_with(
         _ => None,
     };
     let row = Row {
-        target: target.name.to_string(),
+        target: target.name.clone(),
         variant: format!("{variant}{}", target.variant_suffix),
         rps: round2(report.rps()),
         errors: report.recorder.errors.total(),

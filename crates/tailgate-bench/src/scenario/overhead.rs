@@ -17,17 +17,17 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
     let mut env = new_env(opts, tailgate_exe, &mut notes)?;
     let up = peers::upstream(&mut env, "upstream", 110, None)?;
     let mut targets = vec![Target {
-        name: "direct",
+        name: "direct".into(),
         variant_suffix: "",
         addr: up,
         upstream: None,
     }];
-    start_proxies(&mut env, up, "", &mut targets, &mut notes);
+    start_proxies(&mut env, up, "", &opts.compare, &mut targets, &mut notes);
     // nginx again, doing the same header work as tailgate (forwarding headers, request id).
     if peers::installed(peers::NGINX) {
         match peers::nginx_forwarding(&mut env, "nginx-fwd", up) {
             Ok(addr) => targets.push(Target {
-                name: "nginx-fwd",
+                name: "nginx-fwd".into(),
                 variant_suffix: "",
                 addr,
                 upstream: Some(up),

@@ -54,6 +54,19 @@ pub fn tailgate_with(
     upstream: SocketAddr,
     extra: &str,
 ) -> Result<SocketAddr, SetupError> {
+    let exe = env.tailgate_exe.clone();
+    tailgate_build(env, name, &exe, upstream, extra)
+}
+
+/// [`tailgate_with`], running the gateway of another binary `exe` (another build of
+/// tailgate, measured beside this one).
+pub fn tailgate_build(
+    env: &mut Env,
+    name: &str,
+    exe: &Path,
+    upstream: SocketAddr,
+    extra: &str,
+) -> Result<SocketAddr, SetupError> {
     let addr = loopback(free_port()?);
     let config = format!(
         r#"{extra}
@@ -75,9 +88,8 @@ cluster = "up"
 "#
     );
     let path = env.write(&format!("{name}.toml"), &config)?;
-    let exe = env.tailgate_exe.clone();
     let path = path.to_string_lossy().into_owned();
-    env.spawn(name, &exe, &["serve", "--config", &path], addr)?;
+    env.spawn(name, exe, &["serve", "--config", &path], addr)?;
     Ok(addr)
 }
 

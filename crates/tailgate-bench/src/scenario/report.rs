@@ -74,10 +74,12 @@ The machine is shared and noisy: read the ratios, not the absolute numbers.\n",
         opts.warmup.as_secs_f64(),
         opts.rounds
     );
+    let builds = builds(tailgate_exe, &opts.compare);
+    let _ = writeln!(md, "Builds measured: {builds}.\n");
     let mut summary = String::new();
     let _ = writeln!(
         summary,
-        "Measured side by side on one machine by `{}` ({date}, nproc {}); details and charts in [docs/bench/results.md]({}).\n",
+        "Measured side by side on one machine by `{}` ({date}, nproc {}); details and charts in [docs/bench/results.md]({}). Builds: {builds}.\n",
         t.command,
         t.nproc,
         rel(t.out_dir)
@@ -119,6 +121,25 @@ The machine is shared and noisy: read the ratios, not the absolute numbers.\n",
         }
     }
     Ok(())
+}
+
+/// Which build each tailgate target ran, as its `--version` says: `` `tailgate`: tailgate
+/// 0.1.0 (profile-guided build) ``, then the compared builds.
+fn builds(tailgate_exe: &Path, compare: &[(String, PathBuf)]) -> String {
+    let version = |exe: &Path| {
+        Command::new(exe)
+            .arg("--version")
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_else(|| format!("{} (no --version)", exe.display()))
+    };
+    std::iter::once(("tailgate", tailgate_exe))
+        .chain(compare.iter().map(|(n, p)| (n.as_str(), p.as_path())))
+        .map(|(name, exe)| format!("`{name}` is {}", version(exe)))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn rel(p: &Path) -> String {
