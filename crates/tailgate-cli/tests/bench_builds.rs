@@ -3,32 +3,14 @@
 //! first (`--compare`).
 #![allow(clippy::unwrap_used)]
 
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
+
+#[path = "../../tailgate-bench/tests/common/run_limited.rs"]
+mod run_limited;
+use run_limited::run_limited;
 
 const BIN: &str = env!("CARGO_BIN_EXE_tailgate");
-
-/// Runs `cmd`, killing it if it has not finished within `limit`.
-fn run_limited(mut cmd: Command, limit: Duration) -> Output {
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + limit;
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!(
-                "still running after {limit:?}; stderr so far:\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    child.wait_with_output().unwrap()
-}
 
 /// Every phase of the training is served without an error, the scraper got `/metrics`, and
 /// both gateways stopped cleanly on SIGTERM (an instrumented build writes its profile then).

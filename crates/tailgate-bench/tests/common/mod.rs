@@ -4,10 +4,10 @@
 #![allow(clippy::unwrap_used)]
 
 use std::net::SocketAddr;
-use std::process::{Command, Output, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -15,6 +15,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 mod dead_port;
 #[allow(unused_imports)]
 pub use dead_port::dead_port;
+mod run_limited;
+#[allow(unused_imports)]
+pub use run_limited::run_limited;
 
 /// How the test upstream misbehaves.
 #[derive(Clone, Default)]
@@ -103,24 +106,6 @@ pub fn start(b: Behaviour) -> TestUpstream {
 /// The `tailgate-bench` binary.
 pub fn bench() -> Command {
     Command::new(env!("CARGO_BIN_EXE_tailgate-bench"))
-}
-
-/// Runs with a hard limit: a hang fails the test instead of blocking it forever.
-pub fn run_limited(mut cmd: Command, limit: Duration) -> Output {
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed() > limit {
-            child.kill().unwrap();
-            panic!("tailgate bench did not end within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
 }
 
 /// Runs a test server on its own thread with a current-thread runtime: `serve` gets a
