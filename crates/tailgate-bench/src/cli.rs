@@ -410,7 +410,7 @@ fn options(o: &ScenarioOpts) -> Result<Options, String> {
 const TARGET_NAMES: [&str; 5] = ["direct", "tailgate", "nginx", "haproxy", "nginx-fwd"];
 
 /// `NAME=PATH` of `--compare`: a name of letters, digits, `-`, `_` and `.` that no other
-/// target has, and an executable that exists.
+/// target has, and a file that exists.
 fn parse_compare(arg: &str) -> Result<(String, PathBuf), String> {
     let Some((name, path)) = arg.split_once('=') else {
         return Err(format!(
