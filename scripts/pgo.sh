@@ -12,7 +12,7 @@
 # Why: at low load every request wakes the worker with cold caches, and the plain build's
 # request path is spread over more code than fits in the instruction cache; the profile
 # packs it (docs/tail-latency.md, "A profile-guided build"). The training runs the code as
-# it is now, so the profile is never stale. Takes two release builds (about 10 minutes on
+# it is now, so the profile is never stale. Takes two release builds (10–13 minutes on
 # 2 cores) plus half a minute of training.
 #
 # Needs llvm-profdata from the LLVM that rustc uses: $LLVM_PROFDATA, rustup's llvm-tools
