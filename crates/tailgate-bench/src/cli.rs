@@ -160,6 +160,11 @@ struct ScenarioOpts {
     /// Do not pin processes to cores.
     #[arg(long)]
     no_pin: bool,
+    /// The tailgate build measured as `tailgate` (default: this binary). This binary stays
+    /// the load generator and the upstream, so they are the same whichever build is
+    /// measured, e.g. `--tailgate target/pgo/tailgate`.
+    #[arg(long, value_name = "PATH")]
+    tailgate: Option<PathBuf>,
     /// Also measure another tailgate build, as target NAME (overhead and keepalive-churn),
     /// e.g. `--compare tailgate-plain=target/release/tailgate` beside the profile-guided
     /// build. Repeatable.
@@ -229,6 +234,14 @@ pub fn main(args: Vec<OsString>, tailgate_exe: PathBuf) -> ExitCode {
 fn train_cmd(a: TrainArgs, exe: PathBuf) -> ExitCode {
     if a.phase.is_zero() {
         return usage("--phase must be more than 0");
+    }
+    if let Some(p) = &a.profile_file
+        && !p.to_string_lossy().contains("%p")
+    {
+        return usage(format!(
+            "--profile-file {}: needs %p (the process id): each gateway writes its own profile",
+            p.display()
+        ));
     }
     let opts = crate::train::Options {
         phase: a.phase,
@@ -385,6 +398,10 @@ fn options(o: &ScenarioOpts) -> Result<Options, String> {
     if o.connections == 0 || o.many_connections == 0 {
         return Err("connection counts must be at least 1".into());
     }
+    let tailgate = match &o.tailgate {
+        Some(p) => Some(existing_file(p).map_err(|e| format!("--tailgate: {e}"))?),
+        None => None,
+    };
     let mut compare: Vec<(String, PathBuf)> = Vec::new();
     for c in &o.compare {
         let (name, path) = parse_compare(c)?;
@@ -402,12 +419,19 @@ fn options(o: &ScenarioOpts) -> Result<Options, String> {
         close_every: o.close_every,
         pin: !o.no_pin,
         rounds: o.rounds as usize,
+        tailgate,
         compare,
     })
 }
 
-/// Names the scenarios give their own targets; a compared build may not take one.
-const TARGET_NAMES: [&str; 5] = ["direct", "tailgate", "nginx", "haproxy", "nginx-fwd"];
+/// `path` made absolute (so the report names the file whichever directory it was run
+/// from), or why it is not a file.
+fn existing_file(path: &std::path::Path) -> Result<PathBuf, String> {
+    if !path.is_file() {
+        return Err(format!("{} is not a file (build it first)", path.display()));
+    }
+    std::path::absolute(path).map_err(|e| format!("{}: {e}", path.display()))
+}
 
 /// `NAME=PATH` of `--compare`: a name of letters, digits, `-`, `_` and `.` that no other
 /// target has, and a file that exists.
@@ -426,20 +450,13 @@ fn parse_compare(arg: &str) -> Result<(String, PathBuf), String> {
             "--compare {arg:?}: the name must be letters, digits, '-', '_' or '.'"
         ));
     }
-    if TARGET_NAMES.contains(&name) {
+    if scenario::OWN_TARGETS.contains(&name) {
         return Err(format!(
             "--compare {arg:?}: {name:?} is a target of the scenarios already; choose another name"
         ));
     }
-    let path = PathBuf::from(path);
-    if !path.is_file() {
-        return Err(format!(
-            "--compare {arg:?}: {} is not a file (build it first)",
-            path.display()
-        ));
-    }
-    // Absolute, so the report names the file whichever directory it was run from.
-    let path = std::path::absolute(&path).map_err(|e| format!("--compare {arg:?}: {e}"))?;
+    let path =
+        existing_file(std::path::Path::new(path)).map_err(|e| format!("--compare {arg:?}: {e}"))?;
     Ok((name.to_string(), path))
 }
 
@@ -513,6 +530,9 @@ fn report_cmd(a: ReportArgs, exe: PathBuf) -> ExitCode {
         opts.rounds,
         opts.rate
     );
+    if let Some(t) = &a.opts.tailgate {
+        command.push_str(&format!(" --tailgate {}", t.display()));
+    }
     for c in &a.opts.compare {
         command.push_str(&format!(" --compare {c}"));
     }

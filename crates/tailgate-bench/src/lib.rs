@@ -15,15 +15,3 @@ pub mod scenario;
 pub mod stats;
 pub mod train;
 pub mod upstream;
-
-/// Whether this binary is the profile-guided release build: `scripts/pgo.sh` sets
-/// `TAILGATE_PGO` for its final build (and nothing else does).
-pub const PGO: bool = option_env!("TAILGATE_PGO").is_some();
-
-/// `tailgate --version`: the version, and how the binary was built when it was built by
-/// `scripts/pgo.sh`, so a benchmark report can say which build it measured.
-pub const VERSION: &str = if PGO {
-    concat!(env!("CARGO_PKG_VERSION"), " (profile-guided build)")
-} else {
-    env!("CARGO_PKG_VERSION")
-};

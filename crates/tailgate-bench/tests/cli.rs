@@ -31,24 +31,6 @@ fn bad_arguments_exit_2_with_a_message() {
             "3",
         ],
         &["scenario", "nope"],
-        &["scenario", "overhead", "--compare", "no-equals-sign"],
-        &["scenario", "overhead", "--compare", "nginx=/bin/sh"],
-        &["scenario", "overhead", "--compare", "two words=/bin/sh"],
-        &[
-            "scenario",
-            "overhead",
-            "--compare",
-            "b=/nonexistent/tailgate",
-        ],
-        &[
-            "scenario",
-            "overhead",
-            "--compare",
-            "b=/bin/sh",
-            "--compare",
-            "b=/bin/sh",
-        ],
-        &["train", "--phase", "0s"],
         &["upstream"],
         &["frobnicate"],
     ];
@@ -57,6 +39,66 @@ fn bad_arguments_exit_2_with_a_message() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains("error"), "{args:?}: no message: {stderr}");
+    }
+}
+
+/// Bad `--compare`, `--tailgate` and `train` arguments are refused before anything starts,
+/// each saying what is wrong.
+#[test]
+fn bad_build_arguments_say_what_is_wrong() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["scenario", "overhead", "--compare", "no-equals-sign"],
+            "expected NAME=PATH",
+        ),
+        (
+            &["scenario", "overhead", "--compare", "nginx=/bin/sh"],
+            "is a target of the scenarios already",
+        ),
+        (
+            &["scenario", "overhead", "--compare", "two words=/bin/sh"],
+            "the name must be letters",
+        ),
+        (
+            &[
+                "scenario",
+                "overhead",
+                "--compare",
+                "b=/nonexistent/tailgate",
+            ],
+            "is not a file",
+        ),
+        (
+            &[
+                "scenario",
+                "overhead",
+                "--compare",
+                "b=/bin/sh",
+                "--compare",
+                "b=/bin/sh",
+            ],
+            "is named twice",
+        ),
+        (
+            &["report", "--tailgate", "/nonexistent/tailgate"],
+            "--tailgate: /nonexistent/tailgate is not a file",
+        ),
+        (&["train", "--phase", "0s"], "--phase must be more than 0"),
+        (
+            &["train", "--profile-file", "/tmp/gateway.profraw"],
+            "needs %p",
+        ),
+    ];
+    for (args, why) in cases {
+        let mut cmd = bench();
+        cmd.args(*args);
+        let out = run_limited(cmd, Duration::from_secs(20));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(why),
+            "{args:?}: expected {why:?} in: {stderr}"
+        );
     }
 }
 

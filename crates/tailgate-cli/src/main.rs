@@ -13,10 +13,19 @@ use clap::{Parser, Subcommand};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// `tailgate --version`: the version, and `(profile-guided build)` when the binary was
+/// compiled with a profile (`-Cprofile-use`, as `scripts/pgo.sh` builds it; `build.rs`
+/// looks at the flags), so a benchmark report can say which build it measured.
+const VERSION: &str = if option_env!("TAILGATE_PROFILE_GUIDED").is_some() {
+    concat!(env!("CARGO_PKG_VERSION"), " (profile-guided build)")
+} else {
+    env!("CARGO_PKG_VERSION")
+};
+
 #[derive(Parser)]
 #[command(
     name = "tailgate",
-    version = tailgate_bench::VERSION,
+    version = VERSION,
     about = "A multi-tenant API gateway built for the tail."
 )]
 struct Cli {

@@ -57,10 +57,33 @@ fn the_training_workload_is_served_without_errors() {
     assert!(stderr.contains("training done"), "{stderr}");
 }
 
-/// `--compare NAME=PATH` measures another build as its own target, through the same
-/// scenario as `tailgate`: here the same binary under a second name.
+/// A build that notes each command it is started with in `log`, then runs this binary:
+/// which build a scenario started is read back from the log.
+fn noting_build(dir: &std::path::Path, name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    use std::os::unix::fs::PermissionsExt;
+    let log = dir.join(format!("{name}.log"));
+    let exe = dir.join(name);
+    let script = format!(
+        "#!/bin/sh\necho \"$*\" >> '{}'\nexec '{BIN}' \"$@\"\n",
+        log.display()
+    );
+    std::fs::write(&exe, script).unwrap();
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    (exe, log)
+}
+
+/// `--tailgate PATH` is the build measured as `tailgate`, and `--compare NAME=PATH` another
+/// build measured as its own target, through the same scenario; this binary stays the
+/// upstream. Each build here is a script that notes how it was started, then runs this
+/// binary.
 #[test]
-fn a_compared_build_is_measured_as_its_own_target() {
+fn the_measured_and_compared_builds_are_the_ones_named() {
+    let dir = tempfile::Builder::new()
+        .prefix("tailgate-builds-")
+        .tempdir()
+        .unwrap();
+    let (measured, measured_log) = noting_build(dir.path(), "measured");
+    let (second, second_log) = noting_build(dir.path(), "second");
     let mut cmd = Command::new(BIN);
     cmd.args([
         "bench",
@@ -78,9 +101,11 @@ fn a_compared_build_is_measured_as_its_own_target() {
         "1",
         "--no-pin",
         "--json",
-        "--compare",
+        "--tailgate",
     ])
-    .arg(format!("second-build={BIN}"));
+    .arg(&measured)
+    .arg("--compare")
+    .arg(format!("second-build={}", second.display()));
     let out = run_limited(cmd, Duration::from_secs(180));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
@@ -102,30 +127,17 @@ fn a_compared_build_is_measured_as_its_own_target() {
         assert!(r["cpu_us_per_request"].as_f64().unwrap() > 0.0, "{r}");
     }
     // Only tailgate itself is measured against the never-closing upstream (its baseline).
-    let second = rows
+    let second_rows = rows
         .iter()
         .filter(|r| r["target"] == "second-build")
         .count();
-    assert_eq!(second, 1, "{v}");
-}
-
-/// The binary says how it was built, for the benchmark report's "Builds" line.
-#[test]
-fn version_says_which_build() {
-    let out = Command::new(BIN).arg("--version").output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success());
-    let pgo = option_env!("TAILGATE_PGO").is_some();
-    assert_eq!(
-        text.trim(),
-        if pgo {
-            concat!(
-                "tailgate ",
-                env!("CARGO_PKG_VERSION"),
-                " (profile-guided build)"
-            )
-        } else {
-            concat!("tailgate ", env!("CARGO_PKG_VERSION"))
-        }
-    );
+    assert_eq!(second_rows, 1, "{v}");
+    // The measured build served both of tailgate's gateways (closing and never-closing
+    // upstream), the compared one its own; neither was an upstream.
+    let started = |log: &std::path::Path| std::fs::read_to_string(log).unwrap_or_default();
+    let (m, s) = (started(&measured_log), started(&second_log));
+    assert_eq!(m.matches("serve --config").count(), 2, "{m}");
+    assert_eq!(s.matches("serve --config").count(), 1, "{s}");
+    let bench_runs = |log: &str| log.lines().filter(|l| l.starts_with("bench ")).count();
+    assert_eq!(bench_runs(&m) + bench_runs(&s), 0, "{m}{s}");
 }

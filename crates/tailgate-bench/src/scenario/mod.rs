@@ -49,8 +49,12 @@ pub struct Options {
     pub pin: bool,
     /// Interleaved measurements per (target, variant); rows report the medians.
     pub rounds: usize,
-    /// Other tailgate builds measured beside the running one, as (target name, binary): e.g.
-    /// a plain `cargo build --release` beside the profile-guided release build.
+    /// The build measured as `tailgate`; `None`: the running binary. The running binary is
+    /// always the load generator and the upstream, so those stay the same whichever build
+    /// is measured.
+    pub tailgate: Option<PathBuf>,
+    /// Other tailgate builds measured beside it, as (target name, binary): e.g. a plain
+    /// `cargo build --release` beside the profile-guided release build.
     pub compare: Vec<(String, PathBuf)>,
 }
 
@@ -65,6 +69,7 @@ impl Default for Options {
             close_every: 80,
             pin: true,
             rounds: 5,
+            tailgate: None,
             compare: Vec::new(),
         }
     }
@@ -150,6 +155,10 @@ pub fn run(name: &str, opts: &Options, tailgate_exe: &Path) -> Result<Outcome, S
     }
 }
 
+/// The names the scenarios give their own targets (`start_proxies`, `overhead`, `churn`);
+/// a compared build may not take one.
+pub const OWN_TARGETS: [&str; 5] = ["direct", "tailgate", "nginx", "haproxy", "nginx-fwd"];
+
 /// A target to measure: who, and where it listens.
 pub struct Target {
     pub name: String,
@@ -174,7 +183,11 @@ pub fn new_env(
         }
         None
     };
-    Env::new(tailgate_exe.to_path_buf(), core)
+    let mut env = Env::new(tailgate_exe.to_path_buf(), core)?;
+    if let Some(gateway) = &opts.tailgate {
+        env.gateway_exe = gateway.clone();
+    }
+    Ok(env)
 }
 
 /// Starts tailgate, nginx and HAProxy in front of `upstream`, then the tailgate builds of
@@ -212,7 +225,9 @@ pub fn start_proxies(
         }
     }
     for (name, exe) in compare {
-        match peers::tailgate_build(env, &format!("{name}{suffix}"), exe, upstream, "") {
+        // Its processes and files are named apart from the scenarios' own ("upstream", ...).
+        let process = format!("compare-{name}{suffix}");
+        match peers::tailgate_build(env, &process, exe, upstream, "") {
             Ok(addr) => targets.push(Target {
                 name: name.clone(),
                 variant_suffix: suffix,

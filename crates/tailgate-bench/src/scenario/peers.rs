@@ -41,7 +41,8 @@ pub fn upstream(
     Ok(addr)
 }
 
-/// `tailgate serve` with one worker in front of `upstream`, with warm spare connections
+/// `tailgate serve` (the build measured as `tailgate`, [`Env::gateway_exe`]) with one
+/// worker in front of `upstream`, with warm spare connections
 /// (the setting a deployment that cares about the tail uses).
 pub fn tailgate(env: &mut Env, name: &str, upstream: SocketAddr) -> Result<SocketAddr, SetupError> {
     tailgate_with(env, name, upstream, "")
@@ -54,7 +55,7 @@ pub fn tailgate_with(
     upstream: SocketAddr,
     extra: &str,
 ) -> Result<SocketAddr, SetupError> {
-    let exe = env.tailgate_exe.clone();
+    let exe = env.gateway_exe.clone();
     tailgate_build(env, name, &exe, upstream, extra)
 }
 

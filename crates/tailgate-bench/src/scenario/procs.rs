@@ -29,6 +29,8 @@ pub enum SetupError {
     },
     #[error("{0}")]
     NotReady(String),
+    #[error("{0}")]
+    Stop(String),
 }
 
 pub fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SetupError {
@@ -79,16 +81,39 @@ pub fn install_signal_handler() {
     });
 }
 
-fn signal(pids: &[u32], sig: &str) {
+/// Sends `sig` to `pids` with `kill(1)`; whether it succeeded.
+fn signal(pids: &[u32], sig: &str) -> bool {
     if pids.is_empty() {
-        return;
+        return true;
     }
-    let _ = Command::new("kill")
+    Command::new("kill")
         .arg(sig)
         .args(pids.iter().map(|p| p.to_string()))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
-        .status();
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Waits for `child` to exit until `deadline`, then kills it; always reaps it. Returns its
+/// status if it exited on its own, else why not.
+fn end(child: &mut Child, deadline: Instant) -> Result<ExitStatus, String> {
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return Ok(status),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err("still running at the deadline".into());
+            }
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("waiting for it failed: {e}"));
+            }
+        }
+    }
 }
 
 struct Proc {
@@ -100,7 +125,11 @@ struct Proc {
 /// A scenario's environment: a temp dir, the children, and where they are pinned.
 pub struct Env {
     pub dir: PathBuf,
+    /// The running `tailgate`: upstreams (`bench upstream`) are started from it.
     pub tailgate_exe: PathBuf,
+    /// The gateway measured as `tailgate` (`serve`); the running binary unless a scenario
+    /// was given another build.
+    pub gateway_exe: PathBuf,
     /// Core for children (proxies, upstreams), if pinning.
     pub child_core: Option<usize>,
     procs: Vec<Proc>,
@@ -121,6 +150,7 @@ impl Env {
         }
         Ok(Env {
             dir,
+            gateway_exe: tailgate_exe.clone(),
             tailgate_exe,
             child_core,
             procs: Vec::new(),
@@ -146,22 +176,29 @@ impl Env {
         self.spawn_with_env(name, program, args, &[], ready_addr)
     }
 
-    /// [`Env::spawn`] with environment variables set for the child alone.
+    /// [`Env::spawn`] with the child's environment changed: each variable set to its value,
+    /// or removed when that is `None`.
     pub fn spawn_with_env(
         &mut self,
         name: &str,
         program: &Path,
         args: &[&str],
-        vars: &[(&str, &std::ffi::OsStr)],
+        vars: &[(&str, Option<&std::ffi::OsStr>)],
         ready_addr: SocketAddr,
     ) -> Result<(), SetupError> {
         let log = self.dir.join(format!("{name}.log"));
         let out =
             std::fs::File::create(&log).map_err(io_err(format!("create {}", log.display())))?;
         let err = out.try_clone().map_err(io_err("clone log file"))?;
-        let child = crate::pin::command(program, self.child_core)
+        let mut command = crate::pin::command(program, self.child_core);
+        for (var, value) in vars {
+            match value {
+                Some(v) => command.env(var, v),
+                None => command.env_remove(var),
+            };
+        }
+        let child = command
             .args(args)
-            .envs(vars.iter().copied())
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -182,37 +219,29 @@ impl Env {
     }
 
     /// Stops the child started as `name` with SIGTERM and waits for it to exit (SIGKILL
-    /// after `grace`); returns how it exited, or why that is not known.
+    /// after `grace`); returns how it exited on its own, or why it did not.
     pub fn stop(&mut self, name: &str, grace: Duration) -> Result<ExitStatus, SetupError> {
         let i = self
             .procs
             .iter()
             .position(|p| p.name == name)
-            .ok_or_else(|| SetupError::NotReady(format!("no process named {name}")))?;
+            .ok_or_else(|| SetupError::Stop(format!("no process named {name}")))?;
         let mut p = self.procs.remove(i);
         let pid = p.child.id();
-        signal(&[pid], "-TERM");
-        let deadline = Instant::now() + grace;
-        let status = loop {
-            match p.child.try_wait() {
-                Ok(Some(status)) => break Ok(status),
-                Ok(None) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(20))
-                }
-                Ok(None) => {
-                    let _ = p.child.kill();
-                    let _ = p.child.wait();
-                    break Err(SetupError::NotReady(format!(
-                        "{name} did not exit within {grace:?} of SIGTERM (killed)"
-                    )));
-                }
-                Err(e) => break Err(io_err(format!("wait for {name}"))(e)),
-            }
-        };
+        let sent = signal(&[pid], "-TERM");
+        let ended = end(&mut p.child, Instant::now() + grace);
         if let Ok(mut live) = LIVE.lock() {
             live.retain(|&live| live != pid);
         }
-        status
+        match ended {
+            Ok(status) => Ok(status),
+            Err(why) if sent => Err(SetupError::Stop(format!(
+                "{name} did not exit within {grace:?} of SIGTERM ({why}); killed"
+            ))),
+            Err(why) => Err(SetupError::Stop(format!(
+                "{name}: SIGTERM could not be sent (kill(1) failed), and it did not exit ({why}); killed"
+            ))),
+        }
     }
 
     fn wait_ready(&mut self, addr: SocketAddr) -> Result<(), SetupError> {
@@ -281,17 +310,7 @@ impl Drop for Env {
         signal(&pids, "-TERM");
         let deadline = Instant::now() + Duration::from_secs(3);
         for p in &mut self.procs {
-            loop {
-                match p.child.try_wait() {
-                    Ok(Some(_)) | Err(_) => break,
-                    Ok(None) if Instant::now() >= deadline => {
-                        let _ = p.child.kill();
-                        let _ = p.child.wait();
-                        break;
-                    }
-                    Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-                }
-            }
+            let _ = end(&mut p.child, deadline);
         }
         if let Ok(mut live) = LIVE.lock() {
             live.retain(|pid| !pids.contains(pid));

@@ -74,7 +74,7 @@ The machine is shared and noisy: read the ratios, not the absolute numbers.\n",
         opts.warmup.as_secs_f64(),
         opts.rounds
     );
-    let builds = builds(tailgate_exe, &opts.compare);
+    let builds = builds(tailgate_exe, opts);
     let _ = writeln!(md, "Builds measured: {builds}.\n");
     let mut summary = String::new();
     let _ = writeln!(
@@ -123,9 +123,10 @@ The machine is shared and noisy: read the ratios, not the absolute numbers.\n",
     Ok(())
 }
 
-/// Which build each tailgate target ran, as its `--version` says: `` `tailgate`: tailgate
-/// 0.1.0 (profile-guided build) ``, then the compared builds.
-fn builds(tailgate_exe: &Path, compare: &[(String, PathBuf)]) -> String {
+/// Which build each tailgate target ran, as its `--version` says (`` `tailgate` is tailgate
+/// 0.1.0 (profile-guided build) ``), then the compared builds, then the build that was the
+/// load generator and the upstream.
+fn builds(tailgate_exe: &Path, opts: &Options) -> String {
     let version = |exe: &Path| {
         Command::new(exe)
             .arg("--version")
@@ -135,11 +136,16 @@ fn builds(tailgate_exe: &Path, compare: &[(String, PathBuf)]) -> String {
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
             .unwrap_or_else(|| format!("{} (no --version)", exe.display()))
     };
-    std::iter::once(("tailgate", tailgate_exe))
-        .chain(compare.iter().map(|(n, p)| (n.as_str(), p.as_path())))
+    let measured = opts.tailgate.as_deref().unwrap_or(tailgate_exe);
+    let targets = std::iter::once(("tailgate", measured))
+        .chain(opts.compare.iter().map(|(n, p)| (n.as_str(), p.as_path())))
         .map(|(name, exe)| format!("`{name}` is {}", version(exe)))
         .collect::<Vec<_>>()
-        .join(", ")
+        .join(", ");
+    format!(
+        "{targets}; the load generator and the upstream are {}",
+        version(tailgate_exe)
+    )
 }
 
 fn rel(p: &Path) -> String {
