@@ -22,5 +22,20 @@ fi
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
+# rustdoc now and then fails to write a page it has just laid out ("couldn't generate
+# documentation: I/O error ... No such file or directory"), a known flake of its file
+# writer that passes on a second try; only that error earns one retry, so a real doc
+# warning still fails the run.
+doc() { RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet; }
+if ! doc_log=$(doc 2>&1); then
+  printf '%s\n' "$doc_log" >&2
+  if grep -q "couldn't generate documentation: I/O error" <<<"$doc_log"; then
+    echo "rustdoc failed to write its output; documenting once more" >&2
+    doc
+  else
+    exit 1
+  fi
+elif [ -n "$doc_log" ]; then
+  printf '%s\n' "$doc_log" >&2
+fi
 cargo test --workspace --locked
