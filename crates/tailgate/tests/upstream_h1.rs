@@ -497,6 +497,18 @@ async fn r_absolute_form_target_replaces_the_host_header() {
     assert!(!req.contains("other.test"), "{req}");
 }
 
+/// An absolute-form target with a query and no path (`http://host?q`, found by the request
+/// fuzzer) goes upstream as `/?q` (RFC 9112 §3.2.1: an empty path is `/`), not as `?q`, a
+/// request line the upstream refuses with a 400 the client could not tell from its own.
+#[tokio::test]
+async fn r_absolute_form_without_a_path_goes_upstream_as_slash() {
+    let req =
+        as_received(b"GET http://routed.test?l=1 HTTP/1.1\r\nhost: routed.test\r\n\r\n").await;
+    assert!(req.starts_with("get /?l=1 http/1.1\r\n"), "{req}");
+    let req = as_received(b"GET http://routed.test HTTP/1.1\r\nhost: routed.test\r\n\r\n").await;
+    assert!(req.starts_with("get / http/1.1\r\n"), "{req}");
+}
+
 /// Login info in an absolute-form target (`user@`) never reaches the upstream's Host or
 /// X-Forwarded-Host: only the host and port route, and only they are sent.
 #[tokio::test]

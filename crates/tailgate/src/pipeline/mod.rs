@@ -375,10 +375,7 @@ fn forward(
         // Origin-form, as most requests already are (absolute-form and h2's scheme and
         // authority are dropped; the authority went to Host above).
         if parts.uri.scheme().is_some() || parts.uri.authority().is_some() {
-            parts.uri = match parts.uri.path_and_query() {
-                Some(pq) => http::Uri::from(pq.clone()),
-                None => http::Uri::from_static("/"),
-            };
+            parts.uri = origin_form(&parts.uri);
         }
         parts.version = http::Version::HTTP_11;
         let cluster = &worker.upstreams.clusters[route.cluster];
@@ -701,5 +698,23 @@ fn classify_send_error(e: SendError) -> ProxyError {
         Some(ReqBodyError::TooLarge(limit)) => ProxyError::BodyTooLarge(*limit),
         Some(ReqBodyError::Client(_)) => ProxyError::BadRequest("the client's body ended early"),
         None => ProxyError::UpstreamReset(e.into()),
+    }
+}
+
+/// The origin-form of an absolute-form target: its path and query, with the path `/` when
+/// the client gave none (`http://host?q` is `/?q`, RFC 9112 section 3.2.1; `http::Uri` keeps
+/// such a target as `?q`, which no server takes as a request line or an HTTP/2 `:path`).
+fn origin_form(uri: &http::Uri) -> http::Uri {
+    match uri.path_and_query() {
+        Some(pq) if pq.as_str().starts_with('/') || pq.as_str() == "*" => {
+            http::Uri::from(pq.clone())
+        }
+        Some(pq) => {
+            let mut target = String::with_capacity(pq.as_str().len() + 1);
+            target.push('/');
+            target.push_str(pq.as_str());
+            http::Uri::try_from(target).unwrap_or_else(|_| http::Uri::from_static("/"))
+        }
+        None => http::Uri::from_static("/"),
     }
 }
