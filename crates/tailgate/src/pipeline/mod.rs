@@ -706,15 +706,10 @@ fn classify_send_error(e: SendError) -> ProxyError {
 /// such a target as `?q`, which no server takes as a request line or an HTTP/2 `:path`).
 fn origin_form(uri: &http::Uri) -> http::Uri {
     match uri.path_and_query() {
-        Some(pq) if pq.as_str().starts_with('/') || pq.as_str() == "*" => {
-            http::Uri::from(pq.clone())
-        }
-        Some(pq) => {
-            let mut target = String::with_capacity(pq.as_str().len() + 1);
-            target.push('/');
-            target.push_str(pq.as_str());
-            http::Uri::try_from(target).unwrap_or_else(|_| http::Uri::from_static("/"))
-        }
+        Some(pq) if pq.as_str().starts_with('?') => format!("/{}", pq.as_str())
+            .parse()
+            .unwrap_or_else(|_| http::Uri::from_static("/")),
+        Some(pq) => http::Uri::from(pq.clone()),
         None => http::Uri::from_static("/"),
     }
 }
