@@ -231,7 +231,7 @@ fn scenario_json_has_the_documented_shape() {
         let direct = r["target"] == "direct";
         // Open-loop rows also carry the p99 without the generator's lag; every row the
         // upstream's CPU per request, proxies their own and its ratio to the upstream's.
-        let fields = 6 + usize::from(open) + if direct { 1 } else { 3 };
+        let fields = 7 + usize::from(open) + if direct { 1 } else { 3 };
         assert_eq!(r.as_object().unwrap().len(), fields, "{r}");
         let up_cpu = r["upstream_cpu_us_per_request"].as_f64().unwrap();
         assert!(up_cpu > 0.0, "{r}");
@@ -244,6 +244,15 @@ fn scenario_json_has_the_documented_shape() {
         let (lo, hi) = (range[0].as_f64().unwrap(), range[1].as_f64().unwrap());
         let p99 = r["latency_ms"]["p99"].as_f64().unwrap();
         assert!(range.len() == 2 && lo <= p99 && p99 <= hi, "{r}");
+        // Each of the 2 rounds' own p99, the range's ends among them.
+        let rounds: Vec<f64> = r["p99_rounds_ms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        assert_eq!(rounds.len(), 2, "{r}");
+        assert!(rounds.contains(&lo) && rounds.contains(&hi), "{r}");
         if open {
             // Round by round it is at most the p99 with the lag, so their medians are too.
             let excl = r["p99_excl_lag_ms"].as_f64().unwrap();

@@ -85,7 +85,8 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
             ts.as_ref().map(|r| r.latency_ms.p99),
             1.1,
             true,
-        ),
+        )
+        .by_round(tc.as_ref(), ts.as_ref()),
         check(
             "tailgate p99.9 closing ÷ never-closing upstream ≤".into(),
             tc.as_ref().map(|r| r.latency_ms.p99_9),
@@ -99,7 +100,8 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
             nc.as_ref().map(|r| r.latency_ms.p99),
             1.0,
             true,
-        ),
+        )
+        .by_round(tc.as_ref(), nc.as_ref()),
     ];
     Ok(outcome)
 }

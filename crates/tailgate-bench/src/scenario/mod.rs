@@ -106,6 +106,10 @@ pub struct Row {
     /// Lowest and highest p99 across the rounds (the row's `p99` is their median).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub p99_range_ms: Option<[f64; 2]>,
+    /// Each round's p99, in round order: round `i` of every target of a variant was measured
+    /// in the same pass, so two targets' p99s can be compared round by round.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p99_rounds_ms: Option<Vec<f64>>,
     /// Open loop: the p99 without the generator's own lag (still corrected for coordinated
     /// omission); the median across rounds. How much of `p99` is the generator's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -132,6 +136,48 @@ pub struct Check {
     pub value: Option<f64>,
     pub goal: f64,
     pub met: bool,
+    /// For a p99 goal between targets measured in the same rounds: in how many rounds the
+    /// two sides' own p99s met the goal, and of how many (see [`Check::by_round`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rounds_met: Option<[usize; 2]>,
+    /// The goal is an upper bound (`≤`), not a lower one.
+    #[serde(skip)]
+    at_most: bool,
+}
+
+impl Check {
+    /// Adds [`rounds_met`](Check::rounds_met) from the two rows' p99s round by round: the
+    /// ratio of medians can be swung by one side's worst rounds, so how often each round's
+    /// pair met the goal is shown beside it (the goal's verdict stays the medians').
+    pub fn by_round(mut self, num: Option<&Row>, den: Option<&Row>) -> Check {
+        let (Some(n), Some(d)) = (
+            num.and_then(|r| r.p99_rounds_ms.as_ref()),
+            den.and_then(|r| r.p99_rounds_ms.as_ref()),
+        ) else {
+            return self;
+        };
+        let pairs: Vec<(f64, f64)> = n
+            .iter()
+            .zip(d)
+            .filter(|&(_, &d)| d > 0.0)
+            .map(|(&n, &d)| (n, d))
+            .collect();
+        let met = pairs
+            .iter()
+            .filter(|&&(n, d)| {
+                let r = n / d;
+                if self.at_most {
+                    r <= self.goal
+                } else {
+                    r >= self.goal
+                }
+            })
+            .count();
+        if !pairs.is_empty() {
+            self.rounds_met = Some([met, pairs.len()]);
+        }
+        self
+    }
 }
 
 /// A finished scenario.
@@ -303,6 +349,7 @@ pub fn measure_with(
         errors: report.recorder.errors.total(),
         latency_ms: LatencySummary::of(&report.recorder.corrected),
         p99_range_ms: None,
+        p99_rounds_ms: None,
         p99_excl_lag_ms: rate.map(|_| ms_at(&report.recorder.excl_lag, 99.0)),
         cpu_us_per_request,
         upstream_cpu_us_per_request,
@@ -363,6 +410,7 @@ pub fn combine(rounds: Vec<Measured>) -> Option<Measured> {
         errors,
         latency_ms,
         p99_range_ms: Some([lo, hi]),
+        p99_rounds_ms: Some(p99s),
         p99_excl_lag_ms,
         cpu_us_per_request,
         upstream_cpu_us_per_request,
@@ -441,7 +489,8 @@ impl Outcome {
             "{} interleaved round(s) per row: medians across rounds (errors summed); p99 range = lowest–highest p99 of the rounds; \
              p99 excl. lag (open loop) = p99 without the generator's lag in sending, still corrected for coordinated omission; \
              CPU/req = CPU time (user + system) the target's processes used per request, and in brackets ÷ its upstream's in the same runs \
-             (the upstream does the same work for every target, so this ratio compares targets measured while the machine's speed drifted).\n",
+             (the upstream does the same work for every target, so this ratio compares targets measured while the machine's speed drifted); \
+             rounds met (p99 goals) = in how many rounds the goal's two sides, measured in the same pass, met it on their own.\n",
             self.rounds
         );
         let _ = writeln!(
@@ -487,12 +536,15 @@ impl Outcome {
             );
         }
         let _ = writeln!(out);
-        let _ = writeln!(out, "| goal | value | goal | met |");
-        let _ = writeln!(out, "|---|--:|--:|:-:|");
+        let _ = writeln!(out, "| goal | value | goal | met | rounds met |");
+        let _ = writeln!(out, "|---|--:|--:|:-:|--:|");
         for c in &self.checks {
             let v = c.value.map_or("n/a".to_string(), |v| format!("{v:.3}"));
             let met = if c.met { "yes" } else { "**no**" };
-            let _ = writeln!(out, "| {} | {v} | {} | {met} |", c.name, c.goal);
+            let rounds = c
+                .rounds_met
+                .map_or("–".to_string(), |[k, n]| format!("{k} of {n}"));
+            let _ = writeln!(out, "| {} | {v} | {} | {met} | {rounds} |", c.name, c.goal);
         }
         out
     }
@@ -578,6 +630,8 @@ pub fn check(name: String, num: Option<f64>, den: Option<f64>, goal: f64, at_mos
         value,
         goal,
         met,
+        rounds_met: None,
+        at_most,
     }
 }
 
@@ -634,6 +688,7 @@ mod tests {
                     max: p99 * 4.0,
                 },
                 p99_range_ms: None,
+                p99_rounds_ms: None,
                 p99_excl_lag_ms: Some(p99 / 2.0),
                 cpu_us_per_request: Some(rps / 100.0),
                 upstream_cpu_us_per_request: Some(p99),
@@ -662,6 +717,11 @@ mod tests {
         assert_eq!(r.latency_ms.p99_9, 4.0);
         assert_eq!(r.latency_ms.max, 8.0);
         assert_eq!(r.p99_range_ms, Some([1.7, 24.0]));
+        assert_eq!(
+            r.p99_rounds_ms,
+            Some(vec![1.7, 24.0, 2.0]),
+            "in round order"
+        );
         // The median of 0.85, 12.0 and 1.0.
         assert_eq!(r.p99_excl_lag_ms, Some(1.0));
         assert_eq!(r.cpu_us_per_request, Some(10.0));
@@ -672,5 +732,65 @@ mod tests {
         let v = serde_json::to_value(r).unwrap();
         assert_eq!(v["p99_range_ms"], json!([1.7, 24.0]));
         assert_eq!(v["p99_excl_lag_ms"], json!(1.0));
+        assert_eq!(v["p99_rounds_ms"], json!([1.7, 24.0, 2.0]));
+    }
+
+    fn rounds_row(p99s: &[f64]) -> Row {
+        let mut r = combine(p99s.iter().map(|&p| measured(1000.0, 0, p)).collect())
+            .unwrap()
+            .row;
+        r.target = "t".into();
+        r
+    }
+
+    #[test]
+    fn a_goal_counts_the_rounds_whose_own_pair_met_it() {
+        let tailgate = rounds_row(&[1.0, 3.0, 2.0, 0.5]);
+        let nginx = rounds_row(&[2.0, 2.0, 2.0, 9.0]);
+        // Round by round: 0.5, 1.5, 1.0 and 0.06 of nginx's; three are at most 1.
+        let c = check("p99 ≤".into(), Some(2.0), Some(2.0), 1.0, true)
+            .by_round(Some(&tailgate), Some(&nginx));
+        assert_eq!(c.rounds_met, Some([3, 4]));
+        assert!(c.met, "the verdict stays the medians' (1.0)");
+        // A lower bound counts the other way: 1.5 and 1.0 are at least 1.
+        let c = check("≥".into(), Some(2.0), Some(2.0), 1.0, false)
+            .by_round(Some(&tailgate), Some(&nginx));
+        assert_eq!(c.rounds_met, Some([2, 4]));
+        // A side not measured, or measured without rounds: nothing to count.
+        let c = check("p99 ≤".into(), Some(2.0), None, 1.0, true).by_round(Some(&tailgate), None);
+        assert_eq!(c.rounds_met, None);
+        let mut single = nginx.clone();
+        single.p99_rounds_ms = None;
+        let c = check("p99 ≤".into(), Some(2.0), Some(2.0), 1.0, true)
+            .by_round(Some(&tailgate), Some(&single));
+        assert_eq!(c.rounds_met, None);
+    }
+
+    #[test]
+    fn the_goal_table_shows_the_rounds_met() {
+        let tailgate = rounds_row(&[1.0, 3.0, 2.0]);
+        let nginx = rounds_row(&[2.0, 2.0, 2.0]);
+        let o = Outcome {
+            scenario: "s".into(),
+            measured: Vec::new(),
+            checks: vec![
+                check("p99 ≤".into(), Some(2.0), Some(2.0), 1.0, true)
+                    .by_round(Some(&tailgate), Some(&nginx)),
+                check("rps ≥".into(), Some(2.0), Some(1.0), 1.0, false),
+            ],
+            notes: Vec::new(),
+            rounds: 3,
+        };
+        let t = o.table();
+        assert!(
+            t.contains("| goal | value | goal | met | rounds met |"),
+            "{t}"
+        );
+        assert!(t.contains("| p99 ≤ | 1.000 | 1 | yes | 2 of 3 |"), "{t}");
+        assert!(t.contains("| rps ≥ | 2.000 | 1 | yes | – |"), "{t}");
+        let v = o.json();
+        assert_eq!(v["targets"][0]["rounds_met"], json!([2, 3]));
+        assert!(v["targets"][1].get("rounds_met").is_none(), "{v}");
+        assert!(v["targets"][0].get("at_most").is_none(), "{v}");
     }
 }

@@ -91,17 +91,19 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
         check(
             format!("tailgate p99 ÷ nginx p99 ({open}) ≤"),
             to.as_ref().map(|r| r.latency_ms.p99),
-            no.map(|r| r.latency_ms.p99),
+            no.as_ref().map(|r| r.latency_ms.p99),
             1.0,
             true,
-        ),
+        )
+        .by_round(to.as_ref(), no.as_ref()),
         check(
             format!("tailgate p99 ÷ nginx p99 ({open_many}) ≤"),
-            tm.map(|r| r.latency_ms.p99),
-            nm.map(|r| r.latency_ms.p99),
+            tm.as_ref().map(|r| r.latency_ms.p99),
+            nm.as_ref().map(|r| r.latency_ms.p99),
             1.0,
             true,
-        ),
+        )
+        .by_round(tm.as_ref(), nm.as_ref()),
         check(
             format!("tailgate rps ÷ nginx-fwd rps, same header work ({closed}) ≥"),
             tc.map(|r| r.rps),
@@ -111,11 +113,12 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
         ),
         check(
             format!("tailgate p99 ÷ nginx-fwd p99, same header work ({open}) ≤"),
-            to.map(|r| r.latency_ms.p99),
-            fo.map(|r| r.latency_ms.p99),
+            to.as_ref().map(|r| r.latency_ms.p99),
+            fo.as_ref().map(|r| r.latency_ms.p99),
             1.0,
             true,
-        ),
+        )
+        .by_round(to.as_ref(), fo.as_ref()),
     ];
     Ok(outcome)
 }

@@ -133,7 +133,8 @@ pub fn run(opts: &Options, tailgate_exe: &std::path::Path) -> Result<Outcome, Sc
             without.as_ref().map(|r| r.latency_ms.p99),
             1.2,
             true,
-        ),
+        )
+        .by_round(with.as_ref(), without.as_ref()),
     ];
     Ok(outcome)
 }
