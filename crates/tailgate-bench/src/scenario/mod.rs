@@ -156,28 +156,32 @@ impl Check {
         ) else {
             return self;
         };
-        let pairs: Vec<(f64, f64)> = n
+        // Each round's ratio is judged exactly as the medians' is (`check`).
+        let ratios: Vec<f64> = n
             .iter()
             .zip(d)
-            .filter(|&(_, &d)| d > 0.0)
-            .map(|(&n, &d)| (n, d))
+            .filter_map(|(&n, &d)| goal_ratio(n, d))
             .collect();
-        let met = pairs
-            .iter()
-            .filter(|&&(n, d)| {
-                let r = n / d;
-                if self.at_most {
-                    r <= self.goal
-                } else {
-                    r >= self.goal
-                }
-            })
-            .count();
-        if !pairs.is_empty() {
-            self.rounds_met = Some([met, pairs.len()]);
+        if !ratios.is_empty() {
+            let met = ratios.iter().filter(|&&r| self.holds(r)).count();
+            self.rounds_met = Some([met, ratios.len()]);
         }
         self
     }
+
+    /// Does a ratio meet this goal?
+    fn holds(&self, ratio: f64) -> bool {
+        if self.at_most {
+            ratio <= self.goal
+        } else {
+            ratio >= self.goal
+        }
+    }
+}
+
+/// `num / den` to three decimals, as goals are judged; `None` without a positive `den`.
+fn goal_ratio(num: f64, den: f64) -> Option<f64> {
+    (den > 0.0).then(|| (num / den * 1000.0).round() / 1000.0)
 }
 
 /// A finished scenario.
@@ -620,19 +624,17 @@ fn ratio(a: f64, b: f64) -> String {
 
 /// A goal on `num / den`: at least `goal` (`at_most = false`) or at most `goal`.
 pub fn check(name: String, num: Option<f64>, den: Option<f64>, goal: f64, at_most: bool) -> Check {
-    let value = match (num, den) {
-        (Some(n), Some(d)) if d > 0.0 => Some((n / d * 1000.0).round() / 1000.0),
-        _ => None,
-    };
-    let met = value.is_some_and(|v| if at_most { v <= goal } else { v >= goal });
-    Check {
+    let value = num.zip(den).and_then(|(n, d)| goal_ratio(n, d));
+    let mut c = Check {
         name,
         value,
         goal,
-        met,
+        met: false,
         rounds_met: None,
         at_most,
-    }
+    };
+    c.met = value.is_some_and(|v| c.holds(v));
+    c
 }
 
 #[cfg(test)]
