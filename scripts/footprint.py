@@ -12,6 +12,7 @@ would hide it.
 
     scripts/footprint.py                         # target/release/tailgate
     scripts/footprint.py --tailgate OTHER_BINARY --nginx
+    scripts/footprint.py --nginx --rate 200 --requests 4000   # one request per wake-up
 
 Needs valgrind, objdump and addr2line (binutils); nginx for --nginx.
 """
@@ -53,9 +54,10 @@ def wait_http(port, proc, what):
     sys.exit(f"{what} did not answer on port {port}")
 
 
-def load(tailgate, port, n, conns):
+def load(tailgate, port, n, conns, rate=None):
+    pace = ["--rate", str(rate)] if rate else ["--closed"]
     subprocess.run(
-        [tailgate, "bench", "run", "-c", str(conns), "--closed", "-n", str(n),
+        [tailgate, "bench", "run", "-c", str(conns), *pace, "-n", str(n),
          "--warmup", "0s", f"http://127.0.0.1:{port}/"],
         check=True, stdout=subprocess.DEVNULL)
 
@@ -68,10 +70,10 @@ def measure(label, cmd, port, out, args, env=None):
     proc = subprocess.Popen(vg + cmd, stdout=log, stderr=log, env=env, start_new_session=True)
     try:
         wait_http(port, proc, label)
-        load(args.tailgate, port, 1000, args.connections)
+        load(args.tailgate, port, 1000, args.connections, args.rate)
         subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        load(args.tailgate, port, args.requests, args.connections)
+        load(args.tailgate, port, args.requests, args.connections, args.rate)
         subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1)
@@ -153,6 +155,10 @@ def main():
     ap.add_argument("--nginx", action="store_true", help="measure nginx (one worker) too")
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--connections", type=int, default=50)
+    ap.add_argument("--rate", type=float,
+                    help="open loop at this many requests/s instead of closed loop: at a rate "
+                         "the proxy keeps up with under callgrind, each request comes alone, "
+                         "as at 5000 requests/s natively, so wake-ups are counted per request")
     args = ap.parse_args()
     args.tailgate = os.path.abspath(args.tailgate)
     for tool in ["valgrind", "callgrind_control", "objdump"]:
@@ -226,7 +232,8 @@ http {{
     finally:
         os.killpg(upstream.pid, 15)
         upstream.wait()
-    print(f"per request, {args.requests} requests over {args.connections} connections "
+    pace = f"at {args.rate:g} requests/s" if args.rate else "closed loop"
+    print(f"per request, {args.requests} requests over {args.connections} connections, {pace} "
           f"(callgrind, LL 256 KiB; files in {work})")
     print(f"{'target':10}" + "".join(f"{e:>8}" for e in EVENTS) + "  hot code lines (bytes run)")
     for label, per, lines, code in rows:
