@@ -179,8 +179,14 @@ where
         };
         head_deadline = None;
 
-        // 2. The pipeline, while the client is watched for its end.
-        let mut pending = std::pin::pin!(handle(worker.clone(), info.clone(), parts, body));
+        // 2. The pipeline, while the client is watched for its end. Its state (about 3 KB)
+        // is boxed per request rather than kept in the connection's future: a request that
+        // comes alone (open loop, one per wake-up) then writes it into memory the allocator
+        // just had back from the last request, warm, where the connection's own copy had
+        // gone cold since its last request (`scripts/footprint.py --rate 200`: last-level
+        // misses per request 65-71 -> 34, for 300-700 more instructions; closed loop, where
+        // everything is cold in turn, +560 instructions; docs/tail-latency.md).
+        let mut pending = Box::pin(handle(worker.clone(), info.clone(), parts, body));
         let resp = std::future::poll_fn(|cx| {
             if let Poll::Ready(Ok(resp)) = pending.as_mut().poll(cx) {
                 return Poll::Ready(Some(resp));
