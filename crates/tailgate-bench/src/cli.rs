@@ -165,8 +165,9 @@ struct ScenarioOpts {
     /// measured, e.g. `--tailgate target/pgo/tailgate`.
     #[arg(long, value_name = "PATH")]
     tailgate: Option<PathBuf>,
-    /// Also measure another tailgate build, as target NAME (overhead and keepalive-churn),
-    /// e.g. `--compare tailgate-plain=target/release/tailgate` beside the profile-guided
+    /// Also measure another tailgate build, as target NAME (overhead and keepalive-churn;
+    /// metrics-scrape measures one build against itself: refused there, left out of it in
+    /// `report`), e.g. `--compare tailgate-plain=target/release/tailgate` beside the profile-guided
     /// build. Repeatable.
     #[arg(long, value_name = "NAME=PATH")]
     compare: Vec<String>,
@@ -174,7 +175,7 @@ struct ScenarioOpts {
 
 #[derive(Args)]
 struct ScenarioArgs {
-    /// overhead | keepalive-churn
+    /// overhead | keepalive-churn | metrics-scrape
     #[arg(value_parser = clap::builder::PossibleValuesParser::new(scenario::NAMES))]
     name: String,
     #[command(flatten)]
@@ -474,6 +475,13 @@ fn scenario_cmd(a: ScenarioArgs, exe: PathBuf) -> ExitCode {
         Ok(o) => o,
         Err(m) => return usage(m),
     };
+    if a.name == "metrics-scrape" && !opts.compare.is_empty() {
+        // `report` passes its `--compare` to every scenario; this one leaves it out there.
+        return usage(
+            "--compare does not apply to metrics-scrape, which measures one build against \
+             itself (with and without a scraper); measure another build with --tailgate PATH",
+        );
+    }
     pin_generator(&opts);
     let outcome = match scenario::run(&a.name, &opts, &exe) {
         Ok(o) => o,

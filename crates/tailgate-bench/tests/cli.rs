@@ -80,6 +80,10 @@ fn bad_build_arguments_say_what_is_wrong() {
             "is named twice",
         ),
         (
+            &["scenario", "metrics-scrape", "--compare", "b=/bin/sh"],
+            "--compare does not apply to metrics-scrape",
+        ),
+        (
             &["report", "--tailgate", "/nonexistent/tailgate"],
             "--tailgate: /nonexistent/tailgate is not a file",
         ),
