@@ -167,8 +167,8 @@ struct ScenarioOpts {
     tailgate: Option<PathBuf>,
     /// Also measure another tailgate build, as target NAME (overhead and keepalive-churn;
     /// metrics-scrape measures one build against itself: refused there, left out of it in
-    /// `report`), e.g. `--compare tailgate-plain=target/release/tailgate` beside the profile-guided
-    /// build. Repeatable.
+    /// `report`), e.g. `--compare tailgate-plain=target/release/tailgate` beside the
+    /// profile-guided build. Repeatable.
     #[arg(long, value_name = "NAME=PATH")]
     compare: Vec<String>,
 }

@@ -190,8 +190,8 @@ where
         // The box is allocated first and the future written into it: `Box::pin(handle(..))`
         // built the future on the stack and copied all of its 3 KB into the box, though a
         // future not yet polled holds only its arguments (a few pointers and the body's
-        // handle). Written in place, only those bytes are: 210-240 fewer instructions per
-        // request (callgrind, both loops) and no 3 KB copy.
+        // handle). Written in place, only those bytes are: 145-250 fewer instructions per
+        // request (callgrind, both loops, plain and profile-guided builds), no 3 KB copy.
         let mut pending = Box::pin(None);
         pending
             .as_mut()
