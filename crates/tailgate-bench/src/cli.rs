@@ -475,12 +475,14 @@ fn scenario_cmd(a: ScenarioArgs, exe: PathBuf) -> ExitCode {
         Ok(o) => o,
         Err(m) => return usage(m),
     };
-    if a.name == "metrics-scrape" && !opts.compare.is_empty() {
-        // `report` passes its `--compare` to every scenario; this one leaves it out there.
-        return usage(
-            "--compare does not apply to metrics-scrape, which measures one build against \
-             itself (with and without a scraper); measure another build with --tailgate PATH",
-        );
+    // `report` passes its `--compare` to every scenario, and those not comparing leave it
+    // out there; asked for one alone, it would measure nothing of what was asked.
+    if !opts.compare.is_empty() && !scenario::COMPARING.contains(&a.name.as_str()) {
+        return usage(format!(
+            "--compare does not apply to {}, which measures one build against itself; \
+             measure another build with --tailgate PATH",
+            a.name
+        ));
     }
     pin_generator(&opts);
     let outcome = match scenario::run(&a.name, &opts, &exe) {

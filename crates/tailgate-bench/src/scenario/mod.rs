@@ -78,6 +78,10 @@ impl Default for Options {
 /// The scenario names, as typed on the command line.
 pub const NAMES: [&str; 3] = ["overhead", "keepalive-churn", "metrics-scrape"];
 
+/// The scenarios that measure `--compare`'s builds beside their own targets; the others
+/// (`metrics-scrape`: one build with and without a scraper) leave them out.
+pub const COMPARING: [&str; 2] = ["overhead", "keepalive-churn"];
+
 /// Why a scenario failed as a whole.
 #[derive(Debug, thiserror::Error)]
 pub enum ScenarioError {
