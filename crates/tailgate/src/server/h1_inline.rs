@@ -113,7 +113,6 @@ where
                     }
                     Err(Unserved::Other) => return Ended::Handover(buf),
                     Err(Unserved::Refused(e)) => {
-                        spare::take_out(&mut out);
                         refuse(io, &mut buf, &mut out, worker, info, e, closing).await;
                         return Ended::Closed;
                     }
@@ -169,7 +168,6 @@ where
                     // A whole head ends with a line, and a line's end is always parsed.
                     debug_assert!(!matches!(last, Ok(_) | Err(Unserved::Other)));
                     if let Err(Unserved::Refused(e)) = last {
-                        spare::take_out(&mut out);
                         refuse(io, &mut buf, &mut out, worker, info, e, closing).await;
                         return Ended::Closed;
                     }
@@ -218,8 +216,7 @@ where
             return Ended::Closed;
         };
 
-        // 3. The response.
-        spare::take_out(&mut out);
+        // 3. The response (its gather buffer lent by the worker, given back after it).
         let keep = match write_response(io, &mut buf, &mut out, resp, &meta, closing).await {
             Ok(keep) => keep,
             Err(_) => return Ended::Closed,
@@ -545,6 +542,7 @@ where
         let (parts, mut body) = resp.into_parts();
         let status = parts.status;
         let mut keep = meta.keep_alive && !closing.load(Ordering::Relaxed);
+        spare::take_out(out);
         out.clear();
         out.extend_from_slice(b"HTTP/1.1 ");
         out.extend_from_slice(status.as_str().as_bytes());
@@ -721,6 +719,7 @@ where
 /// (no head of a request still shares its memory).
 mod spare {
     use std::cell::RefCell;
+    use std::thread::LocalKey;
 
     use bytes::BytesMut;
 
@@ -737,6 +736,15 @@ mod spare {
         static OUT: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
     }
 
+    /// Keeps `item` on the worker's `stack` if it has room; otherwise it is let go.
+    fn keep<T>(stack: &'static LocalKey<RefCell<Vec<T>>>, item: T) {
+        stack.with_borrow_mut(|kept| {
+            if kept.len() < KEEP {
+                kept.push(item);
+            }
+        });
+    }
+
     /// A read buffer with room for a read.
     pub fn take_read() -> BytesMut {
         READ.with_borrow_mut(Vec::pop)
@@ -749,15 +757,11 @@ mod spare {
         debug_assert!(buf.is_empty());
         let mut b = std::mem::take(buf);
         if b.capacity() <= READ_KEEP && b.try_reclaim(READ_RESERVE) {
-            READ.with_borrow_mut(|kept| {
-                if kept.len() < KEEP {
-                    kept.push(b);
-                }
-            });
+            keep(&READ, b);
         }
     }
 
-    /// Gives the connection a gather buffer, if it has none.
+    /// Gives the connection a gather buffer, if it has none (a response's first step).
     pub fn take_out(out: &mut Vec<u8>) {
         if out.capacity() == 0 {
             *out = OUT
@@ -771,11 +775,7 @@ mod spare {
         let mut o = std::mem::take(out);
         if o.capacity() <= OUT_KEEP {
             o.clear();
-            OUT.with_borrow_mut(|kept| {
-                if kept.len() < KEEP {
-                    kept.push(o);
-                }
-            });
+            keep(&OUT, o);
         }
     }
 }
