@@ -106,7 +106,7 @@ struct RunArgs {
     /// Write SVG charts (percentile spectrum, p99 per second) into this directory.
     #[arg(long)]
     svg: Option<PathBuf>,
-    /// Print latency by request index on a connection.
+    /// Print latency by request index on a connection (its first 256 requests).
     #[arg(long)]
     by_index: bool,
     /// Pin the generator to this CPU core (via taskset).
@@ -368,7 +368,7 @@ fn build_spec(a: &RunArgs) -> Result<Spec, String> {
         insecure: a.insecure,
         connect_timeout: a.connect_timeout,
         timeout: a.timeout,
-        max_index: 1000,
+        max_index: crate::load::MAX_INDEX,
     };
     spec.validate().map_err(|e| e.to_string())?;
     Ok(spec)
