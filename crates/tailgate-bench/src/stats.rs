@@ -340,14 +340,11 @@ mod tests {
         let mut r = Recorder::ready(8, 3);
         assert_eq!((r.by_index.len(), r.per_second.len()), (8, 3));
         let (bi, ps) = (r.by_index.as_ptr(), r.per_second.as_ptr());
-        let counts = |r: &Recorder| r.by_index[7].distinct_values();
-        let before = counts(&r);
         let ms = Duration::from_millis(1);
         r.response(true, ms, ms, ms, 8, 2);
         r.response(true, ms, ms, ms, 9, 2);
         assert_eq!((r.by_index.len(), r.per_second.len()), (8, 3));
         assert_eq!((r.by_index.as_ptr(), r.per_second.as_ptr()), (bi, ps));
-        assert_eq!(counts(&r), before, "the histogram itself was not resized");
         assert_eq!((r.by_index[7].len(), r.per_second[2].len()), (1, 2));
     }
 

@@ -50,9 +50,32 @@ use target::{Group, Prepared, RequestTemplate, Url};
 
 /// Latency by request index is kept for the first this many requests on a connection (a
 /// generator thread's share of it, 26 KiB a histogram, is allocated and touched before the
-/// run starts): far past where a server that closes connections every N requests shows its
-/// pattern, for any N the scenarios use.
+/// run starts): past where a server that closes connections every N requests shows its
+/// pattern twice, for the N of 80 the scenarios use (they ask for more when given a larger
+/// N: [`index_cap`]).
 pub const MAX_INDEX: usize = 256;
+
+/// The by-index record for a server closing every `close_every` requests: two of its
+/// cycles, at least [`MAX_INDEX`], at most 2048 (53 MiB per generator thread).
+pub fn index_cap(close_every: u64) -> usize {
+    let two = usize::try_from(close_every.saturating_mul(2)).unwrap_or(usize::MAX);
+    two.clamp(MAX_INDEX, 2048)
+}
+
+/// How many seconds of per-second record [`Recorder::ready`] makes before a run: every
+/// second a measured request can be intended to start in, up to ten minutes (a longer run
+/// makes the rest as it reaches them). A closed loop stopping after a count has no known
+/// length: none, all made as reached.
+fn seconds_of(stop: Stop, rate: Option<f64>) -> usize {
+    const MOST: usize = 600;
+    let secs = match (stop, rate) {
+        (Stop::Duration(d), _) => d.as_secs_f64(),
+        (Stop::Count(n), Some(r)) if r > 0.0 => n as f64 / r,
+        (Stop::Count(_), _) => return 0,
+    };
+    // `as` saturates: a huge or non-finite length is capped below.
+    (secs.ceil() as usize).saturating_add(1).min(MOST)
+}
 
 /// Why a run could not start.
 #[derive(Debug, thiserror::Error)]
@@ -201,10 +224,7 @@ pub fn run(spec: Spec) -> Result<Report, LoadError> {
         .any(|g| g.tls)
         .then(|| stream::tls_config(spec.h2, spec.insecure));
     // Every thread's recorder is made (and its memory touched) before the clock starts.
-    let seconds = match spec.stop {
-        Stop::Duration(d) => d.as_secs() as usize + 1,
-        Stop::Count(_) => 0,
-    };
+    let seconds = seconds_of(spec.stop, spec.rate);
     let recorders: Vec<Recorder> = (0..spec.threads)
         .map(|_| Recorder::ready(spec.max_index, seconds))
         .collect();
@@ -475,4 +495,39 @@ fn claim(tickets: &AtomicU64) -> bool {
     tickets
         .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
         .is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every second a measured request can be intended in is made before the run, and one
+    /// more: a 4 s run's requests fall in seconds 0 to 3, so 5 are made; a count at a rate
+    /// lasts count ÷ rate seconds.
+    #[test]
+    fn the_seconds_made_before_a_run_cover_it() {
+        let secs = |d: f64| seconds_of(Stop::Duration(Duration::from_secs_f64(d)), None);
+        assert_eq!(secs(4.0), 5);
+        assert_eq!(secs(2.5), 4);
+        assert_eq!(secs(0.2), 2);
+        assert_eq!(seconds_of(Stop::Count(10_000), Some(5000.0)), 3);
+        assert_eq!(seconds_of(Stop::Count(10_001), Some(5000.0)), 4);
+        assert_eq!(
+            seconds_of(Stop::Count(10_000), None),
+            0,
+            "closed loop: unknown"
+        );
+        assert_eq!(
+            seconds_of(Stop::Duration(Duration::from_secs(86_400)), None),
+            600
+        );
+        assert_eq!(seconds_of(Stop::Count(u64::MAX), Some(1e-9)), 600);
+    }
+
+    #[test]
+    fn the_index_record_covers_two_cycles_of_the_close() {
+        assert_eq!(index_cap(80), MAX_INDEX);
+        assert_eq!(index_cap(500), 1000);
+        assert_eq!(index_cap(u64::MAX), 2048);
+    }
 }

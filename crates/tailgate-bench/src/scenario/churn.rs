@@ -111,10 +111,14 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
 pub fn by_index_table(o: &Outcome, close_every: u64) -> String {
     let mut out = String::new();
     let n = close_every as usize;
-    let _ = writeln!(out, "latency by request index on a connection (p99)");
+    let cap = crate::load::index_cap(close_every);
     let _ = writeln!(
         out,
-        "| target | variant | index 1 | index {n} | worst other index | highest index seen |"
+        "latency by request index on a connection (p99; the first {cap} requests of each are recorded)"
+    );
+    let _ = writeln!(
+        out,
+        "| target | variant | index 1 | index {n} | worst other index | highest index recorded |"
     );
     let _ = writeln!(out, "|---|---|--:|--:|--:|--:|");
     for m in &o.measured {

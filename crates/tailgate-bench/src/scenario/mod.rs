@@ -316,6 +316,7 @@ pub fn measure_with(
     let url = Url::parse(&format!("http://{}/", target.addr))?;
     let mut spec = Spec::get(vec![url], connections, rate, Stop::Duration(opts.duration));
     spec.warmup = opts.warmup;
+    spec.max_index = crate::load::index_cap(opts.close_every);
     spec.request.headers = headers;
     eprintln!(
         "  measuring {:<9} {:<32} ({} s + {} s warm-up)",
