@@ -26,6 +26,8 @@ use super::{
 const CONSUMERS: usize = 5000;
 const CONSUMER_HEADER: &str = "x-consumer";
 const SCRAPE_EVERY: Duration = Duration::from_secs(1);
+/// The scraper's read buffer: room for the exposition of 105k series (8.8 MiB) and more.
+const BODY_BYTES: usize = 16 << 20;
 
 pub fn run(opts: &Options, tailgate_exe: &std::path::Path) -> Result<Outcome, ScenarioError> {
     let mut notes = Vec::new();
@@ -195,28 +197,58 @@ pub(crate) struct Scrape {
 }
 
 pub(crate) fn scrape(admin: SocketAddr) -> std::io::Result<Scrape> {
+    scrape_into(admin, &mut Vec::new())
+}
+
+/// [`scrape`] into `body`, which keeps its memory from one scrape to the next.
+fn scrape_into(admin: SocketAddr, body: &mut Vec<u8>) -> std::io::Result<Scrape> {
     let t = Instant::now();
     let mut s = TcpStream::connect(admin)?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
     // HTTP/1.0: the body ends at close, with no chunk framing to strip.
     s.write_all(b"GET /metrics HTTP/1.0\r\nHost: admin\r\n\r\n")?;
-    let mut body = Vec::with_capacity(16 << 20);
-    s.read_to_end(&mut body)?;
+    body.clear();
+    s.read_to_end(body)?;
     let took = t.elapsed();
-    let text = String::from_utf8_lossy(&body);
-    if !text.starts_with("HTTP/1.0 200") && !text.starts_with("HTTP/1.1 200") {
+    if !body.starts_with(b"HTTP/1.0 200") && !body.starts_with(b"HTTP/1.1 200") {
         return Err(std::io::Error::other("/metrics did not answer 200"));
     }
-    let samples = text
-        .lines()
-        .skip_while(|l| !l.is_empty())
-        .filter(|l| !l.is_empty() && !l.starts_with('#') && l.contains(' '))
-        .count();
     Ok(Scrape {
         took,
         bytes: body.len(),
-        samples,
+        samples: count_samples(body),
     })
+}
+
+/// Sample lines of an exposition (after the response head): not empty, not a `#` comment,
+/// with a value after a space.
+fn count_samples(response: &[u8]) -> usize {
+    response
+        .split(|&b| b == b'\n')
+        .map(|l| l.strip_suffix(b"\r").unwrap_or(l))
+        .skip_while(|l| !l.is_empty())
+        .filter(|l| !l.is_empty() && !l.starts_with(b"#") && l.contains(&b' '))
+        .count()
+}
+
+/// `SCHED_IDLE` for this thread, else nice 19: on the generator's core, the generator
+/// runs whenever it has anything to do.
+fn idle_priority() {
+    use thread_priority::unix::{
+        NormalThreadSchedulePolicy, ThreadSchedulePolicy, set_thread_priority_and_policy,
+        thread_native_id, thread_schedule_policy,
+    };
+    const IDLE: ThreadSchedulePolicy =
+        ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Idle);
+    let _ = set_thread_priority_and_policy(
+        thread_native_id(),
+        thread_priority::ThreadPriority::Min,
+        IDLE,
+    );
+    if thread_schedule_policy().is_ok_and(|p| p == IDLE) {
+        return;
+    }
+    let _ = rustix::process::setpriority_process(Some(rustix::thread::gettid()), 19);
 }
 
 /// Scrapes `/metrics` every second on its own thread until stopped.
@@ -230,15 +262,19 @@ impl Scraper {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let thread = std::thread::spawn(move || {
-            // The scraper shares the generator's core: at the lowest priority it cannot
-            // delay the generator's sends (which would be blamed on the gateway).
-            let _ = rustix::process::setpriority_process(Some(rustix::thread::gettid()), 19);
+            // The scraper shares the generator's core: under `SCHED_IDLE` it cannot delay
+            // the generator's sends (which would be blamed on the gateway); at nice 19 it
+            // still could, by a few milliseconds a scrape. Its buffer is made and touched
+            // once, not taken fresh (16 MiB of page faults) every second.
+            idle_priority();
+            // Not zeros: written, so its pages are faulted in here, not mid-measurement.
+            let mut body = vec![1u8; BODY_BYTES];
             let mut done = Vec::new();
             let mut next = Instant::now();
             while !flag.load(Ordering::Relaxed) {
                 if Instant::now() >= next {
                     next += SCRAPE_EVERY;
-                    match scrape(admin) {
+                    match scrape_into(admin, &mut body) {
                         Ok(s) => done.push(s),
                         Err(e) => eprintln!("  scrape failed: {e}"),
                     }
@@ -253,5 +289,36 @@ impl Scraper {
     pub(crate) fn stop(self) -> Vec<Scrape> {
         self.stop.store(true, Ordering::Relaxed);
         self.thread.join().unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_are_counted_after_the_head_without_comments() {
+        let r = b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n\
+# HELP a_total A.\n# TYPE a_total counter\na_total{x=\"1\"} 3\na_total{x=\"2\"} 4\n\nb 1\n";
+        assert_eq!(count_samples(r), 3);
+        assert_eq!(count_samples(b"HTTP/1.0 200 OK\r\nX: y z\r\n\r\n"), 0);
+    }
+
+    /// The scraper thread runs under `SCHED_IDLE` where the kernel allows it (here it does:
+    /// the policy needs no privilege), so it never delays the generator on their shared core.
+    #[test]
+    fn the_scraper_thread_is_idle_priority() {
+        let policy = std::thread::spawn(|| {
+            idle_priority();
+            thread_priority::unix::thread_schedule_policy()
+        })
+        .join()
+        .expect("thread");
+        assert_eq!(
+            policy.ok(),
+            Some(thread_priority::unix::ThreadSchedulePolicy::Normal(
+                thread_priority::unix::NormalThreadSchedulePolicy::Idle
+            ))
+        );
     }
 }
