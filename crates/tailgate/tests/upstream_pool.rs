@@ -268,6 +268,42 @@ async fn connections_are_rotated_after_max_requests() {
     );
 }
 
+/// Without warm spares there is no keeper sweeping the idle list: the checkout itself must
+/// not send on a connection idle past the cluster's `idle_timeout`, nor on one past its
+/// `max_connection_lifetime`, and must reuse one that is neither.
+#[tokio::test]
+async fn checkout_retires_connections_past_their_idle_timeout_or_lifetime() {
+    for (extra, expired) in [
+        ("idle_timeout = \"1s\"", "idle"),
+        (
+            "idle_timeout = \"60s\"\nmax_connection_lifetime = \"1s\"",
+            "lifetime",
+        ),
+    ] {
+        let up = raw_upstream(|_, _| Act::Answer).await;
+        let gw = gateway(up.addr, extra);
+        let g = gw.gw.as_ref().unwrap();
+        assert_eq!(get_on(&mut h1_client(gw.addr).await, "/").await, 200);
+        assert_eq!(get_on(&mut h1_client(gw.addr).await, "/").await, 200);
+        assert_eq!(
+            up.conns.load(Ordering::SeqCst),
+            1,
+            "{expired}: reused at once"
+        );
+        assert_eq!(g.pool_stat(|s| s.reuses.load(Ordering::Relaxed)), 1);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(get_on(&mut h1_client(gw.addr).await, "/").await, 200);
+        assert_eq!(up.conns.load(Ordering::SeqCst), 2, "{expired}: dialed anew");
+        assert_eq!(g.pool_stat(|s| s.reuses.load(Ordering::Relaxed)), 1);
+        let (idle, lifetime) = (
+            g.pool_stat(|s| s.retired_idle.load(Ordering::Relaxed)),
+            g.pool_stat(|s| s.retired_lifetime.load(Ordering::Relaxed)),
+        );
+        let want = if expired == "idle" { (1, 0) } else { (0, 1) };
+        assert_eq!((idle, lifetime), want, "{expired}");
+    }
+}
+
 /// A pooled connection that the server drops after reading the request: a GET is retried
 /// on a fresh connection and succeeds; a POST gets a 502 and is not sent twice.
 #[tokio::test]

@@ -387,7 +387,7 @@ fn forward(
             ex.timings.route = t_connect - started;
         }
         let mut in_flight = pool.load.start_at(t_connect);
-        let mut up = match cluster.checkout(&pool).await {
+        let mut up = match cluster.checkout_at(&pool, t_connect).await {
             Ok(up) => up,
             // Nothing was sent: trying another endpoint is always safe.
             Err(
@@ -419,8 +419,15 @@ fn forward(
             in_flight.abandoned();
             return Err(ProxyError::UpgradeNeedsHttp1);
         }
-        let t_send = Instant::now();
-        let connect_time = t_send - t_connect;
+        // An idle HTTP/1.1 connection is taken without waiting: its connect stage is nil
+        // (as nginx's `$upstream_connect_time` is for a kept-alive connection), and the
+        // clock is not read again for it.
+        let (t_send, connect_time) = if up.reused && !up.is_h2() {
+            (t_connect, Duration::ZERO)
+        } else {
+            let t = Instant::now();
+            (t, t - t_connect)
+        };
         if let Some(ex) = rec.exchange_mut() {
             ex.timings.upstream_connect = connect_time;
             ex.reused_connection = up.reused;

@@ -25,6 +25,7 @@ pub use balance::Balance;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use arc_swap::ArcSwap;
 
@@ -189,7 +190,16 @@ impl ClusterPools {
     /// A connection to `pool`; a failed connect to a resolved address asks for an early
     /// re-resolution of the cluster's names (the name may have moved: failover).
     pub async fn checkout(&self, pool: &Arc<EndpointPool>) -> Result<Conn, ProxyError> {
-        let r = pool.checkout().await;
+        self.checkout_at(pool, Instant::now()).await
+    }
+
+    /// [`Self::checkout`] at `now`, a clock reading the caller already took.
+    pub async fn checkout_at(
+        &self,
+        pool: &Arc<EndpointPool>,
+        now: Instant,
+    ) -> Result<Conn, ProxyError> {
+        let r = pool.checkout_at(now).await;
         if let (Err(ProxyError::UpstreamConnect(_) | ProxyError::ConnectTimeout), Some(feed)) =
             (&r, &self.feed)
         {

@@ -332,13 +332,21 @@ impl EndpointPool {
     /// A ready connection: a stream on a shared HTTP/2 connection, or the most recently used
     /// idle HTTP/1.1 one that is still open, else a new one.
     pub async fn checkout(self: &Arc<Self>) -> Result<Conn, ProxyError> {
-        if self.protocol != Protocol::Http1
-            && let Some(conn) = self.checkout_h2().await
-        {
-            return Ok(conn);
+        self.checkout_at(Instant::now()).await
+    }
+
+    /// [`Self::checkout`] at `now`, a clock reading the caller already took (the request
+    /// path's stage timing), so a request reads the clock once fewer.
+    pub async fn checkout_at(self: &Arc<Self>, mut now: Instant) -> Result<Conn, ProxyError> {
+        if self.protocol != Protocol::Http1 {
+            if let Some(conn) = self.checkout_h2().await {
+                return Ok(conn);
+            }
+            // The HTTP/2 path may have waited for a connection being opened.
+            now = Instant::now();
         }
         while let Some((mut idle, left)) = self.pop() {
-            if idle.since.elapsed() >= self.idle_timeout {
+            if now.saturating_duration_since(idle.since) >= self.idle_timeout {
                 self.stats.retired_idle.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
@@ -351,7 +359,7 @@ impl EndpointPool {
             // Aged out while idle: never send on a connection past its lifetime.
             if self
                 .max_lifetime
-                .is_some_and(|l| idle.created.elapsed() >= l)
+                .is_some_and(|l| now.saturating_duration_since(idle.created) >= l)
             {
                 self.stats.retired_lifetime.fetch_add(1, Ordering::Relaxed);
                 self.owe_replacement();
