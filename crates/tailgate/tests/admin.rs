@@ -850,3 +850,47 @@ async fn refused_heads_are_counted() {
         6.0
     );
 }
+
+/// A connection taken from the idle list has a connect stage of zero; a request that first
+/// paid for a failed connect to another endpoint has that time in its connect stage, even
+/// when the connection it then got was an idle one.
+#[tokio::test]
+async fn the_connect_stage_is_zero_for_an_idle_connection_unless_a_connect_failed_first() {
+    let live = ok_upstream().await;
+    let held = dead_port();
+    let dead = held.addr();
+    for (endpoints, zero) in [
+        (format!("\"{live}\""), true),
+        (format!("\"{live}\", \"{dead}\""), false),
+    ] {
+        let gw = TestGateway::start(&format!(
+            "{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [{endpoints}]\nbalance = \"round_robin\"\nmin_warm_connections = 1\neject_after_failures = 0\nretry_budget_percent = 100\n[[route]]\nname = \"r\"\npath_prefix = \"/\"\ncluster = \"up\"\n"
+        ));
+        let g = gw.gw.as_ref().unwrap();
+        let warm =
+            || g.pool_stat(|s| s.preconnects.load(std::sync::atomic::Ordering::Relaxed)) >= 1;
+        wait_for("a warm connection", warm).await;
+        for _ in 0..6 {
+            assert_eq!(get(gw.addr, "/").await.status(), 200);
+        }
+        let retries = g.pool_stat(|s| s.retries.load(std::sync::atomic::Ordering::Relaxed));
+        let reuses = g.pool_stat(|s| s.reuses.load(std::sync::atomic::Ordering::Relaxed));
+        // Each request was answered on an idle connection (the dead endpoint's dials failed).
+        assert_eq!(reuses, 6, "every request found an idle connection");
+        assert_eq!(retries > 0, !zero, "retries: {retries}");
+        let ex = scrape(admin_addr(&gw)).await;
+        let sum = ex.value(
+            "tailgate_request_stage_duration_seconds_sum",
+            &[
+                ("tenant", ""),
+                ("route", "r"),
+                ("stage", "upstream_connect"),
+            ],
+        );
+        if zero {
+            assert_eq!(sum, 0.0, "reused connections only");
+        } else {
+            assert!(sum > 0.0, "the failed connects' time: {sum}");
+        }
+    }
+}

@@ -387,6 +387,7 @@ fn forward(
             ex.timings.route = t_connect - started;
         }
         let mut in_flight = pool.load.start_at(t_connect);
+        let mut retried = false;
         let mut up = match cluster.checkout_at(&pool, t_connect).await {
             Ok(up) => up,
             // Nothing was sent: trying another endpoint is always safe.
@@ -398,6 +399,7 @@ fn forward(
                 in_flight.failed();
                 tracing::debug!(upstream.addr = %pool.addr, error = %e, "connect failed; trying another endpoint");
                 pool.count_retry();
+                retried = true;
                 pool = cluster.pick(Some(pool.addr))?;
                 in_flight = pool.load.start();
                 match cluster.checkout(&pool).await {
@@ -419,10 +421,11 @@ fn forward(
             in_flight.abandoned();
             return Err(ProxyError::UpgradeNeedsHttp1);
         }
-        // An idle HTTP/1.1 connection is taken without waiting: its connect stage is nil
-        // (as nginx's `$upstream_connect_time` is for a kept-alive connection), and the
-        // clock is not read again for it.
-        let (t_send, connect_time) = if up.reused && !up.is_h2() {
+        // An idle HTTP/1.1 connection taken at the first try is taken without waiting: its
+        // connect stage is nil (as nginx's `$upstream_connect_time` is for a kept-alive
+        // connection), and the clock is not read again for it. After a failed connect, or
+        // from a pool that may have waited for an HTTP/2 connection, it is read.
+        let (t_send, connect_time) = if up.reused && !retried && pool.http1_only() {
             (t_connect, Duration::ZERO)
         } else {
             let t = Instant::now();

@@ -329,6 +329,12 @@ impl EndpointPool {
         Some((idle, list.len()))
     }
 
+    /// Only HTTP/1.1 connections: a reused connection from [`Self::checkout_at`] was then
+    /// taken from the idle list without waiting.
+    pub fn http1_only(&self) -> bool {
+        self.protocol == Protocol::Http1
+    }
+
     /// A ready connection: a stream on a shared HTTP/2 connection, or the most recently used
     /// idle HTTP/1.1 one that is still open, else a new one.
     pub async fn checkout(self: &Arc<Self>) -> Result<Conn, ProxyError> {
