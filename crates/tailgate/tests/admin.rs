@@ -8,6 +8,7 @@ mod common;
 
 use std::io::Read as _;
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -712,8 +713,8 @@ async fn hedge_and_dns_counters_are_exported() {
         assert_eq!(get(gw.addr, "/").await.status(), 200);
     }
     let g = gw.gw.as_ref().unwrap();
-    let fired = g.cluster_stat(|c| c.hedges_fired.load(std::sync::atomic::Ordering::Relaxed));
-    let won = g.cluster_stat(|c| c.hedges_won.load(std::sync::atomic::Ordering::Relaxed));
+    let fired = g.cluster_stat(|c| c.hedges_fired.load(Ordering::Relaxed));
+    let won = g.cluster_stat(|c| c.hedges_won.load(Ordering::Relaxed));
     assert!(fired >= 1);
     let ex = scrape(admin_addr(&gw)).await;
     assert_eq!(
@@ -867,14 +868,13 @@ async fn the_connect_stage_is_zero_for_an_idle_connection_unless_a_connect_faile
             "{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [{endpoints}]\nbalance = \"round_robin\"\nmin_warm_connections = 1\neject_after_failures = 0\nretry_budget_percent = 100\n[[route]]\nname = \"r\"\npath_prefix = \"/\"\ncluster = \"up\"\n"
         ));
         let g = gw.gw.as_ref().unwrap();
-        let warm =
-            || g.pool_stat(|s| s.preconnects.load(std::sync::atomic::Ordering::Relaxed)) >= 1;
+        let warm = || g.pool_stat(|s| s.preconnects.load(Ordering::Relaxed)) >= 1;
         wait_for("a warm connection", warm).await;
         for _ in 0..6 {
             assert_eq!(get(gw.addr, "/").await.status(), 200);
         }
-        let retries = g.pool_stat(|s| s.retries.load(std::sync::atomic::Ordering::Relaxed));
-        let reuses = g.pool_stat(|s| s.reuses.load(std::sync::atomic::Ordering::Relaxed));
+        let retries = g.pool_stat(|s| s.retries.load(Ordering::Relaxed));
+        let reuses = g.pool_stat(|s| s.reuses.load(Ordering::Relaxed));
         // Each request was answered on an idle connection (the dead endpoint's dials failed).
         assert_eq!(reuses, 6, "every request found an idle connection");
         assert_eq!(retries > 0, !zero, "retries: {retries}");
