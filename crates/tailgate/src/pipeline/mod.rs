@@ -378,11 +378,12 @@ fn forward(
             parts.uri = origin_form(&parts.uri);
         }
         parts.version = http::Version::HTTP_11;
-        let cluster = &worker.upstreams.clusters[route.cluster];
-        cluster.count_request();
-        let mut pool = cluster.pick(None)?;
-        // One clock read ends the route stage and starts the upstream one.
+        // One clock read ends the route stage and starts the upstream one (the endpoint's
+        // pick included); the retry budget's window and the pool's checkout take it too.
         let t_connect = Instant::now();
+        let cluster = &worker.upstreams.clusters[route.cluster];
+        cluster.count_request_at(t_connect);
+        let mut pool = cluster.pick(None)?;
         if let Some(ex) = rec.exchange_mut() {
             ex.timings.route = t_connect - started;
         }

@@ -83,7 +83,13 @@ pub struct ClusterPools {
 impl ClusterPools {
     /// Counts a request against the retry budget.
     pub fn count_request(&self) {
-        self.roll_window();
+        self.count_request_at(Instant::now());
+    }
+
+    /// [`Self::count_request`] with the clock already read (the pipeline's reading that
+    /// ends the route stage: no clock read of its own per request).
+    pub fn count_request_at(&self, now: Instant) {
+        self.roll_window_at(now);
         self.requests.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -121,7 +127,11 @@ impl ClusterPools {
     }
 
     fn roll_window(&self) {
-        let now = self.epoch.elapsed().as_secs();
+        self.roll_window_at(Instant::now());
+    }
+
+    fn roll_window_at(&self, now: Instant) {
+        let now = now.saturating_duration_since(self.epoch).as_secs();
         let start = self.window_start.load(Ordering::Relaxed);
         if now >= start + BUDGET_WINDOW.as_secs() {
             // One worker thread uses this state: no other writer races the reset.
