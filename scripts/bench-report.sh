@@ -8,7 +8,10 @@
 # Needs nginx and HAProxy installed to measure them (scripts/test.sh installs both as root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/pgo.sh
+# The plain build first (minutes), and the options checked with it, so that a mistyped one
+# fails before the profile-guided build (two more builds) rather than after it.
 cargo build --release --locked -p tailgate-cli
+target/release/tailgate bench report --check "$@"
+scripts/pgo.sh
 exec target/release/tailgate bench report --tailgate target/pgo/tailgate \
   --compare tailgate-plain=target/release/tailgate "$@"

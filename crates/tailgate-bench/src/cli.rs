@@ -198,6 +198,11 @@ struct ReportArgs {
     /// The README whose benchmark section is replaced.
     #[arg(long, default_value = "README.md")]
     readme: PathBuf,
+    /// Check the options and exit (0 when they are valid), measuring and writing nothing:
+    /// `scripts/bench-report.sh` runs it before its long build, so a mistyped option fails
+    /// at once rather than after it.
+    #[arg(long)]
+    check: bool,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -531,6 +536,9 @@ fn report_cmd(a: ReportArgs, exe: PathBuf) -> ExitCode {
         Ok(o) => o,
         Err(m) => return usage(m),
     };
+    if a.check {
+        return ExitCode::SUCCESS;
+    }
     let nproc = std::thread::available_parallelism().map_or(1, |n| n.get());
     pin_generator(&opts);
     let mut command = format!(

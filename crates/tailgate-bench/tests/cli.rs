@@ -106,6 +106,52 @@ fn bad_build_arguments_say_what_is_wrong() {
     }
 }
 
+/// `report --check` validates the options and stops there: bad ones exit 2 saying why,
+/// good ones exit 0 at once, with no README or results written.
+#[test]
+fn report_check_validates_the_options_and_writes_nothing() {
+    let dir = std::env::temp_dir().join(format!("tailgate-report-check-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let readme = dir.join("README.md");
+    let out_dir = dir.join("bench");
+    let paths = [
+        "--readme",
+        readme.to_str().unwrap(),
+        "--out",
+        out_dir.to_str().unwrap(),
+    ];
+    let bad: &[(&[&str], &str)] = &[
+        (&["--duration", "0s"], "--duration must be more than 0"),
+        (&["--rounds", "0"], "--rounds"),
+        (&["--rate", "-1"], "error"),
+        (&["--tailgate", "/nonexistent/tailgate"], "is not a file"),
+    ];
+    for (args, why) in bad {
+        let mut cmd = bench();
+        cmd.arg("report").arg("--check").args(paths).args(*args);
+        let out = run_limited(cmd, Duration::from_secs(20));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(why),
+            "{args:?}: expected {why:?} in: {stderr}"
+        );
+    }
+    let mut cmd = bench();
+    cmd.args(["report", "--check", "--rounds", "9", "--duration", "4s"])
+        .args(paths);
+    let out = run_limited(cmd, Duration::from_secs(20));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!readme.exists(), "--check wrote the README");
+    assert!(!out_dir.exists(), "--check wrote results");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn dead_target_ends_on_time_with_connect_errors() {
     let dead = common::dead_port();
