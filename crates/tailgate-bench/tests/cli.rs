@@ -96,14 +96,19 @@ fn bad_build_arguments_say_what_is_wrong() {
     for (args, why) in cases {
         let mut cmd = bench();
         cmd.args(*args);
-        let out = run_limited(cmd, Duration::from_secs(20));
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
-        assert!(
-            stderr.contains(why),
-            "{args:?}: expected {why:?} in: {stderr}"
-        );
+        assert_refused(cmd, args, why);
     }
+}
+
+/// Runs `cmd` (made with `args`) and asserts it exits 2 saying `why` on stderr.
+fn assert_refused(cmd: std::process::Command, args: &[&str], why: &str) {
+    let out = run_limited(cmd, Duration::from_secs(20));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+    assert!(
+        stderr.contains(why),
+        "{args:?}: expected {why:?} in: {stderr}"
+    );
 }
 
 /// `report --check` validates the options and stops there: bad ones exit 2 saying why,
@@ -130,13 +135,7 @@ fn report_check_validates_the_options_and_writes_nothing() {
     for (args, why) in bad {
         let mut cmd = bench();
         cmd.arg("report").arg("--check").args(paths).args(*args);
-        let out = run_limited(cmd, Duration::from_secs(20));
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
-        assert!(
-            stderr.contains(why),
-            "{args:?}: expected {why:?} in: {stderr}"
-        );
+        assert_refused(cmd, args, why);
     }
     let mut cmd = bench();
     cmd.args(["report", "--check", "--rounds", "9", "--duration", "4s"])
