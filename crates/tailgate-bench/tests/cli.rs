@@ -115,11 +115,12 @@ fn assert_refused(cmd: std::process::Command, args: &[&str], why: &str) {
 /// good ones exit 0 at once, with no README or results written.
 #[test]
 fn report_check_validates_the_options_and_writes_nothing() {
-    let dir = std::env::temp_dir().join(format!("tailgate-report-check-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let readme = dir.join("README.md");
-    let out_dir = dir.join("bench");
+    let tmp = tempfile::Builder::new()
+        .prefix("tg-bench-report-check-")
+        .tempdir()
+        .unwrap();
+    let readme = tmp.path().join("README.md");
+    let out_dir = tmp.path().join("bench");
     let paths = [
         "--readme",
         readme.to_str().unwrap(),
@@ -148,7 +149,6 @@ fn report_check_validates_the_options_and_writes_nothing() {
     );
     assert!(!readme.exists(), "--check wrote the README");
     assert!(!out_dir.exists(), "--check wrote results");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -74,20 +74,15 @@ pub struct ClusterPools {
     budget_percent: u32,
     hedges_spent: AtomicU64,
     hedge_budget_percent: u32,
-    epoch: std::time::Instant,
+    epoch: Instant,
     window_start: AtomicU64,
     /// Retries refused by the budget.
     pub budget_exhausted: AtomicU64,
 }
 
 impl ClusterPools {
-    /// Counts a request against the retry budget.
-    pub fn count_request(&self) {
-        self.count_request_at(Instant::now());
-    }
-
-    /// [`Self::count_request`] with the clock already read (the pipeline's reading that
-    /// ends the route stage: no clock read of its own per request).
+    /// Counts a request against the retry budget, at `now`: the pipeline's reading that ends
+    /// the route stage (no clock read of its own per request).
     pub fn count_request_at(&self, now: Instant) {
         self.roll_window_at(now);
         self.requests.fetch_add(1, Ordering::Relaxed);
@@ -331,7 +326,7 @@ impl Upstreams {
                         budget_percent: c.retry_budget_percent,
                         hedges_spent: AtomicU64::new(0),
                         hedge_budget_percent: c.hedge_budget_percent,
-                        epoch: std::time::Instant::now(),
+                        epoch: Instant::now(),
                         window_start: AtomicU64::new(0),
                         budget_exhausted: AtomicU64::new(0),
                     })
@@ -424,7 +419,7 @@ mod tests {
         assert!(!c.try_spend_retry());
         // Each request adds 20 % of a retry.
         for _ in 0..50 {
-            c.count_request();
+            c.count_request_at(Instant::now());
         }
         for _ in 0..10 {
             assert!(c.try_spend_retry());
