@@ -857,6 +857,52 @@ async fn ri_shutdown_closes_an_idle_keep_alive_connection() {
     tokio::time::timeout(WAIT, joined).await.unwrap().unwrap();
 }
 
+/// A head still coming when shutdown begins is answered, with `connection: close`, whichever
+/// server it ends up with: the inline one (a small `Content-Length` body) or hyper's, which
+/// the inline server hands it to once its head shows it is chunked. nginx too finishes a
+/// request it has begun to read. The handed-over one used to be closed unanswered: hyper's
+/// server was asked to close before it had read the bytes handed to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ri_shutdown_answers_a_head_still_coming_for_either_server() {
+    for (shape, first, rest) in [
+        (
+            "length",
+            "POST /c HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n",
+            "\r\nabc",
+        ),
+        (
+            "chunked",
+            "POST /c HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n",
+            "\r\n3\r\nabc\r\n0\r\n\r\n",
+        ),
+    ] {
+        let (up, hits) = path_upstream().await;
+        let mut gw = TestGateway::to(up, "[server]\nshutdown_grace = \"30s\"\n");
+        let mut s = connect(gw.addr).await;
+        s.write_all(first.as_bytes()).await.unwrap();
+        // Time for the gateway to read the first part.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let g = gw.gw.take().unwrap();
+        g.shutdown();
+        let joined = tokio::task::spawn_blocking(move || g.join());
+        // Time for the connection to see the shutdown before the rest comes.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        s.write_all(rest.as_bytes()).await.unwrap();
+        let (text, closed) = read_until_close(&mut s, WAIT).await;
+        assert!(closed, "{shape}: {text:?}");
+        let got = responses(text.as_bytes(), &[]);
+        assert_eq!(got.len(), 1, "{shape}: {text:?}");
+        assert_eq!(got[0].status, 200, "{shape}: {text:?}");
+        assert_eq!(got[0].body(), "POST /c abc", "{shape}");
+        assert_eq!(got[0].header("connection"), Some("close"), "{shape}");
+        assert_eq!(hits.load(Ordering::SeqCst), 1, "{shape}");
+        tokio::time::timeout(WAIT, joined)
+            .await
+            .expect("the gateway exits once the request is answered")
+            .unwrap();
+    }
+}
+
 /// An upstream that answers only after 30 s; counts the requests it started and those
 /// dropped before their answer (the gateway cancelled them).
 async fn hanging_upstream() -> (SocketAddr, Arc<AtomicUsize>, Arc<AtomicUsize>) {

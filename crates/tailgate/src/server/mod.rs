@@ -357,26 +357,24 @@ fn log_failed_end(info: &ConnInfo, ended: Option<Result<(), hyper::Error>>) {
 /// they are polled with their own waker, and only after it fired. Polling them each time
 /// cost a lock of the shutdown signal's waiter list and a timer poll, twice per request.
 fn drive<'a, C, G>(
-    mut conn: C,
+    conn: C,
     mut shutdown: watch::Receiver<bool>,
     info: &'a ConnInfo,
     idle: Duration,
-    mut graceful: G,
+    graceful: G,
 ) -> Drive<'a, C, G>
 where
     C: Future + Unpin,
     G: FnMut(&mut C) + Unpin,
 {
-    let closing = *shutdown.borrow();
-    if closing {
-        graceful(&mut conn);
-    }
+    let close_at_first_poll = *shutdown.borrow();
     let side = Arc::new(SideWake::default());
     Drive {
+        close_at_first_poll,
         conn,
         side_waker: Waker::from(side.clone()),
         side,
-        closing,
+        closing: false,
         closed_for_idleness: false,
         info,
         idle,
@@ -392,10 +390,15 @@ where
 /// [`drive`]'s future: a struct polled directly, not a state machine of its own around the
 /// connection's, whose state every wake-up would read from another line of the task. What
 /// is polled only after the side waker fired (the shutdown signal, the idle timer) is on
-/// the heap, out of the lines each wake-up reads. (Made by [`drive`], which already asked
-/// the connection to close if shutdown had begun: it is meant to be awaited at once.)
+/// the heap, out of the lines each wake-up reads.
 #[must_use = "a connection is served only while its Drive is polled"]
 struct Drive<'a, C, G> {
+    /// Shutdown had begun when the connection was handed here: it is asked to close once
+    /// it has been polled, not before. A head handed over by the inline server (shutdown
+    /// began while it was coming) is then in hyper's buffer, and hyper's graceful close
+    /// serves it; asked before, hyper saw a connection with nothing read and closed it,
+    /// and the client's request went unanswered.
+    close_at_first_poll: bool,
     conn: C,
     side: Arc<SideWake>,
     side_waker: Waker,
@@ -422,6 +425,12 @@ where
         loop {
             if let Poll::Ready(res) = Pin::new(&mut this.conn).poll(cx) {
                 return Poll::Ready(Some(res));
+            }
+            if this.close_at_first_poll {
+                this.close_at_first_poll = false;
+                this.closing = true;
+                (this.graceful)(&mut this.conn);
+                continue;
             }
             if this.closing {
                 if !this.closed_for_idleness {
