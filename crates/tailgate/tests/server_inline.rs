@@ -403,6 +403,12 @@ async fn ri_partial_head_is_closed_after_the_header_timeout() {
     );
     let (text, closed) = raw(gw.addr, b"GET / HTTP/1.1\r\nHost: a\r\n", WAIT).await;
     assert!(closed && text.is_empty(), "{text:?}");
+    // So is one that could still be HTTP/2's preface, as every POST, PUT and PATCH begins:
+    // it used to be left to the idle timeout.
+    for start in [&b"P"[..], b"PRI * HTTP/2.0\r\n"] {
+        let (text, closed) = raw(gw.addr, start, WAIT).await;
+        assert!(closed && text.is_empty(), "{start:?}: {text:?}");
+    }
 
     let mut s = connect(gw.addr).await;
     let req = format!("{}GET /b HTTP/1.1\r\nHo", get_req("/a"));

@@ -131,7 +131,9 @@ impl<T> H1Guard<T> {
     }
 
     /// Reads from the connection until at least `want` bytes are buffered (or end of stream)
-    /// without handing any on; returns how many are buffered.
+    /// without handing any on; returns how many are buffered. Once a byte has come, the
+    /// header read timeout runs (a head has begun): a client that sends the first bytes of
+    /// one and stops is cut off with `TimedOut` after it, not after the idle timeout.
     pub async fn fill_at_least(&mut self, want: usize) -> io::Result<usize>
     where
         T: AsyncRead + Unpin,
@@ -143,7 +145,18 @@ impl<T> H1Guard<T> {
             let end = self.end;
             let n = {
                 let mut rb = ReadBuf::new(&mut self.buf[end..]);
-                std::future::poll_fn(|cx| Pin::new(&mut self.inner).poll_read(cx, &mut rb)).await?;
+                let (inner, deadline) = (&mut self.inner, &mut self.deadline);
+                std::future::poll_fn(|cx| match Pin::new(&mut *inner).poll_read(cx, &mut rb) {
+                    Poll::Pending
+                        if deadline
+                            .as_mut()
+                            .is_some_and(|d| d.as_mut().poll(cx).is_ready()) =>
+                    {
+                        Poll::Ready(Err(io::ErrorKind::TimedOut.into()))
+                    }
+                    r => r,
+                })
+                .await?;
                 rb.filled().len()
             };
             if n == 0 {
