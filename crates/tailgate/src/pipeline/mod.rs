@@ -13,6 +13,7 @@ pub mod body;
 pub mod error;
 pub mod headers;
 pub mod route;
+pub mod spare;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -560,6 +561,9 @@ fn forward(
             }
         };
         let t_head = Instant::now();
+        // The request's head is done with (no retry or hedge sends it again from here): it
+        // goes back to the worker for the next request to fill.
+        spare::give_head(parts);
         if hedged {
             in_flight.abandoned();
         } else {

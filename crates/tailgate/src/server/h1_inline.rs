@@ -41,7 +41,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, Version, header};
+use http::{HeaderMap, HeaderValue, Method, Response, Uri, Version, header};
 use http_body::{Body, Frame};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::time::Sleep;
@@ -50,6 +50,7 @@ use super::head::{self, BodyHeaders, MAX_HEADERS, MAX_URI_LEN, content_length};
 use crate::pipeline::body::{ReqBody, RespBody};
 use crate::pipeline::error::ProxyError;
 use crate::pipeline::headers::{name_from_wire, put_header, token_in};
+use crate::pipeline::spare as spare_heads;
 use crate::pipeline::{ConnInfo, Worker, handle};
 
 /// How the inline server left the connection.
@@ -400,9 +401,14 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
     }
     // From here the bytes are taken from the buffer; a failure puts them back.
     let head = buf.split_to(head_len).freeze();
-    let parts = match build(&head, method, path_at, idx) {
-        Ok(parts) => parts,
+    // The head on the heap, one the worker kept from an earlier request (its memory warm,
+    // `pipeline::spare`), passed on by pointer instead of copied into the connection's
+    // future at each level.
+    let mut parts = spare_heads::take_head(idx.len());
+    let uri = match build(&head, path_at, idx, &mut parts.headers) {
+        Ok(uri) => uri,
         Err(e) => {
+            spare_heads::give_head(parts);
             let mut back = BytesMut::with_capacity(head.len() + buf.len());
             back.extend_from_slice(&head);
             back.extend_from_slice(buf);
@@ -412,11 +418,7 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
     };
     // `body_len` is at most what is buffered (checked above), so it fits a usize.
     let body = buf.split_to(body_len as usize).freeze();
-    let (method, uri, headers) = parts;
     let head_request = method == Method::HEAD;
-    // The head on the heap, taken fresh from the allocator (its memory warm) and passed on
-    // by pointer, instead of copied into the connection's future at each level.
-    let mut parts = Box::new(Request::new(()).into_parts().0);
     parts.method = method;
     parts.uri = uri;
     parts.version = if http10 {
@@ -424,7 +426,6 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
     } else {
         Version::HTTP_11
     };
-    parts.headers = headers;
     let served = Served {
         parts,
         body: ReqBody::whole(body, limits.max_body),
@@ -437,17 +438,17 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
     Ok(served)
 }
 
-/// The request's method, target and headers, their values sharing the head's bytes.
+/// The request's target, and its headers into `headers` (empty), their values sharing the
+/// head's bytes.
 fn build(
     head: &Bytes,
-    method: Method,
     path: (usize, usize),
     idx: &[HeaderAt],
-) -> Result<(Method, Uri, HeaderMap), Unserved> {
+    headers: &mut HeaderMap,
+) -> Result<Uri, Unserved> {
     let Ok(uri) = Uri::from_maybe_shared(head.slice(path.0..path.0 + path.1)) else {
         return Err(Unserved::Refused(head::target_fault(path.1).into()));
     };
-    let mut headers = HeaderMap::with_capacity(idx.len());
     for h in idx {
         let (Ok(name), Ok(value)) = (
             name_from_wire(&head[h.name.0..h.name.0 + h.name.1]),
@@ -457,7 +458,7 @@ fn build(
         };
         headers.append(name, value);
     }
-    Ok((method, uri, headers))
+    Ok(uri)
 }
 
 /// Watches the client while its request is in flight, as hyper's server does: while no
@@ -619,6 +620,8 @@ where
             }
         }
         out.extend_from_slice(b"\r\n");
+        // The head is written: its map goes back to the worker for the next response.
+        spare_heads::give_headers(parts.headers);
         if framing == Framing::NoBody {
             // A HEAD answer's body (none, normally) is not read: dropping it ends the exchange.
             drop(body);

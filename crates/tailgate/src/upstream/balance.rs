@@ -109,7 +109,8 @@ impl EndpointLoad {
     /// A latency sample taken at `at`.
     fn sample_at(&self, rtt: Duration, at: Instant) {
         let now = at.saturating_duration_since(self.epoch).as_nanos() as u64;
-        let rtt = rtt.as_nanos() as f64;
+        // Not `as_nanos() as f64`: a `u128` to float conversion is a library call.
+        let rtt = rtt.as_secs() as f64 * 1e9 + f64::from(rtt.subsec_nanos());
         let prev = f64::from_bits(self.ewma_ns.load(Ordering::Relaxed));
         let last = self.last_sample_ns.swap(now, Ordering::Relaxed);
         // Peak: a slower sample is taken at once; faster ones decay in.

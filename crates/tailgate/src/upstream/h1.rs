@@ -40,7 +40,7 @@ use std::time::Instant;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::request::Parts;
-use http::{HeaderMap, HeaderValue, Method, Response, StatusCode, Version, header};
+use http::{HeaderValue, Method, Response, StatusCode, Version, header};
 use http_body::{Body, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
@@ -549,7 +549,7 @@ impl H1Conn {
             }
             let head = self.rbuf.split_to(len).freeze();
             // Room for one more: the request id the gateway adds to every response.
-            let mut map = HeaderMap::with_capacity(at.len() + 1);
+            let mut map = crate::pipeline::spare::take_headers(at.len() + 1);
             let mut length: Option<u64> = None;
             // Transfer-Encoding: absent, exactly `chunked`, or something else.
             let mut coding: Option<bool> = None;
