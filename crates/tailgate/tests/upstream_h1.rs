@@ -940,3 +940,117 @@ async fn r_early_complete_answer_keeps_the_upload_going() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(received.load(Ordering::SeqCst), 20_000, "upload cut short");
 }
+
+/// Sends `body` as a POST on `c` and reads the whole answer.
+async fn post(
+    c: &mut hyper::client::conn::http1::SendRequest<TestBody>,
+    body: TestBody,
+) -> Result<http::Response<bytes::Bytes>, String> {
+    let r = c
+        .send_request(
+            http::Request::builder()
+                .method("POST")
+                .uri("/upload")
+                .header("host", "a")
+                .body(body)
+                .unwrap(),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    let (parts, body) = r.into_parts();
+    let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+    Ok(http::Response::from_parts(parts, body))
+}
+
+/// The response timeout counts from the request body's last progress while it is being
+/// sent: an upload slower than the timeout that keeps moving reaches the upstream whole and
+/// gets its answer (it used to be cut off with a 504 mid-upload). One that stops is a 408,
+/// the client's fault: it does not count against the endpoint (here, one failure would eject
+/// it).
+#[tokio::test]
+async fn a_slow_upload_is_not_cut_off_and_a_stalled_one_is_the_clients_fault() {
+    let up = body_counting_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\neject_after_failures = 1\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"300ms\"\n"
+    ));
+    let mut c = h1_client(gw.addr).await;
+    // 1.2 s of upload, a piece every 100 ms, against a 300 ms response timeout.
+    let slow = trickle(13, 1000, Duration::from_millis(100), None);
+    let r = post(&mut c, slow).await.unwrap();
+    assert_eq!(r.status(), 200, "{:?}", r.body());
+    assert_eq!(r.body(), "got 13000");
+
+    let mut c = h1_client(gw.addr).await;
+    let started = std::time::Instant::now();
+    let stalled = trickle(10, 1000, Duration::from_millis(20), Some(2));
+    let r = post(&mut c, stalled).await.unwrap();
+    assert_eq!(r.status(), 408, "{:?}", r.body());
+    assert!(
+        String::from_utf8_lossy(r.body()).contains("client_body_timeout"),
+        "{:?}",
+        r.body()
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let pools = gw.gw.as_ref().unwrap().endpoint_pools();
+    assert_eq!(pools[0].load.ejections.load(Ordering::Relaxed), 0);
+
+    // The endpoint still serves.
+    let mut c = h1_client(gw.addr).await;
+    assert_eq!(fetch(&mut c, "GET", "/").await.unwrap().status(), 200);
+}
+
+/// An upstream that sends a head and part of its body: all of it at once and then nothing
+/// (`trickle` 0), or the rest a few bytes every `trickle` ms. It holds the connection open.
+async fn part_body_upstream(trickle_ms: u64) -> std::net::SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                if read_request(&mut s, &mut buf, true).await.is_none() {
+                    return;
+                }
+                s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
+                    .await
+                    .unwrap();
+                if trickle_ms > 0 {
+                    for _ in 0..9 {
+                        tokio::time::sleep(Duration::from_millis(trickle_ms)).await;
+                        if s.write_all(b"abcdefghij").await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_secs(60)).await;
+            });
+        }
+    });
+    addr
+}
+
+/// The response timeout also bounds each wait for the next piece of a response body, as
+/// nginx's `proxy_read_timeout` does: an upstream that sent part of its body and went
+/// silent is cut off (the client sees the body cut short) instead of holding the client
+/// for as long as it keeps the socket open; one that keeps sending, however slowly, is not.
+#[tokio::test]
+async fn a_response_body_that_stops_coming_is_cut_off_after_the_response_timeout() {
+    let route = |up| {
+        format!(
+            "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"300ms\"\n"
+        )
+    };
+    let gw = TestGateway::start(&route(part_body_upstream(0).await));
+    let mut c = h1_client(gw.addr).await;
+    let started = std::time::Instant::now();
+    let r = tokio::time::timeout(Duration::from_secs(10), fetch(&mut c, "GET", "/"))
+        .await
+        .expect("the gateway ends the response");
+    assert!(r.is_err(), "the body is cut short: {r:?}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+
+    let gw = TestGateway::start(&route(part_body_upstream(100).await));
+    let mut c = h1_client(gw.addr).await;
+    let r = fetch(&mut c, "GET", "/").await.unwrap();
+    assert_eq!(r.body().len(), 100, "{:?}", r.body());
+}

@@ -15,6 +15,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::tls;
 use common::*;
+use http_body_util::BodyExt;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
@@ -706,4 +707,66 @@ async fn requests_turned_away_by_a_closing_connection_share_its_successor() {
         150,
         "each request processed once"
     );
+}
+
+/// An h2c upstream that reads each request's body whole and answers `got N`.
+async fn h2c_body_counting_upstream() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let svc = service_fn(|req: http::Request<hyper::body::Incoming>| async move {
+                    let got = req.into_body().collect().await.map(|b| b.to_bytes().len());
+                    let text = match got {
+                        Ok(n) => format!("got {n}"),
+                        Err(e) => format!("body failed: {e}"),
+                    };
+                    Ok::<_, Infallible>(http::Response::new(full(text)))
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(tcp), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+/// Over HTTP/2 too, the response timeout counts from the request body's last progress: a
+/// slow upload that keeps moving is answered, and one that stops is a 408 that does not
+/// count against the endpoint.
+#[tokio::test]
+async fn h2_slow_upload_is_not_cut_off_and_a_stalled_one_is_the_clients_fault() {
+    let up = h2c_body_counting_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nprotocol = \"http2\"\neject_after_failures = 1\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"300ms\"\n"
+    ));
+    let post = |body: TestBody| {
+        let addr = gw.addr;
+        async move {
+            let mut c = h1_client(addr).await;
+            let r = c
+                .send_request(
+                    http::Request::builder()
+                        .method("POST")
+                        .uri("/upload")
+                        .header("host", "a")
+                        .body(body)
+                        .unwrap(),
+                )
+                .await
+                .unwrap();
+            let status = r.status();
+            (status, r.into_body().collect().await.unwrap().to_bytes())
+        }
+    };
+    let (status, body) = post(trickle(13, 1000, Duration::from_millis(100), None)).await;
+    assert_eq!((status.as_u16(), &body[..]), (200, &b"got 13000"[..]));
+
+    let (status, body) = post(trickle(10, 1000, Duration::from_millis(20), Some(2))).await;
+    assert_eq!(status, 408, "{body:?}");
+    assert!(String::from_utf8_lossy(&body).contains("client_body_timeout"));
+    let pools = gw.gw.as_ref().unwrap().endpoint_pools();
+    assert_eq!(pools[0].load.ejections.load(Ordering::Relaxed), 0);
 }

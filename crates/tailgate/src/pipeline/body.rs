@@ -5,8 +5,10 @@
 //! connection to its pool at end of stream, and finishes the [`Exchange`](crate::observe::Exchange) record.
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
@@ -24,6 +26,51 @@ pub enum ReqBodyError {
     TooLarge(u64),
     #[error("reading the client's body failed: {0}")]
     Client(#[from] hyper::Error),
+    /// The client sent no more of its body for the response timeout, while the upstream
+    /// waited for it.
+    #[error("the client's body stalled")]
+    TimedOut,
+}
+
+/// How far a request body has got on its way upstream, for the response timeout: that runs
+/// from the request's send, or from the body's last progress while it is still being sent
+/// (a frame read from the client and taken by the upstream connection, or its end). A slow
+/// upload that keeps moving is not cut off, and the upstream has the whole timeout for its
+/// answer once the body is in, as nginx's `proxy_read_timeout` and Envoy's route timeout
+/// count. Shared with HTTP/2's connection task, which polls the body.
+#[derive(Debug)]
+pub struct BodyProgress {
+    since: Instant,
+    timeout: Duration,
+    /// The route's total deadline, which the response deadline never passes.
+    cap: Option<Instant>,
+    /// Nanoseconds from `since` to the last progress.
+    last: AtomicU64,
+    /// The last poll of the client's body found nothing (the client is the one waited on).
+    on_client: AtomicBool,
+    ended: AtomicBool,
+}
+
+impl BodyProgress {
+    /// When the response deadline falls, as of now.
+    pub fn due(&self) -> Instant {
+        let due =
+            self.since + Duration::from_nanos(self.last.load(Ordering::Relaxed)) + self.timeout;
+        self.cap.map_or(due, |cap| due.min(cap))
+    }
+
+    /// The deadline passed with the body still waited for from the client (a 408, not the
+    /// upstream's fault).
+    pub fn client_stalled(&self) -> bool {
+        !self.ended.load(Ordering::Relaxed) && self.on_client.load(Ordering::Relaxed)
+    }
+
+    fn moved(&self) {
+        let at = self.since.elapsed().as_nanos();
+        self.last
+            .store(u64::try_from(at).unwrap_or(u64::MAX), Ordering::Relaxed);
+        self.on_client.store(false, Ordering::Relaxed);
+    }
 }
 
 /// The client's request body on its way upstream, cut off with [`ReqBodyError::TooLarge`]
@@ -39,6 +86,8 @@ pub struct ReqBody {
     buffered: Option<Bytes>,
     /// Where a copy of the bytes sent is kept, for a replay.
     copy: Option<ReplayCopy>,
+    /// Its progress, when the response timeout counts from it ([`ReqBody::timed`]).
+    progress: Option<Arc<BodyProgress>>,
 }
 
 /// Where a request body comes from.
@@ -163,7 +212,32 @@ impl ReqBody {
             counter: None,
             buffered: None,
             copy: None,
+            progress: None,
         }
+    }
+
+    /// Has the response timeout of a request sent at `sent` count from this body's last
+    /// progress while it is being sent ([`BodyProgress`]), up to the total deadline `cap`.
+    pub fn timed(mut self, sent: Instant, timeout: Duration, cap: Option<Instant>) -> ReqBody {
+        self.progress = Some(Arc::new(BodyProgress {
+            since: sent,
+            timeout,
+            cap,
+            last: AtomicU64::new(0),
+            on_client: AtomicBool::new(false),
+            ended: AtomicBool::new(false),
+        }));
+        self
+    }
+
+    /// Does the body still stream from the client (not read whole with its head)?
+    pub fn streams(&self) -> bool {
+        matches!(self.inner, Some(ClientBody::Hyper(_)))
+    }
+
+    /// The body's progress, if its response timeout counts from it.
+    pub fn progress(&self) -> Option<Arc<BodyProgress>> {
+        self.progress.clone()
     }
 
     /// Keeps a copy of up to `limit` bytes of the body as it streams, for a replay.
@@ -190,6 +264,7 @@ impl ReqBody {
             counter: None,
             buffered: None,
             copy: None,
+            progress: None,
         }
     }
 }
@@ -203,6 +278,42 @@ impl Body for ReqBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, ReqBodyError>>> {
         let this = &mut *self;
+        let polled = this.poll_client(cx);
+        if let Some(p) = &this.progress {
+            match &polled {
+                Poll::Pending => p.on_client.store(true, Ordering::Relaxed),
+                Poll::Ready(Some(Ok(_))) => p.moved(),
+                Poll::Ready(None) => {
+                    p.moved();
+                    p.ended.store(true, Ordering::Relaxed);
+                }
+                Poll::Ready(Some(Err(_))) => {}
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.buffered.is_none() && self.inner.as_ref().is_none_or(Body::is_end_stream)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if let Some(b) = &self.buffered {
+            return SizeHint::with_exact(b.len() as u64);
+        }
+        self.inner
+            .as_ref()
+            .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
+    }
+}
+
+impl ReqBody {
+    /// The next frame, under the size limit, counted and copied as asked.
+    fn poll_client(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, ReqBodyError>>> {
+        let this = self;
         if let Some(b) = this.buffered.take() {
             return Poll::Ready(Some(Ok(Frame::data(b))));
         }
@@ -245,19 +356,6 @@ impl Body for ReqBody {
             }
         }
     }
-
-    fn is_end_stream(&self) -> bool {
-        self.buffered.is_none() && self.inner.as_ref().is_none_or(Body::is_end_stream)
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        if let Some(b) = &self.buffered {
-            return SizeHint::with_exact(b.len() as u64);
-        }
-        self.inner
-            .as_ref()
-            .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
-    }
 }
 
 /// The response body sent to the client.
@@ -275,7 +373,59 @@ pub struct UpstreamBody {
     /// read to the end.
     pub conn: Option<Conn>,
     pub deadline: Option<Pin<Box<Sleep>>>,
+    /// The wait for each next piece of the body, bounded by the response timeout.
+    pub read_wait: ReadWait,
     pub recorder: ExchangeRecorder,
+}
+
+/// How long the upstream may leave the client waiting for the next piece of a response
+/// body: the route's response timeout, counted from when a read first found nothing (as
+/// nginx's `proxy_read_timeout` counts between two reads). A body that keeps coming, however
+/// slowly, or a client slow to take it, is not cut off; an upstream that sent part of a
+/// body and went silent is, where nothing else would end the exchange without a
+/// `total_timeout`. The timer is made the first time a read waits: a body read straight
+/// through has none.
+pub struct ReadWait {
+    timeout: Duration,
+    since: Option<Instant>,
+    timer: Option<(Instant, Pin<Box<Sleep>>)>,
+}
+
+impl ReadWait {
+    pub fn new(timeout: Duration) -> ReadWait {
+        ReadWait {
+            timeout,
+            since: None,
+            timer: None,
+        }
+    }
+
+    /// A piece came: the next wait is counted afresh.
+    fn got(&mut self) {
+        self.since = None;
+    }
+
+    /// A read found nothing: has the wait lasted the timeout (registering the task to be
+    /// woken when it will)?
+    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
+        let due = *self.since.get_or_insert_with(Instant::now) + self.timeout;
+        let timer = match &mut self.timer {
+            Some((at, t)) => {
+                if *at != due {
+                    *at = due;
+                    t.as_mut().reset(due.into());
+                }
+                t
+            }
+            None => {
+                let (_, t) = self
+                    .timer
+                    .insert((due, Box::pin(tokio::time::sleep_until(due.into()))));
+                t
+            }
+        };
+        timer.as_mut().poll(cx).is_ready()
+    }
 }
 
 impl RespBody {
@@ -287,6 +437,11 @@ impl RespBody {
         RespBody::Full(None)
     }
 }
+
+/// The upstream sent no more of the response body within the response timeout.
+#[derive(Debug, thiserror::Error)]
+#[error("the upstream sent no more of the response body within the response timeout")]
+pub struct BodyReadTimeout;
 
 /// The route's total deadline passed while the body was streaming.
 #[derive(Debug, thiserror::Error)]
@@ -312,17 +467,26 @@ impl Body for RespBody {
                     up.recorder.fail("total_timeout");
                     return Poll::Ready(Some(Err(Box::new(TotalTimeout))));
                 }
-                let polled: Option<Result<Frame<Bytes>, Self::Error>> = match &mut up.inner {
-                    UpBody::Hyper(b) => {
-                        ready!(Pin::new(b).poll_frame(cx)).map(|r| r.map_err(Into::into))
-                    }
+                let polled: Poll<Option<Result<Frame<Bytes>, Self::Error>>> = match &mut up.inner {
+                    UpBody::Hyper(b) => Pin::new(b)
+                        .poll_frame(cx)
+                        .map(|f| f.map(|r| r.map_err(Into::into))),
                     UpBody::H1 => match up.conn.as_mut() {
-                        Some(c) => {
-                            ready!(c.poll_body(cx)).map(|r| r.map(Frame::data).map_err(Into::into))
-                        }
-                        None => None,
+                        Some(c) => c
+                            .poll_body(cx)
+                            .map(|f| f.map(|r| r.map(Frame::data).map_err(Into::into))),
+                        None => Poll::Ready(None),
                     },
                 };
+                let Poll::Ready(polled) = polled else {
+                    if up.read_wait.expired(cx) {
+                        up.conn = None;
+                        up.recorder.fail("upstream_body_timeout");
+                        return Poll::Ready(Some(Err(Box::new(BodyReadTimeout))));
+                    }
+                    return Poll::Pending;
+                };
+                up.read_wait.got();
                 match polled {
                     Some(Ok(frame)) => {
                         if let Some(data) = frame.data_ref() {

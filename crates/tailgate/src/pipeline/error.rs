@@ -19,6 +19,8 @@ pub enum ProxyError {
     UriTooLong,
     #[error("request body larger than {0} bytes")]
     BodyTooLarge(u64),
+    #[error("the client sent no more of its body within the response timeout")]
+    ClientBodyTimeout,
     #[error("upstream connect failed: {0}")]
     UpstreamConnect(std::io::Error),
     #[error("upstream TLS handshake failed: {0}")]
@@ -46,6 +48,7 @@ impl ProxyError {
             ProxyError::HeadTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ProxyError::UriTooLong => StatusCode::URI_TOO_LONG,
             ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::ClientBodyTimeout => StatusCode::REQUEST_TIMEOUT,
             ProxyError::UpstreamConnect(_)
             | ProxyError::UpstreamTls(_)
             | ProxyError::UpstreamReset(_)
@@ -64,6 +67,7 @@ impl ProxyError {
             ProxyError::HeadTooLarge(_) => "header_too_large",
             ProxyError::UriTooLong => "uri_too_long",
             ProxyError::BodyTooLarge(_) => "body_too_large",
+            ProxyError::ClientBodyTimeout => "client_body_timeout",
             ProxyError::UpstreamConnect(_) => "upstream_connect_failed",
             ProxyError::UpstreamTls(_) => "upstream_tls_failed",
             ProxyError::ConnectTimeout => "upstream_connect_timeout",

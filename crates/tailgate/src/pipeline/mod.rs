@@ -24,7 +24,7 @@ use http::request::Parts;
 use http::{HeaderValue, Request, Response, StatusCode, header};
 use hyper_util::rt::TokioIo;
 
-use self::body::{BytesIn, ReqBody, ReqBodyError, RespBody, UpstreamBody};
+use self::body::{BytesIn, ReadWait, ReqBody, ReqBodyError, RespBody, UpstreamBody};
 use self::error::ProxyError;
 use self::headers::RequestIds;
 use self::route::{Match, RouteEntry, RouteTable};
@@ -483,6 +483,12 @@ fn forward(
         let response_timeout = remaining(route.response_timeout, total_deadline);
         let mut hedged = false;
         let deadline = t_send + response_timeout;
+        // A body still streaming from the client moves the response deadline on as it goes
+        // (`BodyProgress`), never past the total deadline. One read whole with its head
+        // (the inline server's, at most 8 KiB) goes out at once and needs no such care.
+        if !bodiless && body.streams() {
+            body = body.timed(t_send, route.response_timeout, total_deadline);
+        }
         // The response is taken from the send's result where it lands, not wrapped and
         // unwrapped on its way (each step a copy of it, into another line of this future).
         let sent = match hedge {
@@ -649,6 +655,7 @@ fn forward(
             inner: body,
             conn: Some(up),
             deadline,
+            read_wait: ReadWait::new(route.response_timeout),
             recorder,
         }));
         Ok(Response::from_parts(parts, body))
@@ -712,6 +719,7 @@ fn classify_send_error(e: SendError) -> ProxyError {
     match e.req_body_error() {
         Some(ReqBodyError::TooLarge(limit)) => ProxyError::BodyTooLarge(*limit),
         Some(ReqBodyError::Client(_)) => ProxyError::BadRequest("the client's body ended early"),
+        Some(ReqBodyError::TimedOut) => ProxyError::ClientBodyTimeout,
         None => ProxyError::UpstreamReset(e.into()),
     }
 }

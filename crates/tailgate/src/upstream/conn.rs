@@ -82,6 +82,9 @@ pub enum SendError {
     /// The deadline given to [`Conn::send`] passed before the response head came.
     #[error("the upstream did not answer in time")]
     TimedOut,
+    /// Reading the client's body failed while hyper's HTTP/2 connection waited for it.
+    #[error(transparent)]
+    ClientBody(ReqBodyError),
 }
 
 /// The body of a request that was not sent.
@@ -97,7 +100,7 @@ impl SendError {
     /// The client-body error behind this, if reading the client's body is what failed.
     pub fn req_body_error(&self) -> Option<&ReqBodyError> {
         match self {
-            SendError::H1(H1Error::Body(b)) => Some(b),
+            SendError::H1(H1Error::Body(b)) | SendError::ClientBody(b) => Some(b),
             SendError::Hyper(e) => {
                 let mut source = e.source();
                 while let Some(s) = source {
@@ -190,6 +193,7 @@ impl Conn {
             match &mut self.sender {
                 Sender::H1(c) => c.send(parts, added, body, addr, deadline).await,
                 Sender::H2(s) => {
+                    let progress = body.progress();
                     let mut req = Request::new(body);
                     *req.method_mut() = parts.method.clone();
                     *req.uri_mut() = parts.uri.clone();
@@ -198,12 +202,23 @@ impl Conn {
                     let req = adapt_h2(req, self.pool.tls_enabled(), addr);
                     // On the heap: inline, hyper's future and the request would make every
                     // request's future (HTTP/1.1 ones too) larger, and each move of it dearer.
-                    let sending = s.try_send_request(req);
+                    let mut sending = Box::pin(s.try_send_request(req));
                     let sent = match deadline {
-                        Some(d) => Box::pin(tokio::time::timeout_at(d.into(), sending))
-                            .await
-                            .map_err(|_| SendError::TimedOut)?,
-                        None => Box::pin(sending).await,
+                        Some(mut d) => loop {
+                            match tokio::time::timeout_at(d.into(), &mut sending).await {
+                                Ok(sent) => break sent,
+                                // While the body is being sent the deadline moves on with
+                                // it (`BodyProgress`).
+                                Err(_) => match &progress {
+                                    Some(p) if p.due() > Instant::now() => d = p.due(),
+                                    Some(p) if p.client_stalled() => {
+                                        return Err(SendError::ClientBody(ReqBodyError::TimedOut));
+                                    }
+                                    _ => return Err(SendError::TimedOut),
+                                },
+                            }
+                        },
+                        None => sending.await,
                     };
                     match sent {
                         Ok(resp) => Ok(resp.map(UpBody::Hyper)),

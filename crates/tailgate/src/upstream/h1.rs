@@ -35,6 +35,7 @@ use std::io::{self, Write as _};
 use std::mem::MaybeUninit;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker, ready};
 use std::time::Instant;
 
@@ -47,7 +48,7 @@ use tokio::net::TcpStream;
 use tokio::time::Sleep;
 
 use super::conn::{NotSentBody, SendError, UpBody};
-use crate::pipeline::body::{ReqBody, ReqBodyError};
+use crate::pipeline::body::{BodyProgress, ReqBody, ReqBodyError};
 use crate::pipeline::headers::{Added, put_header, token_in};
 
 /// The largest response head accepted (status line and headers).
@@ -149,6 +150,9 @@ pub struct H1Conn {
     /// is one atomic update, where a new timer per request costs a registration in the
     /// runtime's timer wheel and a removal (about 1,400 instructions).
     timer: Option<Pin<Box<Sleep>>>,
+    /// This exchange's request body's progress, which moves the response deadline on while
+    /// the body is being sent (none for a request without a body).
+    progress: Option<Arc<BodyProgress>>,
 }
 
 impl H1Conn {
@@ -165,6 +169,7 @@ impl H1Conn {
             body_write_failed: false,
             interim: 0,
             timer: None,
+            progress: None,
         }
     }
 
@@ -225,6 +230,7 @@ impl H1Conn {
             self.peer_closed = false;
             self.body_write_failed = false;
             self.interim = 0;
+            self.progress = body.progress();
             let timed = match (deadline, self.timer.as_mut()) {
                 (Some(d), Some(t)) => {
                     t.as_mut().reset(d.into());
@@ -286,6 +292,11 @@ impl H1Conn {
             let head_request = parts.method == Method::HEAD;
             std::future::poll_fn(|cx| match self.poll_head(cx, head_request) {
                 Poll::Pending if timed && self.timer_fired(cx) => {
+                    // The client, not the upstream, is the one waited on: its body stalled.
+                    if self.progress.as_ref().is_some_and(|p| p.client_stalled()) {
+                        self.sending = None;
+                        return Poll::Ready(Err(H1Error::Body(ReqBodyError::TimedOut)));
+                    }
                     Poll::Ready(Err(H1Error::TimedOut))
                 }
                 r => r,
@@ -307,11 +318,24 @@ impl H1Conn {
     /// timer: this is asked when a read or write returned `Pending`, which it also does when
     /// the budget ran out under a steady stream of bytes (a fast upload, a server that never
     /// stops sending), and a timer polled then would never be seen to fire.
+    ///
+    /// While a request body is being sent, the deadline is its last progress plus the
+    /// response timeout ([`BodyProgress`]): a timer that fires before that is moved to it
+    /// (the deadline is checked when the timer fires, not moved at each frame).
     fn timer_fired(&mut self, cx: &mut Context<'_>) -> bool {
-        self.timer.as_mut().is_some_and(|t| {
-            let mut t = tokio::task::coop::unconstrained(t.as_mut());
-            Pin::new(&mut t).poll(cx).is_ready()
-        })
+        let Some(t) = self.timer.as_mut() else {
+            return false;
+        };
+        loop {
+            let mut polled = tokio::task::coop::unconstrained(t.as_mut());
+            if Pin::new(&mut polled).poll(cx).is_pending() {
+                return false;
+            }
+            match &self.progress {
+                Some(p) if p.due() > Instant::now() => t.as_mut().reset(p.due().into()),
+                _ => return true,
+            }
+        }
     }
 
     /// The request head into `wbuf`: request line, headers (without the framing ones, which

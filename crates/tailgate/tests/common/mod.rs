@@ -30,6 +30,43 @@ pub fn full(b: impl Into<Bytes>) -> TestBody {
     Full::new(b.into()).map_err(|e| match e {}).boxed()
 }
 
+/// A body of `chunks` pieces of `size` bytes, one every `every` (no length: an HTTP/1.1
+/// client sends it chunked). With `stall_after`, it sends that many pieces and then
+/// nothing more, without ending.
+pub fn trickle(
+    chunks: usize,
+    size: usize,
+    every: Duration,
+    stall_after: Option<usize>,
+) -> TestBody {
+    let pieces = futures_util::stream::unfold(0usize, move |i| async move {
+        if i == chunks {
+            return None;
+        }
+        if stall_after == Some(i) {
+            std::future::pending::<()>().await;
+        }
+        if i > 0 {
+            tokio::time::sleep(every).await;
+        }
+        let piece = hyper::body::Frame::data(Bytes::from(vec![b'x'; size]));
+        Some((Ok(piece), i + 1))
+    });
+    http_body_util::StreamBody::new(pieces).boxed()
+}
+
+/// An upstream that reads each request's body whole and answers `got N` (its length).
+pub async fn body_counting_upstream() -> SocketAddr {
+    upstream(|req: http::Request<Incoming>| async move {
+        let got = req.into_body().collect().await.map(|b| b.to_bytes().len());
+        http::Response::new(full(match got {
+            Ok(n) => format!("got {n}"),
+            Err(e) => format!("body failed: {e}"),
+        }))
+    })
+    .await
+}
+
 /// Starts a gateway from `toml` (listener addresses may use port 0). The default listener
 /// snippet `[[listener]] name = "main" address = "127.0.0.1:0"` is added unless the toml has
 /// its own listener.
