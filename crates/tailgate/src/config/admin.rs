@@ -25,7 +25,9 @@ pub(super) fn check(
     metrics: &RawMetrics,
 ) -> (Option<AdminSettings>, MetricsSettings) {
     let admin = admin.and_then(|a| {
-        let address = c.address(&a.address, "admin.address".into());
+        let address = c
+            .address(&a.address, "admin.address".into())
+            .filter(|ad| c.bindable(*ad, &a.address, "admin.address".into(), true));
         let lag_probe_interval = c.duration(
             &a.lag_probe_interval,
             "admin.lag_probe_interval".into(),

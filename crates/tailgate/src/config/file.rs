@@ -83,7 +83,7 @@ pub struct RawDemo {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawListener {
-    pub name: Option<String>,
+    pub name: Option<Spanned<String>>,
     pub address: Spanned<String>,
     pub tenant: Option<Spanned<String>>,
     pub tls: Option<RawTls>,

@@ -19,6 +19,28 @@ use super::{
     ServerSettings, Tenant, TlsFiles,
 };
 
+/// Headers the request id cannot be carried in: the message's framing and routing, the
+/// hop-by-hop headers the gateway removes, and the forwarding headers it writes.
+const RESERVED_ID_HEADERS: &[&str] = &[
+    "content-length",
+    "transfer-encoding",
+    "host",
+    "connection",
+    "keep-alive",
+    "te",
+    "trailer",
+    "upgrade",
+    "expect",
+    "content-type",
+    "content-encoding",
+    "date",
+    "via",
+    "forwarded",
+    "x-forwarded-for",
+    "x-forwarded-proto",
+    "x-forwarded-host",
+];
+
 /// The longest duration a setting takes (longer ones would overflow deadline arithmetic).
 const MAX_DURATION: Duration = Duration::from_secs(30 * 24 * 3600);
 
@@ -116,10 +138,15 @@ impl Checker<'_> {
         if path.is_file() {
             return Some(path);
         }
+        let problem = if path.is_dir() {
+            format!("{} is a directory, not a file", path.display())
+        } else {
+            format!("no such file: {}", path.display())
+        };
         self.err(
             Some(v.span()),
             field,
-            format!("no such file: {}", path.display()),
+            problem,
             Some(&format!(
                 "write the path of a PEM {what} (relative paths are relative to the config file)"
             )),
@@ -142,11 +169,20 @@ impl Checker<'_> {
         }
     }
 
-    /// Can a listening socket be bound to `a`? Listeners bind IPv6 addresses IPv6-only, so
-    /// an IPv4-mapped one is refused by the kernel, as is a link-local one with no scope.
-    pub(super) fn bindable(&mut self, a: SocketAddr, v: &Spanned<String>, field: String) -> bool {
+    /// Can a listening socket be bound to `a`? A link-local address with no scope is
+    /// refused by the kernel; so is an IPv4-mapped one on an IPv6-only socket (listeners'
+    /// sockets; the admin plane's and demos' are `dual_stack`).
+    pub(super) fn bindable(
+        &mut self,
+        a: SocketAddr,
+        v: &Spanned<String>,
+        field: String,
+        dual_stack: bool,
+    ) -> bool {
         let SocketAddr::V6(v6) = a else { return true };
-        let (message, hint) = if let Some(v4) = v6.ip().to_ipv4_mapped() {
+        let (message, hint) = if let Some(v4) = v6.ip().to_ipv4_mapped()
+            && !dual_stack
+        {
             (
                 format!("`{}` is an IPv4 address written as IPv6", v.get_ref()),
                 format!("write it as IPv4: \"{v4}:{}\"", a.port()),
@@ -224,20 +260,13 @@ pub(super) fn parse_and_validate(path: &Path, text: &str) -> Result<Config, Conf
         Err(e) => {
             let (line, col) = e.span().map_or((0, 0), |s| line_col(text, s.start));
             let message = e.message().trim().to_owned();
-            let hint = if message.contains("unknown field") {
-                Some("remove it, or use one of the expected fields listed above".to_owned())
-            } else if message.contains("missing field") {
-                Some("add the field to this table".to_owned())
-            } else {
-                None
-            };
             return Err(ConfigErrors(vec![ConfigError {
                 file: path.to_path_buf(),
                 line,
                 col,
-                field: String::new(),
+                field: key_on_line(text, line),
+                hint: Some(toml_hint(&message).to_owned()),
                 message,
-                hint,
             }]));
         }
     };
@@ -252,6 +281,36 @@ pub(super) fn parse_and_validate(path: &Path, text: &str) -> Result<Config, Conf
     } else {
         Err(ConfigErrors(c.errors))
     }
+}
+
+/// What to write instead, for an error the TOML reader found (before any field is checked).
+fn toml_hint(message: &str) -> &'static str {
+    if message.contains("unknown field") {
+        "remove it, or use one of the expected fields listed above"
+    } else if message.contains("missing field") {
+        "add the field to this table"
+    } else if message.contains("duplicate key") {
+        "keep one of the two"
+    } else if message.contains("invalid type: string") {
+        "write this value without quotes (a number or true/false); see the README's config reference"
+    } else if message.contains("expected a string") {
+        "write this value in quotes, e.g. \"30s\" or \"127.0.0.1:8080\""
+    } else if message.contains("invalid type") {
+        "write a value of the type the README's config reference gives for this field"
+    } else {
+        "check this line's TOML: `key = value`, strings in quotes, tables as [name] or [[name]]"
+    }
+}
+
+/// The key written on line `line` (1-based) of `text`, if the line is `key = value`: what an
+/// error the TOML reader found is about.
+fn key_on_line(text: &str, line: usize) -> String {
+    text.lines()
+        .nth(line.saturating_sub(1))
+        .and_then(|l| l.split_once('='))
+        .map(|(k, _)| k.trim().to_owned())
+        .filter(|k| !k.is_empty() && !k.starts_with('['))
+        .unwrap_or_default()
 }
 
 fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
@@ -287,6 +346,23 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     };
     let request_id_header = match &s.request_id_header {
         Some(h) => match http::HeaderName::from_bytes(h.get_ref().as_bytes()) {
+            // The id is set on every request and response: a header that frames or routes
+            // a message, or that the gateway removes as hop-by-hop, would break them all.
+            Ok(n)
+                if RESERVED_ID_HEADERS.contains(&n.as_str())
+                    || n.as_str().starts_with("proxy-") =>
+            {
+                c.err(
+                    Some(h.span()),
+                    "server.request_id_header".into(),
+                    format!(
+                        "`{}` frames, routes or is removed from every message; it cannot carry the request id",
+                        h.get_ref()
+                    ),
+                    Some("write a header of its own, such as \"x-request-id\""),
+                );
+                http::HeaderName::from_static("x-request-id")
+            }
             Ok(n) => n,
             Err(_) => {
                 c.err(
@@ -389,7 +465,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         for (j, h) in t.hosts.iter().enumerate() {
             let host = h.get_ref().to_ascii_lowercase();
             if !valid_host_pattern(&host) {
-                c.err(Some(h.span()), format!("tenant[{i}].hosts[{j}]"), format!("`{}` is not a host name", h.get_ref()), Some("write a name like \"api.example.com\" or \"*.example.com\", without scheme or port"));
+                c.err(Some(h.span()), format!("tenant[{i}].hosts[{j}]"), format!("`{}` is not a host name", h.get_ref()), Some("write a name like \"api.example.com\" or \"*.example.com\", without scheme, port or trailing dot"));
                 continue;
             }
             if let Some(other) = host_owner.insert(host.clone(), name.clone()) {
@@ -435,7 +511,10 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     // Every socket bound so far: demos first, then listeners.
     let mut bound: Vec<Bound> = Vec::new();
     for (i, d) in raw.demo.iter().enumerate() {
-        if let Some(a) = c.address(&d.address, format!("demo[{i}].address")) {
+        if let Some(a) = c
+            .address(&d.address, format!("demo[{i}].address"))
+            .filter(|a| c.bindable(*a, &d.address, format!("demo[{i}].address"), true))
+        {
             let this = Bound {
                 addr: a,
                 dual: true,
@@ -458,7 +537,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     for (i, l) in raw.listener.iter().enumerate() {
         let address = c
             .address(&l.address, format!("listener[{i}].address"))
-            .filter(|a| c.bindable(*a, &l.address, format!("listener[{i}].address")));
+            .filter(|a| c.bindable(*a, &l.address, format!("listener[{i}].address"), false));
         if let Some(a) = address {
             let this = Bound {
                 addr: a,
@@ -517,9 +596,34 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             }
             files
         });
+        let name = match &l.name {
+            Some(n) => {
+                let name = n.get_ref().clone();
+                if name.is_empty() {
+                    c.err(
+                        Some(n.span()),
+                        format!("listener[{i}].name"),
+                        "must not be empty".into(),
+                        Some("write a name such as \"public\", or remove it for `listener<index>`"),
+                    );
+                } else if let Some(j) = raw.listener[..i]
+                    .iter()
+                    .position(|o| o.name.as_ref().is_some_and(|o| *o.get_ref() == name))
+                {
+                    c.err(
+                        Some(n.span()),
+                        format!("listener[{i}].name"),
+                        format!("listener `{name}` is defined twice (also listener[{j}])"),
+                        Some("give each listener a unique name: metrics and logs tell them apart by it"),
+                    );
+                }
+                name
+            }
+            None => format!("listener{i}"),
+        };
         if let Some(address) = address {
             listeners.push(Listener {
-                name: l.name.clone().unwrap_or_else(|| format!("listener{i}")),
+                name,
                 address,
                 tenant,
                 tls,
@@ -542,6 +646,14 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
     let mut system_roots = None;
     for (i, cl) in raw.cluster.iter().enumerate() {
         let name = cl.name.get_ref().clone();
+        if name.is_empty() {
+            c.err(
+                Some(cl.name.span()),
+                format!("cluster[{i}].name"),
+                "must not be empty".into(),
+                Some("write a name such as \"api\"; routes refer to the cluster by it"),
+            );
+        }
         if cluster_index.insert(name.clone(), i).is_some() {
             c.err(
                 Some(cl.name.span()),
@@ -788,7 +900,12 @@ fn pool_limits(c: &mut Checker<'_>, raw: &super::file::RawCluster, i: usize, cl:
             .as_ref()
             .map_or_else(|| raw.name.span(), |m| m.span()),
     );
-    if cl.min_warm_connections > 0 && cl.min_warm_connections > cl.max_idle_per_endpoint {
+    // `max_idle_per_endpoint` bounds idle HTTP/1.1 connections only: an HTTP/2 cluster's
+    // warm connections are shared, never idle in that list.
+    if cl.protocol != crate::upstream::Protocol::Http2
+        && cl.min_warm_connections > 0
+        && cl.min_warm_connections > cl.max_idle_per_endpoint
+    {
         c.err(
             warm_at.clone(),
             format!("cluster[{i}].min_warm_connections"),
@@ -897,14 +1014,22 @@ fn route_methods(c: &mut Checker<'_>, r: &RawRoute, i: usize) -> Vec<http::Metho
     out
 }
 
-/// A host pattern is a DNS-ish name, optionally starting with `*.`.
+/// A host pattern is a DNS-ish name, optionally starting with `*.`: labels of letters,
+/// digits, `-` and `_`, none empty (no leading, trailing or doubled dot: a request's
+/// `Host` is matched without its trailing dot) and none starting or ending with `-`.
 fn valid_host_pattern(h: &str) -> bool {
     let name = h.strip_prefix("*.").unwrap_or(h);
     !name.is_empty()
         && name.len() <= 253
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        })
 }
 
 /// Does the lower-case `host` match the `pattern` (exact, or `*.suffix` for subdomains)?
@@ -950,6 +1075,94 @@ mod tests {
         assert_eq!(line_col(t, 0), (1, 1));
         assert_eq!(line_col(t, 6), (2, 1));
         assert_eq!(line_col(t, 9), (2, 4));
+    }
+
+    fn errors_of(text: &str) -> String {
+        match parse_and_validate(Path::new("t.toml"), text) {
+            Ok(_) => String::new(),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    const TAIL: &str = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\n";
+
+    /// Values that parse but cannot work at run time, refused with their place and what to
+    /// write instead.
+    #[test]
+    fn values_that_cannot_work_are_refused() {
+        for (text, want) in [
+            (
+                format!("[server]\nrequest_id_header = \"content-length\"\n{TAIL}"),
+                "t.toml:2:21: server.request_id_header: `content-length` frames, routes or is removed",
+            ),
+            (
+                format!("[server]\nrequest_id_header = \"X-Forwarded-For\"\n{TAIL}"),
+                "server.request_id_header: `X-Forwarded-For` frames",
+            ),
+            (
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:0\", \"0.0.0.0:80\", \"224.0.0.1:80\"]\n".to_owned(),
+                "cluster[0].endpoints[0]: `127.0.0.1:0`: port 0",
+            ),
+            (
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"0.0.0.0:80\"]\n".to_owned(),
+                "`0.0.0.0:80`: an unspecified address",
+            ),
+            (
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"224.0.0.1:80\"]\n".to_owned(),
+                "`224.0.0.1:80`: a broadcast or multicast address",
+            ),
+            (
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"\"\nendpoints = [\"127.0.0.1:1\"]\n".to_owned(),
+                "t.toml:4:8: cluster[0].name: must not be empty",
+            ),
+            (
+                format!("[[listener]]\nname = \"\"\naddress = \"127.0.0.1:1\"\n{TAIL}"),
+                "t.toml:2:8: listener[0].name: must not be empty",
+            ),
+            (
+                format!("[[listener]]\nname = \"a\"\naddress = \"127.0.0.1:1\"\n[[listener]]\nname = \"a\"\naddress = \"127.0.0.1:2\"\n{TAIL}"),
+                "listener[1].name: listener `a` is defined twice (also listener[0])",
+            ),
+            (
+                format!("[[tenant]]\nname = \"t\"\nhosts = [\"api.test.\"]\n{TAIL}"),
+                "tenant[0].hosts[0]: `api.test.` is not a host name",
+            ),
+            (
+                format!("[[tenant]]\nname = \"t\"\nhosts = [\"a..b\"]\n{TAIL}"),
+                "`a..b` is not a host name",
+            ),
+            (
+                format!("[[tenant]]\nname = \"t\"\nhosts = [\"-\"]\n{TAIL}"),
+                "`-` is not a host name",
+            ),
+            (
+                format!("[admin]\naddress = \"[fe80::1]:9901\"\n{TAIL}"),
+                "t.toml:2:11: admin.address: `[fe80::1]:9901` is link-local, with no interface named",
+            ),
+            (
+                format!("[[demo]]\naddress = \"[fe80::1]:9902\"\n{TAIL}"),
+                "demo[0].address: `[fe80::1]:9902` is link-local",
+            ),
+            (
+                format!("[[listener]]\naddress = \"127.0.0.1:1\"\ntls = {{ cert = \".\", key = \".\" }}\n{TAIL}"),
+                "is a directory, not a file",
+            ),
+            (
+                format!("[server]\nworkers = \"2\"\n{TAIL}"),
+                "t.toml:2:11: workers: invalid type: string \"2\", expected usize\n  help: write this value without quotes",
+            ),
+        ] {
+            let errs = errors_of(&text);
+            assert!(errs.contains(want), "missing {want:?} for:\n{text}\ngot:\n{errs}");
+        }
+    }
+
+    /// `max_idle_per_endpoint` bounds idle HTTP/1.1 connections only: warm HTTP/2
+    /// connections with it at 0 are fine.
+    #[test]
+    fn http2_warm_connections_ignore_the_idle_limit() {
+        let text = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\nprotocol = \"http2\"\nmax_idle_per_endpoint = 0\nmin_warm_connections = 2\n";
+        assert_eq!(errors_of(text), "");
     }
 
     #[test]

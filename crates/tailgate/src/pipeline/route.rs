@@ -178,7 +178,11 @@ pub fn request_host(parts: &http::request::Parts) -> Result<Option<&str>, Severa
         Some(a) => Some(a.host()),
         None => first.and_then(|h| h.to_str().ok()),
     };
-    Ok(raw.map(strip_port))
+    // `api.example.com.` is the same name as `api.example.com` (nginx matches it so too).
+    Ok(raw.map(|h| {
+        let h = strip_port(h);
+        h.strip_suffix('.').unwrap_or(h)
+    }))
 }
 
 /// A request with more than one Host header.
@@ -204,6 +208,32 @@ mod tests {
     fn table(toml: &str) -> RouteTable {
         let cfg = Config::parse(Path::new("t.toml"), toml).expect("valid config");
         RouteTable::new(&cfg)
+    }
+
+    /// The host a request names: from the target's authority, else its one Host header,
+    /// without port or trailing dot (`acme.test.` is `acme.test`, as nginx matches it).
+    #[test]
+    fn the_request_host_has_no_port_and_no_trailing_dot() {
+        let host = |target: &str, header: Option<&str>| {
+            let mut b = http::Request::builder().uri(target);
+            if let Some(h) = header {
+                b = b.header(http::header::HOST, h);
+            }
+            let (parts, ()) = b.body(()).expect("request").into_parts();
+            request_host(&parts).ok().flatten().map(str::to_owned)
+        };
+        assert_eq!(host("/", Some("acme.test.")).as_deref(), Some("acme.test"));
+        assert_eq!(
+            host("/", Some("acme.test.:8080")).as_deref(),
+            Some("acme.test")
+        );
+        assert_eq!(
+            host("/", Some("acme.test:8080")).as_deref(),
+            Some("acme.test")
+        );
+        assert_eq!(host("/", Some("[::1]:8080")).as_deref(), Some("[::1]"));
+        assert_eq!(host("http://a.test./x", None).as_deref(), Some("a.test"));
+        assert_eq!(host("/", None), None);
     }
 
     const CFG: &str = r#"

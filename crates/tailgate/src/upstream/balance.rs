@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 const DECAY: Duration = Duration::from_secs(10);
 /// The cost of an endpoint with no samples yet (so new endpoints are tried, not flooded).
 const DEFAULT_RTT: Duration = Duration::from_millis(1);
-/// The longest an endpoint stays ejected, however often it failed.
+/// The longest an endpoint stays ejected, however often it failed (or its cluster's
+/// `eject_duration`, when that is longer: the first ejection is never cut short).
 const MAX_EJECTION: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,7 +140,7 @@ impl EndpointLoad {
         }
         self.consecutive_failures.store(0, Ordering::Relaxed);
         let k = self.ejections_in_row.fetch_add(1, Ordering::Relaxed).min(5);
-        let period = (self.eject_base * 2u32.pow(k)).min(MAX_EJECTION);
+        let period = (self.eject_base * 2u32.pow(k)).min(MAX_EJECTION.max(self.eject_base));
         self.ejected_until_ns
             .store(self.now_ns() + period.as_nanos() as u64, Ordering::Relaxed);
         self.ejections.fetch_add(1, Ordering::Relaxed);
@@ -270,6 +271,22 @@ mod tests {
         assert!(
             second >= first + Duration::from_millis(900).as_nanos() as u64,
             "the second ejection lasts twice as long"
+        );
+    }
+
+    /// An `eject_duration` longer than the 30 s cap is the first ejection's length, not cut
+    /// to 30 s; the doubling stops there.
+    #[test]
+    fn a_long_first_ejection_is_not_cut_to_the_cap() {
+        let l = EndpointLoad::new(1, Duration::from_secs(600));
+        assert!(l.failure());
+        let until = Duration::from_nanos(l.ejected_until_ns.load(Ordering::Relaxed));
+        assert!(until >= Duration::from_secs(599), "{until:?}");
+        assert!(l.failure());
+        let until = Duration::from_nanos(l.ejected_until_ns.load(Ordering::Relaxed));
+        assert!(
+            until < Duration::from_secs(601),
+            "not doubled past it: {until:?}"
         );
     }
 

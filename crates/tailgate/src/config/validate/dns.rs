@@ -20,6 +20,27 @@ impl Checker<'_> {
     pub(super) fn endpoint(&mut self, v: &Spanned<String>, field: String) -> Option<Endpoint> {
         let text = v.get_ref();
         if let Ok(a) = text.parse::<SocketAddr>() {
+            // Addresses nothing can be connected to (a listener's wildcard, broadcast,
+            // multicast) or that name no port.
+            let ip = a.ip();
+            let why = if a.port() == 0 {
+                Some("port 0 names no port to connect to")
+            } else if ip.is_unspecified() {
+                Some("an unspecified address (0.0.0.0, ::) is for listening, not connecting")
+            } else if ip.is_multicast() || ip == IpAddr::from([255, 255, 255, 255]) {
+                Some("a broadcast or multicast address is not one server")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                self.err(
+                    Some(v.span()),
+                    field,
+                    format!("`{text}`: {why}"),
+                    Some("write the address and port an upstream server listens on, e.g. \"127.0.0.1:8080\""),
+                );
+                return None;
+            }
             return Some(Endpoint::Addr(a));
         }
         let named = text.rsplit_once(':').and_then(|(host, port)| {
