@@ -361,6 +361,68 @@ fn sigterm_drains_in_flight_requests_and_exits_zero() {
     assert!(status.success(), "exit status {status:?}");
 }
 
+/// SIGHUP, which an nginx operator sends to reload, neither ends the gateway (its default
+/// action) nor drops anything: the gateway logs that it ignored it and keeps serving, and a
+/// SIGTERM after it still drains and exits 0.
+#[test]
+fn sighup_is_logged_and_ignored() {
+    let dir = tmpdir();
+    let up = slow_upstream(Duration::ZERO);
+    let port = free_port();
+    let cfg = serve_config(dir.path(), port, up, "[log]\nlevel = \"info\"\n");
+    let log = std::fs::File::create(dir.path().join("stderr.log")).unwrap();
+    let mut p = serve(&cfg, Stdio::from(log));
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_listening(addr);
+    let pid = p.0.id().to_string();
+    kill("-HUP", &pid);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        p.0.try_wait().unwrap().is_none(),
+        "SIGHUP ended the gateway"
+    );
+    let resp = http_get(addr, "/after-hup");
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    kill("-TERM", &pid);
+    let status = exit_within(&mut p, Duration::from_secs(15), "no exit after SIGTERM");
+    assert!(status.success(), "exit status {status:?}");
+    let text = std::fs::read_to_string(dir.path().join("stderr.log")).unwrap();
+    assert!(text.contains("SIGHUP ignored"), "{text}");
+}
+
+/// A second gateway started on the addresses of a running one shares them (SO_REUSEPORT,
+/// for a restart that starts the new process before it stops the old one), and says so:
+/// a forgotten old instance taking part of the traffic is not left unseen.
+#[test]
+fn a_second_gateway_on_the_same_address_warns_that_it_shares_it() {
+    let dir = tmpdir();
+    let up = slow_upstream(Duration::ZERO);
+    let port = free_port();
+    let cfg = serve_config(dir.path(), port, up, "");
+    let first_log = std::fs::File::create(dir.path().join("first.log")).unwrap();
+    let _first = serve(&cfg, Stdio::from(first_log));
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_listening(addr);
+    let second_log = std::fs::File::create(dir.path().join("second.log")).unwrap();
+    let second = serve(&cfg, Stdio::from(second_log));
+    let pid = second.0.id().to_string();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let text = std::fs::read_to_string(dir.path().join("second.log")).unwrap();
+        if text.contains("already listens") || Instant::now() > deadline {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        text.contains("another process already listens on this address"),
+        "{text}"
+    );
+    let first = std::fs::read_to_string(dir.path().join("first.log")).unwrap();
+    assert!(!first.contains("already listens"), "{first}");
+    kill("-TERM", &pid);
+}
+
 /// Each thread of process `pid`: its name, nice value and scheduling policy (fields 19 and
 /// 41 of `/proc/PID/task/TID/stat`; policy 0 is `SCHED_OTHER`, 5 `SCHED_IDLE`). A thread
 /// that ends while it is read is left out.

@@ -142,11 +142,15 @@ enum Drained {
     TimedOut,
 }
 
-/// SIGTERM and SIGINT, caught from when this is made.
+/// SIGTERM and SIGINT, caught from when this is made; and SIGHUP, caught so that it does not
+/// end the process (its default action). The configuration is not reloaded in place: a
+/// SIGHUP, which an nginx operator or a unit's `ExecReload=kill -HUP` sends to reload, is
+/// logged as ignored, and the gateway goes on with the configuration it has.
 struct Signals {
     rt: tokio::runtime::Runtime,
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
 }
 
 impl Signals {
@@ -155,25 +159,31 @@ impl Signals {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        let (term, int) = {
+        let (term, int, hup) = {
             let _in = rt.enter();
             (
                 signal(SignalKind::terminate())?,
                 signal(SignalKind::interrupt())?,
+                signal(SignalKind::hangup())?,
             )
         };
-        Ok(Signals { rt, term, int })
+        Ok(Signals { rt, term, int, hup })
     }
 
     /// Until a signal comes (at once if one came since the last wait). Signals that came
     /// with it (a terminal's SIGINT and a wrapper's SIGTERM) are taken too: only one that
     /// comes later counts in [`Self::wait_for`].
     fn wait(&mut self) {
-        let Signals { rt, term, int } = self;
+        let Signals { rt, term, int, hup } = self;
         rt.block_on(async {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
+            loop {
+                tokio::select! {
+                    _ = term.recv() => break,
+                    _ = int.recv() => break,
+                    _ = hup.recv() => tracing::warn!(
+                        "SIGHUP ignored: the configuration is not reloaded in place; restart tailgate to apply a changed one"
+                    ),
+                }
             }
             // Whatever the signal driver has delivered by now, taken without waiting.
             tokio::task::yield_now().await;
@@ -193,7 +203,7 @@ impl Signals {
         done: tokio::sync::oneshot::Receiver<()>,
         limit: std::time::Duration,
     ) -> Drained {
-        let Signals { rt, term, int } = self;
+        let Signals { rt, term, int, .. } = self;
         rt.block_on(async {
             let mut done = std::pin::pin!(done);
             let mut limit = std::pin::pin!(tokio::time::sleep(limit));

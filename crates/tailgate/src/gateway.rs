@@ -103,6 +103,13 @@ impl Gateway {
                 None => None,
             };
             let mut addr = l.address;
+            if listener::taken_by_another(addr) {
+                tracing::warn!(
+                    listener.name = %l.name,
+                    listener.addr = %addr,
+                    "another process already listens on this address: new connections are shared with it (SO_REUSEPORT) until it stops; stop it, unless this gateway is starting to replace it"
+                );
+            }
             let mut sockets = Vec::new();
             for _ in 0..workers {
                 let s = listener::bind_reuseport(addr).map_err(|source| StartError::Bind {

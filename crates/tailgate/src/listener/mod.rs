@@ -23,6 +23,26 @@ pub struct BoundListener {
     pub tls: Option<TlsAcceptor>,
 }
 
+/// Does another socket (another process: call this before this gateway binds `addr`)
+/// already listen on `addr`? Bound with SO_REUSEPORT, this gateway would share its new
+/// connections with it, which is what a restart that starts the new gateway before it
+/// stops the old one wants, and what a forgotten old instance must not do unseen.
+pub fn taken_by_another(addr: SocketAddr) -> bool {
+    if addr.port() == 0 {
+        return false;
+    }
+    let Ok(socket) = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
+    else {
+        return false;
+    };
+    // SO_REUSEADDR but not SO_REUSEPORT: the bind fails only if something listens there.
+    let _ = socket.set_reuse_address(true);
+    if addr.is_ipv6() {
+        let _ = socket.set_only_v6(true);
+    }
+    matches!(socket.bind(&addr.into()), Err(e) if e.kind() == std::io::ErrorKind::AddrInUse)
+}
+
 /// Binds `addr` with SO_REUSEPORT so that each worker can bind its own socket to it.
 pub fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
