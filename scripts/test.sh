@@ -23,13 +23,14 @@ fi
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # rustdoc now and then fails to write a page it has just laid out ("couldn't generate
-# documentation: I/O error ... No such file or directory"), a known flake of its file
-# writer that passes on a second try; only that error earns one retry, so a real doc
-# warning still fails the run.
+# documentation: I/O error ... No such file or directory"), and cargo to clear the old
+# pages first ("failed to remove file `.../target/doc/...`: No such file or directory"),
+# flakes of the file system under target/doc that pass on a second try; only those errors
+# earn one retry, so a real doc warning still fails the run.
 doc() { RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet; }
 if ! doc_log=$(doc 2>&1); then
   printf '%s\n' "$doc_log" >&2
-  if grep -q "couldn't generate documentation: I/O error" <<<"$doc_log"; then
+  if grep -qE "couldn't generate documentation: I/O error|failed to remove (file|directory) \`[^\`]*/target/doc/" <<<"$doc_log"; then
     echo "rustdoc failed to write its output; documenting once more" >&2
     doc
   else
