@@ -1054,3 +1054,35 @@ async fn a_response_body_that_stops_coming_is_cut_off_after_the_response_timeout
     let r = fetch(&mut c, "GET", "/").await.unwrap();
     assert_eq!(r.body().len(), 100, "{:?}", r.body());
 }
+
+/// An upgrade to cleartext HTTP/2 (`Upgrade: h2c`) is not passed on: the tunnel would be an
+/// HTTP/2 connection to the upstream whose requests no route or method of the gateway sees
+/// (h2c smuggling). The request goes on as a plain one, without `Upgrade` or
+/// `HTTP2-Settings` (connection-specific even when `Connection` does not name it), and an
+/// upstream that answers `101` anyway gets no tunnel: a `502`.
+#[tokio::test]
+async fn r_an_h2c_upgrade_is_not_passed_on() {
+    let h2c = b"GET /public HTTP/1.1\r\nHost: a\r\nUpgrade: h2c\r\nConnection: Upgrade\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n";
+    let got = as_received(h2c).await;
+    assert!(got.starts_with("get /public http/1.1"), "{got}");
+    assert!(!got.contains("upgrade"), "{got}");
+    assert!(!got.contains("http2-settings"), "{got}");
+
+    let up = scripted(
+        |_| {
+            answer(
+                "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: h2c\r\n\r\n",
+                false,
+            )
+        },
+        false,
+    )
+    .await;
+    let gw = TestGateway::to(up.addr, "");
+    let (text, closed) = raw(gw.addr, h2c, Duration::from_secs(5)).await;
+    assert!(text.starts_with("HTTP/1.1 502"), "{text}");
+    assert!(
+        closed,
+        "the connection closes after a refused upgrade: {text}"
+    );
+}

@@ -7,6 +7,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use http::{HeaderMap, HeaderName, HeaderValue, header};
 
 static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+/// HTTP/2's upgrade settings (RFC 9113 §3.1 of its predecessor, RFC 7540 §3.2.1): a
+/// connection-specific header, never passed on.
+static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
 static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -89,6 +92,7 @@ pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) -> bool {
         headers.remove(header::CONNECTION);
     }
     headers.remove(&KEEP_ALIVE);
+    headers.remove(&HTTP2_SETTINGS);
     headers.remove(header::TE);
     headers.remove(header::TRAILER);
     headers.remove(header::TRANSFER_ENCODING);
@@ -118,6 +122,7 @@ fn is_hop_by_hop(n: &HeaderName) -> bool {
         || n == header::PROXY_AUTHORIZATION
         || n == KEEP_ALIVE
         || n == PROXY_CONNECTION
+        || n == HTTP2_SETTINGS
 }
 
 /// The client's address as header text, rendered once per connection (see [`Added`]).
@@ -227,9 +232,17 @@ impl<'a> Added<'a> {
     }
 }
 
-/// Does this request ask for a protocol upgrade (WebSocket)?
+/// Does this request ask for a protocol upgrade (WebSocket) the gateway passes on?
+///
+/// Never `h2c`: an upgrade to cleartext HTTP/2 would make the tunnel an HTTP/2 connection
+/// to the upstream, whose later requests no route, method or limit of the gateway sees
+/// (h2c smuggling). Such a request goes on as a plain HTTP/1.1 one, its `Upgrade` removed
+/// with the other hop-by-hop headers, as nginx (which passes no `Upgrade` unless told to)
+/// and Envoy (which refuses `h2c` unless configured) do.
 pub fn wants_upgrade(headers: &HeaderMap) -> bool {
-    headers.contains_key(header::UPGRADE) && connection_has(headers, "upgrade")
+    headers.contains_key(header::UPGRADE)
+        && connection_has(headers, "upgrade")
+        && !lists_token(headers, &header::UPGRADE, "h2c")
 }
 
 /// Does a `Connection` header list `token` (case-insensitive)?
