@@ -263,6 +263,61 @@ async fn websocket_upgrade_is_passed_through() {
     assert_eq!(echoed, frame);
 }
 
+/// Opens a WebSocket through the gateway at `addr` to an echoing upstream; returns the
+/// client's socket once the 101 is in.
+async fn ws_open(addr: std::net::SocketAddr) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert!(String::from_utf8_lossy(&got).starts_with("HTTP/1.1 101"));
+    s
+}
+
+/// A tunnel with no bytes either way for the server's `idle_timeout` is closed (its client
+/// may have vanished without a FIN); one with traffic stays up however long it lives.
+#[tokio::test]
+async fn a_silent_websocket_tunnel_is_closed_after_the_idle_timeout() {
+    let up = upstream(|mut req: http::Request<hyper::body::Incoming>| async move {
+        websocket_echo(&mut req)
+    })
+    .await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"600ms\"\n");
+    let mut s = ws_open(gw.addr).await;
+    let mut buf = vec![0u8; 64];
+    // A frame every 200 ms for 1.6 s: more than two idle timeouts, never idle for one.
+    for i in 0..8u8 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        s.write_all(&[0x81, 0x01, i]).await.unwrap();
+        let mut echoed = Vec::new();
+        while echoed.len() < 3 {
+            let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+                .await
+                .unwrap()
+                .unwrap();
+            assert!(n > 0, "the busy tunnel was closed");
+            echoed.extend_from_slice(&buf[..n]);
+        }
+        assert_eq!(echoed, [0x81, 0x01, i]);
+    }
+    // Then silence: closed within a few idle timeouts.
+    let started = std::time::Instant::now();
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .expect("the silent tunnel is closed")
+        .unwrap_or(0);
+    assert_eq!(n, 0);
+    assert!(started.elapsed() >= Duration::from_millis(400));
+}
+
 /// A request in flight when shutdown starts completes; new connections are refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_drain_finishes_in_flight_requests() {

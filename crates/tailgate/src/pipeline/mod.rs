@@ -14,6 +14,7 @@ pub mod error;
 pub mod headers;
 pub mod route;
 pub mod spare;
+pub mod tunnel;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -598,14 +599,13 @@ fn forward(
             let (mut parts, _) = resp.into_parts();
             if let Some(mut upstream) = up.into_upgraded() {
                 let tunnel_conn = conn.clone();
+                let idle = settings.idle_timeout;
                 tokio::spawn(async move {
                     let _hold = tunnel_conn;
                     match client_upgrade.await {
                         Ok(c) => {
                             let mut c = TokioIo::new(c);
-                            if let Err(e) =
-                                tokio::io::copy_bidirectional(&mut c, &mut upstream).await
-                            {
+                            if let Err(e) = tunnel::run(&mut c, &mut upstream, idle).await {
                                 tracing::debug!(error = %e, "upgraded tunnel ended with an error");
                             }
                         }

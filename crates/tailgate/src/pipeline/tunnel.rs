@@ -1,0 +1,153 @@
+//! The tunnel of an upgraded connection (WebSocket and the like): bytes copied both ways
+//! until either side ends, or until none moved either way for the idle timeout.
+//!
+//! Without that bound, a tunnel whose client vanished without a FIN (a NAT entry expired, a
+//! laptop closed) held its task and both sockets until shutdown. nginx closes a tunnel that
+//! is silent for `proxy_read_timeout` and Envoy for its idle timeout; here it is the
+//! server's `idle_timeout`, the bound on a client connection with nothing to do. Applications
+//! that keep a WebSocket open through quiet periods send pings well within it.
+//!
+//! tokio's `copy_bidirectional` does the copying (its buffers, its half-close handling);
+//! the sockets are wrapped only to note when bytes last moved, which the timer reads when
+//! it fires, so a busy tunnel pays no timer update per read or write.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+// tokio's clock, which the timer runs on (and tests can pause).
+use tokio::time::Instant;
+
+/// When bytes last moved, in milliseconds from `since`.
+struct Moved {
+    since: Instant,
+    last_ms: AtomicU64,
+}
+
+impl Moved {
+    fn now(&self) {
+        let ms = u64::try_from(self.since.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ms.store(ms, Ordering::Relaxed);
+    }
+
+    fn idle_until(&self, idle: Duration) -> Instant {
+        self.since + Duration::from_millis(self.last_ms.load(Ordering::Relaxed)) + idle
+    }
+}
+
+/// One side of the tunnel, noting each read or write that moved bytes.
+struct Watched<'a, T> {
+    io: &'a mut T,
+    moved: &'a Moved,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Watched<'_, T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let r = Pin::new(&mut *this.io).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            this.moved.now();
+        }
+        r
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<'_, T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let r = Pin::new(&mut *this.io).poll_write(cx, data);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            this.moved.now();
+        }
+        r
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut *self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut *self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+/// Copies between `client` and `upstream` until either ends, or until no byte moved either
+/// way for `idle` (`TimedOut`). Returns the bytes copied each way, as `copy_bidirectional`.
+pub async fn run<A, B>(client: &mut A, upstream: &mut B, idle: Duration) -> io::Result<(u64, u64)>
+where
+    A: AsyncRead + AsyncWrite + Unpin,
+    B: AsyncRead + AsyncWrite + Unpin,
+{
+    let moved = Moved {
+        since: Instant::now(),
+        last_ms: AtomicU64::new(0),
+    };
+    let mut a = Watched {
+        io: client,
+        moved: &moved,
+    };
+    let mut b = Watched {
+        io: upstream,
+        moved: &moved,
+    };
+    let copy = tokio::io::copy_bidirectional(&mut a, &mut b);
+    let mut copy = std::pin::pin!(copy);
+    let timer = tokio::time::sleep_until(moved.idle_until(idle));
+    let mut timer = std::pin::pin!(timer);
+    loop {
+        tokio::select! {
+            done = &mut copy => return done,
+            () = &mut timer => {
+                let until = moved.idle_until(idle);
+                if until <= Instant::now() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "no bytes either way for the idle timeout",
+                    ));
+                }
+                timer.as_mut().reset(until);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// A tunnel with traffic stays up past the idle timeout; one silent for it ends.
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_tunnel_ends_after_the_idle_timeout_and_a_busy_one_does_not() {
+        let (mut client, mut client_far) = tokio::io::duplex(64);
+        let (mut upstream, mut upstream_far) = tokio::io::duplex(64);
+        let idle = Duration::from_secs(10);
+        let tunnel = tokio::spawn(async move { run(&mut client, &mut upstream, idle).await });
+        // Traffic every 4 s for 20 s, past two idle timeouts.
+        for i in 0..5u8 {
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            client_far.write_all(&[i]).await.expect("write");
+            let mut got = [0u8; 1];
+            upstream_far.read_exact(&mut got).await.expect("read");
+            assert_eq!(got[0], i);
+        }
+        assert!(!tunnel.is_finished(), "a tunnel with traffic stays up");
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        let ended = tunnel.await.expect("task");
+        let e = ended.expect_err("a silent tunnel ends");
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+    }
+}
