@@ -350,3 +350,47 @@ async fn graceful_drain_finishes_in_flight_requests() {
         "no longer accepting"
     );
 }
+
+/// An HTTP/2 client that stops taking response data (it never reads the body, so its
+/// flow-control window stays shut) is cut off after the server's `idle_timeout`, as an
+/// HTTP/1.1 one that stops reading is: no write of the connection blocks to show it, and
+/// the stalled stream would hold its upstream connection for as long as the client liked.
+/// A request still waiting for its upstream's answer longer than that is not cut off.
+#[tokio::test]
+async fn an_h2_client_that_takes_no_response_data_is_cut_off() {
+    let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
+        if req.uri().path() == "/slow" {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            return http::Response::new(full("ok"));
+        }
+        http::Response::new(full(vec![b'x'; 4 << 20]))
+    })
+    .await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"600ms\"\n");
+    let stream = TcpStream::connect(gw.addr).await.unwrap();
+    let (mut c, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    let conn = tokio::spawn(conn);
+    // Waiting 1.5 s for the upstream's answer, past the idle timeout: served.
+    let resp = c
+        .send_request(http::Request::get("http://a/slow").body(full("")).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ok");
+    // 4 MiB asked for and never read: the connection is closed.
+    let resp = c
+        .send_request(http::Request::get("http://a/big").body(full("")).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let _unread = resp;
+    let ended = tokio::time::timeout(Duration::from_secs(10), conn).await;
+    assert!(
+        ended.is_ok(),
+        "the stalled client's connection was not closed"
+    );
+}

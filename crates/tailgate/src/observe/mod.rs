@@ -82,6 +82,12 @@ pub struct ConnActivity {
     in_flight: AtomicUsize,
     epoch: Instant,
     last_active_ms: std::sync::atomic::AtomicU64,
+    /// Response bodies that handed the client a piece and have not been asked for the next
+    /// since: over HTTP/2, a stream whose client stopped taking data (its flow-control
+    /// window shut) is not asked, and no write of the connection blocks to show it.
+    waiting_on_client: AtomicUsize,
+    /// When the client last took a piece, or one started waiting, in ms from `epoch`.
+    last_taken_ms: std::sync::atomic::AtomicU64,
 }
 
 impl Default for ConnActivity {
@@ -90,6 +96,8 @@ impl Default for ConnActivity {
             in_flight: AtomicUsize::new(0),
             epoch: Instant::now(),
             last_active_ms: Default::default(),
+            waiting_on_client: AtomicUsize::new(0),
+            last_taken_ms: Default::default(),
         }
     }
 }
@@ -110,6 +118,37 @@ impl ConnActivity {
             Ordering::Relaxed,
         );
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    fn ms_now(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// A response body handed the client a piece, and waits to be asked for the next.
+    pub fn piece_handed(&self) {
+        if self.waiting_on_client.fetch_add(1, Ordering::Relaxed) == 0 {
+            self.last_taken_ms.store(self.ms_now(), Ordering::Relaxed);
+        }
+    }
+
+    /// The client took the piece a body handed it (the body is asked for the next).
+    pub fn piece_taken(&self) {
+        self.last_taken_ms.store(self.ms_now(), Ordering::Relaxed);
+        self.waiting_on_client.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// A body that was waiting for the client to take its piece ended.
+    pub fn piece_dropped(&self) {
+        self.waiting_on_client.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// When a client that took no response data while some waited for it is cut off:
+    /// `idle` after it last took a piece; `None` while no body waits for it.
+    pub fn stalled_deadline(&self, idle: Duration) -> Option<Instant> {
+        if self.waiting_on_client.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        Some(self.epoch + Duration::from_millis(self.last_taken_ms.load(Ordering::Relaxed)) + idle)
     }
 
     /// When the connection may be closed for idleness, or `None` while a request is in flight.
@@ -165,6 +204,11 @@ impl ExchangeRecorder {
     /// When the exchange started.
     pub fn started(&self) -> Instant {
         self.started
+    }
+
+    /// The client connection's activity, while the recording has it.
+    pub fn activity(&self) -> Option<&ConnActivity> {
+        self.activity.as_deref()
     }
 
     pub fn exchange_mut(&mut self) -> Option<&mut Exchange> {

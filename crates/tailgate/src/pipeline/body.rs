@@ -376,6 +376,20 @@ pub struct UpstreamBody {
     /// The wait for each next piece of the body, bounded by the response timeout.
     pub read_wait: ReadWait,
     pub recorder: ExchangeRecorder,
+    /// A piece was handed to the client and the next not asked for since (counted in the
+    /// connection's [`ConnActivity`](crate::observe::ConnActivity), which the connection's
+    /// idle check reads).
+    pub handed: bool,
+}
+
+impl Drop for UpstreamBody {
+    fn drop(&mut self) {
+        if self.handed
+            && let Some(a) = self.recorder.activity()
+        {
+            a.piece_dropped();
+        }
+    }
 }
 
 /// How long the upstream may leave the client waiting for the next piece of a response
@@ -460,6 +474,11 @@ impl Body for RespBody {
             RespBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
             RespBody::Upstream(up) => {
                 let up = &mut **up;
+                if std::mem::take(&mut up.handed)
+                    && let Some(a) = up.recorder.activity()
+                {
+                    a.piece_taken();
+                }
                 if let Some(d) = up.deadline.as_mut()
                     && d.as_mut().poll(cx).is_ready()
                 {
@@ -494,6 +513,9 @@ impl Body for RespBody {
                         }
                         if up.ended() {
                             up.finish();
+                        } else if let Some(a) = up.recorder.activity() {
+                            up.handed = true;
+                            a.piece_handed();
                         }
                         Poll::Ready(Some(Ok(frame)))
                     }

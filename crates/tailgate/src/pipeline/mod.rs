@@ -657,6 +657,7 @@ fn forward(
             deadline,
             read_wait: ReadWait::new(route.response_timeout),
             recorder,
+            handed: false,
         }));
         Ok(Response::from_parts(parts, body))
     }

@@ -479,10 +479,22 @@ where
                     (this.graceful)(&mut this.conn);
                 }
                 Some(at) => this.idle_timer.as_mut().reset(at.into()),
-                None => this
-                    .idle_timer
-                    .as_mut()
-                    .reset(tokio::time::Instant::now() + this.idle),
+                // Requests in flight: unless the client stopped taking their response data.
+                // Over HTTP/2 such a client leaves no write blocked (its flow-control window
+                // holds the data back), so the send timeout never sees it; each stalled
+                // stream would hold its upstream connection for as long as the client
+                // liked. The connection is dropped, and its streams with it.
+                None => match this.info.activity.stalled_deadline(this.idle) {
+                    Some(at) if at <= std::time::Instant::now() => {
+                        tracing::debug!(client.addr = %this.info.client, "client took no response data for the idle timeout; connection dropped");
+                        return Poll::Ready(None);
+                    }
+                    Some(at) => this.idle_timer.as_mut().reset(at.into()),
+                    None => this
+                        .idle_timer
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + this.idle),
+                },
             }
             // The timer was reset (or the connection is closing): poll again.
             this.side.woken.store(true, Ordering::Release);
