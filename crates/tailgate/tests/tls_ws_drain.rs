@@ -232,20 +232,9 @@ async fn websocket_upgrade_is_passed_through() {
     })
     .await;
     let gw = TestGateway::to(up, "");
-    let mut s = TcpStream::connect(gw.addr).await.unwrap();
-    s.write_all(b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").await.unwrap();
+    let (mut s, head) = ws_open(gw.addr).await;
     let mut buf = vec![0u8; 4096];
-    let mut got = Vec::new();
-    while !String::from_utf8_lossy(&got).contains("\r\n\r\n") {
-        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(n > 0);
-        got.extend_from_slice(&buf[..n]);
-    }
-    let head = String::from_utf8_lossy(&got).to_ascii_lowercase();
-    assert!(head.starts_with("http/1.1 101"), "{head}");
+    let head = head.to_ascii_lowercase();
     assert!(head.contains("upgrade: websocket"), "{head}");
     assert!(head.contains("sec-websocket-accept"), "{head}");
     // Frames pass both ways, byte for byte.
@@ -264,8 +253,8 @@ async fn websocket_upgrade_is_passed_through() {
 }
 
 /// Opens a WebSocket through the gateway at `addr` to an echoing upstream; returns the
-/// client's socket once the 101 is in.
-async fn ws_open(addr: std::net::SocketAddr) -> TcpStream {
+/// client's socket once the 101 is in, and the response head (and any bytes after it).
+async fn ws_open(addr: std::net::SocketAddr) -> (TcpStream, String) {
     let mut s = TcpStream::connect(addr).await.unwrap();
     s.write_all(b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").await.unwrap();
     let mut buf = vec![0u8; 4096];
@@ -278,8 +267,9 @@ async fn ws_open(addr: std::net::SocketAddr) -> TcpStream {
         assert!(n > 0);
         got.extend_from_slice(&buf[..n]);
     }
-    assert!(String::from_utf8_lossy(&got).starts_with("HTTP/1.1 101"));
-    s
+    let head = String::from_utf8_lossy(&got).into_owned();
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    (s, head)
 }
 
 /// A tunnel with no bytes either way for the server's `idle_timeout` is closed (its client
@@ -291,7 +281,7 @@ async fn a_silent_websocket_tunnel_is_closed_after_the_idle_timeout() {
     })
     .await;
     let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"600ms\"\n");
-    let mut s = ws_open(gw.addr).await;
+    let (mut s, _) = ws_open(gw.addr).await;
     let mut buf = vec![0u8; 64];
     // A frame every 200 ms for 1.6 s: more than two idle timeouts, never idle for one.
     for i in 0..8u8 {

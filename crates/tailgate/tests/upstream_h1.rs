@@ -941,27 +941,6 @@ async fn r_early_complete_answer_keeps_the_upload_going() {
     assert_eq!(received.load(Ordering::SeqCst), 20_000, "upload cut short");
 }
 
-/// Sends `body` as a POST on `c` and reads the whole answer.
-async fn post(
-    c: &mut hyper::client::conn::http1::SendRequest<TestBody>,
-    body: TestBody,
-) -> Result<http::Response<bytes::Bytes>, String> {
-    let r = c
-        .send_request(
-            http::Request::builder()
-                .method("POST")
-                .uri("/upload")
-                .header("host", "a")
-                .body(body)
-                .unwrap(),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
-    let (parts, body) = r.into_parts();
-    let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
-    Ok(http::Response::from_parts(parts, body))
-}
-
 /// The response timeout counts from the request body's last progress while it is being
 /// sent: an upload slower than the timeout that keeps moving reaches the upstream whole and
 /// gets its answer (it used to be cut off with a 504 mid-upload). One that stops is a 408,

@@ -742,31 +742,17 @@ async fn h2_slow_upload_is_not_cut_off_and_a_stalled_one_is_the_clients_fault() 
     let gw = TestGateway::start(&format!(
         "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nprotocol = \"http2\"\neject_after_failures = 1\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"300ms\"\n"
     ));
-    let post = |body: TestBody| {
-        let addr = gw.addr;
-        async move {
-            let mut c = h1_client(addr).await;
-            let r = c
-                .send_request(
-                    http::Request::builder()
-                        .method("POST")
-                        .uri("/upload")
-                        .header("host", "a")
-                        .body(body)
-                        .unwrap(),
-                )
-                .await
-                .unwrap();
-            let status = r.status();
-            (status, r.into_body().collect().await.unwrap().to_bytes())
-        }
-    };
-    let (status, body) = post(trickle(13, 1000, Duration::from_millis(100), None)).await;
-    assert_eq!((status.as_u16(), &body[..]), (200, &b"got 13000"[..]));
+    let slow = trickle(13, 1000, Duration::from_millis(100), None);
+    let r = post(&mut h1_client(gw.addr).await, slow).await.unwrap();
+    assert_eq!(
+        (r.status().as_u16(), &r.body()[..]),
+        (200, &b"got 13000"[..])
+    );
 
-    let (status, body) = post(trickle(10, 1000, Duration::from_millis(20), Some(2))).await;
-    assert_eq!(status, 408, "{body:?}");
-    assert!(String::from_utf8_lossy(&body).contains("client_body_timeout"));
+    let stalled = trickle(10, 1000, Duration::from_millis(20), Some(2));
+    let r = post(&mut h1_client(gw.addr).await, stalled).await.unwrap();
+    assert_eq!(r.status(), 408, "{:?}", r.body());
+    assert!(String::from_utf8_lossy(r.body()).contains("client_body_timeout"));
     let pools = gw.gw.as_ref().unwrap().endpoint_pools();
     assert_eq!(pools[0].load.ejections.load(Ordering::Relaxed), 0);
 }

@@ -55,6 +55,27 @@ pub fn trickle(
     http_body_util::StreamBody::new(pieces).boxed()
 }
 
+/// Sends `body` as a POST to `/upload` on `c` and reads the whole answer.
+pub async fn post(
+    c: &mut hyper::client::conn::http1::SendRequest<TestBody>,
+    body: TestBody,
+) -> Result<http::Response<Bytes>, String> {
+    let r = c
+        .send_request(
+            http::Request::builder()
+                .method("POST")
+                .uri("/upload")
+                .header("host", "a")
+                .body(body)
+                .unwrap(),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    let (parts, body) = r.into_parts();
+    let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+    Ok(http::Response::from_parts(parts, body))
+}
+
 /// An upstream that reads each request's body whole and answers `got N` (its length).
 pub async fn body_counting_upstream() -> SocketAddr {
     upstream(|req: http::Request<Incoming>| async move {
