@@ -110,26 +110,13 @@ async fn read_request(s: &mut TcpStream, buf: &mut Vec<u8>, head_only: bool) -> 
     Some(req)
 }
 
-/// Sends `GET path` on `c` and reads the whole answer: status, headers, body.
+/// Sends `method path` with no body on `c` and reads the whole answer.
 async fn fetch(
     c: &mut hyper::client::conn::http1::SendRequest<TestBody>,
     method: &str,
     path: &str,
 ) -> Result<http::Response<bytes::Bytes>, String> {
-    let r = c
-        .send_request(
-            http::Request::builder()
-                .method(method)
-                .uri(path)
-                .header("host", "a")
-                .body(full(""))
-                .unwrap(),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
-    let (parts, body) = r.into_parts();
-    let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
-    Ok(http::Response::from_parts(parts, body))
+    send(c, method, path, full("")).await
 }
 
 /// `n` GETs in a row on one client connection through a gateway in front of `up`.

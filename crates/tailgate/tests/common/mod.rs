@@ -60,11 +60,22 @@ pub async fn post(
     c: &mut hyper::client::conn::http1::SendRequest<TestBody>,
     body: TestBody,
 ) -> Result<http::Response<Bytes>, String> {
+    send(c, "POST", "/upload", body).await
+}
+
+/// Sends `method path` with `body` (Host `a`) on `c` and reads the whole answer: status,
+/// headers, body; an error as text.
+pub async fn send(
+    c: &mut hyper::client::conn::http1::SendRequest<TestBody>,
+    method: &str,
+    path: &str,
+    body: TestBody,
+) -> Result<http::Response<Bytes>, String> {
     let r = c
         .send_request(
             http::Request::builder()
-                .method("POST")
-                .uri("/upload")
+                .method(method)
+                .uri(path)
                 .header("host", "a")
                 .body(body)
                 .unwrap(),
