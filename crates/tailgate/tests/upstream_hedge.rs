@@ -12,7 +12,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::*;
-use http_body_util::BodyExt;
 
 /// Counts requests; sleeps `delay` before answering anything but `/warm`.
 async fn counting(delay: Duration) -> (SocketAddr, Arc<AtomicUsize>) {
@@ -50,20 +49,10 @@ async fn setup(slow_delay: Duration, cluster_extra: &str, route_extra: &str) -> 
 
 async fn send(addr: SocketAddr, method: http::Method, path: &str, body: &'static str) -> u16 {
     let mut c = h1_client(addr).await;
-    let r = c
-        .send_request(
-            http::Request::builder()
-                .method(method)
-                .uri(path)
-                .header("host", "a")
-                .body(full(body))
-                .unwrap(),
-        )
+    let r = common::send(&mut c, method.as_str(), path, full(body))
         .await
         .unwrap();
-    let status = r.status().as_u16();
-    r.into_body().collect().await.unwrap();
-    status
+    r.status().as_u16()
 }
 
 fn stat(
