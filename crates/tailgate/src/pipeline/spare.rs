@@ -18,13 +18,14 @@
 //! Giving back is never required: a head or map dropped anywhere else is only freed.
 
 use std::cell::RefCell;
+use std::thread::LocalKey;
 
 use http::request::Parts;
 use http::{HeaderMap, Method, Request, Uri, Version};
 
 /// Kept per worker at most, of each kind: more are in use only while that many requests
 /// are in flight on one worker at once.
-const KEEP: usize = 64;
+pub const KEEP: usize = 64;
 /// A map grown past this many entries (a request with many headers) is let go, so one such
 /// request does not make every later one clear a large index.
 const MAP_KEEP: usize = 64;
@@ -66,9 +67,15 @@ pub fn give_head(mut head: Box<Parts>) {
     // `Uri::default()` is `/` without parsing it (`from_static` parses).
     head.uri = Uri::default();
     head.version = Version::HTTP_11;
-    HEADS.with_borrow_mut(|kept| {
+    keep(&HEADS, head);
+}
+
+/// Keeps `item` on the worker's `stack` if it has room ([`KEEP`]); otherwise it is let go.
+/// The one way the worker's stacks (these, and the inline server's buffers) grow.
+pub fn keep<T>(stack: &'static LocalKey<RefCell<Vec<T>>>, item: T) {
+    stack.with_borrow_mut(|kept| {
         if kept.len() < KEEP {
-            kept.push(head);
+            kept.push(item);
         }
     });
 }
@@ -94,11 +101,7 @@ pub fn give_headers(mut map: HeaderMap) {
         return;
     }
     map.clear();
-    MAPS.with_borrow_mut(|kept| {
-        if kept.len() < KEEP {
-            kept.push(map);
-        }
-    });
+    keep(&MAPS, map);
 }
 
 #[cfg(test)]

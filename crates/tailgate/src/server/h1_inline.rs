@@ -722,30 +722,18 @@ where
 /// (no head of a request still shares its memory).
 mod spare {
     use std::cell::RefCell;
-    use std::thread::LocalKey;
 
     use bytes::BytesMut;
 
     use super::{OUT_KEEP, READ_RESERVE};
+    use crate::pipeline::spare::keep;
 
-    /// Buffers of each kind kept per worker, at most: more are in use only while that many
-    /// requests are in flight on one worker at once, and are let go when they end.
-    const KEEP: usize = 64;
     /// A read buffer grown past this (a large head) is let go rather than kept.
     const READ_KEEP: usize = 2 * READ_RESERVE;
 
     thread_local! {
         static READ: RefCell<Vec<BytesMut>> = const { RefCell::new(Vec::new()) };
         static OUT: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
-    }
-
-    /// Keeps `item` on the worker's `stack` if it has room; otherwise it is let go.
-    fn keep<T>(stack: &'static LocalKey<RefCell<Vec<T>>>, item: T) {
-        stack.with_borrow_mut(|kept| {
-            if kept.len() < KEEP {
-                kept.push(item);
-            }
-        });
     }
 
     /// A read buffer with room for a read.
