@@ -19,17 +19,12 @@ use super::{
     ServerSettings, Tenant, TlsFiles,
 };
 
-/// Headers the request id cannot be carried in: the message's framing and routing, the
-/// hop-by-hop headers the gateway removes, and the forwarding headers it writes.
+/// Headers the request id cannot be carried in, beside the hop-by-hop ones the gateway
+/// removes (`pipeline::headers::is_hop_by_hop`): the message's framing and routing, and the
+/// forwarding headers it writes.
 const RESERVED_ID_HEADERS: &[&str] = &[
     "content-length",
-    "transfer-encoding",
     "host",
-    "connection",
-    "keep-alive",
-    "te",
-    "trailer",
-    "upgrade",
     "expect",
     "content-type",
     "content-encoding",
@@ -349,7 +344,8 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             // The id is set on every request and response: a header that frames or routes
             // a message, or that the gateway removes as hop-by-hop, would break them all.
             Ok(n)
-                if RESERVED_ID_HEADERS.contains(&n.as_str())
+                if crate::pipeline::headers::is_hop_by_hop(&n)
+                    || RESERVED_ID_HEADERS.contains(&n.as_str())
                     || n.as_str().starts_with("proxy-") =>
             {
                 c.err(

@@ -114,7 +114,8 @@ pub fn has_hop_by_hop(headers: &HeaderMap) -> bool {
     headers.keys().any(is_hop_by_hop)
 }
 
-fn is_hop_by_hop(n: &HeaderName) -> bool {
+/// Is `n` a hop-by-hop header, removed from every message the gateway passes on?
+pub fn is_hop_by_hop(n: &HeaderName) -> bool {
     n == header::CONNECTION
         || n == header::TE
         || n == header::TRAILER
