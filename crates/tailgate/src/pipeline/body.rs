@@ -52,11 +52,13 @@ pub struct BodyProgress {
 }
 
 impl BodyProgress {
-    /// When the response deadline falls, as of now.
-    pub fn due(&self) -> Instant {
+    /// The response deadline as the body's progress has moved it, if that is still ahead
+    /// (checked when the timer set for an earlier one fires).
+    pub fn later(&self) -> Option<Instant> {
         let due =
             self.since + Duration::from_nanos(self.last.load(Ordering::Relaxed)) + self.timeout;
-        self.cap.map_or(due, |cap| due.min(cap))
+        let due = self.cap.map_or(due, |cap| due.min(cap));
+        (due > Instant::now()).then_some(due)
     }
 
     /// The deadline passed with the body still waited for from the client (a 408, not the
@@ -402,7 +404,7 @@ impl Drop for UpstreamBody {
 pub struct ReadWait {
     timeout: Duration,
     since: Option<Instant>,
-    timer: Option<(Instant, Pin<Box<Sleep>>)>,
+    timer: Option<Pin<Box<Sleep>>>,
 }
 
 impl ReadWait {
@@ -422,21 +424,17 @@ impl ReadWait {
     /// A read found nothing: has the wait lasted the timeout (registering the task to be
     /// woken when it will)?
     fn expired(&mut self, cx: &mut Context<'_>) -> bool {
-        let due = *self.since.get_or_insert_with(Instant::now) + self.timeout;
+        let due = tokio::time::Instant::from_std(
+            *self.since.get_or_insert_with(Instant::now) + self.timeout,
+        );
         let timer = match &mut self.timer {
-            Some((at, t)) => {
-                if *at != due {
-                    *at = due;
-                    t.as_mut().reset(due.into());
+            Some(t) => {
+                if t.deadline() != due {
+                    t.as_mut().reset(due);
                 }
                 t
             }
-            None => {
-                let (_, t) = self
-                    .timer
-                    .insert((due, Box::pin(tokio::time::sleep_until(due.into()))));
-                t
-            }
+            None => self.timer.insert(Box::pin(tokio::time::sleep_until(due))),
         };
         timer.as_mut().poll(cx).is_ready()
     }

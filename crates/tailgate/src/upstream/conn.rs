@@ -209,12 +209,15 @@ impl Conn {
                                 Ok(sent) => break sent,
                                 // While the body is being sent the deadline moves on with
                                 // it (`BodyProgress`).
-                                Err(_) => match &progress {
-                                    Some(p) if p.due() > Instant::now() => d = p.due(),
-                                    Some(p) if p.client_stalled() => {
+                                Err(_) => match progress.as_ref().and_then(|p| p.later()) {
+                                    Some(due) => d = due,
+                                    None if progress
+                                        .as_ref()
+                                        .is_some_and(|p| p.client_stalled()) =>
+                                    {
                                         return Err(SendError::ClientBody(ReqBodyError::TimedOut));
                                     }
-                                    _ => return Err(SendError::TimedOut),
+                                    None => return Err(SendError::TimedOut),
                                 },
                             }
                         },

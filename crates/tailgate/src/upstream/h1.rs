@@ -331,9 +331,9 @@ impl H1Conn {
             if Pin::new(&mut polled).poll(cx).is_pending() {
                 return false;
             }
-            match &self.progress {
-                Some(p) if p.due() > Instant::now() => t.as_mut().reset(p.due().into()),
-                _ => return true,
+            match self.progress.as_ref().and_then(|p| p.later()) {
+                Some(due) => t.as_mut().reset(due.into()),
+                None => return true,
             }
         }
     }
