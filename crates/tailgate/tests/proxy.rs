@@ -23,6 +23,9 @@ async fn forwards_and_adds_proxy_headers() {
         .header("x-private", "secret")
         .header("keep-alive", "timeout=5")
         .header("proxy-authorization", "Basic Zm9v")
+        .header("proxy", "http://evil.test:8080")
+        .header("proxy-anything", "x")
+        .header("proxyish", "kept")
         .header("te", "trailers")
         .body(full(""))
         .unwrap();
@@ -39,10 +42,16 @@ async fn forwards_and_adds_proxy_headers() {
         "x-echo-x-private",
         "x-echo-keep-alive",
         "x-echo-proxy-authorization",
+        "x-echo-proxy",
+        "x-echo-proxy-anything",
         "x-echo-te",
     ] {
         assert!(!h.contains_key(gone), "{gone} must not reach the upstream");
     }
+    assert_eq!(
+        h["x-echo-proxyish"], "kept",
+        "only `Proxy` and `Proxy-*` are removed"
+    );
     let id = h["x-request-id"].to_str().unwrap().to_owned();
     assert_eq!(
         h["x-echo-x-request-id"],

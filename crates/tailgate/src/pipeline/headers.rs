@@ -12,7 +12,6 @@ static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 /// (itself hop-by-hop) it asks nothing of anyone, and one more name to compare on every
 /// header of every message cost about 80 instructions per request.
 static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
-static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
@@ -98,9 +97,13 @@ pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) -> bool {
     headers.remove(header::TE);
     headers.remove(header::TRAILER);
     headers.remove(header::TRANSFER_ENCODING);
-    headers.remove(header::PROXY_AUTHENTICATE);
-    headers.remove(header::PROXY_AUTHORIZATION);
-    headers.remove(&PROXY_CONNECTION);
+    // `Proxy-Authenticate`, `Proxy-Authorization`, `Proxy-Connection`, and every other
+    // `Proxy-*`; also `Proxy` itself, which CGI-style upstreams turn into `HTTP_PROXY`
+    // (httpoxy, CVE-2016-5385).
+    let proxy: Vec<HeaderName> = headers.keys().filter(|n| is_proxy(n)).cloned().collect();
+    for n in proxy {
+        headers.remove(n);
+    }
     if keep_upgrade {
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     } else {
@@ -121,10 +124,14 @@ pub fn is_hop_by_hop(n: &HeaderName) -> bool {
         || n == header::TRAILER
         || n == header::TRANSFER_ENCODING
         || n == header::UPGRADE
-        || n == header::PROXY_AUTHENTICATE
-        || n == header::PROXY_AUTHORIZATION
         || n == KEEP_ALIVE
-        || n == PROXY_CONNECTION
+        || is_proxy(n)
+}
+
+/// `Proxy` or `Proxy-*`: meant for a proxy, never passed on.
+fn is_proxy(n: &HeaderName) -> bool {
+    let n = n.as_str().as_bytes();
+    n.starts_with(b"proxy") && (n.len() == 5 || n[5] == b'-')
 }
 
 /// The client's address as header text, rendered once per connection (see [`Added`]).
