@@ -98,26 +98,7 @@ async fn upstream_response_timeout_is_504() {
 
 #[tokio::test]
 async fn upstream_connect_timeout_is_504() {
-    // A listener that never accepts, with its tiny backlog filled: further SYNs go
-    // unanswered, so connecting hangs until the gateway's connect timeout.
-    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    sock.bind(
-        &"127.0.0.1:0"
-            .parse::<std::net::SocketAddr>()
-            .unwrap()
-            .into(),
-    )
-    .unwrap();
-    sock.listen(0).unwrap();
-    let up: std::net::SocketAddr = sock.local_addr().unwrap().as_socket().unwrap();
-    let mut fillers = Vec::new();
-    for _ in 0..8 {
-        if let Ok(Ok(s)) =
-            tokio::time::timeout(Duration::from_millis(200), TcpStream::connect(up)).await
-        {
-            fillers.push(s);
-        }
-    }
+    let (sock, up, _fillers) = unanswering_listener().await;
     let gw = TestGateway::start(&format!(
         "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nconnect_timeout = \"200ms\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
     ));

@@ -226,12 +226,19 @@ pub fn handle(
         // 2. Route: the host decides the tenant, the path and method the route.
         let host = match route::request_host(&parts) {
             Ok(Some(host)) => host,
+            // HTTP/1.0 did not require a Host (RFC 9112 §3.2 asks a 400 of HTTP/1.1 only):
+            // routed as an empty one is, by the connection's tenant (nginx serves it from
+            // the default server). `HAProxy`'s `option httpchk` sends such requests.
+            Ok(None) if parts.version <= http::Version::HTTP_10 => "",
             Ok(None) => return fail(&mut rec, ProxyError::BadRequest("no Host header")),
-            Err(route::SeveralHosts) => {
+            Err(route::BadHost::Several) => {
                 return fail(
                     &mut rec,
                     ProxyError::BadRequest("more than one Host header"),
                 );
+            }
+            Err(route::BadHost::Invalid) => {
+                return fail(&mut rec, ProxyError::BadRequest("invalid Host header"));
             }
         };
         let lower;
@@ -241,9 +248,15 @@ pub fn handle(
         } else {
             host
         };
+        let Ok(path) = route::normal_path(parts.uri.path()) else {
+            return fail(
+                &mut rec,
+                ProxyError::BadRequest("the path climbs above the root (`..`)"),
+            );
+        };
         let route = match shared
             .routes
-            .lookup(host, parts.uri.path(), &parts.method, conn.tenant)
+            .lookup(host, &path, &parts.method, conn.tenant)
         {
             Match::Found(r) => r.clone(),
             miss => {
@@ -391,7 +404,7 @@ fn forward(
         }
         let mut in_flight = pool.load.start_at(t_connect);
         let mut retried = false;
-        let mut up = match cluster.checkout_at(&pool, t_connect).await {
+        let mut up = match within(total_deadline, cluster.checkout_at(&pool, t_connect)).await {
             Ok(up) => up,
             // Nothing was sent: trying another endpoint is always safe.
             Err(
@@ -405,16 +418,16 @@ fn forward(
                 retried = true;
                 pool = cluster.pick(Some(pool.addr))?;
                 in_flight = pool.load.start();
-                match cluster.checkout(&pool).await {
+                match within(total_deadline, cluster.checkout(&pool)).await {
                     Ok(up) => up,
                     Err(e) => {
-                        in_flight.failed();
+                        in_flight.ended_by(&e);
                         return Err(e);
                     }
                 }
             }
             Err(e) => {
-                in_flight.failed();
+                in_flight.ended_by(&e);
                 return Err(e);
             }
         };
@@ -482,6 +495,12 @@ fn forward(
         };
 
         let response_timeout = remaining(route.response_timeout, total_deadline);
+        // The connect took what was left of the total: nothing is sent that the client
+        // will be told timed out (a POST must not run upstream behind a 504).
+        if response_timeout.is_zero() {
+            in_flight.abandoned();
+            return Err(ProxyError::UpstreamTimeout);
+        }
         let mut hedged = false;
         let deadline = t_send + response_timeout;
         // A body still streaming from the client moves the response deadline on as it goes
@@ -704,6 +723,21 @@ fn send_on_new<'a>(
             .await
             .unwrap_or(Err(ProxyError::UpstreamTimeout))
     })
+}
+
+/// A checkout (a connect, or a wait for an HTTP/2 connection's room) bounded by the route's
+/// total deadline too, not only by the cluster's `connect_timeout`: a total of 500 ms gives
+/// a `504` after 500 ms whatever the connect does. No timer without a total.
+async fn within<T>(
+    total_deadline: Option<Instant>,
+    checkout: impl Future<Output = Result<T, ProxyError>>,
+) -> Result<T, ProxyError> {
+    match total_deadline {
+        None => checkout.await,
+        Some(d) => tokio::time::timeout_at(d.into(), checkout)
+            .await
+            .unwrap_or(Err(ProxyError::UpstreamTimeout)),
+    }
 }
 
 /// The response timeout, cut short by the total deadline when that comes first.

@@ -1,6 +1,12 @@
 //! Step 2 of the pipeline: host + path + method → route. The table is compiled once per
-//! config version; a lookup does no allocation when the Host is already lower case.
+//! config version; a lookup does no allocation when the Host is already lower case and the
+//! path already in normal form (no `%`, `//`, `/.`: nearly every API request).
+//!
+//! Routes match the path in normal form ([`normal_path`]), as nginx matches its locations:
+//! `/public/../internal/keys` must not reach the route of `/public/`. The request goes
+//! upstream with its target as the client sent it.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +28,17 @@ pub struct RouteEntry {
     pub idempotent: bool,
     pub hedge_delay: Option<config::HedgeDelay>,
 }
+
+/// What a route without `methods` allows, for the `Allow` of a TRACE it refuses.
+const ANY_BUT_TRACE: [http::Method; 7] = [
+    http::Method::GET,
+    http::Method::HEAD,
+    http::Method::POST,
+    http::Method::PUT,
+    http::Method::DELETE,
+    http::Method::PATCH,
+    http::Method::OPTIONS,
+];
 
 /// Routes that share a scope, longest path prefix first.
 #[derive(Debug, Default)]
@@ -49,10 +66,24 @@ impl RouteList {
     ) -> Option<&'a Arc<RouteEntry>> {
         for r in &self.0 {
             if path.starts_with(r.path_prefix.as_str()) {
-                if r.methods.is_empty() || r.methods.contains(method) {
+                // A route without `methods` takes every method but TRACE, which would echo
+                // the request's credentials and the gateway's headers back (nginx answers
+                // it `405` too); a route that lists TRACE takes it.
+                if r.methods.is_empty() && *method != http::Method::TRACE
+                    || r.methods.contains(method)
+                {
                     return Some(r);
                 }
-                allowed.extend(r.methods.iter().cloned());
+                let methods = if r.methods.is_empty() {
+                    &ANY_BUT_TRACE[..]
+                } else {
+                    &r.methods[..]
+                };
+                for m in methods {
+                    if !allowed.contains(m) {
+                        allowed.push(m.clone());
+                    }
+                }
             }
         }
         None
@@ -98,11 +129,17 @@ impl RouteTable {
         t.tenant_wildcards
             .sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
         for (id, r) in config.routes.iter().enumerate() {
+            // A route for GET answers HEAD too (RFC 9110 §9.3.2; nginx's `limit_except GET`
+            // allows HEAD): health and link checkers send HEAD.
+            let mut methods = r.methods.clone();
+            if methods.contains(&http::Method::GET) && !methods.contains(&http::Method::HEAD) {
+                methods.push(http::Method::HEAD);
+            }
             let entry = Arc::new(RouteEntry {
                 id,
                 tenant: r.tenant,
                 path_prefix: r.path_prefix.clone(),
-                methods: r.methods.clone(),
+                methods,
                 cluster: r.cluster,
                 response_timeout: r.response_timeout,
                 total_timeout: r.total_timeout,
@@ -163,20 +200,30 @@ impl RouteTable {
     }
 }
 
-/// The host of a request, lower case and without port: from the URI authority (HTTP/2,
-/// absolute-form) or the Host header.
+/// The host of a request, without port: from the URI authority (HTTP/2, absolute-form) or
+/// the Host header (its case as sent; the caller lowers it). `None` when the request names
+/// no host; an empty Host (allowed when the target has no authority, RFC 9112 §3.2) is `""`.
 ///
-/// [`SeveralHosts`] for more than one Host header: which one names the request would be
+/// A Host header must be `host [":" port]` (RFC 9110 §7.2): it is what routes the request
+/// and it is passed upstream as sent, so a value the two sides could read differently
+/// (`acme.test:@evil.example`, `a.test/x`, `a..test`) is refused, as nginx refuses it.
+/// More than one Host header is refused too: which one names the request would be
 /// ambiguous (RFC 9112 §3.2 asks for a 400).
-pub fn request_host(parts: &http::request::Parts) -> Result<Option<&str>, SeveralHosts> {
+pub fn request_host(parts: &http::request::Parts) -> Result<Option<&str>, BadHost> {
     let mut hosts = parts.headers.get_all(http::header::HOST).iter();
     let first = hosts.next();
     if hosts.next().is_some() {
-        return Err(SeveralHosts);
+        return Err(BadHost::Several);
     }
     let raw = match parts.uri.authority() {
         Some(a) => Some(a.host()),
-        None => first.and_then(|h| h.to_str().ok()),
+        None => match first {
+            Some(h) => match h.to_str() {
+                Ok(h) if valid_host(h.as_bytes()) => Some(h),
+                _ => return Err(BadHost::Invalid),
+            },
+            None => None,
+        },
     };
     // `api.example.com.` is the same name as `api.example.com` (nginx matches it so too).
     Ok(raw.map(|h| {
@@ -185,9 +232,148 @@ pub fn request_host(parts: &http::request::Parts) -> Result<Option<&str>, Severa
     }))
 }
 
-/// A request with more than one Host header.
-#[derive(Debug)]
-pub struct SeveralHosts;
+/// Why a request's Host cannot route it.
+#[derive(Debug, PartialEq, Eq)]
+pub enum BadHost {
+    /// More than one Host header.
+    Several,
+    /// A Host header that is not `host [":" port]`.
+    Invalid,
+}
+
+/// Is `h` a Host header's `uri-host [":" port]` (RFC 3986 §3.2.2–3)? A reg-name of
+/// unreserved, percent-encoded and sub-delim bytes without an empty label inside (`a..b`),
+/// or a bracketed IP literal; a port of digits. Empty is valid (a target without authority).
+fn valid_host(h: &[u8]) -> bool {
+    let port = if h.first() == Some(&b'[') {
+        let Some(end) = h.iter().position(|&b| b == b']') else {
+            return false;
+        };
+        let literal = &h[1..end];
+        if literal.is_empty()
+            || !literal
+                .iter()
+                .all(|&b| b.is_ascii_hexdigit() || matches!(b, b':' | b'.' | b'v' | b'V'))
+        {
+            return false;
+        }
+        &h[end + 1..]
+    } else {
+        let end = h.iter().position(|&b| b == b':').unwrap_or(h.len());
+        let name = &h[..end];
+        let allowed = name.iter().all(|&b| {
+            b.is_ascii_alphanumeric()
+                || matches!(
+                    b,
+                    b'-' | b'.'
+                        | b'_'
+                        | b'~'
+                        | b'%'
+                        | b'!'
+                        | b'$'
+                        | b'&'
+                        | b'\''
+                        | b'('
+                        | b')'
+                        | b'*'
+                        | b'+'
+                        | b','
+                        | b';'
+                        | b'='
+                )
+        });
+        if !allowed || name.first() == Some(&b'.') || name.windows(2).any(|w| w == b"..") {
+            return false;
+        }
+        &h[end..]
+    };
+    match port.split_first() {
+        None => true,
+        Some((b':', digits)) => digits.len() <= 5 && digits.iter().all(u8::is_ascii_digit),
+        Some(_) => false,
+    }
+}
+
+/// The path as routes match it: percent-encoded unreserved bytes decoded (`%2e` is `.`,
+/// `%41` is `A`; others such as `%2F` stay encoded), `.` and `..` segments resolved (RFC
+/// 3986 §5.2.4) and repeated slashes merged, as nginx does before it matches a location.
+/// Borrowed, with no allocation, when the path has no `%`, `//` or `/.` in it.
+///
+/// [`AboveRoot`] for a `..` that would climb above `/` (nginx answers it `400`). A target
+/// that is not a path (`*` of `OPTIONS *`) is returned as it is.
+pub fn normal_path(path: &str) -> Result<Cow<'_, str>, AboveRoot> {
+    let b = path.as_bytes();
+    if b.first() != Some(&b'/') {
+        return Ok(Cow::Borrowed(path));
+    }
+    let plain = b
+        .iter()
+        .zip(b.iter().skip(1).chain(std::iter::once(&0)))
+        .all(|(&c, &next)| c != b'%' && !(c == b'/' && (next == b'/' || next == b'.')));
+    if plain {
+        return Ok(Cow::Borrowed(path));
+    }
+    let mut decoded = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%'
+            && let (Some(hi), Some(lo)) = (
+                b.get(i + 1).and_then(|&c| hex_value(c)),
+                b.get(i + 2).and_then(|&c| hex_value(c)),
+            )
+        {
+            let c = hi << 4 | lo;
+            if c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b'~') {
+                decoded.push(c);
+                i += 3;
+                continue;
+            }
+        }
+        decoded.push(b[i]);
+        i += 1;
+    }
+    let mut kept: Vec<&[u8]> = Vec::new();
+    let mut trailing_slash = false;
+    for seg in decoded[1..].split(|&c| c == b'/') {
+        trailing_slash = false;
+        match seg {
+            b"" | b"." => trailing_slash = true,
+            b".." => {
+                if kept.pop().is_none() {
+                    return Err(AboveRoot);
+                }
+                trailing_slash = true;
+            }
+            s => kept.push(s),
+        }
+    }
+    let mut out = Vec::with_capacity(decoded.len());
+    for s in &kept {
+        out.push(b'/');
+        out.extend_from_slice(s);
+    }
+    if trailing_slash || kept.is_empty() {
+        out.push(b'/');
+    }
+    // Valid UTF-8: decoding put in only ASCII, and the rest is the path's own text, cut at
+    // `/` (lossy would change nothing).
+    Ok(Cow::Owned(String::from_utf8(out).unwrap_or_else(|e| {
+        String::from_utf8_lossy(e.as_bytes()).into_owned()
+    })))
+}
+
+/// A path whose `..` climbs above the root.
+#[derive(Debug, PartialEq, Eq)]
+pub struct AboveRoot;
+
+fn hex_value(c: u8) -> Option<u8> {
+    match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        b'A'..=b'F' => Some(c - b'A' + 10),
+        _ => None,
+    }
+}
 
 fn strip_port(h: &str) -> &str {
     if h.starts_with('[') {
@@ -308,6 +494,94 @@ endpoints = ["127.0.0.1:1"]
         assert_eq!(t.tenant_of_host("x.eu.acme.test"), Some(1));
         assert_eq!(t.tenant_of_host("x.acme.test"), Some(0));
         assert_eq!(t.tenant_of_host("eu.acme.test"), Some(0));
+    }
+
+    #[test]
+    fn paths_in_normal_form_are_borrowed_and_others_normalised() {
+        for plain in ["/", "/api/v1/items", "/a.b/c-d_e~f", "*", "/a?b"] {
+            assert!(
+                matches!(normal_path(plain), Ok(Cow::Borrowed(p)) if p == plain),
+                "{plain}"
+            );
+        }
+        for (raw, normal) in [
+            ("/a/../b", "/b"),
+            ("/a/./b", "/a/b"),
+            ("/a//b", "/a/b"),
+            ("//a", "/a"),
+            ("/a/b/..", "/a/"),
+            ("/a/.", "/a/"),
+            ("/a/", "/a/"),
+            ("/a/..", "/"),
+            ("/.", "/"),
+            ("/a/%2e%2E/", "/"),
+            ("/x/%2e%2e/y", "/y"),
+            ("/%70ublic/%7e", "/public/~"),
+            ("/a%2Fb", "/a%2Fb"),
+            ("/a%2", "/a%2"),
+            ("/a%zz", "/a%zz"),
+            ("/.well-known/x", "/.well-known/x"),
+            ("/é/../ü", "/ü"),
+        ] {
+            assert_eq!(normal_path(raw).as_deref(), Ok(normal), "{raw}");
+        }
+        for above in ["/..", "/../a", "/a/../..", "/%2e%2e"] {
+            assert_eq!(normal_path(above), Err(AboveRoot), "{above}");
+        }
+    }
+
+    #[test]
+    fn a_host_is_a_name_or_literal_with_an_optional_port() {
+        for ok in [
+            "",
+            "a",
+            "acme.test",
+            "acme.test:8080",
+            "acme.test:",
+            "acme.test.",
+            "a_b-c.test",
+            "[::1]",
+            "[::1]:443",
+            "[fe80::1]:80",
+            "xn--bcher-kva.test",
+        ] {
+            assert!(valid_host(ok.as_bytes()), "{ok:?}");
+        }
+        for bad in [
+            "acme.test:@evil.example",
+            "user@acme.test",
+            "acme.test/x",
+            "acme.test\\x",
+            "acme..test",
+            ".acme.test",
+            "acme.test:80x",
+            "acme.test:123456",
+            "acme.test:80:80",
+            "[::1",
+            "[]",
+            "[::1]x",
+            "[::1]:8o",
+            "a b",
+            "a\tb",
+        ] {
+            assert!(!valid_host(bad.as_bytes()), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_get_route_takes_head_and_no_route_takes_trace_unasked() {
+        let t = table(CFG);
+        let Match::Found(r) = t.lookup("acme.test", "/api/x", &http::Method::HEAD, None) else {
+            panic!("no match")
+        };
+        assert_eq!(r.cluster, 1, "HEAD goes where GET goes");
+        match t.lookup("other.test", "/public/a", &http::Method::TRACE, None) {
+            Match::WrongMethod(allowed) => {
+                assert_eq!(allowed.len(), ANY_BUT_TRACE.len());
+                assert!(!allowed.contains(&http::Method::TRACE));
+            }
+            _ => panic!("TRACE must not match a route without methods"),
+        }
     }
 
     #[test]

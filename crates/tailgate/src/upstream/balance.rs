@@ -178,6 +178,17 @@ impl InFlight<'_> {
         self.load.sample(self.started.elapsed());
     }
 
+    /// A checkout that ended in `e`: the route's total deadline cutting a connect short
+    /// (`UpstreamTimeout` there) says the endpoint is slow, not broken, so it counts as
+    /// [`abandoned`](Self::abandoned); any other error as [`failed`](Self::failed).
+    pub fn ended_by(self, e: &crate::pipeline::error::ProxyError) {
+        if matches!(e, crate::pipeline::error::ProxyError::UpstreamTimeout) {
+            self.abandoned();
+        } else {
+            self.failed();
+        }
+    }
+
     /// No response (connect failure, reset, timeout).
     pub fn failed(self) {
         self.load.sample(self.started.elapsed());

@@ -331,3 +331,22 @@ pub fn stat(gw: &TestGateway, f: impl Fn(&tailgate::upstream::PoolStats) -> u64)
 
 #[allow(unused_imports)]
 pub use dead_port::dead_port;
+
+/// A listener that never accepts, with its tiny backlog filled: further SYNs go unanswered,
+/// so a connect to it hangs until the connecting side gives up. Keep all three alive.
+pub async fn unanswering_listener() -> (socket2::Socket, SocketAddr, Vec<TcpStream>) {
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    sock.bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
+        .unwrap();
+    sock.listen(0).unwrap();
+    let addr = sock.local_addr().unwrap().as_socket().unwrap();
+    let mut fillers = Vec::new();
+    for _ in 0..8 {
+        if let Ok(Ok(s)) =
+            tokio::time::timeout(Duration::from_millis(200), TcpStream::connect(addr)).await
+        {
+            fillers.push(s);
+        }
+    }
+    (sock, addr, fillers)
+}

@@ -1,0 +1,232 @@
+//! Routing as the client sends it: the path matched in normal form (no `..` past a route's
+//! prefix), the Host checked before it routes anything, HTTP/1.0 without Host, HEAD on a GET
+//! route, TRACE refused, and the total timeout over the connect.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::*;
+
+/// An upstream that answers its own name and the target it got.
+async fn named(name: &'static str) -> SocketAddr {
+    upstream(
+        move |req: http::Request<hyper::body::Incoming>| async move {
+            let mut resp = http::Response::new(full(name));
+            resp.headers_mut()
+                .insert("x-target", req.uri().to_string().parse().unwrap());
+            resp
+        },
+    )
+    .await
+}
+
+/// `/public/` goes to `public`, `/` to `web`; `/api/` takes GET only and goes to `api`.
+async fn gateway() -> TestGateway {
+    let (public, web, api) = (
+        named("public").await,
+        named("web").await,
+        named("the-api").await,
+    );
+    TestGateway::start(&format!(
+        r#"
+[[cluster]]
+name = "public"
+endpoints = ["{public}"]
+[[cluster]]
+name = "web"
+endpoints = ["{web}"]
+[[cluster]]
+name = "api"
+endpoints = ["{api}"]
+[[route]]
+path_prefix = "/public/"
+cluster = "public"
+[[route]]
+path_prefix = "/"
+cluster = "web"
+[[route]]
+path_prefix = "/api/"
+methods = ["GET"]
+cluster = "api"
+"#
+    ))
+}
+
+/// One request as raw bytes; the answer's status line and body.
+async fn ask(gw: &TestGateway, head: &str) -> (String, String) {
+    let (text, _) = raw(gw.addr, head.as_bytes(), Duration::from_secs(5)).await;
+    let status = text.lines().next().unwrap_or_default().to_owned();
+    let body = text.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
+    (status, body)
+}
+
+fn get(target: &str) -> String {
+    format!("GET {target} HTTP/1.1\r\nHost: acme.test\r\nConnection: close\r\n\r\n")
+}
+
+#[tokio::test]
+async fn a_dot_segment_cannot_leave_its_routes_prefix() {
+    let gw = gateway().await;
+    for target in [
+        "/public/../internal/keys",
+        "/public/%2e%2e/internal/keys",
+        "/public/%2E./internal/keys",
+        "/public/./../internal/keys",
+    ] {
+        let (status, body) = ask(&gw, &get(target)).await;
+        assert!(status.contains(" 200 "), "{target}: {status}");
+        assert_eq!(
+            body, "web",
+            "{target} is /internal/keys: not the route of /public/"
+        );
+    }
+    // The request goes upstream as the client sent it.
+    let (text, _) = raw(
+        gw.addr,
+        get("/public/../internal/keys").as_bytes(),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(
+        text.to_ascii_lowercase()
+            .contains("x-target: /public/../internal/keys"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn encoded_and_doubled_slashes_route_as_their_normal_form() {
+    let gw = gateway().await;
+    for target in ["/%70ublic/x", "//public/x", "/public//x", "/x/../public/y"] {
+        let (status, body) = ask(&gw, &get(target)).await;
+        assert!(status.contains(" 200 "), "{target}: {status}");
+        assert_eq!(body, "public", "{target}");
+    }
+    // An encoded slash is not a slash.
+    let (_, body) = ask(&gw, &get("/public%2Fx")).await;
+    assert_eq!(body, "web");
+}
+
+#[tokio::test]
+async fn a_path_above_the_root_is_400() {
+    let gw = gateway().await;
+    for target in ["/..", "/../etc/passwd", "/a/../../b", "/%2e%2e/x"] {
+        let (status, body) = ask(&gw, &get(target)).await;
+        assert!(status.contains(" 400 "), "{target}: {status}");
+        assert!(body.contains("bad_request"), "{target}: {body}");
+    }
+}
+
+#[tokio::test]
+async fn a_host_that_is_not_host_and_port_is_400() {
+    let gw = gateway().await;
+    for host in [
+        "acme.test:@evil.example",
+        "acme.test/x",
+        "acme..test",
+        "acme.test:80x",
+        "acme.test:80:80",
+        "[::1",
+        "a b",
+    ] {
+        let head = format!("GET /x HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        let (status, body) = ask(&gw, &head).await;
+        assert!(status.contains(" 400 "), "Host {host:?}: {status}");
+        assert!(body.contains("invalid Host header"), "{body}");
+    }
+    for host in [
+        "acme.test",
+        "acme.test:8080",
+        "[::1]:80",
+        "ACME.test.",
+        "a_b.test",
+    ] {
+        let head = format!("GET /x HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        let (status, _) = ask(&gw, &head).await;
+        assert!(status.contains(" 200 "), "Host {host:?}: {status}");
+    }
+}
+
+#[tokio::test]
+async fn http10_without_host_is_routed() {
+    let gw = gateway().await;
+    let (status, body) = ask(&gw, "OPTIONS /public/ping HTTP/1.0\r\n\r\n").await;
+    assert!(status.contains(" 200 "), "{status}");
+    assert_eq!(body, "public");
+    let (status, _) = ask(&gw, "GET / HTTP/1.1\r\nConnection: close\r\n\r\n").await;
+    assert!(
+        status.contains(" 400 "),
+        "HTTP/1.1 still needs a Host: {status}"
+    );
+}
+
+#[tokio::test]
+async fn head_takes_the_route_of_get() {
+    let gw = gateway().await;
+    let (text, _) = raw(
+        gw.addr,
+        b"HEAD /api/items HTTP/1.1\r\nHost: acme.test\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(text.starts_with("HTTP/1.1 200 "), "{text}");
+    // The `api` upstream's answer to HEAD: its length (7, "the-api"), no body; `web`'s
+    // would say 3.
+    assert!(
+        text.to_ascii_lowercase().contains("content-length: 7\r\n"),
+        "{text}"
+    );
+    let (status, body) = ask(
+        &gw,
+        "POST /api/items HTTP/1.1\r\nHost: acme.test\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(status.contains(" 200 "), "{status}");
+    assert_eq!(body, "web", "POST falls through to `/`");
+}
+
+#[tokio::test]
+async fn trace_is_405_unless_a_route_lists_it() {
+    let gw = gateway().await;
+    let (text, _) = raw(
+        gw.addr,
+        b"TRACE /x HTTP/1.1\r\nHost: acme.test\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(text.starts_with("HTTP/1.1 405 "), "{text}");
+    assert!(
+        text.to_ascii_lowercase()
+            .contains("allow: delete, get, head, options, patch, post, put\r\n"),
+        "{text}"
+    );
+    let up = named("tracer").await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\nmethods = [\"TRACE\"]\ncluster = \"up\"\n"
+    ));
+    let (status, body) = ask(
+        &gw,
+        "TRACE /x HTTP/1.1\r\nHost: acme.test\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(status.contains(" 200 "), "{status}");
+    assert_eq!(body, "tracer");
+}
+
+/// The total timeout bounds the connect too: a connect that hangs (the upstream's backlog
+/// full) gets the route's `504 upstream_timeout` at the total deadline, not the cluster's
+/// `upstream_connect_timeout` ten seconds later.
+#[tokio::test]
+async fn the_total_timeout_bounds_the_connect() {
+    let (sock, up, _fillers) = unanswering_listener().await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nconnect_timeout = \"10s\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\ntotal_timeout = \"300ms\"\n"
+    ));
+    let (status, body) = ask(&gw, &get("/")).await;
+    assert!(status.contains(" 504 "), "{status}");
+    assert!(body.contains("\"upstream_timeout\""), "{body}");
+    drop(sock);
+}
