@@ -148,6 +148,7 @@ fn serve(config: impl AsRef<Path>, stderr: Stdio) -> Proc {
         Command::new(BIN)
             .args(["serve", "--config"])
             .arg(config.as_ref())
+            .env_remove("RUST_LOG")
             .stderr(stderr)
             .spawn()
             .unwrap(),
@@ -511,7 +512,8 @@ fn json_access_log_has_stage_timings() {
         dir.path(),
         port,
         up,
-        "[log]\nlevel = \"info\"\nformat = \"json\"\naccess_log = true\n",
+        // `warn`: the access log is asked for on its own and is written at any level.
+        "[log]\nlevel = \"warn\"\nformat = \"json\"\naccess_log = true\n",
     );
     let mut p = serve(&cfg, Stdio::piped());
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
@@ -537,6 +539,10 @@ fn json_access_log_has_stage_timings() {
     assert_eq!(v["http.path"], "/logged");
     assert_eq!(v["http.status"], 200);
     assert_eq!(v["http.method"], "GET");
+    assert_eq!(
+        v["route.name"], "route0",
+        "routes are logged by name: {line}"
+    );
     for k in [
         "time.route_us",
         "time.upstream_connect_us",

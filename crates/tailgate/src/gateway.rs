@@ -143,6 +143,7 @@ impl Gateway {
         if config.log.access_log {
             observers.push(Arc::new(AccessLog {
                 tenant_names: config.tenants.iter().map(|t| t.name.clone()).collect(),
+                route_names: config.routes.iter().map(|r| r.name.clone()).collect(),
             }));
         }
         let shared = Arc::new(Shared {

@@ -20,8 +20,16 @@ static DROPPED: OnceLock<ErrorCounter> = OnceLock::new();
 /// Installs the global subscriber (once; later calls are no-ops). Keep the guard until
 /// exit: dropping it flushes the queued lines.
 pub fn init(settings: &LogSettings) -> Option<WorkerGuard> {
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&settings.level));
+    // The access log is asked for on its own (`access_log`), as nginx's `access_log` is
+    // apart from its `error_log` level: a `level` of `warn` must not silence it. `RUST_LOG`,
+    // when set, decides everything.
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        let filter = EnvFilter::new(&settings.level);
+        match settings.access_log.then(|| "tailgate::access=info".parse()) {
+            Some(Ok(access)) => filter.add_directive(access),
+            _ => filter,
+        }
+    });
     let (writer, guard) = NonBlockingBuilder::default()
         .buffered_lines_limit(QUEUE_LINES)
         .lossy(true)

@@ -6,6 +6,7 @@ use super::{Exchange, Observer};
 /// Writes one access log line per exchange. Tenant and route are written by name.
 pub struct AccessLog {
     pub tenant_names: Vec<String>,
+    pub route_names: Vec<String>,
 }
 
 impl Observer for AccessLog {
@@ -20,7 +21,10 @@ impl Observer for AccessLog {
             request.id = ex.request_id.to_str().unwrap_or("-"),
             client.ip = %ex.client,
             tenant.name = tenant,
-            route.id = ex.route.map_or(-1, |r| r as i64),
+            route.name = ex
+                .route
+                .and_then(|r| self.route_names.get(r))
+                .map_or("-", String::as_str),
             http.method = %ex.method,
             http.path = ex.uri.path(),
             http.version = ?ex.version,

@@ -84,12 +84,18 @@ impl Consumers {
             self.overflow.record(class, bytes_out, total);
             return;
         }
+        // Keyed by the name as its label shows it (lossy UTF-8, cut to `MAX_NAME`): what the
+        // table keeps per consumer is bounded whatever a client sends (a 16 KiB header value
+        // is not kept whole), and two values with one label are one consumer, one series.
+        // No allocation for a valid UTF-8 name.
+        let text = String::from_utf8_lossy(name);
+        let key = cut(&text).as_bytes();
         let mut index = self.index.lock().unwrap_or_else(PoisonError::into_inner);
-        let cell = match index.get(name) {
+        let cell = match index.get(key) {
             Some(&i) => self.cells.get(i),
             None if index.len() < self.max => {
                 let i = self.cells.push(ConsumerCell::new(label_of(name).into()));
-                index.insert(name.into(), i);
+                index.insert(key.into(), i);
                 self.cells.get(i)
             }
             None => None,
@@ -107,12 +113,16 @@ impl Consumers {
 
 /// A header value as a label value: lossy UTF-8, cut to [`MAX_NAME`] bytes, escaped.
 fn label_of(name: &[u8]) -> String {
-    let s = String::from_utf8_lossy(name);
+    escape_label(cut(&String::from_utf8_lossy(name)))
+}
+
+/// `s` cut to at most [`MAX_NAME`] bytes, at a character boundary.
+fn cut(s: &str) -> &str {
     let mut end = s.len().min(MAX_NAME);
     while !s.is_char_boundary(end) {
         end -= 1;
     }
-    escape_label(&s[..end])
+    &s[..end]
 }
 
 #[cfg(test)]
@@ -132,5 +142,30 @@ mod tests {
         assert_eq!(a.requests[1].load(Ordering::Relaxed), 2);
         assert_eq!(label_of(b"x\"y"), "x\\\"y");
         assert_eq!(label_of(&[b'z'; 300]).len(), MAX_NAME);
+    }
+
+    /// Names that show as one label are one consumer: long values that differ only past
+    /// the cut, and invalid UTF-8 that reads the same. The table keeps the cut key only.
+    #[test]
+    fn one_label_is_one_consumer() {
+        let c = Consumers::new(10);
+        let mut long_a = vec![b'k'; MAX_NAME];
+        long_a.extend_from_slice(&[b'a'; 15_000]);
+        let mut long_b = vec![b'k'; MAX_NAME];
+        long_b.extend_from_slice(b"b");
+        for name in [&long_a[..], &long_b[..], b"x\xff", b"x\xfe"] {
+            c.record(name, 1, 10, Duration::from_millis(1));
+        }
+        assert_eq!(c.cells.count(), 2);
+        let index = c.index.lock().unwrap_or_else(PoisonError::into_inner);
+        assert!(index.keys().all(|k| k.len() <= MAX_NAME));
+        let labels: Vec<&str> = c.cells.iter().map(|(_, cell)| &*cell.label).collect();
+        assert_eq!(labels, [&"k".repeat(MAX_NAME)[..], "x\u{fffd}"]);
+        assert_eq!(
+            c.cells
+                .get(0)
+                .map(|a| a.requests[1].load(Ordering::Relaxed)),
+            Some(2)
+        );
     }
 }

@@ -34,13 +34,14 @@ pub const METHODS: [&str; 8] = [
 /// Status classes; `none` is an exchange that ended before any status (client gone).
 pub const CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "none"];
 /// Error kinds with their own label value (the codes of `ProxyError` and of the bodies).
-pub const ERROR_KINDS: [&str; 17] = [
+pub const ERROR_KINDS: [&str; 19] = [
     "no_route",
     "method_not_allowed",
     "bad_request",
     "header_too_large",
     "uri_too_long",
     "body_too_large",
+    "client_body_timeout",
     "upstream_connect_failed",
     "upstream_connect_timeout",
     "upstream_reset",
@@ -50,6 +51,7 @@ pub const ERROR_KINDS: [&str; 17] = [
     "upgrade_needs_http1",
     "total_timeout",
     "upstream_body",
+    "upstream_body_timeout",
     "client_gone",
     "other",
 ];
@@ -322,5 +324,61 @@ mod tests {
         assert_eq!(METHODS[method_index(&http::Method::CONNECT)], "OTHER");
         assert_eq!(ERROR_KINDS[error_index("no_such_code")], "other");
         assert_eq!(escape_label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+    /// Every code an exchange can fail with has its own `kind` label value: those of
+    /// `ProxyError` (the match below stops compiling when a variant is added) and the
+    /// literal ones the response body and the recorder fail with.
+    #[test]
+    fn every_error_code_has_its_own_kind() {
+        use crate::pipeline::error::ProxyError as E;
+        let io = || std::io::Error::other("x");
+        let all = [
+            E::NoRoute,
+            E::MethodNotAllowed(Vec::new()),
+            E::BadRequest("x"),
+            E::HeadTooLarge("x"),
+            E::UriTooLong,
+            E::BodyTooLarge(1),
+            E::ClientBodyTimeout,
+            E::UpstreamConnect(io()),
+            E::UpstreamTls(io()),
+            E::ConnectTimeout,
+            E::UpstreamReset("x".into()),
+            E::UpstreamTimeout,
+            E::NoEndpoints,
+            E::UpgradeNeedsHttp1,
+        ];
+        for e in &all {
+            match e {
+                E::NoRoute
+                | E::MethodNotAllowed(_)
+                | E::BadRequest(_)
+                | E::HeadTooLarge(_)
+                | E::UriTooLong
+                | E::BodyTooLarge(_)
+                | E::ClientBodyTimeout
+                | E::UpstreamConnect(_)
+                | E::UpstreamTls(_)
+                | E::ConnectTimeout
+                | E::UpstreamReset(_)
+                | E::UpstreamTimeout
+                | E::NoEndpoints
+                | E::UpgradeNeedsHttp1 => {}
+            }
+            assert_ne!(error_index(e.code()), ERROR_KINDS.len() - 1, "{}", e.code());
+        }
+        let sources = [
+            include_str!("../../pipeline/body.rs"),
+            include_str!("../mod.rs"),
+        ];
+        let mut literal = 0;
+        for src in sources {
+            for piece in src.split(".fail(\"").skip(1) {
+                let code = piece.split('"').next().unwrap_or_default();
+                assert_ne!(error_index(code), ERROR_KINDS.len() - 1, "{code}");
+                literal += 1;
+            }
+        }
+        assert!(literal >= 4, "the literal codes were found ({literal})");
     }
 }

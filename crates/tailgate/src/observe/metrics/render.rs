@@ -35,22 +35,25 @@ pub enum Format {
 }
 
 impl Format {
-    /// The format asked for by an `Accept` header: OpenMetrics only when it is listed
-    /// without `q=0`.
+    /// The format asked for by an `Accept` header: OpenMetrics when it is listed with a
+    /// `q` above zero and not below that of `text/plain` (a client that lists both at one
+    /// weight, as Prometheus did before it weighted them, gets OpenMetrics).
     pub fn from_accept(accept: Option<&str>) -> Format {
-        let wants = accept.is_some_and(|a| {
-            a.split(',').any(|item| {
-                let mut parts = item.split(';').map(str::trim);
-                let media = parts.next().unwrap_or("");
-                let refused = parts.any(|p| {
-                    p.strip_prefix("q=")
-                        .and_then(|q| q.parse::<f32>().ok())
-                        .is_some_and(|q| q == 0.0)
-                });
-                media.eq_ignore_ascii_case("application/openmetrics-text") && !refused
-            })
-        });
-        if wants {
+        let (mut openmetrics, mut plain) = (0.0f32, 0.0f32);
+        for item in accept.unwrap_or("").split(',') {
+            let mut parts = item.split(';').map(str::trim);
+            let media = parts.next().unwrap_or("");
+            let q = parts
+                .find_map(|p| p.strip_prefix("q="))
+                .map_or(Some(1.0), |q| q.parse::<f32>().ok())
+                .unwrap_or(0.0);
+            if media.eq_ignore_ascii_case("application/openmetrics-text") {
+                openmetrics = openmetrics.max(q);
+            } else if media.eq_ignore_ascii_case("text/plain") {
+                plain = plain.max(q);
+            }
+        }
+        if openmetrics > 0.0 && openmetrics >= plain {
             Format::OpenMetrics
         } else {
             Format::Prometheus
@@ -315,7 +318,7 @@ mod tests {
     }
 
     #[test]
-    fn openmetrics_only_when_listed_and_not_refused() {
+    fn openmetrics_when_listed_and_weighted_no_lower_than_text() {
         let f = |a: &str| Format::from_accept(Some(a));
         assert_eq!(
             f("application/openmetrics-text; version=1.0.0"),
@@ -329,6 +332,19 @@ mod tests {
             f("application/openmetrics-text;q=0, text/plain"),
             Format::Prometheus
         );
+        assert_eq!(
+            f("text/plain;version=0.0.4;q=0.9, application/openmetrics-text;q=0.1"),
+            Format::Prometheus,
+            "the higher weight wins"
+        );
+        // What Prometheus 3 sends by default.
+        assert_eq!(
+            f(
+                "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
+            ),
+            Format::OpenMetrics
+        );
+        assert_eq!(f("application/openmetrics-text;q=x"), Format::Prometheus);
         assert_eq!(f("*/*"), Format::Prometheus);
         assert_eq!(Format::from_accept(None), Format::Prometheus);
     }
