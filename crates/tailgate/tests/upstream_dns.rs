@@ -236,7 +236,8 @@ async fn resolver_failure_serves_the_last_addresses() {
 }
 
 /// A name that does not resolve at start: the gateway starts, the cluster answers 502
-/// (no endpoints) without crashing, and serves once the name resolves.
+/// (no endpoints) without crashing, asks the resolver to look again at once, and serves
+/// once the name resolves.
 #[tokio::test]
 async fn unresolved_name_at_start_is_502_until_it_resolves() {
     let (port, a_hits, _) = twin_upstreams().await;
@@ -252,6 +253,11 @@ async fn unresolved_name_at_start_is_502_until_it_resolves() {
         resp.body()
     );
     assert!(g.dns_stats().failures.load(Ordering::Relaxed) >= 1);
+    // A request that found no address asks for a lookup now, not after the backoff.
+    wait_for("an early refresh", || {
+        g.dns_stats().early_refreshes.load(Ordering::Relaxed) >= 1
+    })
+    .await;
     dns.answering.store(true, Ordering::SeqCst);
     wait_for("the name to resolve", || g.endpoint_pools().len() == 1).await;
     assert_eq!(get(gw.addr, "/").await.status(), 200);

@@ -130,8 +130,12 @@ impl EndpointLoad {
     }
 
     /// A connect failure or a 5xx. Returns true when this failure ejected the endpoint.
+    ///
+    /// Failures while the endpoint is ejected do not count: they are of requests sent
+    /// before the ejection (a restart fails every request in flight at once), and counting
+    /// them would eject it again and again, doubling the period each time.
     pub fn failure(&self) -> bool {
-        if self.eject_after == 0 {
+        if self.eject_after == 0 || self.is_ejected() {
             return false;
         }
         let n = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
@@ -189,9 +193,13 @@ impl InFlight<'_> {
         }
     }
 
-    /// No response (connect failure, reset, timeout).
+    /// No response (connect failure, reset, timeout). The latency sample is at least twice
+    /// the endpoint's estimate: a dead endpoint refuses in microseconds, and its own time
+    /// would make it the cheapest choice.
     pub fn failed(self) {
-        self.load.sample(self.started.elapsed());
+        let estimate = f64::from_bits(self.load.ewma_ns.load(Ordering::Relaxed));
+        let penalty = Duration::from_nanos((2.0 * estimate) as u64);
+        self.load.sample(self.started.elapsed().max(penalty));
         self.load.failure();
     }
 }
@@ -256,7 +264,16 @@ pub fn pick<'a>(
                 }
                 (true, false) => candidates[0],
                 (false, true) => candidates[1],
-                (false, false) => (0..n).find(|&i| ok(i)).unwrap_or(0),
+                // Both drawn ones ejected: any usable endpoint, drawn evenly (the first
+                // usable one in the list would take all of this traffic).
+                (false, false) => {
+                    let usable = (0..n).filter(|&i| ok(i)).count();
+                    if usable == 0 {
+                        return 0;
+                    }
+                    let k = fastrand::usize(..usable);
+                    (0..n).filter(|&i| ok(i)).nth(k).unwrap_or(0)
+                }
             }
         }
     }
@@ -266,6 +283,15 @@ pub fn pick<'a>(
 mod tests {
     use super::*;
 
+    /// How long the endpoint stays ejected from now.
+    fn ejected_for(l: &EndpointLoad) -> Duration {
+        Duration::from_nanos(
+            l.ejected_until_ns
+                .load(Ordering::Relaxed)
+                .saturating_sub(l.now_ns()),
+        )
+    }
+
     #[test]
     fn ejects_after_consecutive_failures_and_backs_off() {
         let l = EndpointLoad::new(3, Duration::from_secs(1));
@@ -273,15 +299,22 @@ mod tests {
         assert!(!l.failure());
         assert!(l.failure(), "the third failure in a row ejects");
         assert!(l.is_ejected());
-        let first = l.ejected_until_ns.load(Ordering::Relaxed);
-        l.failure();
-        l.failure();
+        let until = l.ejected_until_ns.load(Ordering::Relaxed);
+        // Requests that were in flight fail too: that is no new evidence.
+        for _ in 0..10 {
+            assert!(!l.failure());
+        }
+        assert_eq!(l.ejections.load(Ordering::Relaxed), 1);
+        assert_eq!(l.ejected_until_ns.load(Ordering::Relaxed), until);
+        // The ejection ends; failing again ejects it for twice as long.
+        l.ejected_until_ns.store(0, Ordering::Relaxed);
+        assert!(!l.failure());
+        assert!(!l.failure());
         assert!(l.failure());
-        let second = l.ejected_until_ns.load(Ordering::Relaxed);
-        // 2 s from (about) the same moment as the first 1 s ejection.
         assert!(
-            second >= first + Duration::from_millis(900).as_nanos() as u64,
-            "the second ejection lasts twice as long"
+            ejected_for(&l) >= Duration::from_millis(1900),
+            "the second ejection lasts twice as long: {:?}",
+            ejected_for(&l)
         );
     }
 
@@ -291,14 +324,48 @@ mod tests {
     fn a_long_first_ejection_is_not_cut_to_the_cap() {
         let l = EndpointLoad::new(1, Duration::from_secs(600));
         assert!(l.failure());
-        let until = Duration::from_nanos(l.ejected_until_ns.load(Ordering::Relaxed));
-        assert!(until >= Duration::from_secs(599), "{until:?}");
-        assert!(l.failure());
-        let until = Duration::from_nanos(l.ejected_until_ns.load(Ordering::Relaxed));
         assert!(
-            until < Duration::from_secs(601),
-            "not doubled past it: {until:?}"
+            ejected_for(&l) >= Duration::from_secs(599),
+            "{:?}",
+            ejected_for(&l)
         );
+        l.ejected_until_ns.store(0, Ordering::Relaxed);
+        assert!(l.failure());
+        assert!(
+            ejected_for(&l) <= Duration::from_secs(600),
+            "not doubled past it: {:?}",
+            ejected_for(&l)
+        );
+    }
+
+    /// Both drawn endpoints ejected: the usable ones share the traffic evenly, not the first
+    /// of them in the list.
+    #[test]
+    fn with_most_ejected_the_usable_ones_share_the_traffic() {
+        let loads: Vec<EndpointLoad> = (0..10)
+            .map(|_| EndpointLoad::new(1, Duration::from_secs(60)))
+            .collect();
+        for l in &loads[..8] {
+            l.failure();
+        }
+        let rr = AtomicU64::new(0);
+        let mut hits = [0u32; 10];
+        for _ in 0..4000 {
+            hits[super::pick(Balance::P2c, 10, |i| &loads[i], &rr, |_| false)] += 1;
+        }
+        assert_eq!(hits[..8].iter().sum::<u32>(), 0, "{hits:?}");
+        // Even shares are 2000 each; the first-usable rule gave the first about 3250.
+        assert!(hits[8].abs_diff(hits[9]) < 600, "{hits:?}");
+    }
+
+    /// A failure that came back at once does not make the endpoint look cheap.
+    #[test]
+    fn a_fast_failure_makes_the_endpoint_dearer() {
+        let l = EndpointLoad::new(0, Duration::from_secs(1));
+        l.sample(Duration::from_millis(5));
+        let before = l.cost();
+        l.start().failed();
+        assert!(l.cost() >= 1.9 * before, "{} then {}", before, l.cost());
     }
 
     #[test]

@@ -144,6 +144,11 @@ impl ClusterPools {
     pub fn pick(&self, exclude: Option<SocketAddr>) -> Result<Arc<EndpointPool>, ProxyError> {
         let endpoints = self.endpoints.load();
         if endpoints.is_empty() {
+            // Its names have no address (yet): ask the resolver to try again now, as a
+            // failed connect does, rather than after its backoff (up to `max_refresh`).
+            if let Some(feed) = &self.feed {
+                feed.request_refresh();
+            }
             return Err(ProxyError::NoEndpoints);
         }
         let i = balance::pick(
