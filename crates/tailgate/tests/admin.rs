@@ -538,6 +538,32 @@ async fn stats_and_unknown_paths() {
     assert_eq!(c.send_request(req).await.unwrap().status(), 405);
 }
 
+/// Every admin slot held by clients that connected and sent nothing (or stopped reading):
+/// health probes are still answered, other paths get a clear 503.
+#[tokio::test]
+async fn health_probes_are_answered_when_every_admin_slot_is_held() {
+    let up = ok_upstream().await;
+    let gw = two_tenants(up, "");
+    let admin = admin_addr(&gw);
+    let mut held = Vec::new();
+    for _ in 0..64 {
+        held.push(tokio::net::TcpStream::connect(admin).await.unwrap());
+    }
+    let r = admin_get(admin, "/healthz", &[]).await;
+    assert_eq!(r.status(), 200, "{:?}", r.body());
+    assert_eq!(admin_get(admin, "/readyz", &[]).await.status(), 200);
+    let r = admin_get(admin, "/metrics", &[]).await;
+    assert_eq!(r.status(), 503);
+    assert!(
+        std::str::from_utf8(r.body())
+            .unwrap()
+            .contains("too_many_connections"),
+        "{:?}",
+        r.body()
+    );
+    drop(held);
+}
+
 #[tokio::test]
 async fn the_watchdog_is_fed_only_while_workers_respond() {
     use std::os::unix::net::UnixDatagram;

@@ -50,6 +50,16 @@ use crate::pipeline::Worker;
 const MAX_CONNECTIONS: usize = 64;
 /// How long an admin connection is kept before it is closed (after its current response).
 const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
+/// How long the response in flight at [`CONNECTION_LIFETIME`] may still take: a client
+/// that stopped reading (a `/metrics` body it never takes) must not keep its slot forever.
+const LIFETIME_DRAIN: Duration = Duration::from_secs(30);
+/// Connections taken beyond [`MAX_CONNECTIONS`] to answer health probes only: when every
+/// slot is held (clients that stopped reading, or that connect and send nothing), the
+/// orchestrator's `/healthz` and `/readyz` must still be answered, or it restarts a healthy
+/// gateway.
+const PROBE_CONNECTIONS: usize = 8;
+/// The whole life of such a probe connection: one request, then it is closed.
+const PROBE_DEADLINE: Duration = Duration::from_secs(5);
 
 /// What the admin plane reads: the config, every worker (their metrics and pools), and
 /// whether the gateway is draining. Built once per gateway.
@@ -233,16 +243,23 @@ fn run(listener: std::net::TcpListener, state: Arc<AdminState>, mut stop: watch:
             }
         };
         let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+        let probe_permits = Arc::new(tokio::sync::Semaphore::new(PROBE_CONNECTIONS));
         loop {
             tokio::select! {
                 accepted = listener.accept() => match accepted {
                     Ok((stream, peer)) => match permits.clone().try_acquire_owned() {
                         Ok(permit) => {
-                            tokio::spawn(serve(stream, state.clone(), permit));
+                            tokio::spawn(serve(stream, state.clone(), permit, Slot::Full));
                         }
-                        Err(_) => {
-                            tracing::warn!(client = %peer, limit = MAX_CONNECTIONS, "admin connection refused: too many open");
-                        }
+                        Err(_) => match probe_permits.clone().try_acquire_owned() {
+                            Ok(permit) => {
+                                tracing::warn!(client = %peer, limit = MAX_CONNECTIONS, "admin connections all taken; this one may ask for /healthz or /readyz only");
+                                tokio::spawn(serve(stream, state.clone(), permit, Slot::Probe));
+                            }
+                            Err(_) => {
+                                tracing::warn!(client = %peer, limit = MAX_CONNECTIONS, "admin connection refused: too many open");
+                            }
+                        },
                     },
                     Err(e) => {
                         tracing::debug!(error = %e, "admin accept failed");
@@ -287,28 +304,59 @@ fn idle_priority() {
     lower_priority();
 }
 
+/// Which kind of slot an admin connection holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    /// One of [`MAX_CONNECTIONS`]: every endpoint, kept alive up to its lifetime.
+    Full,
+    /// One of [`PROBE_CONNECTIONS`]: one health probe within [`PROBE_DEADLINE`].
+    Probe,
+}
+
 async fn serve(
     stream: tokio::net::TcpStream,
     state: Arc<AdminState>,
     _permit: tokio::sync::OwnedSemaphorePermit,
+    slot: Slot,
 ) {
     let _ = stream.set_nodelay(true);
     let svc = hyper::service::service_fn(move |req| {
         let state = state.clone();
-        async move { Ok::<_, Infallible>(handle(state, req)) }
+        async move {
+            let resp = match slot {
+                Slot::Probe if !matches!(req.uri().path(), "/healthz" | "/readyz") => json(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &serde_json::json!({"error": "too_many_connections", "message": "every admin connection is taken; only /healthz and /readyz are answered"}),
+                ),
+                _ => handle(state, req),
+            };
+            Ok::<_, Infallible>(resp)
+        }
     });
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_secs(10))
+        .keep_alive(slot == Slot::Full)
         .serve_connection(TokioIo::new(stream), svc);
     let mut conn = std::pin::pin!(conn);
+    let (lifetime, drain) = match slot {
+        Slot::Full => (CONNECTION_LIFETIME, LIFETIME_DRAIN),
+        Slot::Probe => (PROBE_DEADLINE, Duration::ZERO),
+    };
     // Connections are recycled after a while so idle ones cannot hold every slot; the
-    // response in flight finishes first.
+    // response in flight may finish first, within `drain`, then the connection is dropped
+    // whatever its state.
     let result = tokio::select! {
         r = conn.as_mut() => r,
-        _ = tokio::time::sleep(CONNECTION_LIFETIME) => {
+        _ = tokio::time::sleep(lifetime) => {
             conn.as_mut().graceful_shutdown();
-            conn.await
+            match tokio::time::timeout(drain, conn).await {
+                Ok(r) => r,
+                Err(_) => {
+                    tracing::debug!("admin connection dropped: its last response was not taken in time");
+                    return;
+                }
+            }
         }
     };
     if let Err(e) = result {
