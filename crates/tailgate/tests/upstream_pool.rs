@@ -592,3 +592,38 @@ async fn p2c_prefers_the_faster_endpoint_round_robin_alternates() {
         }
     }
 }
+
+/// Traffic stops, then the server closes its idle keep-alive connection (its own keep-alive
+/// timeout): the pool closes its side without waiting for the next request, so no socket
+/// sits in CLOSE_WAIT while the gateway is quiet.
+#[tokio::test]
+async fn an_idle_connection_the_server_closed_is_closed_while_no_request_comes() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let mut chunk = [0u8; 1024];
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    .await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            });
+        }
+    });
+    // `idle_timeout` far off: only noticing the server's close retires the connection.
+    let gw = gateway(up, "idle_timeout = \"60s\"");
+    let g = gw.gw.as_ref().unwrap();
+    assert_eq!(get_on(&mut h1_client(gw.addr).await, "/").await, 200);
+    wait_for("the closed idle connection to be retired", || {
+        g.pool_stat(|s| s.retired_idle.load(Ordering::Relaxed)) == 1
+    })
+    .await;
+}

@@ -43,6 +43,9 @@ use crate::pipeline::error::ProxyError;
 const LEARN_AGREEMENTS: u32 = 3;
 /// How long a learned limit is trusted before it is learned again.
 const LEARNED_TTL: Duration = Duration::from_secs(600);
+/// The longest between two looks over a pool's idle connections when no keeper runs: how
+/// long a connection the server closed may sit in CLOSE_WAIT once traffic stops.
+const SWEEP_TICK: Duration = Duration::from_secs(2);
 
 struct Idle {
     conn: Box<H1Conn>,
@@ -586,7 +589,7 @@ impl EndpointPool {
     /// connections.
     pub async fn keep_warm(self: Arc<Self>) {
         if self.min_warm == 0 && self.protocol == Protocol::Http1 {
-            return;
+            return self.sweep_idle().await;
         }
         let mut backoff = Duration::from_millis(100);
         loop {
@@ -620,6 +623,23 @@ impl EndpointPool {
             }
             // Woken on every take, retirement and close; the tick catches idle expiry.
             let _ = tokio::time::timeout(self.keeper_tick(), self.refill.notified()).await;
+        }
+    }
+
+    /// With no connection to keep warm: only looks over the idle HTTP/1.1 connections now
+    /// and then, so that those past `idle_timeout` and those the server closed (left in
+    /// CLOSE_WAIT) are closed when traffic stops, not at the next request. On a timer of its
+    /// own, not woken by the requests' takes (that would be a task wake-up per request).
+    async fn sweep_idle(self: Arc<Self>) {
+        let tick = self
+            .idle_timeout
+            .clamp(Duration::from_millis(100), SWEEP_TICK);
+        loop {
+            tokio::time::sleep(tick).await;
+            if self.retired.load(Ordering::Relaxed) {
+                return;
+            }
+            self.idle_len();
         }
     }
 
