@@ -118,6 +118,7 @@ pub fn has_hop_by_hop(headers: &HeaderMap) -> bool {
 }
 
 /// Is `n` a hop-by-hop header, removed from every message the gateway passes on?
+#[inline]
 pub fn is_hop_by_hop(n: &HeaderName) -> bool {
     n == header::CONNECTION
         || n == header::TE
@@ -129,6 +130,7 @@ pub fn is_hop_by_hop(n: &HeaderName) -> bool {
 }
 
 /// `Proxy` or `Proxy-*`: meant for a proxy, never passed on.
+#[inline]
 fn is_proxy(n: &HeaderName) -> bool {
     let n = n.as_str().as_bytes();
     n.starts_with(b"proxy") && (n.len() == 5 || n[5] == b'-')

@@ -224,12 +224,12 @@ pub fn handle(
         }
 
         // 2. Route: the host decides the tenant, the path and method the route.
-        let host = match route::request_host(&parts) {
+        let (host, upper) = match route::request_host(&parts) {
             Ok(Some(host)) => host,
             // HTTP/1.0 did not require a Host (RFC 9112 §3.2 asks a 400 of HTTP/1.1 only):
             // routed as an empty one is, by the connection's tenant (nginx serves it from
             // the default server). `HAProxy`'s `option httpchk` sends such requests.
-            Ok(None) if parts.version <= http::Version::HTTP_10 => "",
+            Ok(None) if parts.version <= http::Version::HTTP_10 => ("", false),
             Ok(None) => return fail(&mut rec, ProxyError::BadRequest("no Host header")),
             Err(route::BadHost::Several) => {
                 return fail(
@@ -242,7 +242,7 @@ pub fn handle(
             }
         };
         let lower;
-        let host = if host.bytes().any(|b| b.is_ascii_uppercase()) {
+        let host = if upper {
             lower = host.to_ascii_lowercase();
             lower.as_str()
         } else {
@@ -404,7 +404,13 @@ fn forward(
         }
         let mut in_flight = pool.load.start_at(t_connect);
         let mut retried = false;
-        let mut up = match within(total_deadline, cluster.checkout_at(&pool, t_connect)).await {
+        // Without a total deadline (most routes) the checkout is awaited as it is: wrapped,
+        // it would be moved once more, and the request's future grow by a timer.
+        let first = match total_deadline {
+            None => cluster.checkout_at(&pool, t_connect).await,
+            Some(d) => within(d, cluster.checkout_at(&pool, t_connect)).await,
+        };
+        let mut up = match first {
             Ok(up) => up,
             // Nothing was sent: trying another endpoint is always safe.
             Err(
@@ -418,7 +424,11 @@ fn forward(
                 retried = true;
                 pool = cluster.pick(Some(pool.addr))?;
                 in_flight = pool.load.start();
-                match within(total_deadline, cluster.checkout(&pool)).await {
+                let second = match total_deadline {
+                    None => cluster.checkout(&pool).await,
+                    Some(d) => within(d, cluster.checkout(&pool)).await,
+                };
+                match second {
                     Ok(up) => up,
                     Err(e) => {
                         in_flight.ended_by(&e);
@@ -727,17 +737,14 @@ fn send_on_new<'a>(
 
 /// A checkout (a connect, or a wait for an HTTP/2 connection's room) bounded by the route's
 /// total deadline too, not only by the cluster's `connect_timeout`: a total of 500 ms gives
-/// a `504` after 500 ms whatever the connect does. No timer without a total.
+/// a `504` after 500 ms whatever the connect does.
 async fn within<T>(
-    total_deadline: Option<Instant>,
+    total_deadline: Instant,
     checkout: impl Future<Output = Result<T, ProxyError>>,
 ) -> Result<T, ProxyError> {
-    match total_deadline {
-        None => checkout.await,
-        Some(d) => tokio::time::timeout_at(d.into(), checkout)
-            .await
-            .unwrap_or(Err(ProxyError::UpstreamTimeout)),
-    }
+    tokio::time::timeout_at(total_deadline.into(), checkout)
+        .await
+        .unwrap_or(Err(ProxyError::UpstreamTimeout))
 }
 
 /// The response timeout, cut short by the total deadline when that comes first.

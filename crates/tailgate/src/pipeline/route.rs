@@ -200,36 +200,38 @@ impl RouteTable {
     }
 }
 
-/// The host of a request, without port: from the URI authority (HTTP/2, absolute-form) or
-/// the Host header (its case as sent; the caller lowers it). `None` when the request names
-/// no host; an empty Host (allowed when the target has no authority, RFC 9112 §3.2) is `""`.
+/// The host of a request, without port or trailing dot, and whether it has upper-case
+/// letters (the caller lowers it then): from the URI authority (HTTP/2, absolute-form) or
+/// the Host header. `None` when the request names no host; an empty Host (allowed when the
+/// target has no authority, RFC 9112 §3.2) is `""`.
 ///
 /// A Host header must be `host [":" port]` (RFC 9110 §7.2): it is what routes the request
 /// and it is passed upstream as sent, so a value the two sides could read differently
 /// (`acme.test:@evil.example`, `a.test/x`, `a..test`) is refused, as nginx refuses it.
 /// More than one Host header is refused too: which one names the request would be
 /// ambiguous (RFC 9112 §3.2 asks for a 400).
-pub fn request_host(parts: &http::request::Parts) -> Result<Option<&str>, BadHost> {
+pub fn request_host(parts: &http::request::Parts) -> Result<Option<(&str, bool)>, BadHost> {
     let mut hosts = parts.headers.get_all(http::header::HOST).iter();
     let first = hosts.next();
     if hosts.next().is_some() {
         return Err(BadHost::Several);
     }
-    let raw = match parts.uri.authority() {
-        Some(a) => Some(a.host()),
-        None => match first {
-            Some(h) => match h.to_str() {
-                Ok(h) if valid_host(h.as_bytes()) => Some(h),
-                _ => return Err(BadHost::Invalid),
-            },
-            None => None,
-        },
+    let (host, upper) = match (parts.uri.authority(), first) {
+        (Some(a), _) => {
+            let h = a.host();
+            (h, h.bytes().any(|b| b.is_ascii_uppercase()))
+        }
+        (None, Some(h)) => {
+            let h = h.as_bytes();
+            let (end, upper) = host_part(h).ok_or(BadHost::Invalid)?;
+            // Only ASCII passed `host_part`.
+            let h = std::str::from_utf8(&h[..end]).map_err(|_| BadHost::Invalid)?;
+            (h, upper)
+        }
+        (None, None) => return Ok(None),
     };
     // `api.example.com.` is the same name as `api.example.com` (nginx matches it so too).
-    Ok(raw.map(|h| {
-        let h = strip_port(h);
-        h.strip_suffix('.').unwrap_or(h)
-    }))
+    Ok(Some((host.strip_suffix('.').unwrap_or(host), upper)))
 }
 
 /// Why a request's Host cannot route it.
@@ -241,58 +243,105 @@ pub enum BadHost {
     Invalid,
 }
 
-/// Is `h` a Host header's `uri-host [":" port]` (RFC 3986 §3.2.2–3)? A reg-name of
-/// unreserved, percent-encoded and sub-delim bytes without an empty label inside (`a..b`),
-/// or a bracketed IP literal; a port of digits. Empty is valid (a target without authority).
-fn valid_host(h: &[u8]) -> bool {
-    let port = if h.first() == Some(&b'[') {
-        let Some(end) = h.iter().position(|&b| b == b']') else {
-            return false;
-        };
-        let literal = &h[1..end];
+/// Checks that `h` is a Host header's `uri-host [":" port]` (RFC 3986 §3.2.2–3): a reg-name
+/// of unreserved, percent-encoded and sub-delim bytes without an empty label (`a..b`,
+/// `.a`), or a bracketed IP literal; a port of digits. Empty is valid (a target without
+/// authority). Returns where the host ends (the port, if any, starts there) and whether it
+/// has upper-case letters; `None` when it is not valid.
+///
+/// One pass with a table look-up a byte: it runs on every request.
+fn host_part(h: &[u8]) -> Option<(usize, bool)> {
+    let (end, upper) = if h.first() == Some(&b'[') {
+        let end = h.iter().position(|&b| b == b']')? + 1;
+        let literal = &h[1..end - 1];
         if literal.is_empty()
             || !literal
                 .iter()
                 .all(|&b| b.is_ascii_hexdigit() || matches!(b, b':' | b'.' | b'v' | b'V'))
         {
-            return false;
+            return None;
         }
-        &h[end + 1..]
+        (end, literal.iter().any(u8::is_ascii_uppercase))
     } else {
-        let end = h.iter().position(|&b| b == b':').unwrap_or(h.len());
-        let name = &h[..end];
-        let allowed = name.iter().all(|&b| {
-            b.is_ascii_alphanumeric()
-                || matches!(
-                    b,
-                    b'-' | b'.'
-                        | b'_'
-                        | b'~'
-                        | b'%'
-                        | b'!'
-                        | b'$'
-                        | b'&'
-                        | b'\''
-                        | b'('
-                        | b')'
-                        | b'*'
-                        | b'+'
-                        | b','
-                        | b';'
-                        | b'='
-                )
-        });
-        if !allowed || name.first() == Some(&b'.') || name.windows(2).any(|w| w == b"..") {
-            return false;
+        let mut upper = false;
+        // Starts as if after a dot, so that a leading dot reads as an empty label.
+        let mut after_dot = true;
+        let mut end = h.len();
+        for (i, &b) in h.iter().enumerate() {
+            match HOST_BYTES[usize::from(b)] {
+                HostByte::Plain => after_dot = false,
+                HostByte::Upper => {
+                    upper = true;
+                    after_dot = false;
+                }
+                HostByte::Dot if !after_dot => after_dot = true,
+                HostByte::Colon => {
+                    end = i;
+                    break;
+                }
+                HostByte::Dot | HostByte::Invalid => return None,
+            }
         }
-        &h[end..]
+        (end, upper)
     };
-    match port.split_first() {
-        None => true,
-        Some((b':', digits)) => digits.len() <= 5 && digits.iter().all(u8::is_ascii_digit),
-        Some(_) => false,
+    match h[end..].split_first() {
+        None => {}
+        Some((b':', digits)) if digits.len() <= 5 && digits.iter().all(u8::is_ascii_digit) => {}
+        Some(_) => return None,
     }
+    Some((end, upper))
 }
+
+/// What a byte is in a Host header's reg-name.
+#[derive(Clone, Copy)]
+enum HostByte {
+    Invalid,
+    /// Lower-case letters, digits, `-`, `_`, `~`, `%` and sub-delims (RFC 3986 §3.2.2).
+    Plain,
+    Upper,
+    Dot,
+    /// Where the port starts.
+    Colon,
+}
+
+const HOST_BYTES: [HostByte; 256] = {
+    let mut t = [HostByte::Invalid; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        t[b] = if c.is_ascii_uppercase() {
+            HostByte::Upper
+        } else if c == b'.' {
+            HostByte::Dot
+        } else if c == b':' {
+            HostByte::Colon
+        } else if c.is_ascii_alphanumeric()
+            || matches!(
+                c,
+                b'-' | b'_'
+                    | b'~'
+                    | b'%'
+                    | b'!'
+                    | b'$'
+                    | b'&'
+                    | b'\''
+                    | b'('
+                    | b')'
+                    | b'*'
+                    | b'+'
+                    | b','
+                    | b';'
+                    | b'='
+            )
+        {
+            HostByte::Plain
+        } else {
+            HostByte::Invalid
+        };
+        b += 1;
+    }
+    t
+};
 
 /// The path as routes match it: percent-encoded unreserved bytes decoded (`%2e` is `.`,
 /// `%41` is `A`; others such as `%2F` stay encoded), `.` and `..` segments resolved (RFC
@@ -306,10 +355,14 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, AboveRoot> {
     if b.first() != Some(&b'/') {
         return Ok(Cow::Borrowed(path));
     }
-    let plain = b
-        .iter()
-        .zip(b.iter().skip(1).chain(std::iter::once(&0)))
-        .all(|(&c, &next)| c != b'%' && !(c == b'/' && (next == b'/' || next == b'.')));
+    // One pass (this runs on every request): only `%`, and a `/` before `/` or `.`, can
+    // make the normal form differ.
+    let mut after_slash = false;
+    let plain = b.iter().all(|&c| {
+        let odd = c == b'%' || after_slash && (c == b'/' || c == b'.');
+        after_slash = c == b'/';
+        !odd
+    });
     if plain {
         return Ok(Cow::Borrowed(path));
     }
@@ -375,17 +428,6 @@ fn hex_value(c: u8) -> Option<u8> {
     }
 }
 
-fn strip_port(h: &str) -> &str {
-    if h.starts_with('[') {
-        // IPv6 literal: keep the brackets, drop the port.
-        return h.find(']').map_or(h, |i| &h[..=i]);
-    }
-    match h.rfind(':') {
-        Some(i) => &h[..i],
-        None => h,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -406,7 +448,10 @@ mod tests {
                 b = b.header(http::header::HOST, h);
             }
             let (parts, ()) = b.body(()).expect("request").into_parts();
-            request_host(&parts).ok().flatten().map(str::to_owned)
+            request_host(&parts)
+                .ok()
+                .flatten()
+                .map(|(h, _)| h.to_owned())
         };
         assert_eq!(host("/", Some("acme.test.")).as_deref(), Some("acme.test"));
         assert_eq!(
@@ -545,7 +590,7 @@ endpoints = ["127.0.0.1:1"]
             "[fe80::1]:80",
             "xn--bcher-kva.test",
         ] {
-            assert!(valid_host(ok.as_bytes()), "{ok:?}");
+            assert!(host_part(ok.as_bytes()).is_some(), "{ok:?}");
         }
         for bad in [
             "acme.test:@evil.example",
@@ -564,7 +609,7 @@ endpoints = ["127.0.0.1:1"]
             "a b",
             "a\tb",
         ] {
-            assert!(!valid_host(bad.as_bytes()), "{bad:?}");
+            assert!(host_part(bad.as_bytes()).is_none(), "{bad:?}");
         }
     }
 
@@ -585,9 +630,11 @@ endpoints = ["127.0.0.1:1"]
     }
 
     #[test]
-    fn strips_ports() {
-        assert_eq!(strip_port("a.test:8080"), "a.test");
-        assert_eq!(strip_port("[::1]:80"), "[::1]");
-        assert_eq!(strip_port("a.test"), "a.test");
+    fn the_host_part_ends_at_the_port_and_knows_its_case() {
+        assert_eq!(host_part(b"a.test:8080"), Some((6, false)));
+        assert_eq!(host_part(b"A.test"), Some((6, true)));
+        assert_eq!(host_part(b"[::1]:80"), Some((5, false)));
+        assert_eq!(host_part(b"[FE80::1]"), Some((9, true)));
+        assert_eq!(host_part(b""), Some((0, false)));
     }
 }
