@@ -26,6 +26,7 @@ async fn forwards_and_adds_proxy_headers() {
         .header("proxy", "http://evil.test:8080")
         .header("proxy-anything", "x")
         .header("proxyish", "kept")
+        .header("proxy-status", "upstream-proxy; error=none")
         .header("te", "trailers")
         .body(full(""))
         .unwrap();
@@ -51,6 +52,10 @@ async fn forwards_and_adds_proxy_headers() {
     assert_eq!(
         h["x-echo-proxyish"], "kept",
         "only `Proxy` and `Proxy-*` are removed"
+    );
+    assert_eq!(
+        h["x-echo-proxy-status"], "upstream-proxy; error=none",
+        "Proxy-Status (RFC 9209) is passed on"
     );
     let id = h["x-request-id"].to_str().unwrap().to_owned();
     assert_eq!(

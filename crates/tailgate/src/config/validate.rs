@@ -803,13 +803,40 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 format!("`{path_prefix}` does not start with `/`"),
                 Some("write an absolute path prefix such as \"/\" or \"/api/\""),
             );
+        } else {
+            // Requests are matched in normal form (`pipeline::route::normal_path`): a prefix
+            // that is not would never match anything. Its last segment may be cut short
+            // (`/static/.` matches `/static/.env`): checked as if a letter followed it.
+            let whole = format!("{path_prefix}x");
+            match crate::pipeline::route::normal_path(&whole) {
+                Ok(normal) if normal == whole.as_str() => {}
+                Ok(normal) => c.err(
+                    Some(r.path_prefix.span()),
+                    format!("route[{i}].path_prefix"),
+                    format!("`{path_prefix}` is not in normal form, so no request would match it: paths are matched with `%XX` of unreserved characters decoded, `.` and `..` resolved and `//` merged"),
+                    Some(&format!(
+                        "write \"{}\"",
+                        normal.strip_suffix('x').unwrap_or(&normal)
+                    )),
+                ),
+                Err(_) => c.err(
+                    Some(r.path_prefix.span()),
+                    format!("route[{i}].path_prefix"),
+                    format!("`{path_prefix}` climbs above `/` with `..`"),
+                    Some("write the prefix without `..` segments"),
+                ),
+            }
         }
         let host = route_host(c, r, i, tenant, &tenants);
         let methods = route_methods(c, r, i);
         let span = r.path_prefix.span();
         for (t, h, p, m, prev) in &seen_routes {
-            let overlap =
-                m.is_empty() || methods.is_empty() || m.iter().any(|x| methods.contains(x));
+            // A route without `methods` takes every method but TRACE
+            // (`pipeline::route`): beside a TRACE-only route it does not overlap.
+            let any_but_trace = |ms: &[http::Method]| ms.iter().any(|x| *x != http::Method::TRACE);
+            let overlap = m.is_empty() && (methods.is_empty() || any_but_trace(&methods))
+                || methods.is_empty() && any_but_trace(m)
+                || m.iter().any(|x| methods.contains(x));
             if *t == tenant && *h == host && *p == path_prefix && overlap {
                 let (pl, _) = line_col(c.text, prev.start);
                 c.err(Some(span.clone()), format!("route[{i}]"), format!("duplicate route: the same tenant, host, path_prefix `{path_prefix}` and methods as the route at line {pl}"), Some("remove one of them, or make them differ by host, path_prefix or methods"));
@@ -1082,6 +1109,37 @@ mod tests {
 
     const TAIL: &str = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\n";
 
+    /// A TRACE-only route beside a route without `methods` (which takes every method but
+    /// TRACE) is no duplicate; beside one that lists GET, neither.
+    #[test]
+    fn a_trace_route_beside_an_any_method_route_is_no_duplicate() {
+        let text = format!(
+            "{TAIL}[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\n[[route]]\npath_prefix = \"/\"\nmethods = [\"TRACE\"]\ncluster = \"c\"\n"
+        );
+        assert_eq!(errors_of(&text), "");
+        let text = format!(
+            "{TAIL}[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\n[[route]]\npath_prefix = \"/\"\nmethods = [\"GET\"]\ncluster = \"c\"\n"
+        );
+        assert!(errors_of(&text).contains("duplicate route"));
+    }
+
+    /// Prefixes in normal form, the last segment possibly cut short, are accepted.
+    #[test]
+    fn prefixes_in_normal_form_are_accepted() {
+        for prefix in [
+            "/",
+            "/api/",
+            "/api/v",
+            "/static/.",
+            "/a.b/",
+            "/x%3A",
+            "/~u/",
+        ] {
+            let text = format!("{TAIL}[[route]]\npath_prefix = \"{prefix}\"\ncluster = \"c\"\n");
+            assert_eq!(errors_of(&text), "", "{prefix}");
+        }
+    }
+
     /// Values that parse but cannot work at run time, refused with their place and what to
     /// write instead.
     #[test]
@@ -1118,6 +1176,22 @@ mod tests {
             (
                 format!("[[listener]]\nname = \"a\"\naddress = \"127.0.0.1:1\"\n[[listener]]\nname = \"a\"\naddress = \"127.0.0.1:2\"\n{TAIL}"),
                 "listener[1].name: listener `a` is defined twice (also listener[0])",
+            ),
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/a//b/\"\ncluster = \"c\"\n"),
+                "t.toml:7:15: route[0].path_prefix: `/a//b/` is not in normal form",
+            ),
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/%7Euser/./x\"\ncluster = \"c\"\n"),
+                "help: write \"/~user/x\"",
+            ),
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/../x\"\ncluster = \"c\"\n"),
+                "route[0].path_prefix: `/../x` climbs above `/`",
+            ),
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/a%2fb\"\ncluster = \"c\"\n"),
+                "help: write \"/a/b\"",
             ),
             (
                 format!("[[tenant]]\nname = \"t\"\nhosts = [\"api.test.\"]\n{TAIL}"),

@@ -11,6 +11,10 @@ pub enum ProxyError {
     NoRoute,
     #[error("method not allowed on this route")]
     MethodNotAllowed(Vec<http::Method>),
+    #[error(
+        "the Host names another tenant than the one this connection serves (its listener's or its TLS server name's)"
+    )]
+    Misdirected,
     #[error("malformed request: {0}")]
     BadRequest(&'static str),
     #[error("request head too large: {0}")]
@@ -44,6 +48,7 @@ impl ProxyError {
         match self {
             ProxyError::NoRoute => StatusCode::NOT_FOUND,
             ProxyError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            ProxyError::Misdirected => StatusCode::MISDIRECTED_REQUEST,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::HeadTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ProxyError::UriTooLong => StatusCode::URI_TOO_LONG,
@@ -63,6 +68,7 @@ impl ProxyError {
         match self {
             ProxyError::NoRoute => "no_route",
             ProxyError::MethodNotAllowed(_) => "method_not_allowed",
+            ProxyError::Misdirected => "misdirected_request",
             ProxyError::BadRequest(_) => "bad_request",
             ProxyError::HeadTooLarge(_) => "header_too_large",
             ProxyError::UriTooLong => "uri_too_long",

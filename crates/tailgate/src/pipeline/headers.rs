@@ -129,11 +129,12 @@ pub fn is_hop_by_hop(n: &HeaderName) -> bool {
         || is_proxy(n)
 }
 
-/// `Proxy` or `Proxy-*`: meant for a proxy, never passed on.
+/// `Proxy` or `Proxy-*`: meant for a proxy, never passed on. Not `Proxy-Status` (RFC 9209),
+/// which each proxy on the way adds to and passes on.
 #[inline]
 fn is_proxy(n: &HeaderName) -> bool {
     let n = n.as_str().as_bytes();
-    n.starts_with(b"proxy") && (n.len() == 5 || n[5] == b'-')
+    n.starts_with(b"proxy") && (n.len() == 5 || n[5] == b'-' && n != b"proxy-status")
 }
 
 /// The client's address as header text, rendered once per connection (see [`Added`]).

@@ -254,31 +254,42 @@ pub fn handle(
                 ProxyError::BadRequest("the path climbs above the root (`..`)"),
             );
         };
-        let route = match shared
-            .routes
-            .lookup(host, &path, &parts.method, conn.tenant)
+        let host_tenant = shared.routes.tenant_of_host(host);
+        // A connection classified to a tenant (its listener's, or its TLS SNI's) does not
+        // serve another tenant's Host: that request is misdirected (RFC 9110 §15.5.20), and
+        // a client that coalesced two names on one connection (HTTP/2) retries on a new one.
+        // Routes of no tenant are still served.
+        if let (Some(ct), Some(ht)) = (conn.tenant, host_tenant)
+            && ct != ht
         {
-            Match::Found(r) => r.clone(),
-            miss => {
-                // Counted against the tenant the Host names, when it names one.
-                if let Some(ex) = rec.exchange_mut() {
-                    ex.tenant = shared.routes.tenant_of_host(host).or(conn.tenant);
-                }
-                return match miss {
-                    Match::WrongMethod(allowed) => {
-                        fail(&mut rec, ProxyError::MethodNotAllowed(allowed))
-                    }
-                    _ => fail(&mut rec, ProxyError::NoRoute),
-                };
+            if let Some(ex) = rec.exchange_mut() {
+                ex.tenant = Some(ct);
             }
-        };
+            return fail(&mut rec, ProxyError::Misdirected);
+        }
+        let route =
+            match shared
+                .routes
+                .lookup_with(host, host_tenant, &path, &parts.method, conn.tenant)
+            {
+                Match::Found(r) => r.clone(),
+                miss => {
+                    // Counted against the tenant the Host names, when it names one.
+                    if let Some(ex) = rec.exchange_mut() {
+                        ex.tenant = host_tenant.or(conn.tenant);
+                    }
+                    return match miss {
+                        Match::WrongMethod(allowed) => {
+                            fail(&mut rec, ProxyError::MethodNotAllowed(allowed))
+                        }
+                        _ => fail(&mut rec, ProxyError::NoRoute),
+                    };
+                }
+            };
         if let Some(ex) = rec.exchange_mut() {
             ex.route = Some(route.id);
             // A route without a tenant serves whichever tenant the Host (or connection) names.
-            ex.tenant = route
-                .tenant
-                .or_else(|| shared.routes.tenant_of_host(host))
-                .or(conn.tenant);
+            ex.tenant = route.tenant.or(host_tenant).or(conn.tenant);
         }
 
         // 3. Authenticate and 4. rate limit: not configured in this version.

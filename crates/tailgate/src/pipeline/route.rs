@@ -128,11 +128,21 @@ impl RouteTable {
         // Stable: equally long patterns keep the config's order.
         t.tenant_wildcards
             .sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
+        // The scopes and prefixes with a route that names HEAD.
+        let named_head: std::collections::HashSet<(Option<usize>, Option<&str>, &str)> = config
+            .routes
+            .iter()
+            .filter(|r| r.methods.contains(&http::Method::HEAD))
+            .map(|r| (r.tenant, r.host.as_deref(), &*r.path_prefix))
+            .collect();
         for (id, r) in config.routes.iter().enumerate() {
             // A route for GET answers HEAD too (RFC 9110 §9.3.2; nginx's `limit_except GET`
-            // allows HEAD): health and link checkers send HEAD.
+            // allows HEAD): health and link checkers send HEAD. Unless another route of the
+            // same scope and prefix takes HEAD by name: that one is meant for it.
             let mut methods = r.methods.clone();
-            if methods.contains(&http::Method::GET) && !methods.contains(&http::Method::HEAD) {
+            let head_elsewhere =
+                named_head.contains(&(r.tenant, r.host.as_deref(), &*r.path_prefix));
+            if methods.contains(&http::Method::GET) && !head_elsewhere {
                 methods.push(http::Method::HEAD);
             }
             let entry = Arc::new(RouteEntry {
@@ -175,13 +185,25 @@ impl RouteTable {
         method: &http::Method,
         conn_tenant: Option<usize>,
     ) -> Match<'_> {
+        self.lookup_with(host, self.tenant_of_host(host), path, method, conn_tenant)
+    }
+
+    /// [`lookup`](Self::lookup) with the tenant of `host` already found.
+    pub fn lookup_with(
+        &self,
+        host: &str,
+        host_tenant: Option<usize>,
+        path: &str,
+        method: &http::Method,
+        conn_tenant: Option<usize>,
+    ) -> Match<'_> {
         let mut allowed = Vec::new();
         if let Some(list) = self.by_host.get(host)
             && let Some(r) = list.find(path, method, &mut allowed)
         {
             return Match::Found(r);
         }
-        if let Some(t) = self.tenant_of_host(host).or(conn_tenant)
+        if let Some(t) = host_tenant.or(conn_tenant)
             && let Some(r) = self
                 .tenant_routes
                 .get(t)
@@ -207,7 +229,7 @@ impl RouteTable {
 ///
 /// A Host header must be `host [":" port]` (RFC 9110 §7.2): it is what routes the request
 /// and it is passed upstream as sent, so a value the two sides could read differently
-/// (`acme.test:@evil.example`, `a.test/x`, `a..test`) is refused, as nginx refuses it.
+/// (`acme.test:@evil.example`, `a.test/x`, `a..test`) is refused.
 /// More than one Host header is refused too: which one names the request would be
 /// ambiguous (RFC 9112 §3.2 asks for a 400).
 pub fn request_host(parts: &http::request::Parts) -> Result<Option<(&str, bool)>, BadHost> {
@@ -254,10 +276,16 @@ fn host_part(h: &[u8]) -> Option<(usize, bool)> {
     let (end, upper) = if h.first() == Some(&b'[') {
         let end = h.iter().position(|&b| b == b']')? + 1;
         let literal = &h[1..end - 1];
+        // IPv6 (with a zone id, `%25eth0`) or IPvFuture: unreserved, sub-delims, `:`, `%`.
         if literal.is_empty()
-            || !literal
-                .iter()
-                .all(|&b| b.is_ascii_hexdigit() || matches!(b, b':' | b'.' | b'v' | b'V'))
+            || !literal.iter().all(|&b| {
+                b == b':'
+                    || b == b'.'
+                    || matches!(
+                        HOST_BYTES[usize::from(b)],
+                        HostByte::Plain | HostByte::Upper
+                    )
+            })
         {
             return None;
         }
@@ -343,10 +371,16 @@ const HOST_BYTES: [HostByte; 256] = {
     t
 };
 
-/// The path as routes match it: percent-encoded unreserved bytes decoded (`%2e` is `.`,
-/// `%41` is `A`; others such as `%2F` stay encoded), `.` and `..` segments resolved (RFC
-/// 3986 §5.2.4) and repeated slashes merged, as nginx does before it matches a location.
-/// Borrowed, with no allocation, when the path has no `%`, `//` or `/.` in it.
+/// The path as routes match it, as nginx reads a path before it matches a location:
+/// percent-encoded unreserved bytes decoded (`%2e` is `.`, `%41` is `A`), an encoded slash
+/// or backslash (`%2F`, `%5C`) and a backslash read as `/`, other escapes kept (their hex in
+/// upper case), `.` and `..` segments resolved (RFC 3986 §5.2.4), also with a `;` parameter
+/// after them (`..;x`, which some application servers resolve as `..`), and repeated slashes
+/// merged. Whatever an upstream may take for a dot segment is resolved here, so that no
+/// request reaches a route whose prefix its path leaves upstream.
+///
+/// Borrowed, with no allocation, when the path has no `%`, `\`, `//` or `/.` in it (nearly
+/// every request) or its normal form is the same.
 ///
 /// [`AboveRoot`] for a `..` that would climb above `/` (nginx answers it `400`). A target
 /// that is not a path (`*` of `OPTIONS *`) is returned as it is.
@@ -355,11 +389,11 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, AboveRoot> {
     if b.first() != Some(&b'/') {
         return Ok(Cow::Borrowed(path));
     }
-    // One pass (this runs on every request): only `%`, and a `/` before `/` or `.`, can
-    // make the normal form differ.
+    // One pass (this runs on every request): only `%`, `\`, and a `/` before `/` or `.`,
+    // can make the normal form differ.
     let mut after_slash = false;
     let plain = b.iter().all(|&c| {
-        let odd = c == b'%' || after_slash && (c == b'/' || c == b'.');
+        let odd = c == b'%' || c == b'\\' || after_slash && (c == b'/' || c == b'.');
         after_slash = c == b'/';
         !odd
     });
@@ -369,44 +403,54 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, AboveRoot> {
     let mut decoded = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'%'
+        let c = b[i];
+        if c == b'%'
             && let (Some(hi), Some(lo)) = (
                 b.get(i + 1).and_then(|&c| hex_value(c)),
                 b.get(i + 2).and_then(|&c| hex_value(c)),
             )
         {
-            let c = hi << 4 | lo;
-            if c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b'~') {
-                decoded.push(c);
-                i += 3;
-                continue;
+            let v = hi << 4 | lo;
+            if v.is_ascii_alphanumeric() || matches!(v, b'-' | b'.' | b'_' | b'~') {
+                decoded.push(v);
+            } else if v == b'/' || v == b'\\' {
+                decoded.push(b'/');
+            } else {
+                decoded.extend_from_slice(&[b'%', HEX[usize::from(hi)], HEX[usize::from(lo)]]);
             }
+            i += 3;
+            continue;
         }
-        decoded.push(b[i]);
+        decoded.push(if c == b'\\' { b'/' } else { c });
         i += 1;
     }
-    let mut kept: Vec<&[u8]> = Vec::new();
+    // Segments are copied into `out`; a `..` cuts it back to the `/` before the last one.
+    let mut out = Vec::with_capacity(decoded.len());
     let mut trailing_slash = false;
     for seg in decoded[1..].split(|&c| c == b'/') {
         trailing_slash = false;
-        match seg {
-            b"" | b"." => trailing_slash = true,
+        let name = seg.split(|&c| c == b';').next().unwrap_or_default();
+        match name {
+            b"" if seg.is_empty() => trailing_slash = true,
+            b"." => trailing_slash = true,
             b".." => {
-                if kept.pop().is_none() {
+                let Some(last) = out.iter().rposition(|&c| c == b'/') else {
                     return Err(AboveRoot);
-                }
+                };
+                out.truncate(last);
                 trailing_slash = true;
             }
-            s => kept.push(s),
+            _ => {
+                out.push(b'/');
+                out.extend_from_slice(seg);
+            }
         }
     }
-    let mut out = Vec::with_capacity(decoded.len());
-    for s in &kept {
+    if trailing_slash || out.is_empty() {
         out.push(b'/');
-        out.extend_from_slice(s);
     }
-    if trailing_slash || kept.is_empty() {
-        out.push(b'/');
+    if out == b {
+        return Ok(Cow::Borrowed(path));
     }
     // Valid UTF-8: decoding put in only ASCII, and the rest is the path's own text, cut at
     // `/` (lossy would change nothing).
@@ -414,6 +458,8 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, AboveRoot> {
         String::from_utf8_lossy(e.as_bytes()).into_owned()
     })))
 }
+
+const HEX: &[u8; 16] = b"0123456789ABCDEF";
 
 /// A path whose `..` climbs above the root.
 #[derive(Debug, PartialEq, Eq)]
@@ -562,7 +608,14 @@ endpoints = ["127.0.0.1:1"]
             ("/a/%2e%2E/", "/"),
             ("/x/%2e%2e/y", "/y"),
             ("/%70ublic/%7e", "/public/~"),
-            ("/a%2Fb", "/a%2Fb"),
+            ("/a%2Fb", "/a/b"),
+            ("/a%5cb", "/a/b"),
+            ("/a\\b", "/a/b"),
+            ("/a%3ab", "/a%3Ab"),
+            ("/x/..;y/z", "/z"),
+            ("/x/.;y/z", "/x/z"),
+            ("/x/..%2fz", "/z"),
+            ("/x/;y", "/x/;y"),
             ("/a%2", "/a%2"),
             ("/a%zz", "/a%zz"),
             ("/.well-known/x", "/.well-known/x"),
@@ -570,7 +623,21 @@ endpoints = ["127.0.0.1:1"]
         ] {
             assert_eq!(normal_path(raw).as_deref(), Ok(normal), "{raw}");
         }
-        for above in ["/..", "/../a", "/a/../..", "/%2e%2e"] {
+        // Already normal, with `%` or `/.` in it: no allocation.
+        for same in ["/a%3Ab", "/.well-known/x", "/a.b/.c"] {
+            assert!(
+                matches!(normal_path(same), Ok(Cow::Borrowed(p)) if p == same),
+                "{same}"
+            );
+        }
+        for above in [
+            "/..",
+            "/../a",
+            "/a/../..",
+            "/%2e%2e",
+            "/..;x/a",
+            "/a/..%2F..",
+        ] {
             assert_eq!(normal_path(above), Err(AboveRoot), "{above}");
         }
     }
@@ -589,6 +656,8 @@ endpoints = ["127.0.0.1:1"]
             "[::1]:443",
             "[fe80::1]:80",
             "xn--bcher-kva.test",
+            "[fe80::1%25eth0]:80",
+            "[v1.fe-80]",
         ] {
             assert!(host_part(ok.as_bytes()).is_some(), "{ok:?}");
         }
@@ -610,6 +679,21 @@ endpoints = ["127.0.0.1:1"]
             "a\tb",
         ] {
             assert!(host_part(bad.as_bytes()).is_none(), "{bad:?}");
+        }
+    }
+
+    /// A route that names HEAD keeps it: the GET route of the same prefix does not take it.
+    #[test]
+    fn an_explicit_head_route_is_not_shadowed_by_a_get_route() {
+        for (first, second) in [("GET", "HEAD"), ("HEAD", "GET")] {
+            let t = table(&format!(
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"a\"\nendpoints = [\"127.0.0.1:1\"]\n[[cluster]]\nname = \"b\"\nendpoints = [\"127.0.0.1:2\"]\n[[route]]\npath_prefix = \"/x/\"\nmethods = [\"{first}\"]\ncluster = \"a\"\n[[route]]\npath_prefix = \"/x/\"\nmethods = [\"{second}\"]\ncluster = \"b\"\n"
+            ));
+            let Match::Found(r) = t.lookup("h", "/x/1", &http::Method::HEAD, None) else {
+                panic!("no match")
+            };
+            let head_cluster = if first == "HEAD" { 0 } else { 1 };
+            assert_eq!(r.cluster, head_cluster, "{first} then {second}");
         }
     }
 

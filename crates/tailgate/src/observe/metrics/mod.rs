@@ -34,9 +34,10 @@ pub const METHODS: [&str; 8] = [
 /// Status classes; `none` is an exchange that ended before any status (client gone).
 pub const CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "none"];
 /// Error kinds with their own label value (the codes of `ProxyError` and of the bodies).
-pub const ERROR_KINDS: [&str; 19] = [
+pub const ERROR_KINDS: [&str; 20] = [
     "no_route",
     "method_not_allowed",
+    "misdirected_request",
     "bad_request",
     "header_too_large",
     "uri_too_long",
@@ -335,6 +336,7 @@ mod tests {
         let all = [
             E::NoRoute,
             E::MethodNotAllowed(Vec::new()),
+            E::Misdirected,
             E::BadRequest("x"),
             E::HeadTooLarge("x"),
             E::UriTooLong,
@@ -352,6 +354,7 @@ mod tests {
             match e {
                 E::NoRoute
                 | E::MethodNotAllowed(_)
+                | E::Misdirected
                 | E::BadRequest(_)
                 | E::HeadTooLarge(_)
                 | E::UriTooLong
