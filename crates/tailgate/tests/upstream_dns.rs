@@ -264,6 +264,32 @@ async fn unresolved_name_at_start_is_502_until_it_resolves() {
     assert_eq!(a_hits.load(Ordering::SeqCst), 1);
 }
 
+/// Requests that find no address ask for a lookup at most once per `min_refresh`, however
+/// many come: a fast 502 must not wake the resolver thousands of times a second.
+#[tokio::test]
+async fn requests_without_an_address_ask_for_a_lookup_once_per_min_refresh() {
+    let (port, _, _) = twin_upstreams().await;
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    dns.answering.store(false, Ordering::SeqCst);
+    let gw = TestGateway::start(&format!(
+        "[dns]\nnameservers = [\"{}\"]\nmin_refresh = \"10s\"\nmax_refresh = \"60s\"\nquery_timeout = \"2s\"\nstartup_timeout = \"3s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"svc.test:{port}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
+        dns.addr
+    ));
+    let g = gw.gw.as_ref().unwrap();
+    let mut c = h1_client(gw.addr).await;
+    // Spaced, so that the resolver thread runs between them: each would wake it.
+    for _ in 0..30 {
+        assert_eq!(get_on(&mut c, "/").await, 502);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    wait_for("an early refresh", || {
+        g.dns_stats().early_refreshes.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(g.dns_stats().early_refreshes.load(Ordering::Relaxed), 1);
+}
+
 /// Failover (seed 004): the name moved to a new address while the cached answer is still
 /// valid for a long time. A connect failure to the old address asks for an early
 /// re-resolution, so traffic follows the name long before `max_refresh` (60 s here).

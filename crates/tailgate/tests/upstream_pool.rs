@@ -623,7 +623,8 @@ async fn an_idle_connection_the_server_closed_is_closed_while_no_request_comes()
     let g = gw.gw.as_ref().unwrap();
     assert_eq!(get_on(&mut h1_client(gw.addr).await, "/").await, 200);
     wait_for("the closed idle connection to be retired", || {
-        g.pool_stat(|s| s.retired_idle.load(Ordering::Relaxed)) == 1
+        g.pool_stat(|s| s.closed_by_server.load(Ordering::Relaxed)) == 1
     })
     .await;
+    assert_eq!(g.pool_stat(|s| s.retired_idle.load(Ordering::Relaxed)), 0);
 }

@@ -11,6 +11,11 @@ use std::time::{Duration, Instant};
 const DECAY: Duration = Duration::from_secs(10);
 /// The cost of an endpoint with no samples yet (so new endpoints are tried, not flooded).
 const DEFAULT_RTT: Duration = Duration::from_millis(1);
+/// The latency a failure counts as, at least (see [`InFlight::failed`]): against healthy
+/// endpoints of a few milliseconds it decays back within about 40 s (τ = [`DECAY`]).
+const FAILURE_SAMPLE: Duration = Duration::from_millis(100);
+/// The most a failure adds to the estimate it started with.
+const FAILURE_CAP: Duration = Duration::from_secs(1);
 /// The longest an endpoint stays ejected, however often it failed (or its cluster's
 /// `eject_duration`, when that is longer: the first ejection is never cut short).
 const MAX_EJECTION: Duration = Duration::from_secs(30);
@@ -38,6 +43,10 @@ pub struct EndpointLoad {
     /// Ejected and not yet probed: once its ejection ends it gets the next request it is
     /// drawn for, whatever its score, so a recovered endpoint is found.
     probe_pending: std::sync::atomic::AtomicBool,
+    /// A request succeeded since the last ejection ended. Until one does, the first failure
+    /// of a request sent after the ejection ended (the probe, usually) ejects it again at
+    /// once, not after `eject_after` more failures.
+    recovered: std::sync::atomic::AtomicBool,
     eject_after: u32,
     eject_base: Duration,
 }
@@ -54,6 +63,7 @@ impl EndpointLoad {
             ejected_until_ns: AtomicU64::new(0),
             ejections: AtomicU64::new(0),
             probe_pending: std::sync::atomic::AtomicBool::new(false),
+            recovered: std::sync::atomic::AtomicBool::new(false),
             eject_after,
             eject_base,
         }
@@ -61,6 +71,11 @@ impl EndpointLoad {
 
     fn now_ns(&self) -> u64 {
         self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// The latency estimate, in nanoseconds, as last sampled (not decayed).
+    fn ewma_ns(&self) -> f64 {
+        f64::from_bits(self.ewma_ns.load(Ordering::Relaxed))
     }
 
     /// Requests in flight to this endpoint now.
@@ -100,6 +115,7 @@ impl EndpointLoad {
         InFlight {
             load: self,
             started: now,
+            estimate: self.ewma_ns(),
         }
     }
 
@@ -125,23 +141,39 @@ impl EndpointLoad {
     }
 
     fn success(&self) {
+        self.recovered.store(true, Ordering::Relaxed);
         self.consecutive_failures.store(0, Ordering::Relaxed);
         self.ejections_in_row.store(0, Ordering::Relaxed);
     }
 
-    /// A connect failure or a 5xx. Returns true when this failure ejected the endpoint.
+    /// A connect failure or a 5xx of a request sent now (see [`failure_of`](Self::failure_of)).
+    #[cfg(test)]
+    fn failure(&self) -> bool {
+        self.failure_of(Instant::now())
+    }
+
+    /// A connect failure or a 5xx of a request sent at `started`. Returns true when this
+    /// failure ejected the endpoint.
     ///
-    /// Failures while the endpoint is ejected do not count: they are of requests sent
-    /// before the ejection (a restart fails every request in flight at once), and counting
-    /// them would eject it again and again, doubling the period each time.
-    pub fn failure(&self) -> bool {
+    /// Failures of requests sent before the last ejection ended do not count, nor any while
+    /// it is ejected: they are no news (a restart fails every request in flight at once), and
+    /// counting them would eject it again and again, doubling the period each time. After an
+    /// ejection, until a request succeeds, the first failure ejects it again at once.
+    fn failure_of(&self, started: Instant) -> bool {
         if self.eject_after == 0 || self.is_ejected() {
             return false;
         }
-        let n = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
-        if n < self.eject_after {
+        let until = self.ejected_until_ns.load(Ordering::Relaxed);
+        let started_ns = started.saturating_duration_since(self.epoch).as_nanos() as u64;
+        if until != 0 && started_ns < until {
             return false;
         }
+        let unrecovered = until != 0 && !self.recovered.load(Ordering::Relaxed);
+        let n = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if n < self.eject_after && !unrecovered {
+            return false;
+        }
+        self.recovered.store(false, Ordering::Relaxed);
         self.consecutive_failures.store(0, Ordering::Relaxed);
         let k = self.ejections_in_row.fetch_add(1, Ordering::Relaxed).min(5);
         let period = (self.eject_base * 2u32.pow(k)).min(MAX_EJECTION.max(self.eject_base));
@@ -157,6 +189,8 @@ impl EndpointLoad {
 pub struct InFlight<'a> {
     load: &'a EndpointLoad,
     started: Instant,
+    /// The latency estimate when it started (ns), for a failure's sample.
+    estimate: f64,
 }
 
 impl InFlight<'_> {
@@ -170,7 +204,7 @@ impl InFlight<'_> {
         self.load
             .sample_at(now.saturating_duration_since(self.started), now);
         if status.is_server_error() {
-            self.load.failure();
+            self.load.failure_of(self.started);
         } else {
             self.load.success();
         }
@@ -193,14 +227,19 @@ impl InFlight<'_> {
         }
     }
 
-    /// No response (connect failure, reset, timeout). The latency sample is at least twice
-    /// the endpoint's estimate: a dead endpoint refuses in microseconds, and its own time
-    /// would make it the cheapest choice.
+    /// No response (connect failure, reset, timeout). A dead endpoint refuses in
+    /// microseconds, and that time as a sample would make it the cheapest choice: a failure
+    /// counts as twice the estimate the request started with (at most a second more), and
+    /// at least [`FAILURE_SAMPLE`]. From the estimate at its start, not the current one: a
+    /// burst of failures (every request in flight when the server restarts) costs what one
+    /// does, not a doubling each.
     pub fn failed(self) {
-        let estimate = f64::from_bits(self.load.ewma_ns.load(Ordering::Relaxed));
-        let penalty = Duration::from_nanos((2.0 * estimate) as u64);
+        let at_start = Duration::from_nanos(self.estimate as u64);
+        let penalty = (at_start * 2)
+            .min(at_start + FAILURE_CAP)
+            .max(FAILURE_SAMPLE);
         self.load.sample(self.started.elapsed().max(penalty));
-        self.load.failure();
+        self.load.failure_of(self.started);
     }
 }
 
@@ -318,6 +357,35 @@ mod tests {
         );
     }
 
+    /// When its ejection ends the endpoint gets one probe; a failed probe ejects it again at
+    /// once, for twice as long. A request sent before the ejection ended is no probe.
+    #[test]
+    fn a_failed_probe_ejects_again_at_once() {
+        let l = EndpointLoad::new(5, Duration::from_secs(1));
+        let before = Instant::now();
+        for _ in 0..5 {
+            l.failure();
+        }
+        assert!(l.is_ejected());
+        // The ejection ends (now).
+        l.ejected_until_ns
+            .store(l.now_ns().max(2) - 1, Ordering::Relaxed);
+        assert!(!l.failure_of(before), "sent before it ended: no news");
+        assert!(l.take_probe(), "the probe is due");
+        assert!(l.failure(), "the probe's failure ejects");
+        assert!(
+            ejected_for(&l) >= Duration::from_millis(1900),
+            "{:?}",
+            ejected_for(&l)
+        );
+        // After a success, one failure is one of five again.
+        l.ejected_until_ns
+            .store(l.now_ns().max(2) - 1, Ordering::Relaxed);
+        assert!(l.take_probe());
+        l.success();
+        assert!(!l.failure());
+    }
+
     /// An `eject_duration` longer than the 30 s cap is the first ejection's length, not cut
     /// to 30 s; the doubling stops there.
     #[test]
@@ -358,14 +426,31 @@ mod tests {
         assert!(hits[8].abs_diff(hits[9]) < 600, "{hits:?}");
     }
 
-    /// A failure that came back at once does not make the endpoint look cheap.
+    /// A failure that came back at once does not make the endpoint look cheap, and a burst
+    /// of them costs what one does (no compounding).
     #[test]
-    fn a_fast_failure_makes_the_endpoint_dearer() {
+    fn a_fast_failure_makes_the_endpoint_dearer_once() {
         let l = EndpointLoad::new(0, Duration::from_secs(1));
         l.sample(Duration::from_millis(5));
         let before = l.cost();
         l.start().failed();
-        assert!(l.cost() >= 1.9 * before, "{} then {}", before, l.cost());
+        let after_one = l.cost();
+        assert!(after_one >= 19.0 * before, "{before} then {after_one}");
+        // Thirty requests in flight fail at once: they cost what one does.
+        let burst: Vec<InFlight<'_>> = (0..30).map(|_| l.start()).collect();
+        for f in burst {
+            f.failed();
+        }
+        assert!(
+            l.ewma_ns() <= 2.01 * FAILURE_SAMPLE.as_nanos() as f64,
+            "{} after a burst",
+            l.ewma_ns()
+        );
+        // A slow endpoint's fast failure makes it dearer too.
+        let slow = EndpointLoad::new(0, Duration::from_secs(1));
+        slow.sample(Duration::from_millis(400));
+        slow.start().failed();
+        assert!(slow.ewma_ns() >= 1.99 * 400e6, "{}", slow.ewma_ns());
     }
 
     #[test]

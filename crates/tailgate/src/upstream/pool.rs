@@ -669,14 +669,31 @@ impl EndpointPool {
     }
 
     /// Idle HTTP/1.1 connections held now (still open).
+    /// Those the server closed count as `closed_by_server`, those past `idle_timeout` as
+    /// `retired_idle`, as at a checkout.
     pub fn idle_len(&self) -> usize {
         let mut list = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        let before = list.len();
-        list.retain_mut(|i| !i.conn.idle_closed() && i.since.elapsed() < self.idle_timeout);
-        if list.len() < before {
+        let (mut closed, mut expired) = (0u64, 0u64);
+        list.retain_mut(|i| {
+            if i.conn.idle_closed() {
+                closed += 1;
+                false
+            } else if i.since.elapsed() >= self.idle_timeout {
+                expired += 1;
+                false
+            } else {
+                true
+            }
+        });
+        if closed > 0 {
+            self.stats
+                .closed_by_server
+                .fetch_add(closed, Ordering::Relaxed);
+        }
+        if expired > 0 {
             self.stats
                 .retired_idle
-                .fetch_add((before - list.len()) as u64, Ordering::Relaxed);
+                .fetch_add(expired, Ordering::Relaxed);
         }
         list.len()
     }
