@@ -88,7 +88,8 @@ impl Consumers {
         // table keeps per consumer is bounded whatever a client sends (a 16 KiB header value
         // is not kept whole), and two values with one label are one consumer, one series.
         // No allocation for a valid UTF-8 name.
-        let text = String::from_utf8_lossy(name);
+        // A few bytes past the cut are enough to cut at a character boundary.
+        let text = String::from_utf8_lossy(&name[..name.len().min(MAX_NAME + 4)]);
         let key = cut(&text).as_bytes();
         let mut index = self.index.lock().unwrap_or_else(PoisonError::into_inner);
         let cell = match index.get(key) {

@@ -36,20 +36,24 @@ pub enum Format {
 
 impl Format {
     /// The format asked for by an `Accept` header: OpenMetrics when it is listed with a
-    /// `q` above zero and not below that of `text/plain` (a client that lists both at one
-    /// weight, as Prometheus did before it weighted them, gets OpenMetrics).
+    /// `q` above zero and not below that of `text/plain` (or `text/*`, `*/*`): a client
+    /// that lists both at one weight, as Prometheus did before it weighted them, gets
+    /// OpenMetrics.
     pub fn from_accept(accept: Option<&str>) -> Format {
         let (mut openmetrics, mut plain) = (0.0f32, 0.0f32);
         for item in accept.unwrap_or("").split(',') {
             let mut parts = item.split(';').map(str::trim);
             let media = parts.next().unwrap_or("");
             let q = parts
-                .find_map(|p| p.strip_prefix("q="))
+                .find_map(|p| p.strip_prefix("q=").or_else(|| p.strip_prefix("Q=")))
                 .map_or(Some(1.0), |q| q.parse::<f32>().ok())
                 .unwrap_or(0.0);
             if media.eq_ignore_ascii_case("application/openmetrics-text") {
                 openmetrics = openmetrics.max(q);
-            } else if media.eq_ignore_ascii_case("text/plain") {
+            } else if ["text/plain", "text/*", "*/*"]
+                .iter()
+                .any(|m| media.eq_ignore_ascii_case(m))
+            {
                 plain = plain.max(q);
             }
         }
@@ -345,6 +349,11 @@ mod tests {
             Format::OpenMetrics
         );
         assert_eq!(f("application/openmetrics-text;q=x"), Format::Prometheus);
+        assert_eq!(
+            f("application/openmetrics-text;q=0.1, */*;q=0.9"),
+            Format::Prometheus,
+            "*/* weighs for the text format"
+        );
         assert_eq!(f("*/*"), Format::Prometheus);
         assert_eq!(Format::from_accept(None), Format::Prometheus);
     }
