@@ -399,7 +399,14 @@ fn a_second_gateway_on_the_same_address_warns_that_it_shares_it() {
     let dir = tmpdir();
     let up = slow_upstream(Duration::ZERO);
     let port = free_port();
-    let cfg = serve_config(dir.path(), port, up, "");
+    // The admin listener too is shared, not a reason for the second gateway to stop.
+    let admin_port = free_port();
+    let cfg = serve_config(
+        dir.path(),
+        port,
+        up,
+        &format!("[admin]\naddress = \"127.0.0.1:{admin_port}\"\n"),
+    );
     let first_log = std::fs::File::create(dir.path().join("first.log")).unwrap();
     let _first = serve(&cfg, Stdio::from(first_log));
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
@@ -421,7 +428,79 @@ fn a_second_gateway_on_the_same_address_warns_that_it_shares_it() {
     );
     let first = std::fs::read_to_string(dir.path().join("first.log")).unwrap();
     assert!(!first.contains("already listens"), "{first}");
+    let mut second = second;
+    let ready = Instant::now() + Duration::from_secs(10);
+    while !std::fs::read_to_string(dir.path().join("second.log"))
+        .unwrap()
+        .contains("admin listening")
+        && Instant::now() < ready
+    {
+        assert!(
+            second.0.try_wait().unwrap().is_none(),
+            "the second gateway stopped: {}",
+            std::fs::read_to_string(dir.path().join("second.log")).unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        std::fs::read_to_string(dir.path().join("second.log"))
+            .unwrap()
+            .contains("admin listening"),
+        "the second gateway's admin listener started"
+    );
+    assert!(
+        second.0.try_wait().unwrap().is_none(),
+        "the second gateway stopped"
+    );
     kill("-TERM", &pid);
+    let status = exit_within(
+        &mut second,
+        Duration::from_secs(15),
+        "no exit after SIGTERM",
+    );
+    assert!(status.success(), "exit status {status:?}");
+}
+
+/// The soft limit on open files is raised to the hard one at start (1024 would refuse
+/// connections long before a service's hard limit).
+#[test]
+fn the_open_files_limit_is_raised_to_the_hard_limit() {
+    let dir = tmpdir();
+    let up = slow_upstream(Duration::ZERO);
+    let port = free_port();
+    let cfg = serve_config(dir.path(), port, up, "");
+    // This process's hard limit (a child may not be given more), the soft one far below it.
+    let own = std::fs::read_to_string("/proc/self/limits").unwrap();
+    let hard: u64 = own
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(4))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    assert!(hard > 256, "a hard limit on open files above 256: {own}");
+    let mut p = Proc(
+        Command::new("prlimit")
+            .arg(format!("--nofile=256:{hard}"))
+            .arg(BIN)
+            .args(["serve", "--config"])
+            .arg(&cfg)
+            .env_remove("RUST_LOG")
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_listening(addr);
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", p.0.id())).unwrap();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    let numbers: Vec<&str> = line.split_whitespace().skip(3).take(2).collect();
+    let hard = hard.to_string();
+    assert_eq!(numbers, [hard.as_str(), hard.as_str()], "{line}");
+    kill("-TERM", &p.0.id().to_string());
+    exit_within(&mut p, Duration::from_secs(15), "no exit after SIGTERM");
 }
 
 /// Each thread of process `pid`: its name, nice value and scheduling policy (fields 19 and

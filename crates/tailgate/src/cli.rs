@@ -58,6 +58,7 @@ pub fn serve(path: &Path, watchdog: bool) -> Result<(), CliError> {
     // Listened for from before the start: a signal while it waits (for DNS, say) stops the
     // gateway cleanly once it is up, instead of killing the process half-started.
     let mut signals = Signals::new()?;
+    raise_open_files_limit();
     let mut gateway = Gateway::start(config)?;
     if let Some((target, interval)) = watchdog {
         gateway.start_watchdog(target, interval)?;
@@ -128,6 +129,31 @@ pub fn demo_upstream(listen: &str) -> Result<(), CliError> {
     let _ = tx.send(true);
     let _ = thread.join();
     Ok(())
+}
+
+/// Raises the soft limit on open files to the hard one, as nginx's `worker_rlimit_nofile`
+/// and Go's runtime do: every client and upstream connection is a descriptor, and the usual
+/// soft limit of 1024 would refuse connections (and upstream connects, and DNS sockets) long
+/// before the hard limit a service manager grants. Logged either way.
+fn raise_open_files_limit() {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    if limit.current == limit.maximum {
+        tracing::debug!(open_files = ?limit.current, "open files limit");
+        return;
+    }
+    let raised = Rlimit {
+        current: limit.maximum,
+        maximum: limit.maximum,
+    };
+    match setrlimit(Resource::Nofile, raised) {
+        Ok(()) => {
+            tracing::info!(from = ?limit.current, to = ?limit.maximum, "raised the open files limit to its hard limit");
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, open_files = ?limit.current, "cannot raise the open files limit; connections past it will be refused");
+        }
+    }
 }
 
 /// How long past `shutdown_grace` the process waits for its workers to stop.

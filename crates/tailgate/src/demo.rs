@@ -61,7 +61,12 @@ pub async fn serve(socket: tokio::net::TcpListener, mut shutdown: watch::Receive
         tokio::select! {
             _ = shutdown.wait_for(|s| *s) => return,
             accepted = socket.accept() => {
-                let Ok((stream, _)) = accepted else { continue };
+                let Ok((stream, _)) = accepted else {
+                    // Out of file descriptors (shared with the gateway) and the like: back
+                    // off rather than spin on the error.
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
                 let builder = builder.clone();
                 tokio::spawn(async move {

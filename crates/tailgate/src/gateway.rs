@@ -53,6 +53,9 @@ pub enum StartError {
 pub struct Gateway {
     shutdown: watch::Sender<bool>,
     threads: Vec<JoinHandle<()>>,
+    /// Stops the demo upstreams, once the workers have drained.
+    demo_stop: watch::Sender<bool>,
+    demos: Vec<JoinHandle<()>>,
     listeners: Vec<(String, SocketAddr)>,
     workers: Vec<Arc<Worker>>,
     handles: Vec<Handle>,
@@ -69,6 +72,10 @@ impl Gateway {
         let (shutdown, shutdown_rx) = watch::channel(false);
         let mut threads = Vec::new();
 
+        // The demo upstream stops after the workers, not with them: requests still draining
+        // at a shutdown may be waiting on it.
+        let (demo_stop, demo_stop_rx) = watch::channel(false);
+        let mut demos = Vec::new();
         for &addr in &config.demos {
             let socket = std::net::TcpListener::bind(addr).map_err(|source| StartError::Bind {
                 name: "demo".into(),
@@ -76,14 +83,35 @@ impl Gateway {
                 source,
             })?;
             let _ = socket.set_nonblocking(true);
-            let rx = shutdown_rx.clone();
-            threads.push(
+            let rx = demo_stop_rx.clone();
+            demos.push(
                 std::thread::Builder::new()
                     .name("tailgate-demo".into())
                     .spawn(move || crate::demo::run_blocking(socket, rx))
                     .map_err(StartError::Thread)?,
             );
         }
+
+        // Host-name endpoints: resolved once here (bounded wait), then refreshed on the
+        // resolver's own thread. Before any listener listens: a connection the kernel queues
+        // for this gateway must not wait out the resolution (a second gateway started on a
+        // running one's addresses takes its share of connections from its first `listen`).
+        let dns = crate::upstream::dns::Dns::start(&config, shutdown_rx.clone())
+            .map_err(StartError::Thread)?;
+        // And the admin socket bound before them too, so that a bad admin address stops the
+        // start before any client connection is taken (and then reset).
+        let admin_socket = match &config.admin {
+            Some(settings) => {
+                let addr = settings.address;
+                if listener::taken_by_another(addr) {
+                    tracing::warn!(admin.addr = %addr, "another process already listens on the admin address: scrapes and probes are shared with it (SO_REUSEPORT) until it stops; stop it, unless this gateway is starting to replace it");
+                }
+                let socket = crate::admin::bind(addr)
+                    .map_err(|source| StartError::Admin { addr, source })?;
+                Some((addr, socket))
+            }
+            None => None,
+        };
 
         // Every listener bound once per worker; the first bind fixes port 0 to a real port.
         let workers = config.server.workers;
@@ -154,10 +182,6 @@ impl Gateway {
         });
         let config = Arc::new(config);
         let plan = Arc::new(MetricsPlan::new(&config));
-        // Host-name endpoints: resolved once here (bounded wait), then refreshed on the
-        // resolver's own thread.
-        let dns = crate::upstream::dns::Dns::start(&config, shutdown_rx.clone())
-            .map_err(StartError::Thread)?;
 
         let mut workers = Vec::new();
         let mut handles = Vec::new();
@@ -187,20 +211,18 @@ impl Gateway {
             workers.clone(),
             dns.stats.clone(),
         ));
-        let admin = match &config.admin {
-            Some(settings) => {
-                Some(
-                    Admin::start(settings, state.clone()).map_err(|source| StartError::Admin {
-                        addr: settings.address,
-                        source,
-                    })?,
-                )
-            }
+        let admin = match admin_socket {
+            Some((addr, socket)) => Some(
+                Admin::start(socket, state.clone())
+                    .map_err(|source| StartError::Admin { addr, source })?,
+            ),
             None => None,
         };
         Ok(Gateway {
             shutdown,
             threads,
+            demo_stop,
+            demos,
             listeners,
             workers,
             handles,
@@ -292,6 +314,10 @@ impl Gateway {
     /// Waits until every worker has exited (after [`Gateway::shutdown`] and the drain).
     pub fn join(mut self) {
         for t in self.threads {
+            let _ = t.join();
+        }
+        let _ = self.demo_stop.send(true);
+        for t in self.demos {
             let _ = t.join();
         }
         if let Some(w) = self.watchdog {

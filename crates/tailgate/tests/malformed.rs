@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// An upstream that counts the requests it receives.
 async fn counting_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
@@ -449,4 +450,37 @@ async fn a_repeated_content_length_frames_the_body() {
             );
         }
     }
+}
+
+/// A refused head answered while the client is still sending (the rest of its body, more
+/// requests behind it): the gateway reads and drops what comes until the client is done,
+/// so the client gets the 400 and can finish sending, not a reset from a close over unread
+/// bytes (which would fail its writes).
+#[tokio::test]
+async fn a_refused_head_is_answered_while_the_client_still_sends() {
+    let (up, hits) = counting_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let (mut rd, mut wr) = s.into_split();
+    // The refused head, with bytes behind it already.
+    let mut first =
+        b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
+            .to_vec();
+    first.extend_from_slice(&[b'x'; 16 * 1024]);
+    wr.write_all(&first).await.unwrap();
+    let mut answer = [0u8; 12];
+    rd.read_exact(&mut answer).await.unwrap();
+    assert_eq!(&answer, b"HTTP/1.1 400");
+    // The client goes on sending for a while after the answer (within the gateway's
+    // lingering bounds): every write goes through.
+    for i in 0..20 {
+        tokio::time::sleep(Duration::from_millis(15)).await;
+        let sent = wr.write_all(&[b'y'; 16 * 1024]).await;
+        assert!(sent.is_ok(), "write {i} after the answer: {sent:?}");
+    }
+    wr.shutdown().await.unwrap();
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), rd.read_to_end(&mut rest)).await;
+    assert!(matches!(read, Ok(Ok(_))), "a clean close: {read:?}");
+    assert_eq!(hits.load(Ordering::SeqCst), 0);
 }

@@ -161,6 +161,9 @@ async fn sni_classifies_the_tenant() {
     // SNI globex.test: globex has no routes.
     let resp = tls_h1_get(gw.addr, &cert, "globex.test", "/", "10.1.2.3").await;
     assert_eq!(resp.status(), 404);
+    // SNI globex.test, Host acme.test: the connection serves globex only.
+    let resp = tls_h1_get(gw.addr, &cert, "globex.test", "/", "acme.test").await;
+    assert_eq!(resp.status(), 421);
 }
 
 #[tokio::test]
@@ -221,6 +224,9 @@ cluster = "g"
     assert_eq!(body("globex.test:80", shared).await.1, "globex");
     assert_eq!(body("unknown.test", shared).await.0, 404);
     assert_eq!(body("unknown.test", globex_only).await.1, "globex");
+    // A listener's tenant is the only one it serves: another tenant's Host is misdirected.
+    assert_eq!(body("acme.test", globex_only).await.0, 421);
+    assert_eq!(body("globex.test", globex_only).await.1, "globex");
 }
 
 #[tokio::test]
@@ -382,5 +388,82 @@ async fn an_h2_client_that_takes_no_response_data_is_cut_off() {
     assert!(
         ended.is_ok(),
         "the stalled client's connection was not closed"
+    );
+}
+
+/// A connection the kernel queued for the worker before shutdown (its request already
+/// sent) is taken and answered at shutdown, not reset when the listening socket closes.
+#[tokio::test]
+async fn a_connection_queued_at_shutdown_is_answered() {
+    let up = ok_upstream().await;
+    let mut gw = TestGateway::to(up, "");
+    let addr = gw.addr;
+    // The worker is held, so the connection waits in the listen queue with its request.
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    gw.gw
+        .as_ref()
+        .unwrap()
+        .worker_handle(0)
+        .unwrap()
+        .spawn(async move {
+            let _ = held_tx.send(());
+            std::thread::sleep(Duration::from_millis(500));
+        });
+    held_rx.recv().unwrap();
+    let mut client = TcpStream::connect(addr).await.unwrap();
+    client
+        .write_all(b"GET /queued HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let gw_handle = gw.gw.take().unwrap();
+    gw_handle.shutdown();
+    let joined = tokio::task::spawn_blocking(move || gw_handle.join());
+    let (text, closed) = read_until_close(&mut client, Duration::from_secs(5)).await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text:?}");
+    assert!(closed, "closed after its answer");
+    tokio::time::timeout(Duration::from_secs(10), joined)
+        .await
+        .expect("workers exit after the drain")
+        .unwrap();
+}
+
+/// The built-in demo upstream keeps answering while the workers drain: requests in flight
+/// at a shutdown may be waiting on it. It stops once they are done.
+#[tokio::test]
+async fn the_demo_upstream_outlives_the_drain() {
+    let demo = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::channel::<()>(1);
+    let slow = upstream(move |_| {
+        let started = started_tx.clone();
+        async move {
+            started.send(()).await.ok();
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            http::Response::new(full("finished"))
+        }
+    })
+    .await;
+    let mut gw = TestGateway::start(&format!(
+        "[[demo]]\naddress = \"{demo}\"\n[[listener]]\nname = \"main\"\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"slow\"\nendpoints = [\"{slow}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"slow\"\n"
+    ));
+    let addr = gw.gw.as_ref().unwrap().listener_addr("main").unwrap();
+    let in_flight = tokio::spawn(async move { get(addr, "/slow").await });
+    started_rx.recv().await.unwrap();
+    let gw_handle = gw.gw.take().unwrap();
+    gw_handle.shutdown();
+    let joined = tokio::task::spawn_blocking(move || gw_handle.join());
+    // The drain is on (a request in flight): the demo still answers.
+    let resp = get(demo, "/hello").await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(in_flight.await.unwrap().status(), 200);
+    tokio::time::timeout(Duration::from_secs(10), joined)
+        .await
+        .expect("workers exit after the drain")
+        .unwrap();
+    assert!(
+        TcpStream::connect(demo).await.is_err(),
+        "the demo stopped after the drain"
     );
 }

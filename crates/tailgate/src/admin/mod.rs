@@ -41,7 +41,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::sync::{mpsc, watch};
 
-use crate::config::{AdminSettings, Config};
+use crate::config::Config;
 use crate::observe::metrics::MetricsPlan;
 use crate::observe::metrics::render::{Format, TextWriter};
 use crate::pipeline::Worker;
@@ -174,11 +174,19 @@ pub struct Admin {
     scrape_thread: JoinHandle<()>,
 }
 
+/// Binds the admin listener. With SO_REUSEPORT, as the data listeners are: a second gateway
+/// started on a running one's addresses (a restart that refuses no connection) shares it
+/// rather than failing to start.
+pub fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    crate::listener::bind_reuseport(addr)
+}
+
 impl Admin {
-    /// Binds the admin listener and starts the admin thread and the scrape thread.
-    pub fn start(settings: &AdminSettings, state: Arc<AdminState>) -> std::io::Result<Admin> {
-        let listener = std::net::TcpListener::bind(settings.address)?;
-        listener.set_nonblocking(true)?;
+    /// Starts the admin thread on `listener` (from [`bind`]), and the scrape thread.
+    pub fn start(
+        listener: std::net::TcpListener,
+        state: Arc<AdminState>,
+    ) -> std::io::Result<Admin> {
         let addr = listener.local_addr()?;
         let (stop, stop_rx) = watch::channel(false);
         let (runtime_tx, runtime_rx) = std::sync::mpsc::channel();

@@ -75,21 +75,63 @@ pub async fn accept_loop(
         }
     };
     let conn_shutdown = shutdown.clone();
+    let spawn = |stream: tokio::net::TcpStream, peer: SocketAddr| {
+        let ctx = ConnCtx {
+            worker: worker.clone(),
+            listener: listener.clone(),
+            shutdown: conn_shutdown.clone(),
+            drain: drain.clone(),
+        };
+        spawner.spawn(listener.tenant, serve_connection(ctx, stream, peer));
+    };
     loop {
         tokio::select! {
             biased;
-            _ = async { let _ = shutdown.wait_for(|stop| *stop).await; } => return,
+            _ = async { let _ = shutdown.wait_for(|stop| *stop).await; } => break,
             accepted = socket.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    let ctx = ConnCtx { worker: worker.clone(), listener: listener.clone(), shutdown: conn_shutdown.clone(), drain: drain.clone() };
-                    spawner.spawn(listener.tenant, serve_connection(ctx, stream, peer));
-                }
+                Ok((stream, peer)) => spawn(stream, peer),
                 Err(e) => {
                     // Out of file descriptors and the like: say so, and back off briefly
                     // instead of spinning on the error.
                     tracing::warn!(listener.name = %listener.name, error = %e, "accept failed");
                     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 }
+            }
+        }
+    }
+    take_queued(socket, &listener.name, spawn);
+}
+
+/// At shutdown, before the socket closes: the connections the kernel already queued for it
+/// are taken and served (their request gets its answer, then they close), not reset by the
+/// close. Another gateway sharing the address (SO_REUSEPORT) takes the ones that come after.
+/// Bounded by what is queued now.
+fn take_queued(
+    socket: tokio::net::TcpListener,
+    name: &str,
+    spawn: impl Fn(tokio::net::TcpStream, SocketAddr),
+) {
+    let Ok(socket) = socket.into_std() else {
+        return;
+    };
+    // A listen backlog's worth at most, so that a flood cannot hold the shutdown here.
+    for _ in 0..4096 {
+        match socket.accept() {
+            Ok((stream, peer)) => {
+                let stream = stream
+                    .set_nonblocking(true)
+                    .and_then(|()| tokio::net::TcpStream::from_std(stream));
+                match stream {
+                    Ok(stream) => spawn(stream, peer),
+                    Err(e) => {
+                        tracing::debug!(listener.name = %name, error = %e, "cannot serve a connection queued at shutdown")
+                    }
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+            Err(e) => {
+                tracing::debug!(listener.name = %name, error = %e, "accept at shutdown failed");
+                return;
             }
         }
     }

@@ -154,15 +154,15 @@ impl BodyHeaders {
         }
     }
 
-    /// A `Transfer-Encoding` line. hyper reads it only as visible ASCII (tab allowed): any
-    /// other byte makes it not chunked.
+    /// A `Transfer-Encoding` line. Only `chunked` alone is served: the gateway decodes no
+    /// other coding, and removes the header upstream (it is hop-by-hop), so `gzip, chunked`
+    /// would reach the upstream as a plain body of gzip bytes, and `chunked, chunked` as a
+    /// body still chunked (RFC 9112 §6.1: a sender must not chunk twice; nginx refuses both).
+    /// A second line makes a list too.
     #[inline]
     pub fn transfer_encoding(&mut self, v: &[u8]) {
+        self.chunked = !self.te && v.trim_ascii().eq_ignore_ascii_case(b"chunked");
         self.te = true;
-        self.chunked = v.iter().all(|&b| b == b'\t' || (0x20..0x7f).contains(&b))
-            && v.rsplit(|&b| b == b',')
-                .next()
-                .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
     }
 
     /// The framing's verdict, once every line was seen.
@@ -181,7 +181,7 @@ impl BodyHeaders {
         }
         if self.te && !self.chunked {
             return Err(HeadFault::Bad(
-                "a Transfer-Encoding that does not end in chunked",
+                "a Transfer-Encoding other than chunked alone",
             ));
         }
         Ok(())
@@ -315,14 +315,35 @@ mod tests {
         assert!(framing(&[("content-length", "5"), ("content-length", "6")], false).is_err());
     }
 
+    /// `chunked` alone is served; any other coding, or `chunked` twice, is refused.
     #[test]
-    fn transfer_encodings_as_hyper_reads_them() {
-        assert!(
-            framing(&[("transfer-encoding", "gzip, chunked")], false)
-                .expect("accepted")
-                .chunked
-        );
+    fn only_chunked_alone_is_a_transfer_encoding() {
+        for ok in ["chunked", "Chunked", " chunked\t"] {
+            assert!(
+                framing(&[("transfer-encoding", ok)], false)
+                    .expect("accepted")
+                    .chunked,
+                "{ok:?}"
+            );
+        }
         for (lines, http10) in [
+            (&[("transfer-encoding", "gzip, chunked")][..], false),
+            (&[("transfer-encoding", "chunked, chunked")][..], false),
+            (&[("transfer-encoding", "identity")][..], false),
+            (
+                &[
+                    ("transfer-encoding", "gzip"),
+                    ("transfer-encoding", "chunked"),
+                ][..],
+                false,
+            ),
+            (
+                &[
+                    ("transfer-encoding", "chunked"),
+                    ("transfer-encoding", "chunked"),
+                ][..],
+                false,
+            ),
             (
                 &[("transfer-encoding", "chunked"), ("content-length", "3")][..],
                 false,

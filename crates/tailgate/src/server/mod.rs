@@ -172,6 +172,9 @@ fn conn_info(
     })
 }
 
+/// How long a connection accepted at shutdown waits for its first bytes.
+const QUEUED_WAIT: Duration = Duration::from_secs(1);
+
 /// No ALPN decision: HTTP/1.1, unless the client opens with the HTTP/2 preface.
 async fn serve_plain<I: Prepare>(ctx: ConnCtx, io: I, peer: SocketAddr, sni_tenant: Option<usize>) {
     let settings = &ctx.worker.shared.settings;
@@ -180,11 +183,17 @@ async fn serve_plain<I: Prepare>(ctx: ConnCtx, io: I, peer: SocketAddr, sni_tena
     let mut guard = H1Guard::new(io, settings.max_header_bytes, settings.header_read_timeout);
     let info = conn_info(&ctx, peer, tls, sni_tenant);
     // A client that connects and says nothing is closed after the idle timeout, or at
-    // shutdown.
+    // shutdown. One taken from the listen queue at shutdown (`listener::take_queued`) has
+    // usually sent its request already: it gets a short wait for it, and its answer.
     let mut shutdown = ctx.shutdown.clone();
-    let sniffed = tokio::select! {
-        s = tokio::time::timeout(settings.idle_timeout, sniff_h2(&mut guard)) => s,
-        _ = shutdown.wait_for(|stop| *stop) => return,
+    let sniffed = if *shutdown.borrow() {
+        let wait = settings.header_read_timeout.min(QUEUED_WAIT);
+        tokio::time::timeout(wait, sniff_h2(&mut guard)).await
+    } else {
+        tokio::select! {
+            s = tokio::time::timeout(settings.idle_timeout, sniff_h2(&mut guard)) => s,
+            _ = shutdown.wait_for(|stop| *stop) => return,
+        }
     };
     match sniffed.unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into())) {
         Ok(true) => {

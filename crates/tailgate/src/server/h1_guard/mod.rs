@@ -523,7 +523,7 @@ mod tests {
             ),
             (
                 b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked, gzip\r\n\r\n",
-                HeadFault::Bad("a Transfer-Encoding that does not end in chunked"),
+                HeadFault::Bad("a Transfer-Encoding other than chunked alone"),
             ),
             (
                 b"POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
