@@ -467,3 +467,31 @@ async fn the_demo_upstream_outlives_the_drain() {
         "the demo stopped after the drain"
     );
 }
+
+/// An HTTP/2 client gone silent (it never answers the PING of the graceful close) does not
+/// hold the worker's drain for the whole grace period: with no request in flight, its
+/// connection is dropped a moment after the shutdown began.
+#[tokio::test]
+async fn a_silent_h2_client_does_not_hold_the_drain() {
+    let up = ok_upstream().await;
+    let mut gw = TestGateway::start(&format!(
+        "[server]\nworkers = 1\nshutdown_grace = \"60s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let mut silent = TcpStream::connect(gw.addr).await.unwrap();
+    // The preface and an empty SETTINGS; then nothing, not even the SETTINGS ack.
+    silent
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .await
+        .unwrap();
+    let mut settings = [0u8; 9];
+    silent.read_exact(&mut settings).await.unwrap();
+    assert_eq!(settings[3], 4, "the server's SETTINGS");
+    let gw_handle = gw.gw.take().unwrap();
+    gw_handle.shutdown();
+    let joined = tokio::task::spawn_blocking(move || gw_handle.join());
+    tokio::time::timeout(Duration::from_secs(15), joined)
+        .await
+        .expect("the worker exits long before the 60 s grace")
+        .unwrap();
+    drop(silent);
+}
