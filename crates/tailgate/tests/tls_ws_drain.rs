@@ -331,16 +331,13 @@ async fn graceful_drain_finishes_in_flight_requests() {
     let addr = gw.addr;
     let in_flight = tokio::spawn(async move { get(addr, "/slow").await });
     started_rx.recv().await.unwrap();
-    let gw_handle = gw.gw.take().unwrap();
-    gw_handle.shutdown();
-    let joined = tokio::task::spawn_blocking(move || gw_handle.join());
+    let drained = drain(&mut gw);
     let resp = in_flight.await.unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.body(), "finished");
-    tokio::time::timeout(Duration::from_secs(10), joined)
-        .await
-        .expect("workers exit after the drain")
-        .unwrap();
+    drained
+        .within(Duration::from_secs(10), "workers exit after the drain")
+        .await;
     assert!(
         TcpStream::connect(addr).await.is_err(),
         "no longer accepting"
@@ -415,16 +412,13 @@ async fn a_connection_queued_at_shutdown_is_answered() {
         .write_all(b"GET /queued HTTP/1.1\r\nHost: a\r\n\r\n")
         .await
         .unwrap();
-    let gw_handle = gw.gw.take().unwrap();
-    gw_handle.shutdown();
-    let joined = tokio::task::spawn_blocking(move || gw_handle.join());
+    let drained = drain(&mut gw);
     let (text, closed) = read_until_close(&mut client, Duration::from_secs(5)).await;
     assert!(text.starts_with("HTTP/1.1 200"), "{text:?}");
     assert!(closed, "closed after its answer");
-    tokio::time::timeout(Duration::from_secs(10), joined)
-        .await
-        .expect("workers exit after the drain")
-        .unwrap();
+    drained
+        .within(Duration::from_secs(10), "workers exit after the drain")
+        .await;
 }
 
 /// The built-in demo upstream keeps answering while the workers drain: requests in flight
@@ -451,17 +445,14 @@ async fn the_demo_upstream_outlives_the_drain() {
     let addr = gw.gw.as_ref().unwrap().listener_addr("main").unwrap();
     let in_flight = tokio::spawn(async move { get(addr, "/slow").await });
     started_rx.recv().await.unwrap();
-    let gw_handle = gw.gw.take().unwrap();
-    gw_handle.shutdown();
-    let joined = tokio::task::spawn_blocking(move || gw_handle.join());
+    let drained = drain(&mut gw);
     // The drain is on (a request in flight): the demo still answers.
     let resp = get(demo, "/hello").await;
     assert_eq!(resp.status(), 200);
     assert_eq!(in_flight.await.unwrap().status(), 200);
-    tokio::time::timeout(Duration::from_secs(10), joined)
-        .await
-        .expect("workers exit after the drain")
-        .unwrap();
+    drained
+        .within(Duration::from_secs(10), "workers exit after the drain")
+        .await;
     assert!(
         TcpStream::connect(demo).await.is_err(),
         "the demo stopped after the drain"
@@ -486,12 +477,32 @@ async fn a_silent_h2_client_does_not_hold_the_drain() {
     let mut settings = [0u8; 9];
     silent.read_exact(&mut settings).await.unwrap();
     assert_eq!(settings[3], 4, "the server's SETTINGS");
-    let gw_handle = gw.gw.take().unwrap();
-    gw_handle.shutdown();
-    let joined = tokio::task::spawn_blocking(move || gw_handle.join());
-    tokio::time::timeout(Duration::from_secs(15), joined)
-        .await
-        .expect("the worker exits long before the 60 s grace")
-        .unwrap();
+    let drained = drain(&mut gw);
+    drained
+        .within(
+            Duration::from_secs(15),
+            "the worker exits long before the 60 s grace",
+        )
+        .await;
     drop(silent);
+}
+
+/// Begins the gateway's graceful shutdown; its workers are joined off the test's runtime.
+fn drain(gw: &mut TestGateway) -> Drained {
+    let gw = gw.gw.take().unwrap();
+    gw.shutdown();
+    Drained(tokio::task::spawn_blocking(move || gw.join()))
+}
+
+/// A drain under way (see [`drain`]).
+struct Drained(tokio::task::JoinHandle<()>);
+
+impl Drained {
+    /// Waits for every worker to exit, failing with `what` after `limit`.
+    async fn within(self, limit: Duration, what: &str) {
+        tokio::time::timeout(limit, self.0)
+            .await
+            .expect(what)
+            .unwrap();
+    }
 }
