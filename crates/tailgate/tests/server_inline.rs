@@ -1255,3 +1255,33 @@ async fn ri_upstream_body_longer_than_its_length_is_cut_to_it() {
         assert_eq!((r.status, r.body()), (200, "hello"));
     }
 }
+
+/// An empty line left after a request (a client that ends its body with an extra CRLF) is
+/// no head in progress (RFC 9112 §2.2): the connection stays under the idle timeout, not the
+/// header read timeout, and serves the next request; on the inline server and behind the
+/// smuggling guard.
+#[tokio::test]
+async fn ri_a_crlf_after_a_request_does_not_start_the_header_timeout() {
+    let (up, _) = path_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"300ms\"\nidle_timeout = \"60s\"\n",
+    );
+    let plain = "POST /p HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi\r\n";
+    let chunked =
+        "POST /c HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n\r\n";
+    for first in [plain, chunked] {
+        let mut s = connect(gw.addr).await;
+        s.write_all(first.as_bytes()).await.unwrap();
+        let got = read_responses(&mut s, 1).await;
+        assert_eq!(got[0].status, 200, "{first:?}");
+        // Past the header read timeout, with only the CRLF read.
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        s.write_all(b"GET /next HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .unwrap();
+        let got = read_responses(&mut s, 1).await;
+        assert_eq!(got.len(), 1, "{first:?}: the connection still serves");
+        assert_eq!(got[0].status, 200, "{first:?}");
+    }
+}

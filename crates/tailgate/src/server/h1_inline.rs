@@ -143,8 +143,11 @@ where
                     Poll::Ready(Err(_)) => Poll::Ready(Wait::Close),
                     Poll::Pending => {
                         // A head in pieces: the header read timeout runs from when the
-                        // socket first ran dry in the middle of it (as in the guard).
-                        if !buf.is_empty() {
+                        // socket first ran dry in the middle of it (as in the guard). Empty
+                        // lines before a request line are ignored (RFC 9112 §2.2): a CRLF
+                        // left after a body does not start it, and the connection stays
+                        // under the idle timeout.
+                        if buf.iter().any(|&b| b != b'\r' && b != b'\n') {
                             let d = head_deadline.get_or_insert_with(|| {
                                 Box::pin(tokio::time::sleep(limits.header_timeout))
                             });

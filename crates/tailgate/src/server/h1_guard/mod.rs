@@ -209,9 +209,16 @@ impl<T> H1Guard<T> {
         }
     }
 
-    /// A head is incomplete and the socket ran dry: starts its timer.
+    /// A head is incomplete and the socket ran dry: starts its timer. Empty lines before a
+    /// request line do not start one (RFC 9112 §2.2 has them ignored): a CRLF left after a
+    /// body keeps the connection under the idle timeout, as the inline server does.
     fn arm_head_timer(&mut self) {
-        if self.framing.state == State::Head && self.release < self.end && self.deadline.is_none() {
+        if self.framing.state == State::Head
+            && self.deadline.is_none()
+            && self.buf[self.release..self.end]
+                .iter()
+                .any(|&b| b != b'\r' && b != b'\n')
+        {
             self.deadline = Some(Box::pin(tokio::time::sleep(self.header_timeout)));
         }
     }
