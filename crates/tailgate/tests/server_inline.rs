@@ -1285,3 +1285,36 @@ async fn ri_a_crlf_after_a_request_does_not_start_the_header_timeout() {
         assert_eq!(got[0].status, 200, "{first:?}");
     }
 }
+
+/// A request line longer than `max_header_bytes` is `414 uri_too_long` (its target is what
+/// is too long, as nginx answers it); header lines past the limit are `431`. On the inline
+/// server and behind the guard (after a chunked request).
+#[tokio::test]
+async fn ri_a_request_line_over_the_limit_is_414_and_headers_over_it_431() {
+    let (up, hits) = path_upstream().await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nmax_header_bytes = 4096\n");
+    let long_target = format!("GET /{} HTTP/1.1\r\nHost: a\r\n\r\n", "a".repeat(8000));
+    let long_header = format!(
+        "GET / HTTP/1.1\r\nHost: a\r\nX-Big: {}\r\n\r\n",
+        "b".repeat(8000)
+    );
+    let chunked =
+        "POST /c HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n";
+    for before in ["", chunked] {
+        for (head, status) in [(&long_target, 414), (&long_header, 431)] {
+            let mut s = connect(gw.addr).await;
+            s.write_all(format!("{before}{head}").as_bytes())
+                .await
+                .unwrap();
+            let (text, _) = read_until_close(&mut s, WAIT).await;
+            let got = responses(text.as_bytes(), &[]);
+            let last = got.last().unwrap_or_else(|| panic!("no answer: {text:?}"));
+            assert_eq!(last.status, status, "{:?}", &text[..text.len().min(300)]);
+        }
+    }
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        2,
+        "only the chunked requests went upstream"
+    );
+}

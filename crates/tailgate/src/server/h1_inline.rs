@@ -374,7 +374,11 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
             return Err(Unserved::Partial);
         }
         Err(e) => return Err(Unserved::Refused(head::parse_fault(e).into())),
-        Ok(_) => return Err(Unserved::Refused(head::OVER_LIMIT.into())),
+        Ok(_) => {
+            return Err(Unserved::Refused(
+                head::over_limit(buf, limits.max_head).into(),
+            ));
+        }
     };
     let (Some(method), Some(path), Some(version)) = (req.method, req.path, req.version) else {
         return Err(Unserved::Other);

@@ -90,6 +90,23 @@ impl HeadScan {
 /// limit of a head, and answers 431.
 pub const OVER_LIMIT: HeadFault = HeadFault::TooLarge("larger than max_header_bytes");
 
+/// What is wrong with a head (`head`, as much of it as came) over `max_head` bytes: its
+/// request line alone is, when that line has not ended within the limit (414, RFC 9112 §3:
+/// a target longer than the server will parse), else its header lines are (431). Empty
+/// lines before the request line are not counted in it.
+pub fn over_limit(head: &[u8], max_head: usize) -> HeadFault {
+    let start = head
+        .iter()
+        .position(|&b| b != b'\r' && b != b'\n')
+        .unwrap_or(head.len());
+    let seen = &head[start..head.len().min(max_head)];
+    if seen.contains(&b'\n') {
+        OVER_LIMIT
+    } else {
+        HeadFault::UriTooLong
+    }
+}
+
 /// What is wrong with a head `httparse` refused. No more bytes can mend it.
 pub fn parse_fault(e: httparse::Error) -> HeadFault {
     HeadFault::Bad(match e {

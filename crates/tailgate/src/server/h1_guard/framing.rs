@@ -100,7 +100,7 @@ impl Framing {
             Ok(httparse::Status::Partial) if pending.len() <= self.max_head => return None,
             Ok(httparse::Status::Complete(len)) if len <= self.max_head => len,
             Ok(_) => {
-                self.refuse(Refusal::Head(head::OVER_LIMIT));
+                self.refuse(Refusal::Head(head::over_limit(pending, self.max_head)));
                 return Some(0);
             }
             // Not a head hyper takes either: refused here, so that no difference between
