@@ -93,6 +93,16 @@ impl ClusterPools {
     /// Finagle's budgets do), so a quiet cluster can still retry but retries cannot multiply
     /// an outage's load.
     pub fn try_spend_retry(&self) -> bool {
+        let spent = self.spend_retry();
+        if !spent {
+            self.budget_exhausted.fetch_add(1, Ordering::Relaxed);
+        }
+        spent
+    }
+
+    /// [`try_spend_retry`](Self::try_spend_retry) without counting a refusal: a hedge the
+    /// budget refuses is counted once, as a refused hedge, not also as a refused retry.
+    fn spend_retry(&self) -> bool {
         self.roll_window();
         let allowed = BUDGET_FLOOR_PER_SEC * BUDGET_WINDOW.as_secs()
             + self.requests.load(Ordering::Relaxed) * u64::from(self.budget_percent) / 100;
@@ -100,7 +110,6 @@ impl ClusterPools {
             self.retries_spent.fetch_add(1, Ordering::Relaxed);
             true
         } else {
-            self.budget_exhausted.fetch_add(1, Ordering::Relaxed);
             false
         }
     }
@@ -112,7 +121,7 @@ impl ClusterPools {
         self.roll_window();
         let allowed =
             self.requests.load(Ordering::Relaxed) * u64::from(self.hedge_budget_percent) / 100;
-        if self.hedges_spent.load(Ordering::Relaxed) < allowed && self.try_spend_retry() {
+        if self.hedges_spent.load(Ordering::Relaxed) < allowed && self.spend_retry() {
             self.hedges_spent.fetch_add(1, Ordering::Relaxed);
             true
         } else {
@@ -431,5 +440,15 @@ mod tests {
         }
         assert!(!c.try_spend_retry());
         assert_eq!(c.budget_exhausted.load(Ordering::Relaxed), 2);
+        // A hedge the exhausted budget refuses is a refused hedge, not a refused retry too.
+        // (More requests: room for hedges, and for retries spent at once.)
+        for _ in 0..100 {
+            c.count_request_at(Instant::now());
+        }
+        while c.try_spend_retry() {}
+        let exhausted = c.budget_exhausted.load(Ordering::Relaxed);
+        assert!(!c.try_spend_hedge());
+        assert_eq!(c.stats.hedges_refused.load(Ordering::Relaxed), 1);
+        assert_eq!(c.budget_exhausted.load(Ordering::Relaxed), exhausted);
     }
 }
