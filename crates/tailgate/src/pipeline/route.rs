@@ -177,7 +177,9 @@ impl RouteTable {
     }
 
     /// Finds the route for a request. `conn_tenant` is the tenant the connection was
-    /// classified to (listener or SNI), used when the Host names no tenant.
+    /// classified to (listener or SNI), used when the Host names no tenant. (The pipeline
+    /// finds the Host's tenant itself, for more than the lookup: [`Self::lookup_with`].)
+    #[cfg(test)]
     pub fn lookup(
         &self,
         host: &str,

@@ -384,7 +384,7 @@ where
         side_waker: Waker::from(side.clone()),
         side,
         closing: false,
-        closed_for_idleness: false,
+        close_deadline: false,
         info,
         idle,
         graceful,
@@ -414,7 +414,7 @@ struct Drive<'a, C, G> {
     closing: bool,
     /// The connection was asked to close for idleness or a shutdown: from then on the idle
     /// timer runs to when it must have ended (unless a request is in flight then).
-    closed_for_idleness: bool,
+    close_deadline: bool,
     info: &'a ConnInfo,
     idle: Duration,
     graceful: G,
@@ -441,7 +441,7 @@ where
                 continue;
             }
             if this.closing {
-                if !this.closed_for_idleness {
+                if !this.close_deadline {
                     return Poll::Pending;
                 }
                 // Only the close deadline is left to watch (the idle timer, set to it), on
@@ -479,7 +479,7 @@ where
             match this.info.activity.idle_deadline(this.idle) {
                 Some(at) if at <= std::time::Instant::now() => {
                     this.closing = true;
-                    this.closed_for_idleness = true;
+                    this.close_deadline = true;
                     this.idle_timer
                         .as_mut()
                         .reset(tokio::time::Instant::now() + this.idle);
@@ -521,7 +521,7 @@ where
     /// does not (it closes idle HTTP/2 connections at once).
     fn close_for_shutdown(&mut self) {
         self.closing = true;
-        self.closed_for_idleness = true;
+        self.close_deadline = true;
         self.idle_timer
             .as_mut()
             .reset(tokio::time::Instant::now() + SHUTDOWN_CLOSE_WAIT);

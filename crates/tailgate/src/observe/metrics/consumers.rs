@@ -88,14 +88,15 @@ impl Consumers {
         // table keeps per consumer is bounded whatever a client sends (a 16 KiB header value
         // is not kept whole), and two values with one label are one consumer, one series.
         // No allocation for a valid UTF-8 name.
-        // A few bytes past the cut are enough to cut at a character boundary.
-        let text = String::from_utf8_lossy(&name[..name.len().min(MAX_NAME + 4)]);
+        let text = shown(name);
         let key = cut(&text).as_bytes();
         let mut index = self.index.lock().unwrap_or_else(PoisonError::into_inner);
         let cell = match index.get(key) {
             Some(&i) => self.cells.get(i),
             None if index.len() < self.max => {
-                let i = self.cells.push(ConsumerCell::new(label_of(name).into()));
+                let i = self
+                    .cells
+                    .push(ConsumerCell::new(escape_label(cut(&text)).into()));
                 index.insert(key.into(), i);
                 self.cells.get(i)
             }
@@ -112,9 +113,16 @@ impl Consumers {
     }
 }
 
+/// A header value as text: lossy UTF-8 of its first bytes (a few past the cut are enough to
+/// cut at a character boundary).
+fn shown(name: &[u8]) -> std::borrow::Cow<'_, str> {
+    String::from_utf8_lossy(&name[..name.len().min(MAX_NAME + 4)])
+}
+
 /// A header value as a label value: lossy UTF-8, cut to [`MAX_NAME`] bytes, escaped.
+#[cfg(test)]
 fn label_of(name: &[u8]) -> String {
-    escape_label(cut(&String::from_utf8_lossy(name)))
+    escape_label(cut(&shown(name)))
 }
 
 /// `s` cut to at most [`MAX_NAME`] bytes, at a character boundary.
