@@ -176,9 +176,8 @@ impl RouteTable {
             .map(|&(_, t)| t)
     }
 
-    /// Finds the route for a request. `conn_tenant` is the tenant the connection was
-    /// classified to (listener or SNI), used when the Host names no tenant. (The pipeline
-    /// finds the Host's tenant itself, for more than the lookup: [`Self::lookup_with`].)
+    /// [`Self::lookup_with`], finding the Host's tenant itself (the pipeline finds it once
+    /// for more than the lookup).
     #[cfg(test)]
     pub fn lookup(
         &self,
@@ -190,7 +189,9 @@ impl RouteTable {
         self.lookup_with(host, self.tenant_of_host(host), path, method, conn_tenant)
     }
 
-    /// [`lookup`](Self::lookup) with the tenant of `host` already found.
+    /// Finds the route for a request whose Host `host` belongs to `host_tenant` (found by the
+    /// caller, [`Self::tenant_of_host`]). `conn_tenant` is the tenant the connection was
+    /// classified to (listener or SNI), used when the Host names no tenant.
     pub fn lookup_with(
         &self,
         host: &str,
