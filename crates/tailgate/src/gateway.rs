@@ -24,7 +24,7 @@ use crate::pipeline::headers::RequestIds;
 use crate::pipeline::route::RouteTable;
 use crate::pipeline::{Shared, Worker};
 use crate::server::DrainToken;
-use crate::server::spawner::TenantSpawner;
+use crate::server::spawner::{ConnCount, TenantSpawner};
 use crate::upstream::Upstreams;
 
 #[derive(Debug, thiserror::Error)]
@@ -179,6 +179,7 @@ impl Gateway {
             routes: RouteTable::new(&config),
             observers: Observers::new(observers),
             ids: RequestIds::default(),
+            connections: Arc::new(ConnCount::new(config.server.max_connections)),
         });
         let config = Arc::new(config);
         let plan = Arc::new(MetricsPlan::new(&config));
@@ -341,7 +342,10 @@ fn run_worker(
         return;
     };
     let grace = worker.shared.settings.shutdown_grace;
-    let spawner = Arc::new(TenantSpawner::new(config.tenants.len()));
+    let spawner = Arc::new(TenantSpawner::new(
+        config.tenants.len(),
+        worker.shared.connections.clone(),
+    ));
     rt.block_on(async move {
         let (drain, mut drained) = DrainToken::new();
         worker.upstreams.start_background();

@@ -472,18 +472,39 @@ async fn the_lag_probe_sees_a_blocked_worker() {
 async fn readiness_waits_for_warm_connections_and_ends_at_drain() {
     let up = ok_upstream().await;
     let dead = dead_port();
-    // A cluster whose only endpoint is down never warms: not ready.
+    // A cluster whose only endpoint is down never warms: not ready, for `warm_wait`.
     let cold = TestGateway::start(&format!(
-        "{ADMIN}[[cluster]]\nname = \"down\"\nendpoints = [\"{dead}\"]\nmin_warm_connections = 2\n[[route]]\npath_prefix = \"/\"\ncluster = \"down\"\n"
+        "[server]\nworkers = 1\nwarm_wait = \"1500ms\"\n{ADMIN}[[cluster]]\nname = \"down\"\nendpoints = [\"{dead}\"]\nmin_warm_connections = 2\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/down/\"\ncluster = \"down\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
     ));
+    let started = Instant::now();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let r = admin_get(admin_addr(&cold), "/readyz", &[]).await;
     assert_eq!(r.status(), 503);
     assert!(
         std::str::from_utf8(r.body())
             .unwrap()
-            .contains("no warm connections")
+            .contains("cluster `down` has no warm connections")
     );
+    // Past `warm_wait`, the dead upstream no longer keeps the other cluster's routes out of
+    // rotation: ready, with the cold cluster named.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let r = loop {
+        let r = admin_get(admin_addr(&cold), "/readyz", &[]).await;
+        if r.status() == 200 {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "never ready past warm_wait");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(started.elapsed() >= Duration::from_millis(1400));
+    let v: serde_json::Value = serde_json::from_slice(r.body()).unwrap();
+    assert_eq!(v["status"], "ready");
+    assert_eq!(v["cold_clusters"], serde_json::json!(["down"]));
+    let r = admin_get(admin_addr(&cold), "/stats", &[]).await;
+    let v: serde_json::Value = serde_json::from_slice(r.body()).unwrap();
+    assert_eq!(v["ready"], true);
+    assert_eq!(v["cold_clusters"], serde_json::json!(["down"]));
+    assert_eq!(send(cold.addr, "GET", "/a", "x", "").await, 200);
 
     // The same with a live endpoint and warm spares: ready once they are open.
     let gw = TestGateway::start(&format!(
@@ -919,4 +940,59 @@ async fn the_connect_stage_is_zero_for_an_idle_connection_unless_a_connect_faile
             assert!(sum > 0.0, "the failed connects' time: {sum}");
         }
     }
+}
+
+/// `server.max_connections`: at the cap the gateway stops accepting, so a new connection
+/// waits in the listen queue (its request unanswered) until an open one closes; the open
+/// count, the accepts and the pause are exported.
+#[tokio::test]
+async fn at_max_connections_new_connections_wait_until_one_closes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    async fn ask(c: &mut tokio::net::TcpStream) {
+        c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+    }
+    async fn answered(c: &mut tokio::net::TcpStream) -> String {
+        let mut buf = [0u8; 512];
+        let n = c.read(&mut buf).await.unwrap();
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    }
+    let up = ok_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        &format!("[server]\nworkers = 2\nmax_connections = 2\n{ADMIN}"),
+    );
+    let admin = admin_addr(&gw);
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        let mut c = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+        ask(&mut c).await;
+        assert!(answered(&mut c).await.starts_with("HTTP/1.1 200"));
+        open.push(c);
+    }
+    // The kernel completes the handshake (listen queue), but no worker accepts it.
+    let mut third = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    ask(&mut third).await;
+    let early = tokio::time::timeout(Duration::from_millis(400), answered(&mut third)).await;
+    assert!(early.is_err(), "answered past the cap: {early:?}");
+    let ex = scrape(admin).await;
+    assert_eq!(ex.value("tailgate_downstream_connections", &[]), 2.0);
+    assert_eq!(
+        ex.value("tailgate_downstream_connections_accepted_total", &[]),
+        2.0
+    );
+    assert!(ex.value("tailgate_downstream_accept_pauses_total", &[]) >= 1.0);
+
+    drop(open.pop());
+    let late = tokio::time::timeout(Duration::from_secs(5), answered(&mut third))
+        .await
+        .expect("the queued connection is served once one closes");
+    assert!(late.starts_with("HTTP/1.1 200"), "{late}");
+    let ex = scrape(admin).await;
+    assert_eq!(
+        ex.value("tailgate_downstream_connections_accepted_total", &[]),
+        3.0
+    );
+    assert_eq!(ex.value("tailgate_downstream_connections", &[]), 2.0);
 }

@@ -484,3 +484,61 @@ async fn a_refused_head_is_answered_while_the_client_still_sends() {
     assert!(matches!(read, Ok(Ok(_))), "a clean close: {read:?}");
     assert_eq!(hits.load(Ordering::SeqCst), 0);
 }
+
+/// HTTP/2 Rapid Reset (CVE-2023-44487): a client that opens streams and cancels them at
+/// once, as fast as it can write, gets a GOAWAY `ENHANCE_YOUR_CALM` and a closed
+/// connection, not a connection that goes on costing a request's work per two frames.
+#[tokio::test]
+async fn http2_rapid_reset_gets_a_goaway_and_a_close() {
+    fn frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
+        out.extend_from_slice(&(payload.len() as u32).to_be_bytes()[1..]);
+        out.extend_from_slice(&[kind, flags]);
+        out.extend_from_slice(&stream.to_be_bytes());
+        out.extend_from_slice(payload);
+    }
+    let (up, _hits) = counting_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let mut c = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    frame(&mut out, 0x4, 0, 0, &[]); // SETTINGS
+    // GET http://x/ in HPACK: indexed :method GET, :scheme http, :path /, and :authority
+    // as a literal without indexing.
+    let block = [0x82, 0x86, 0x84, 0x01, 0x01, b'x'];
+    for i in 0..500u32 {
+        let stream = 1 + 2 * i;
+        frame(&mut out, 0x1, 0x5, stream, &block); // HEADERS, END_STREAM | END_HEADERS
+        frame(&mut out, 0x3, 0, stream, &8u32.to_be_bytes()); // RST_STREAM CANCEL
+    }
+    // The server may close before it has read all of it.
+    let _ = c.write_all(&out).await;
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut buf = [0u8; 16384];
+        loop {
+            match c.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "the connection was not closed");
+    // Walk the server's frames to its GOAWAY.
+    let mut at = 0;
+    let mut goaway = None;
+    while at + 9 <= got.len() {
+        let len = u32::from_be_bytes([0, got[at], got[at + 1], got[at + 2]]) as usize;
+        let kind = got[at + 3];
+        let payload = &got[at + 9..(at + 9 + len).min(got.len())];
+        if kind == 0x7 && payload.len() >= 8 {
+            goaway = Some(u32::from_be_bytes(payload[4..8].try_into().unwrap()));
+        }
+        at += 9 + len;
+    }
+    assert_eq!(
+        goaway,
+        Some(0xb),
+        "expected GOAWAY ENHANCE_YOUR_CALM among the server's frames ({} bytes)",
+        got.len()
+    );
+}

@@ -151,6 +151,35 @@ async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> 
         .sum();
     w.gauge("tailgate_requests_in_flight", &[], in_flight.max(0));
 
+    if let Some(conns) = workers.first().map(|wk| &wk.shared.connections) {
+        w.family(
+            "tailgate_downstream_connections",
+            Kind::Gauge,
+            "Client connections open now.",
+        );
+        w.gauge("tailgate_downstream_connections", &[], conns.open() as u64);
+        w.family(
+            "tailgate_downstream_connections_accepted",
+            Kind::Counter,
+            "Client connections accepted.",
+        );
+        w.counter(
+            "tailgate_downstream_connections_accepted",
+            &[],
+            conns.accepted.load(Ordering::Relaxed),
+        );
+        w.family(
+            "tailgate_downstream_accept_pauses",
+            Kind::Counter,
+            "Times a listener stopped accepting because server.max_connections were open.",
+        );
+        w.counter(
+            "tailgate_downstream_accept_pauses",
+            &[],
+            conns.pauses.load(Ordering::Relaxed),
+        );
+    }
+
     w.family(
         "tailgate_request_duration_seconds",
         Kind::Histogram,

@@ -75,6 +75,8 @@ pub struct AdminState {
     /// A worker whose lag probe has not run for this long is stalled.
     pub stall_threshold: Duration,
     pub started: Instant,
+    /// Set once the warning that readiness came without some warm clusters is logged.
+    warned_cold: AtomicBool,
     /// Per-consumer series merged over the workers (only scrapes take this lock).
     consumers: tokio::sync::Mutex<exposition::ConsumerMerge>,
     pub last_render_ns: AtomicU64,
@@ -103,6 +105,7 @@ impl AdminState {
             draining: AtomicBool::new(false),
             stall_threshold,
             started: Instant::now(),
+            warned_cold: AtomicBool::new(false),
             consumers: Default::default(),
             last_render_ns: AtomicU64::new(0),
             last_samples: AtomicU64::new(0),
@@ -135,6 +138,12 @@ impl AdminState {
     }
 
     /// Why the gateway should not get traffic yet (or any more), if it should not.
+    ///
+    /// Clusters with `min_warm_connections` hold readiness back only for
+    /// `server.warm_wait` from the start: a cluster whose upstream is down at boot must not
+    /// keep every other tenant's routes out of rotation (nor keep `READY=1` from systemd
+    /// until its start timeout kills the gateway). Past the wait, a cold cluster is named in
+    /// `/readyz`'s answer and in one warning instead.
     pub fn not_ready(&self) -> Option<String> {
         if self.draining.load(Ordering::Relaxed) {
             return Some("draining".into());
@@ -142,12 +151,30 @@ impl AdminState {
         if self.tick_ages().iter().any(Option::is_none) {
             return Some("workers starting".into());
         }
+        let cold = self.cold_clusters();
+        let first = cold.first()?;
+        if self.started.elapsed() < self.config.server.warm_wait {
+            return Some(format!("cluster `{first}` has no warm connections yet"));
+        }
+        if !self.warned_cold.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                clusters = ?cold,
+                warm_wait = ?self.config.server.warm_wait,
+                "ready without warm connections to these clusters: none opened within warm_wait (is their upstream down?)"
+            );
+        }
+        None
+    }
+
+    /// Clusters with `min_warm_connections` that some worker has not warmed yet (no
+    /// endpoint of it has opened its warm spares there). A cluster warm once stays warm.
+    pub fn cold_clusters(&self) -> Vec<&str> {
+        let mut cold = Vec::new();
         for (ci, cluster) in self.config.clusters.iter().enumerate() {
             if cluster.min_warm_connections == 0 {
                 continue;
             }
-            // Every worker has at least one endpoint that has opened its warm spares.
-            let cold = self.workers.iter().any(|w| {
+            let is_cold = self.workers.iter().any(|w| {
                 w.upstreams.clusters.get(ci).is_some_and(|c| {
                     !c.endpoints.load().iter().any(|e| {
                         e.stats.preconnects.load(Ordering::Relaxed)
@@ -155,14 +182,11 @@ impl AdminState {
                     })
                 })
             });
-            if cold {
-                return Some(format!(
-                    "cluster `{}` has no warm connections yet",
-                    cluster.name
-                ));
+            if is_cold {
+                cold.push(cluster.name.as_str());
             }
         }
-        None
+        cold
     }
 }
 
@@ -396,7 +420,15 @@ fn handle(state: Arc<AdminState>, req: Request<Incoming>) -> Response<AdminBody>
             }
         }
         "/readyz" => match state.not_ready() {
-            None => json(StatusCode::OK, &serde_json::json!({"status": "ready"})),
+            None => {
+                let cold = state.cold_clusters();
+                let body = if cold.is_empty() {
+                    serde_json::json!({"status": "ready"})
+                } else {
+                    serde_json::json!({"status": "ready", "cold_clusters": cold})
+                };
+                json(StatusCode::OK, &body)
+            }
             Some(reason) => json(
                 StatusCode::SERVICE_UNAVAILABLE,
                 &serde_json::json!({"status": "not_ready", "reason": reason}),
@@ -576,6 +608,7 @@ fn stats(state: &AdminState) -> serde_json::Value {
         "uptime_seconds": state.started.elapsed().as_secs_f64(),
         "draining": state.draining.load(Ordering::Relaxed),
         "ready": state.not_ready().is_none(),
+        "cold_clusters": state.cold_clusters(),
         "stalled_workers": state.stalled_workers(),
         "workers": workers,
         "routes": routes,

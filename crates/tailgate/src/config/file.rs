@@ -53,6 +53,8 @@ pub struct RawServer {
     pub max_header_bytes: Option<Spanned<usize>>,
     pub max_body_bytes: Option<u64>,
     pub request_id_header: Option<Spanned<String>>,
+    pub warm_wait: Option<Spanned<String>>,
+    pub max_connections: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]

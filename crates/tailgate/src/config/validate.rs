@@ -392,6 +392,12 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         max_header_bytes,
         max_body_bytes: s.max_body_bytes.unwrap_or(10 * 1024 * 1024),
         request_id_header,
+        warm_wait: c.duration(
+            &s.warm_wait,
+            "server.warm_wait".into(),
+            Duration::from_secs(10),
+        ),
+        max_connections: s.max_connections.unwrap_or(0),
     };
 
     // [log]

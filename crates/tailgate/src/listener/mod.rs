@@ -88,6 +88,12 @@ pub async fn accept_loop(
         tokio::select! {
             biased;
             _ = async { let _ = shutdown.wait_for(|stop| *stop).await; } => break,
+            // At `server.max_connections`, new connections wait in the listen queue.
+            () = spawner.total().room(&listener.name) => {}
+        }
+        tokio::select! {
+            biased;
+            _ = async { let _ = shutdown.wait_for(|stop| *stop).await; } => break,
             accepted = socket.accept() => match accepted {
                 Ok((stream, peer)) => spawn(stream, peer),
                 Err(e) => {

@@ -40,6 +40,8 @@ pub struct Shared {
     pub routes: RouteTable,
     pub observers: Observers,
     pub ids: RequestIds,
+    /// Open client connections over every worker, against `server.max_connections`.
+    pub connections: Arc<crate::server::spawner::ConnCount>,
 }
 
 /// One data-plane worker: the shared config and this worker's own upstream pools.

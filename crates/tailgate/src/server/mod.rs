@@ -330,6 +330,10 @@ where
     let conn = http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
         .max_header_list_size(settings.max_header_bytes as u32)
+        // HTTP/2 Rapid Reset (CVE-2023-44487): more than this many streams the client
+        // resets before they are taken end the connection with GOAWAY ENHANCE_YOUR_CALM.
+        // h2's default, set here so that it cannot go with a dependency update.
+        .max_pending_accept_reset_streams(20)
         .serve_connection(TokioIo::new(io), service);
     let conn = std::pin::pin!(conn);
     let ended = drive(conn, ctx.shutdown, &info, settings.idle_timeout, |c| {

@@ -1,23 +1,115 @@
 //! The one way a connection task is started: through the tenant it was classified to at
 //! accept. Today every tenant shares the worker's scheduler; per-tenant scheduling groups
 //! and connection caps attach here without touching the accept loop or the pipeline.
+//!
+//! Open connections are also counted over every worker ([`ConnCount`]), against
+//! `server.max_connections`: at the cap the accept loops stop accepting, so that new
+//! connections wait in the kernel's listen queue (as nginx's `worker_connections` and
+//! HAProxy's `maxconn` make them) instead of taking the file descriptors and memory the
+//! open ones need.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+/// Open client connections over every worker, and the cap on them.
+#[derive(Debug)]
+pub struct ConnCount {
+    open: AtomicUsize,
+    /// `usize::MAX`: no cap.
+    max: usize,
+    /// Woken when a connection ends with the count at the cap.
+    freed: tokio::sync::Notify,
+    /// Connections accepted since the start.
+    pub accepted: AtomicU64,
+    /// Times an accept loop stopped accepting because the cap was reached.
+    pub pauses: AtomicU64,
+    epoch: Instant,
+    /// When the last "cap reached" warning was logged (ms since `epoch`, +1; 0: never).
+    warned_ms: AtomicU64,
+}
+
+/// At most one "cap reached" warning this often (a gateway held at its cap would otherwise
+/// log one per accept).
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+impl ConnCount {
+    /// `max` 0: no cap.
+    pub fn new(max: usize) -> ConnCount {
+        ConnCount {
+            open: AtomicUsize::new(0),
+            max: if max == 0 { usize::MAX } else { max },
+            freed: tokio::sync::Notify::new(),
+            accepted: AtomicU64::new(0),
+            pauses: AtomicU64::new(0),
+            epoch: Instant::now(),
+            warned_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// Client connections open now, over every worker.
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    /// Returns once a connection may be accepted: at once below the cap, else when enough
+    /// connections have ended. The count is read and added to apart, so workers accepting
+    /// at the same moment can pass the cap by one each.
+    pub async fn room(&self, listener: &str) {
+        if self.open() < self.max {
+            return;
+        }
+        self.pauses.fetch_add(1, Ordering::Relaxed);
+        let now = self.epoch.elapsed().as_millis() as u64 + 1;
+        let last = self.warned_ms.load(Ordering::Relaxed);
+        if (last == 0 || now.saturating_sub(last) >= WARN_EVERY.as_millis() as u64)
+            && self
+                .warned_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(listener.name = %listener, max_connections = self.max, "server.max_connections reached: new connections wait in the listen queue until open ones close");
+        }
+        loop {
+            let freed = self.freed.notified();
+            let mut freed = std::pin::pin!(freed);
+            // Registered before the count is read again: a connection that ends after the
+            // read wakes this wait.
+            freed.as_mut().enable();
+            if self.open() < self.max {
+                return;
+            }
+            freed.await;
+        }
+    }
+
+    fn add(&self) {
+        self.open.fetch_add(1, Ordering::Relaxed);
+        self.accepted.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn sub(&self) {
+        if self.open.fetch_sub(1, Ordering::Relaxed) >= self.max {
+            self.freed.notify_waiters();
+        }
+    }
+}
 
 /// A connection's place in the count of open connections, given up when its task's
 /// future is dropped: when the connection ends, or with the runtime.
 struct OpenSlot {
     open: Arc<[AtomicUsize]>,
     slot: usize,
+    total: Arc<ConnCount>,
 }
 
 impl Drop for OpenSlot {
     fn drop(&mut self) {
         self.open[self.slot].fetch_sub(1, Ordering::Relaxed);
+        self.total.sub();
     }
 }
 
@@ -45,13 +137,20 @@ impl<F: Future> Future for Counted<F> {
 /// last slot = connections not yet classified).
 pub struct TenantSpawner {
     open: Arc<[AtomicUsize]>,
+    total: Arc<ConnCount>,
 }
 
 impl TenantSpawner {
-    pub fn new(tenants: usize) -> TenantSpawner {
+    pub fn new(tenants: usize, total: Arc<ConnCount>) -> TenantSpawner {
         TenantSpawner {
             open: (0..=tenants).map(|_| AtomicUsize::new(0)).collect(),
+            total,
         }
+    }
+
+    /// The count over every worker this spawner adds to.
+    pub fn total(&self) -> &ConnCount {
+        &self.total
     }
 
     fn slot(&self, tenant: Option<usize>) -> usize {
@@ -67,11 +166,13 @@ impl TenantSpawner {
     {
         let slot = self.slot(tenant);
         self.open[slot].fetch_add(1, Ordering::Relaxed);
+        self.total.add();
         tokio::spawn(Counted {
             fut,
             _open: OpenSlot {
                 open: self.open.clone(),
                 slot,
+                total: self.total.clone(),
             },
         });
     }
@@ -89,7 +190,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_counts_while_its_task_lives() {
-        let spawner = TenantSpawner::new(2);
+        let spawner = TenantSpawner::new(2, Arc::new(ConnCount::new(0)));
         let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
         let (ended_tx, ended_rx) = tokio::sync::oneshot::channel::<()>();
         spawner.spawn(Some(1), async move {
@@ -113,7 +214,7 @@ mod tests {
 
     #[test]
     fn a_task_dropped_with_its_runtime_is_no_longer_counted() {
-        let spawner = TenantSpawner::new(1);
+        let spawner = TenantSpawner::new(1, Arc::new(ConnCount::new(0)));
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
@@ -122,7 +223,45 @@ mod tests {
             tokio::task::yield_now().await;
         });
         assert_eq!(spawner.open_connections(None), 1);
+        assert_eq!(spawner.total().open(), 1);
         drop(rt);
         assert_eq!(spawner.open_connections(None), 0);
+        assert_eq!(spawner.total().open(), 0);
+    }
+
+    /// At the cap, `room` waits until a connection ends, and counts the pause.
+    #[tokio::test]
+    async fn room_waits_at_the_cap_until_a_connection_ends() {
+        let total = Arc::new(ConnCount::new(2));
+        let spawner = TenantSpawner::new(0, total.clone());
+        let mut ends = Vec::new();
+        for _ in 0..2 {
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            spawner.spawn(None, async move {
+                let _ = rx.await;
+            });
+            ends.push(tx);
+        }
+        assert_eq!(total.open(), 2);
+        let waiting = tokio::time::timeout(Duration::from_millis(100), total.room("t")).await;
+        assert!(waiting.is_err(), "room was given at the cap");
+        assert_eq!(total.pauses.load(Ordering::Relaxed), 1);
+        let room = tokio::spawn({
+            let total = total.clone();
+            async move { total.room("t").await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!room.is_finished());
+        drop(ends.pop());
+        tokio::time::timeout(Duration::from_secs(5), room)
+            .await
+            .expect("room after a connection ended")
+            .unwrap();
+        assert_eq!(total.open(), 1);
+        assert_eq!(total.accepted.load(Ordering::Relaxed), 2);
+        // No cap: never waits.
+        let free = ConnCount::new(0);
+        free.room("t").await;
+        assert_eq!(free.pauses.load(Ordering::Relaxed), 0);
     }
 }
