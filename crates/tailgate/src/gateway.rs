@@ -342,10 +342,7 @@ fn run_worker(
         return;
     };
     let grace = worker.shared.settings.shutdown_grace;
-    let spawner = Arc::new(TenantSpawner::new(
-        config.tenants.len(),
-        worker.shared.connections.clone(),
-    ));
+    let spawner = Arc::new(TenantSpawner::new(config.tenants.len()));
     rt.block_on(async move {
         let (drain, mut drained) = DrainToken::new();
         worker.upstreams.start_background();

@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 
 use crate::pipeline::Worker;
-use crate::server::spawner::TenantSpawner;
+use crate::server::spawner::{ConnSlot, TenantSpawner};
 use crate::server::{ConnCtx, DrainToken, serve_connection};
 
 /// A listener's settings, shared by the workers.
@@ -75,27 +75,38 @@ pub async fn accept_loop(
         }
     };
     let conn_shutdown = shutdown.clone();
-    let spawn = |stream: tokio::net::TcpStream, peer: SocketAddr| {
+    let count = worker.shared.connections.clone();
+    let spawn = |stream: tokio::net::TcpStream, peer: SocketAddr, slot: ConnSlot| {
         let ctx = ConnCtx {
             worker: worker.clone(),
             listener: listener.clone(),
             shutdown: conn_shutdown.clone(),
             drain: drain.clone(),
         };
-        spawner.spawn(listener.tenant, serve_connection(ctx, stream, peer));
+        spawner.spawn(listener.tenant, slot, serve_connection(ctx, stream, peer));
     };
     loop {
         tokio::select! {
             biased;
             _ = async { let _ = shutdown.wait_for(|stop| *stop).await; } => break,
-            // At `server.max_connections`, new connections wait in the listen queue.
-            () = spawner.total().room(&listener.name) => {}
-        }
-        tokio::select! {
-            biased;
-            _ = async { let _ = shutdown.wait_for(|stop| *stop).await; } => break,
             accepted = socket.accept() => match accepted {
-                Ok((stream, peer)) => spawn(stream, peer),
+                Ok((stream, peer)) => {
+                    // At `server.max_connections` this connection waits for a place, and
+                    // the ones after it in the listen queue, as nothing more is accepted.
+                    let slot = match count.try_take() {
+                        Some(slot) => slot,
+                        None => tokio::select! {
+                            biased;
+                            _ = async { let _ = shutdown.wait_for(|stop| *stop).await; } => {
+                                // Served as the queued ones are at shutdown.
+                                spawn(stream, peer, count.take_past_cap());
+                                break;
+                            }
+                            slot = count.take(&listener.name) => slot,
+                        },
+                    };
+                    spawn(stream, peer, slot);
+                }
                 Err(e) => {
                     // Out of file descriptors and the like: say so, and back off briefly
                     // instead of spinning on the error.
@@ -105,7 +116,9 @@ pub async fn accept_loop(
             }
         }
     }
-    take_queued(socket, &listener.name, spawn);
+    take_queued(socket, &listener.name, |stream, peer| {
+        spawn(stream, peer, count.take_past_cap())
+    });
 }
 
 /// At shutdown, before the socket closes: the connections the kernel already queued for it

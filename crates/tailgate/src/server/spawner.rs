@@ -36,6 +36,18 @@ pub struct ConnCount {
 /// log one per accept).
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
+/// A connection's place in the count over every worker, given back when dropped.
+#[derive(Debug)]
+pub struct ConnSlot(Arc<ConnCount>);
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        if self.0.open.fetch_sub(1, Ordering::Relaxed) >= self.0.max {
+            self.0.freed.notify_waiters();
+        }
+    }
+}
+
 impl ConnCount {
     /// `max` 0: no cap.
     pub fn new(max: usize) -> ConnCount {
@@ -55,12 +67,31 @@ impl ConnCount {
         self.open.load(Ordering::Relaxed)
     }
 
-    /// Returns once a connection may be accepted: at once below the cap, else when enough
-    /// connections have ended. The count is read and added to apart, so workers accepting
-    /// at the same moment can pass the cap by one each.
-    pub async fn room(&self, listener: &str) {
-        if self.open() < self.max {
-            return;
+    /// A place for a connection just accepted, if one is free under the cap.
+    pub fn try_take(self: &Arc<Self>) -> Option<ConnSlot> {
+        self.open
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < self.max).then_some(n + 1)
+            })
+            .ok()?;
+        self.accepted.fetch_add(1, Ordering::Relaxed);
+        Some(ConnSlot(self.clone()))
+    }
+
+    /// A place for a connection the cap does not apply to (one queued at shutdown).
+    pub fn take_past_cap(self: &Arc<Self>) -> ConnSlot {
+        self.open.fetch_add(1, Ordering::Relaxed);
+        self.accepted.fetch_add(1, Ordering::Relaxed);
+        ConnSlot(self.clone())
+    }
+
+    /// A place for a connection just accepted, waiting (counted as a pause, with a
+    /// warning at most every 10 s) until one is free when the cap is reached. The accept
+    /// loop that calls it accepts nothing more meanwhile: further connections wait in the
+    /// kernel's listen queue.
+    pub async fn take(self: &Arc<Self>, listener: &str) -> ConnSlot {
+        if let Some(slot) = self.try_take() {
+            return slot;
         }
         self.pauses.fetch_add(1, Ordering::Relaxed);
         let now = self.epoch.elapsed().as_millis() as u64 + 1;
@@ -76,24 +107,13 @@ impl ConnCount {
         loop {
             let freed = self.freed.notified();
             let mut freed = std::pin::pin!(freed);
-            // Registered before the count is read again: a connection that ends after the
-            // read wakes this wait.
+            // Registered before the count is tried again: a connection that ends after the
+            // try wakes this wait.
             freed.as_mut().enable();
-            if self.open() < self.max {
-                return;
+            if let Some(slot) = self.try_take() {
+                return slot;
             }
             freed.await;
-        }
-    }
-
-    fn add(&self) {
-        self.open.fetch_add(1, Ordering::Relaxed);
-        self.accepted.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn sub(&self) {
-        if self.open.fetch_sub(1, Ordering::Relaxed) >= self.max {
-            self.freed.notify_waiters();
         }
     }
 }
@@ -103,13 +123,12 @@ impl ConnCount {
 struct OpenSlot {
     open: Arc<[AtomicUsize]>,
     slot: usize,
-    total: Arc<ConnCount>,
+    _total: ConnSlot,
 }
 
 impl Drop for OpenSlot {
     fn drop(&mut self) {
         self.open[self.slot].fetch_sub(1, Ordering::Relaxed);
-        self.total.sub();
     }
 }
 
@@ -137,20 +156,13 @@ impl<F: Future> Future for Counted<F> {
 /// last slot = connections not yet classified).
 pub struct TenantSpawner {
     open: Arc<[AtomicUsize]>,
-    total: Arc<ConnCount>,
 }
 
 impl TenantSpawner {
-    pub fn new(tenants: usize, total: Arc<ConnCount>) -> TenantSpawner {
+    pub fn new(tenants: usize) -> TenantSpawner {
         TenantSpawner {
             open: (0..=tenants).map(|_| AtomicUsize::new(0)).collect(),
-            total,
         }
-    }
-
-    /// The count over every worker this spawner adds to.
-    pub fn total(&self) -> &ConnCount {
-        &self.total
     }
 
     fn slot(&self, tenant: Option<usize>) -> usize {
@@ -159,20 +171,20 @@ impl TenantSpawner {
             .min(self.open.len() - 1)
     }
 
-    /// Starts `fut` on this worker on behalf of `tenant`.
-    pub fn spawn<F>(&self, tenant: Option<usize>, fut: F)
+    /// Starts `fut` on this worker on behalf of `tenant`, holding `total` (its place in the
+    /// count over every worker) for as long as it lives.
+    pub fn spawn<F>(&self, tenant: Option<usize>, total: ConnSlot, fut: F)
     where
         F: Future<Output = ()> + Send + 'static,
     {
         let slot = self.slot(tenant);
         self.open[slot].fetch_add(1, Ordering::Relaxed);
-        self.total.add();
         tokio::spawn(Counted {
             fut,
             _open: OpenSlot {
                 open: self.open.clone(),
                 slot,
-                total: self.total.clone(),
+                _total: total,
             },
         });
     }
@@ -190,10 +202,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_counts_while_its_task_lives() {
-        let spawner = TenantSpawner::new(2, Arc::new(ConnCount::new(0)));
+        let spawner = TenantSpawner::new(2);
+        let total = Arc::new(ConnCount::new(0));
         let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
         let (ended_tx, ended_rx) = tokio::sync::oneshot::channel::<()>();
-        spawner.spawn(Some(1), async move {
+        spawner.spawn(Some(1), total.take_past_cap(), async move {
             let _ = done_rx.await;
             let _ = ended_tx.send(());
         });
@@ -214,54 +227,60 @@ mod tests {
 
     #[test]
     fn a_task_dropped_with_its_runtime_is_no_longer_counted() {
-        let spawner = TenantSpawner::new(1, Arc::new(ConnCount::new(0)));
+        let spawner = TenantSpawner::new(1);
+        let total = Arc::new(ConnCount::new(0));
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
         rt.block_on(async {
-            spawner.spawn(None, std::future::pending::<()>());
+            spawner.spawn(None, total.take_past_cap(), std::future::pending::<()>());
             tokio::task::yield_now().await;
         });
         assert_eq!(spawner.open_connections(None), 1);
-        assert_eq!(spawner.total().open(), 1);
+        assert_eq!(total.open(), 1);
         drop(rt);
         assert_eq!(spawner.open_connections(None), 0);
-        assert_eq!(spawner.total().open(), 0);
+        assert_eq!(total.open(), 0);
     }
 
-    /// At the cap, `room` waits until a connection ends, and counts the pause.
+    /// At the cap, `take` waits until a connection ends, and counts the pause; the count
+    /// never passes the cap.
     #[tokio::test]
-    async fn room_waits_at_the_cap_until_a_connection_ends() {
+    async fn take_waits_at_the_cap_until_a_connection_ends() {
         let total = Arc::new(ConnCount::new(2));
-        let spawner = TenantSpawner::new(0, total.clone());
+        let spawner = TenantSpawner::new(0);
         let mut ends = Vec::new();
         for _ in 0..2 {
             let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-            spawner.spawn(None, async move {
+            let slot = total.try_take().unwrap();
+            spawner.spawn(None, slot, async move {
                 let _ = rx.await;
             });
             ends.push(tx);
         }
         assert_eq!(total.open(), 2);
-        let waiting = tokio::time::timeout(Duration::from_millis(100), total.room("t")).await;
-        assert!(waiting.is_err(), "room was given at the cap");
+        assert!(total.try_take().is_none());
+        let waiting = tokio::time::timeout(Duration::from_millis(100), total.take("t")).await;
+        assert!(waiting.is_err(), "a place was given at the cap");
         assert_eq!(total.pauses.load(Ordering::Relaxed), 1);
-        let room = tokio::spawn({
+        let taking = tokio::spawn({
             let total = total.clone();
-            async move { total.room("t").await }
+            async move { total.take("t").await }
         });
         tokio::task::yield_now().await;
-        assert!(!room.is_finished());
+        assert!(!taking.is_finished());
         drop(ends.pop());
-        tokio::time::timeout(Duration::from_secs(5), room)
+        let slot = tokio::time::timeout(Duration::from_secs(5), taking)
             .await
-            .expect("room after a connection ended")
+            .expect("a place once a connection ended")
             .unwrap();
+        assert_eq!(total.open(), 2);
+        assert_eq!(total.accepted.load(Ordering::Relaxed), 3);
+        drop(slot);
         assert_eq!(total.open(), 1);
-        assert_eq!(total.accepted.load(Ordering::Relaxed), 2);
         // No cap: never waits.
-        let free = ConnCount::new(0);
-        free.room("t").await;
+        let free = Arc::new(ConnCount::new(0));
+        let _slot = free.take("t").await;
         assert_eq!(free.pauses.load(Ordering::Relaxed), 0);
     }
 }
