@@ -6,9 +6,10 @@
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use crate::observe::metrics::consumers::OVERFLOW;
+use crate::observe::metrics::consumers::{Consumers, OVERFLOW};
 use crate::observe::metrics::histogram::Snapshot;
 use crate::observe::metrics::render::{Closed, Kind, TextWriter};
 use crate::observe::metrics::{CLASSES, ERROR_KINDS, METHODS, STAGES, escape_label};
@@ -18,12 +19,17 @@ use super::AdminState;
 
 /// Every worker's consumers merged by name. Grows incrementally: each scrape reads only the
 /// cells the workers appended since the last one (no re-sort, no rebuild).
+///
+/// The rows are shared with the scrapes that stream them (`Arc`), not copied for each: a
+/// copy of 100k rows is about 10 MB and 200k allocations, and every admin connection could
+/// hold one while its scraper reads slowly. They are copied only when new cells come while
+/// an earlier scrape still streams the previous rows.
 #[derive(Default)]
 pub struct ConsumerMerge {
     /// Per worker: how many of its cells are already merged.
     seen: Vec<usize>,
     index: HashMap<Box<str>, usize>,
-    rows: Vec<ConsumerRow>,
+    rows: Arc<Vec<ConsumerRow>>,
 }
 
 /// One consumer's label and where its cells are: (worker, cell index) pairs.
@@ -33,25 +39,32 @@ type ConsumerRow = (Box<str>, Vec<(usize, usize)>);
 const OVERFLOW_CELL: usize = usize::MAX;
 
 impl ConsumerMerge {
-    fn update(&mut self, state: &AdminState) {
-        self.seen.resize(state.workers.len(), 0);
-        for (w, worker) in state.workers.iter().enumerate() {
-            let Some(c) = &worker.metrics.consumers else {
+    /// Merges the cells the workers (their consumer tables, in worker order) appended since
+    /// the last call; returns the rows to stream.
+    fn update(&mut self, workers: &[Option<&Consumers>]) -> Arc<Vec<ConsumerRow>> {
+        self.seen.resize(workers.len(), 0);
+        for (w, c) in workers.iter().enumerate() {
+            let Some(c) = c else {
                 continue;
             };
             let count = c.cells.count();
+            if self.seen[w] >= count {
+                continue;
+            }
+            let rows = Arc::make_mut(&mut self.rows);
             while self.seen[w] < count {
                 let i = self.seen[w];
                 // A cell being appended right now: take it next time.
                 let Some(cell) = c.cells.get(i) else { break };
                 let row = *self.index.entry(cell.label.clone()).or_insert_with(|| {
-                    self.rows.push((cell.label.clone(), Vec::new()));
-                    self.rows.len() - 1
+                    rows.push((cell.label.clone(), Vec::new()));
+                    rows.len() - 1
                 });
-                self.rows[row].1.push((w, i));
+                rows[row].1.push((w, i));
                 self.seen[w] += 1;
             }
         }
+        self.rows.clone()
     }
 }
 
@@ -161,7 +174,7 @@ async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> 
         w.family(
             "tailgate_downstream_connections_accepted",
             Kind::Counter,
-            "Client connections accepted.",
+            "Client connections accepted and let in under server.max_connections.",
         );
         w.counter(
             "tailgate_downstream_connections_accepted",
@@ -234,11 +247,12 @@ async fn consumers(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
     }
     // The admin plane's own lock, held only to merge and copy the index (never while
     // streaming, so a scraper that stops reading cannot hold up the next one).
-    let mut rows: Vec<ConsumerRow> = {
-        let mut merge = state.consumers.lock().await;
-        merge.update(state);
-        merge.rows.clone()
-    };
+    let tables: Vec<Option<&Consumers>> = state
+        .workers
+        .iter()
+        .map(|wk| wk.metrics.consumers.as_ref())
+        .collect();
+    let merged = state.consumers.lock().await.update(&tables);
     // The `_other` row: every worker's overflow cell (index OVERFLOW_CELL), when used.
     let overflow_used = state
         .workers
@@ -250,15 +264,15 @@ async fn consumers(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
                 .iter()
                 .any(|n| n.load(Ordering::Relaxed) > 0)
         });
-    if overflow_used {
-        rows.push((
+    let other: Option<ConsumerRow> = overflow_used.then(|| {
+        (
             OVERFLOW.into(),
             (0..state.workers.len())
                 .map(|w| (w, OVERFLOW_CELL))
                 .collect(),
-        ));
-    }
-    let rows = &rows;
+        )
+    });
+    let rows = || merged.iter().chain(other.iter());
     let cell = |wk: usize, i: usize| {
         let c = state.workers[wk].metrics.consumers.as_ref()?;
         if i == OVERFLOW_CELL {
@@ -274,7 +288,7 @@ async fn consumers(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
         "Requests finished, by consumer and status class.",
     );
     let mut label = String::new();
-    for (name, parts) in rows {
+    for (name, parts) in rows() {
         for (c, class) in CLASSES.iter().enumerate() {
             let n: u64 = parts
                 .iter()
@@ -294,7 +308,7 @@ async fn consumers(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
         Kind::Counter,
         "Response body bytes sent, by consumer.",
     );
-    for (name, parts) in rows {
+    for (name, parts) in rows() {
         let n: u64 = parts
             .iter()
             .filter_map(|&(wk, i)| cell(wk, i))
@@ -310,7 +324,7 @@ async fn consumers(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
         Kind::Histogram,
         "Request latency by consumer.",
     );
-    for (name, parts) in rows {
+    for (name, parts) in rows() {
         let mut h = Snapshot::default();
         for cell in parts.iter().filter_map(|&(wk, i)| cell(wk, i)) {
             cell.latency.add_to(&mut h);
@@ -331,11 +345,7 @@ async fn consumers(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
         Kind::Gauge,
         "Distinct consumers with their own series.",
     );
-    w.gauge(
-        "tailgate_metrics_consumers",
-        &[],
-        rows.len() - usize::from(overflow_used),
-    );
+    w.gauge("tailgate_metrics_consumers", &[], merged.len());
     w.family(
         "tailgate_metrics_consumers_overflow",
         Kind::Counter,
@@ -752,5 +762,44 @@ fn process(state: &AdminState, w: &mut TextWriter) {
     for (name, help, v) in gauges {
         w.family(name, Kind::Gauge, help);
         w.gauge(name, &[], v);
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// Scrapes with no new consumer in between share the merged rows; new cells while a
+    /// scrape still holds them go to a copy, and that scrape's rows stay as they were.
+    #[test]
+    fn merged_rows_are_shared_until_new_cells_come() {
+        let (a, b) = (Consumers::new(100), Consumers::new(100));
+        a.record(b"x", 1, 10, Duration::from_millis(1));
+        b.record(b"x", 1, 10, Duration::from_millis(1));
+        b.record(b"y", 1, 10, Duration::from_millis(1));
+        let mut merge = ConsumerMerge::default();
+        let first = merge.update(&[Some(&a), Some(&b)]);
+        let names: Vec<&str> = first.iter().map(|(n, _)| &**n).collect();
+        assert_eq!(names, ["x", "y"]);
+        assert_eq!(first[0].1, [(0, 0), (1, 0)]);
+        let second = merge.update(&[Some(&a), Some(&b)]);
+        assert!(Arc::ptr_eq(&first, &second), "copied with nothing new");
+        a.record(b"z", 1, 10, Duration::from_millis(1));
+        let third = merge.update(&[Some(&a), Some(&b)]);
+        assert!(!Arc::ptr_eq(&first, &third));
+        assert_eq!(first.len(), 2, "an earlier scrape's rows changed under it");
+        assert_eq!(third.len(), 3);
+        assert_eq!(&*third[2].0, "z");
+        // Once nobody else holds them, new cells are merged in place.
+        drop((first, second));
+        let ptr = Arc::as_ptr(&third);
+        drop(third);
+        b.record(b"w", 1, 10, Duration::from_millis(1));
+        let fourth = merge.update(&[Some(&a), Some(&b)]);
+        assert_eq!(Arc::as_ptr(&fourth), ptr);
+        assert_eq!(fourth.len(), 4);
     }
 }
