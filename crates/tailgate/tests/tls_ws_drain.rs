@@ -388,14 +388,9 @@ async fn an_h2_client_that_takes_no_response_data_is_cut_off() {
     );
 }
 
-/// A connection the kernel queued for the worker before shutdown (its request already
-/// sent) is taken and answered at shutdown, not reset when the listening socket closes.
-#[tokio::test]
-async fn a_connection_queued_at_shutdown_is_answered() {
-    let up = ok_upstream().await;
-    let mut gw = TestGateway::to(up, "");
-    let addr = gw.addr;
-    // The worker is held, so the connection waits in the listen queue with its request.
+/// Holds worker 0's thread for `d` (from when this returns), so that connections wait in
+/// its listen queue.
+fn hold_worker(gw: &TestGateway, d: Duration) {
     let (held_tx, held_rx) = std::sync::mpsc::channel();
     gw.gw
         .as_ref()
@@ -404,9 +399,20 @@ async fn a_connection_queued_at_shutdown_is_answered() {
         .unwrap()
         .spawn(async move {
             let _ = held_tx.send(());
-            std::thread::sleep(Duration::from_millis(500));
+            std::thread::sleep(d);
         });
     held_rx.recv().unwrap();
+}
+
+/// A connection the kernel queued for the worker before shutdown (its request already
+/// sent) is taken and answered at shutdown, not reset when the listening socket closes.
+#[tokio::test]
+async fn a_connection_queued_at_shutdown_is_answered() {
+    let up = ok_upstream().await;
+    let mut gw = TestGateway::to(up, "");
+    let addr = gw.addr;
+    // The worker is held, so the connection waits in the listen queue with its request.
+    hold_worker(&gw, Duration::from_millis(500));
     let mut client = TcpStream::connect(addr).await.unwrap();
     client
         .write_all(b"GET /queued HTTP/1.1\r\nHost: a\r\n\r\n")
@@ -416,6 +422,33 @@ async fn a_connection_queued_at_shutdown_is_answered() {
     let (text, closed) = read_until_close(&mut client, Duration::from_secs(5)).await;
     assert!(text.starts_with("HTTP/1.1 200"), "{text:?}");
     assert!(closed, "closed after its answer");
+    drained
+        .within(Duration::from_secs(10), "workers exit after the drain")
+        .await;
+}
+
+/// The same over TLS: a client whose hello waits in the listen queue at shutdown gets its
+/// handshake, and its request answered.
+#[tokio::test]
+async fn a_tls_connection_queued_at_shutdown_is_answered() {
+    let cert = test_cert(&["acme.test"]);
+    let up = ok_upstream().await;
+    let mut gw = tls_gateway(&cert, up);
+    let addr = gw.addr;
+    hold_worker(&gw, Duration::from_millis(500));
+    let client = tokio::spawn(async move {
+        tls_h1_get(addr, &cert, "acme.test", "/queued", "acme.test")
+            .await
+            .status()
+    });
+    // Its hello is sent (the kernel completed the TCP handshake) before the drain starts.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let drained = drain(&mut gw);
+    let status = tokio::time::timeout(Duration::from_secs(5), client)
+        .await
+        .expect("answered")
+        .unwrap();
+    assert_eq!(status, 200);
     drained
         .within(Duration::from_secs(10), "workers exit after the drain")
         .await;

@@ -121,11 +121,18 @@ async fn serve_tls(
 ) {
     let stream = stream.prepare(ctx.worker.shared.settings.idle_timeout);
     let handshake_timeout = ctx.worker.shared.settings.header_read_timeout;
-    // Shutdown does not wait for a handshake in progress.
+    // Shutdown does not wait for a handshake in progress, but one taken from the listen
+    // queue at shutdown (`listener::take_queued`) gets the short wait a plain one gets for
+    // its first bytes, then its request is answered: its client has usually sent its hello
+    // and is waiting.
     let mut shutdown = ctx.shutdown.clone();
-    let accepted = tokio::select! {
-        a = tokio::time::timeout(handshake_timeout, acceptor.accept(stream)) => a,
-        _ = shutdown.wait_for(|stop| *stop) => return,
+    let accepted = if *shutdown.borrow() {
+        tokio::time::timeout(handshake_timeout.min(QUEUED_WAIT), acceptor.accept(stream)).await
+    } else {
+        tokio::select! {
+            a = tokio::time::timeout(handshake_timeout, acceptor.accept(stream)) => a,
+            _ = shutdown.wait_for(|stop| *stop) => return,
+        }
     };
     let tls = match accepted {
         Ok(Ok(s)) => s,
