@@ -768,3 +768,68 @@ fn notify_without_a_watchdog_sends_ready_and_no_pings() {
     );
     drop(p);
 }
+
+/// Out of file descriptors, the accept loop counts each failed accept, warns once (not
+/// every 50 ms it retries), and serves again once descriptors are free.
+#[test]
+fn failed_accepts_are_counted_and_warned_about_once() {
+    let dir = tmpdir();
+    let up = slow_upstream(Duration::ZERO);
+    let (port, admin_port) = (free_port(), free_port());
+    let cfg = serve_config(
+        dir.path(),
+        port,
+        up,
+        &format!(
+            "[admin]\naddress = \"127.0.0.1:{admin_port}\"\n[log]\nlevel = \"warn\"\naccess_log = false\n"
+        ),
+    );
+    let log_path = dir.path().join("stderr.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    // A hard limit the gateway cannot raise: a few dozen descriptors past its own.
+    let _p = Proc(
+        Command::new("prlimit")
+            .arg("--nofile=96:96")
+            .arg(BIN)
+            .args(["serve", "--config"])
+            .arg(&cfg)
+            .env_remove("RUST_LOG")
+            .stderr(Stdio::from(log))
+            .spawn()
+            .unwrap(),
+    );
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
+    wait_listening(addr);
+    wait_listening(admin);
+    // More connections than descriptors: the kernel queues them, the gateway cannot take
+    // them all.
+    let held: Vec<TcpStream> = (0..150)
+        .map(|_| TcpStream::connect(addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    drop(held);
+    // Serving again once they are closed.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = http_get(addr, "/");
+        if r.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not serving again: {r:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let metrics = http_get(admin, "/metrics");
+    let errors: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("tailgate_downstream_accept_errors_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no accept error count: {metrics}"));
+    assert!(errors >= 2.0, "accept errors counted: {errors}");
+    let text = std::fs::read_to_string(&log_path).unwrap();
+    assert_eq!(
+        text.matches("accept failed").count(),
+        1,
+        "one warning for {errors} failed accepts:\n{text}"
+    );
+}

@@ -191,6 +191,16 @@ async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> 
             &[],
             conns.pauses.load(Ordering::Relaxed),
         );
+        w.family(
+            "tailgate_downstream_accept_errors",
+            Kind::Counter,
+            "Failed accepts (out of file descriptors or memory, mostly).",
+        );
+        w.counter(
+            "tailgate_downstream_accept_errors",
+            &[],
+            conns.accept_errors.load(Ordering::Relaxed),
+        );
     }
 
     w.family(

@@ -108,9 +108,9 @@ pub async fn accept_loop(
                     spawn(stream, peer, slot);
                 }
                 Err(e) => {
-                    // Out of file descriptors and the like: say so, and back off briefly
-                    // instead of spinning on the error.
-                    tracing::warn!(listener.name = %listener.name, error = %e, "accept failed");
+                    // Out of file descriptors and the like: count it, say so now and then,
+                    // and back off briefly instead of spinning on the error.
+                    count.accept_failed(&listener.name, &e);
                     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 }
             }

@@ -27,14 +27,46 @@ pub struct ConnCount {
     pub accepted: AtomicU64,
     /// Times an accept loop stopped accepting because the cap was reached.
     pub pauses: AtomicU64,
-    epoch: Instant,
-    /// When the last "cap reached" warning was logged (ms since `epoch`, +1; 0: never).
-    warned_ms: AtomicU64,
+    /// Failed accepts (out of file descriptors or memory, mostly).
+    pub accept_errors: AtomicU64,
+    /// At most one "cap reached" warning per [`WARN_EVERY`].
+    cap_warning: Every,
+    /// At most one "accept failed" warning per [`WARN_EVERY`].
+    error_warning: Every,
 }
 
-/// At most one "cap reached" warning this often (a gateway held at its cap would otherwise
-/// log one per accept).
+/// At most one warning of a kind this often: a gateway held at its cap, or out of file
+/// descriptors, would otherwise log one per accept (every 50 ms per listener and worker).
 const WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// Says when something said at most every [`WARN_EVERY`] may be said again, over every
+/// thread.
+#[derive(Debug)]
+struct Every {
+    epoch: Instant,
+    /// When it was last said (ms since `epoch`, +1; 0: never).
+    last_ms: AtomicU64,
+}
+
+impl Every {
+    fn new() -> Every {
+        Every {
+            epoch: Instant::now(),
+            last_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether it may be said now (and then it counts as said).
+    fn due(&self) -> bool {
+        let now = self.epoch.elapsed().as_millis() as u64 + 1;
+        let last = self.last_ms.load(Ordering::Relaxed);
+        (last == 0 || now.saturating_sub(last) >= WARN_EVERY.as_millis() as u64)
+            && self
+                .last_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+    }
+}
 
 /// A connection's place in the count over every worker, given back when dropped.
 #[derive(Debug)]
@@ -57,14 +89,23 @@ impl ConnCount {
             freed: tokio::sync::Notify::new(),
             accepted: AtomicU64::new(0),
             pauses: AtomicU64::new(0),
-            epoch: Instant::now(),
-            warned_ms: AtomicU64::new(0),
+            accept_errors: AtomicU64::new(0),
+            cap_warning: Every::new(),
+            error_warning: Every::new(),
         }
     }
 
     /// Client connections open now, over every worker.
     pub fn open(&self) -> usize {
         self.open.load(Ordering::Relaxed)
+    }
+
+    /// Counts a failed accept, and says so at most every 10 s (with how many failed).
+    pub fn accept_failed(&self, listener: &str, error: &std::io::Error) {
+        let failed = self.accept_errors.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.error_warning.due() {
+            tracing::warn!(listener.name = %listener, error = %error, failed_so_far = failed, "accept failed; retrying in 50 ms (at most one such warning every 10 s)");
+        }
     }
 
     /// A place for a connection just accepted, if one is free under the cap.
@@ -94,14 +135,7 @@ impl ConnCount {
             return slot;
         }
         self.pauses.fetch_add(1, Ordering::Relaxed);
-        let now = self.epoch.elapsed().as_millis() as u64 + 1;
-        let last = self.warned_ms.load(Ordering::Relaxed);
-        if (last == 0 || now.saturating_sub(last) >= WARN_EVERY.as_millis() as u64)
-            && self
-                .warned_ms
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
+        if self.cap_warning.due() {
             tracing::warn!(listener.name = %listener, max_connections = self.max, "server.max_connections reached: new connections wait in the listen queue until open ones close");
         }
         loop {
