@@ -496,7 +496,8 @@ async fn readiness_waits_for_warm_connections_and_ends_at_drain() {
         assert!(Instant::now() < deadline, "never ready past warm_wait");
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    assert!(started.elapsed() >= Duration::from_millis(1400));
+    // Not before `warm_wait` (measured from a little after the gateway's own start).
+    assert!(started.elapsed() >= Duration::from_millis(1000));
     let v: serde_json::Value = serde_json::from_slice(r.body()).unwrap();
     assert_eq!(v["status"], "ready");
     assert_eq!(v["cold_clusters"], serde_json::json!(["down"]));

@@ -487,7 +487,9 @@ async fn a_refused_head_is_answered_while_the_client_still_sends() {
 
 /// HTTP/2 Rapid Reset (CVE-2023-44487): a client that opens streams and cancels them at
 /// once, as fast as it can write, gets a GOAWAY `ENHANCE_YOUR_CALM` and a closed
-/// connection, not a connection that goes on costing a request's work per two frames.
+/// connection. (It guards the limit on streams reset before they are taken, whoever sets
+/// it; a client that spaces its resets out meets the concurrent-stream limit instead, and
+/// each reset cancels its request's work.)
 #[tokio::test]
 async fn http2_rapid_reset_gets_a_goaway_and_a_close() {
     fn frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, payload: &[u8]) {

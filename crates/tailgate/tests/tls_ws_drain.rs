@@ -258,6 +258,39 @@ async fn websocket_upgrade_is_passed_through() {
     assert_eq!(echoed, frame);
 }
 
+/// A WebSocket holds its connection's place under `server.max_connections` for as long as
+/// the tunnel lives, not only until the upgrade: at a cap of one, another client waits until
+/// it closes.
+#[tokio::test]
+async fn a_websocket_tunnel_counts_under_max_connections() {
+    let up = upstream(|mut req: http::Request<hyper::body::Incoming>| async move {
+        if req.headers().contains_key("upgrade") {
+            websocket_echo(&mut req)
+        } else {
+            http::Response::new(full("ok"))
+        }
+    })
+    .await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nmax_connections = 1\n");
+    let (ws, _) = ws_open(gw.addr).await;
+    // The upgrade is done and its connection's task has ended: the tunnel still counts.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut other = TcpStream::connect(gw.addr).await.unwrap();
+    other
+        .write_all(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 256];
+    let early = tokio::time::timeout(Duration::from_millis(400), other.read(&mut buf)).await;
+    assert!(early.is_err(), "served past the cap while a tunnel is open");
+    drop(ws);
+    let n = tokio::time::timeout(Duration::from_secs(5), other.read(&mut buf))
+        .await
+        .expect("served once the tunnel closed")
+        .unwrap();
+    assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+}
+
 /// Opens a WebSocket through the gateway at `addr` to an echoing upstream; returns the
 /// client's socket once the 101 is in, and the response head (and any bytes after it).
 async fn ws_open(addr: std::net::SocketAddr) -> (TcpStream, String) {

@@ -174,7 +174,7 @@ async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> 
         w.family(
             "tailgate_downstream_connections_accepted",
             Kind::Counter,
-            "Client connections accepted and let in under server.max_connections.",
+            "Client connections accepted (counted once let in under server.max_connections).",
         );
         w.counter(
             "tailgate_downstream_connections_accepted",
@@ -255,7 +255,7 @@ async fn consumers(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
     if state.plan.consumer_header.is_none() {
         return Ok(());
     }
-    // The admin plane's own lock, held only to merge and copy the index (never while
+    // The admin plane's own lock, held only to merge new cells into the index (never while
     // streaming, so a scraper that stops reading cannot hold up the next one).
     let tables: Vec<Option<&Consumers>> = state
         .workers

@@ -140,7 +140,7 @@ impl AdminState {
     /// Why the gateway should not get traffic yet (or any more), if it should not.
     ///
     /// Clusters with `min_warm_connections` hold readiness back only for
-    /// `server.warm_wait` from the start: a cluster whose upstream is down at boot must not
+    /// `server.warm_wait` from when the workers start: a cluster whose upstream is down at boot must not
     /// keep every other tenant's routes out of rotation (nor keep `READY=1` from systemd
     /// until its start timeout kills the gateway). Past the wait, a cold cluster is named in
     /// `/readyz`'s answer and in one warning instead.

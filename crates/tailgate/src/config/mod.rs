@@ -63,7 +63,7 @@ pub struct ServerSettings {
     /// 0 means no limit.
     pub max_body_bytes: u64,
     pub request_id_header: http::HeaderName,
-    /// How long readiness waits, from the start, for clusters' warm connections
+    /// How long readiness waits, from when the workers start, for clusters' warm connections
     /// (`min_warm_connections`); past it, a cluster still cold no longer holds it back.
     pub warm_wait: Duration,
     /// Open client connections over every worker at which accepting stops; 0: no cap.

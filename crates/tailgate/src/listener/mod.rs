@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 
 use crate::pipeline::Worker;
-use crate::server::spawner::{ConnSlot, TenantSpawner};
+use crate::server::spawner::{ConnCount, ConnSlot, TenantSpawner};
 use crate::server::{ConnCtx, DrainToken, serve_connection};
 
 /// A listener's settings, shared by the workers.
@@ -82,8 +82,9 @@ pub async fn accept_loop(
             listener: listener.clone(),
             shutdown: conn_shutdown.clone(),
             drain: drain.clone(),
+            slot: Some(slot),
         };
-        spawner.spawn(listener.tenant, slot, serve_connection(ctx, stream, peer));
+        spawner.spawn(listener.tenant, serve_connection(ctx, stream, peer));
     };
     loop {
         tokio::select! {
@@ -116,19 +117,19 @@ pub async fn accept_loop(
             }
         }
     }
-    take_queued(socket, &listener.name, |stream, peer| {
-        spawn(stream, peer, count.take_past_cap())
-    });
+    take_queued(socket, &listener.name, &count, spawn);
 }
 
 /// At shutdown, before the socket closes: the connections the kernel already queued for it
 /// are taken and served (their request gets its answer, then they close), not reset by the
 /// close. Another gateway sharing the address (SO_REUSEPORT) takes the ones that come after.
-/// Bounded by what is queued now.
+/// Bounded by what is queued now; past `server.max_connections` if need be (an accept that
+/// fails, out of descriptors, ends it: the rest are reset as the socket closes).
 fn take_queued(
     socket: tokio::net::TcpListener,
     name: &str,
-    spawn: impl Fn(tokio::net::TcpStream, SocketAddr),
+    count: &Arc<ConnCount>,
+    spawn: impl Fn(tokio::net::TcpStream, SocketAddr, ConnSlot),
 ) {
     let Ok(socket) = socket.into_std() else {
         return;
@@ -137,11 +138,14 @@ fn take_queued(
     for _ in 0..4096 {
         match socket.accept() {
             Ok((stream, peer)) => {
+                // Past `server.max_connections` if need be: this is the last chance to answer
+                // it rather than have it reset, and the open ones are closing.
+                let slot = count.take_past_cap();
                 let stream = stream
                     .set_nonblocking(true)
                     .and_then(|()| tokio::net::TcpStream::from_std(stream));
                 match stream {
-                    Ok(stream) => spawn(stream, peer),
+                    Ok(stream) => spawn(stream, peer, slot),
                     Err(e) => {
                         tracing::debug!(listener.name = %name, error = %e, "cannot serve a connection queued at shutdown")
                     }

@@ -63,6 +63,9 @@ pub struct ConnInfo {
     pub activity: Arc<ConnActivity>,
     /// Held while the connection (or a tunnel it became) lives; shutdown waits for it.
     pub drain: crate::server::DrainToken,
+    /// Its place under `server.max_connections`, given back when the connection and any
+    /// tunnel it became have ended.
+    pub slot: Option<crate::server::spawner::ConnSlot>,
     /// Set when the HTTP/1 smuggling guard refused a head on a connection hyper's server
     /// reads (see [`crate::server::h1_guard`]).
     pub refused: std::sync::OnceLock<RefusedHead>,

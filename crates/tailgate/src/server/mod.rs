@@ -52,6 +52,9 @@ pub struct ConnCtx {
     pub listener: Arc<BoundListener>,
     pub shutdown: watch::Receiver<bool>,
     pub drain: DrainToken,
+    /// The connection's place under `server.max_connections`; moved into its [`ConnInfo`]
+    /// once it has one, which a tunnel the connection becomes holds too.
+    pub slot: Option<spawner::ConnSlot>,
 }
 
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -114,7 +117,7 @@ impl Prepare for tokio_rustls::server::TlsStream<SendTimeout<TcpStream>> {
 
 /// A TLS connection: the handshake, then HTTP/2 by ALPN or HTTP/1.1.
 async fn serve_tls(
-    ctx: ConnCtx,
+    mut ctx: ConnCtx,
     acceptor: tokio_rustls::TlsAcceptor,
     stream: TcpStream,
     peer: SocketAddr,
@@ -155,7 +158,8 @@ async fn serve_tls(
             .tenant_of_host(&n.to_ascii_lowercase())
     });
     if h2 {
-        let info = conn_info(&ctx, peer, true, sni_tenant);
+        let slot = ctx.slot.take();
+        let info = conn_info(&ctx, slot, peer, true, sni_tenant);
         serve_h2(ctx, tls, info).await;
     } else {
         serve_plain(ctx, tls, peer, sni_tenant).await;
@@ -164,6 +168,7 @@ async fn serve_tls(
 
 fn conn_info(
     ctx: &ConnCtx,
+    slot: Option<spawner::ConnSlot>,
     peer: SocketAddr,
     tls: bool,
     sni_tenant: Option<usize>,
@@ -175,6 +180,7 @@ fn conn_info(
         tenant: ctx.listener.tenant.or(sni_tenant),
         activity: Arc::new(ConnActivity::default()),
         drain: ctx.drain.clone(),
+        slot,
         refused: std::sync::OnceLock::new(),
     })
 }
@@ -183,12 +189,18 @@ fn conn_info(
 const QUEUED_WAIT: Duration = Duration::from_secs(1);
 
 /// No ALPN decision: HTTP/1.1, unless the client opens with the HTTP/2 preface.
-async fn serve_plain<I: Prepare>(ctx: ConnCtx, io: I, peer: SocketAddr, sni_tenant: Option<usize>) {
+async fn serve_plain<I: Prepare>(
+    mut ctx: ConnCtx,
+    io: I,
+    peer: SocketAddr,
+    sni_tenant: Option<usize>,
+) {
+    let slot = ctx.slot.take();
     let settings = &ctx.worker.shared.settings;
     let io = io.prepare(settings.idle_timeout);
     let tls = ctx.listener.tls.is_some();
     let mut guard = H1Guard::new(io, settings.max_header_bytes, settings.header_read_timeout);
-    let info = conn_info(&ctx, peer, tls, sni_tenant);
+    let info = conn_info(&ctx, slot, peer, tls, sni_tenant);
     // A client that connects and says nothing is closed after the idle timeout, or at
     // shutdown. One taken from the listen queue at shutdown (`listener::take_queued`) has
     // usually sent its request already: it gets a short wait for it, and its answer.

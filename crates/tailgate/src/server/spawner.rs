@@ -15,8 +15,10 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-/// Open client connections over every worker, and the cap on them.
+/// Open client connections over every worker, and the cap on them. On cache lines of its
+/// own: every worker writes it at each accept and close.
 #[derive(Debug)]
+#[repr(align(128))]
 pub struct ConnCount {
     open: AtomicUsize,
     /// `usize::MAX`: no cap.
@@ -157,7 +159,6 @@ impl ConnCount {
 struct OpenSlot {
     open: Arc<[AtomicUsize]>,
     slot: usize,
-    _total: ConnSlot,
 }
 
 impl Drop for OpenSlot {
@@ -205,9 +206,8 @@ impl TenantSpawner {
             .min(self.open.len() - 1)
     }
 
-    /// Starts `fut` on this worker on behalf of `tenant`, holding `total` (its place in the
-    /// count over every worker) for as long as it lives.
-    pub fn spawn<F>(&self, tenant: Option<usize>, total: ConnSlot, fut: F)
+    /// Starts `fut` on this worker on behalf of `tenant`.
+    pub fn spawn<F>(&self, tenant: Option<usize>, fut: F)
     where
         F: Future<Output = ()> + Send + 'static,
     {
@@ -218,7 +218,6 @@ impl TenantSpawner {
             _open: OpenSlot {
                 open: self.open.clone(),
                 slot,
-                _total: total,
             },
         });
     }
@@ -237,10 +236,9 @@ mod tests {
     #[tokio::test]
     async fn a_connection_counts_while_its_task_lives() {
         let spawner = TenantSpawner::new(2);
-        let total = Arc::new(ConnCount::new(0));
         let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
         let (ended_tx, ended_rx) = tokio::sync::oneshot::channel::<()>();
-        spawner.spawn(Some(1), total.take_past_cap(), async move {
+        spawner.spawn(Some(1), async move {
             let _ = done_rx.await;
             let _ = ended_tx.send(());
         });
@@ -267,7 +265,11 @@ mod tests {
             .build()
             .unwrap();
         rt.block_on(async {
-            spawner.spawn(None, total.take_past_cap(), std::future::pending::<()>());
+            let slot = total.take_past_cap();
+            spawner.spawn(None, async move {
+                let _slot = slot;
+                std::future::pending::<()>().await
+            });
             tokio::task::yield_now().await;
         });
         assert_eq!(spawner.open_connections(None), 1);
@@ -287,7 +289,8 @@ mod tests {
         for _ in 0..2 {
             let (tx, rx) = tokio::sync::oneshot::channel::<()>();
             let slot = total.try_take().unwrap();
-            spawner.spawn(None, slot, async move {
+            spawner.spawn(None, async move {
+                let _slot = slot;
                 let _ = rx.await;
             });
             ends.push(tx);
