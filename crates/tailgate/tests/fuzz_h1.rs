@@ -171,7 +171,7 @@ const REFUSALS: &[u16] = &[400, 413, 431, 501, 505];
 /// upstream waits for it), and what the upstream's own parser says about a request the
 /// gateway passed on (400). A 500 would mean a bug; a 502 an upstream connection lost.
 /// A path no route takes (`*`, or one without its leading `/`) gets the gateway's 404.
-const ALLOWED: &[u16] = &[100, 200, 400, 404, 408, 413, 417, 431, 501, 504, 505];
+const ALLOWED: &[u16] = &[100, 200, 400, 404, 408, 413, 414, 417, 431, 501, 504, 505];
 
 struct Case {
     n: usize,

@@ -19,8 +19,8 @@ pub enum ProxyError {
     BadRequest(&'static str),
     #[error("request head too large: {0}")]
     HeadTooLarge(&'static str),
-    #[error("request target longer than 65534 bytes")]
-    UriTooLong,
+    #[error("{0}")]
+    UriTooLong(&'static str),
     #[error("request body larger than {0} bytes")]
     BodyTooLarge(u64),
     #[error("the client sent no more of its body within the response timeout")]
@@ -51,7 +51,7 @@ impl ProxyError {
             ProxyError::Misdirected => StatusCode::MISDIRECTED_REQUEST,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::HeadTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            ProxyError::UriTooLong => StatusCode::URI_TOO_LONG,
+            ProxyError::UriTooLong(_) => StatusCode::URI_TOO_LONG,
             ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::ClientBodyTimeout => StatusCode::REQUEST_TIMEOUT,
             ProxyError::UpstreamConnect(_)
@@ -71,7 +71,7 @@ impl ProxyError {
             ProxyError::Misdirected => "misdirected_request",
             ProxyError::BadRequest(_) => "bad_request",
             ProxyError::HeadTooLarge(_) => "header_too_large",
-            ProxyError::UriTooLong => "uri_too_long",
+            ProxyError::UriTooLong(_) => "uri_too_long",
             ProxyError::BodyTooLarge(_) => "body_too_large",
             ProxyError::ClientBodyTimeout => "client_body_timeout",
             ProxyError::UpstreamConnect(_) => "upstream_connect_failed",
@@ -128,7 +128,7 @@ impl ProxyError {
             self,
             ProxyError::BadRequest(_)
                 | ProxyError::HeadTooLarge(_)
-                | ProxyError::UriTooLong
+                | ProxyError::UriTooLong(_)
                 | ProxyError::BodyTooLarge(_)
         ) {
             h.insert(header::CONNECTION, HeaderValue::from_static("close"));

@@ -422,7 +422,7 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
     // The target's length before the body headers, as hyper's server (and the guard) check
     // them; the rest of the target is parsed in `build`.
     if path.len() > MAX_URI_LEN {
-        return Err(Unserved::Refused(head::HeadFault::UriTooLong.into()));
+        return Err(Unserved::Refused(head::TARGET_TOO_LONG.into()));
     }
     if let Err(f) = body.check(http10) {
         return Err(Unserved::Refused(f.into()));

@@ -19,8 +19,8 @@ pub enum HeadFault {
     Bad(&'static str),
     /// 431.
     TooLarge(&'static str),
-    /// 414: a target over [`MAX_URI_LEN`].
-    UriTooLong,
+    /// 414: a target over [`MAX_URI_LEN`], or a request line over the head limit.
+    UriTooLong(&'static str),
 }
 
 impl From<HeadFault> for ProxyError {
@@ -28,7 +28,7 @@ impl From<HeadFault> for ProxyError {
         match f {
             HeadFault::Bad(m) => ProxyError::BadRequest(m),
             HeadFault::TooLarge(m) => ProxyError::HeadTooLarge(m),
-            HeadFault::UriTooLong => ProxyError::UriTooLong,
+            HeadFault::UriTooLong(m) => ProxyError::UriTooLong(m),
         }
     }
 }
@@ -86,6 +86,10 @@ impl HeadScan {
     }
 }
 
+/// A target longer than [`MAX_URI_LEN`].
+pub const TARGET_TOO_LONG: HeadFault =
+    HeadFault::UriTooLong("request target longer than 65534 bytes");
+
 /// A head over `max_header_bytes`, whole or not: hyper's server never holds more than the
 /// limit of a head, and answers 431.
 pub const OVER_LIMIT: HeadFault = HeadFault::TooLarge("larger than max_header_bytes");
@@ -103,7 +107,7 @@ pub fn over_limit(head: &[u8], max_head: usize) -> HeadFault {
     if seen.contains(&b'\n') {
         OVER_LIMIT
     } else {
-        HeadFault::UriTooLong
+        HeadFault::UriTooLong("request line longer than max_header_bytes")
     }
 }
 
@@ -126,7 +130,7 @@ pub fn parse_fault(e: httparse::Error) -> HeadFault {
 /// same way: 400, or 414 over [`MAX_URI_LEN`]).
 pub fn target_fault(target_len: usize) -> HeadFault {
     if target_len > MAX_URI_LEN {
-        HeadFault::UriTooLong
+        TARGET_TOO_LONG
     } else {
         HeadFault::Bad("invalid request target")
     }

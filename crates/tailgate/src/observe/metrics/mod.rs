@@ -339,7 +339,7 @@ mod tests {
             E::Misdirected,
             E::BadRequest("x"),
             E::HeadTooLarge("x"),
-            E::UriTooLong,
+            E::UriTooLong("x"),
             E::BodyTooLarge(1),
             E::ClientBodyTimeout,
             E::UpstreamConnect(io()),
@@ -357,7 +357,7 @@ mod tests {
                 | E::Misdirected
                 | E::BadRequest(_)
                 | E::HeadTooLarge(_)
-                | E::UriTooLong
+                | E::UriTooLong(_)
                 | E::BodyTooLarge(_)
                 | E::ClientBodyTimeout
                 | E::UpstreamConnect(_)
