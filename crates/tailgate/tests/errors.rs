@@ -263,3 +263,55 @@ async fn r_a_client_that_never_reads_is_cut_off() {
         "the upstream body was cut off, not sent whole ({sent} chunks)"
     );
 }
+
+/// A cluster's `max_requests`: with that many requests awaiting its answer, the next one
+/// is refused at once with `503 upstream_overflow` (counted), not queued behind them; once
+/// they are answered, requests go through again.
+#[tokio::test]
+async fn past_max_requests_a_request_gets_503_upstream_overflow() {
+    let (arrived_tx, mut arrived) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let (open_tx, open_rx) = tokio::sync::watch::channel(false);
+    let up = upstream(move |_| {
+        let arrived = arrived_tx.clone();
+        let mut open = open_rx.clone();
+        async move {
+            let _ = arrived.send(());
+            let _ = open.wait_for(|o| *o).await;
+            http::Response::new(full("ok"))
+        }
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"held\"\nendpoints = [\"{up}\"]\nmax_requests = 2\n[[route]]\npath_prefix = \"/\"\ncluster = \"held\"\n"
+    ));
+    let addr = gw.addr;
+    let waiting: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(async move { get(addr, "/").await.status() }))
+        .collect();
+    for _ in 0..2 {
+        arrived.recv().await.unwrap();
+    }
+    let resp = tokio::time::timeout(Duration::from_secs(10), get(addr, "/"))
+        .await
+        .expect("the third request was queued, not refused");
+    assert_eq!(resp.status(), 503);
+    assert_eq!(json(&resp)["error"], "upstream_overflow");
+    open_tx.send(true).unwrap();
+    for w in waiting {
+        assert_eq!(w.await.unwrap(), 200);
+    }
+    // Their places are given back with their answers.
+    assert_eq!(get(addr, "/").await.status(), 200);
+    let state = gw.gw.as_ref().unwrap().admin_state().clone();
+    let overflows: u64 = state
+        .workers
+        .iter()
+        .map(|w| {
+            w.upstreams.clusters[0]
+                .stats
+                .overflows
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
+        .sum();
+    assert_eq!(overflows, 1);
+}

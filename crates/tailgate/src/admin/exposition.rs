@@ -586,7 +586,12 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
     }
     // Per cluster, summed over workers: hedging and endpoint-list changes.
     type ClusterGet = fn(&crate::upstream::ClusterStats) -> &std::sync::atomic::AtomicU64;
-    let cluster_families: [(&str, &str, ClusterGet); 5] = [
+    let cluster_families: [(&str, &str, ClusterGet); 6] = [
+        (
+            "tailgate_upstream_overflows",
+            "Requests refused (503 upstream_overflow) because the cluster's max_requests were awaiting its answer.",
+            |c| &c.overflows,
+        ),
         (
             "tailgate_upstream_hedges_fired",
             "Second copies of a request sent to another endpoint after the hedge delay.",

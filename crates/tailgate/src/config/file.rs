@@ -122,6 +122,7 @@ pub struct RawCluster {
     pub eject_duration: Option<Spanned<String>>,
     pub retry_budget_percent: Option<Spanned<u32>>,
     pub hedge_budget_percent: Option<Spanned<u32>>,
+    pub max_requests: Option<usize>,
     pub protocol: Option<Spanned<String>>,
     pub http2_keepalive_interval: Option<Spanned<String>>,
     pub tls_server_name: Option<Spanned<String>>,

@@ -751,6 +751,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 None => 10,
             },
             eject_duration: c.duration(&cl.eject_duration, format!("cluster[{i}].eject_duration"), Duration::from_secs(1)),
+            max_requests: cl.max_requests.unwrap_or(0),
             tls,
             protocol,
             http2_keepalive_interval,

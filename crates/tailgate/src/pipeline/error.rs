@@ -37,6 +37,8 @@ pub enum ProxyError {
     UpstreamTimeout,
     #[error("cluster has no endpoints")]
     NoEndpoints,
+    #[error("the cluster's max_requests are awaiting its answer; try again shortly")]
+    UpstreamOverflow,
     #[error(
         "a protocol upgrade (WebSocket) needs an HTTP/1.1 upstream; this cluster speaks HTTP/2"
     )]
@@ -60,6 +62,7 @@ impl ProxyError {
             | ProxyError::NoEndpoints
             | ProxyError::UpgradeNeedsHttp1 => StatusCode::BAD_GATEWAY,
             ProxyError::ConnectTimeout | ProxyError::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::UpstreamOverflow => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -80,6 +83,7 @@ impl ProxyError {
             ProxyError::UpstreamReset(_) => "upstream_reset",
             ProxyError::UpstreamTimeout => "upstream_timeout",
             ProxyError::NoEndpoints => "no_endpoints",
+            ProxyError::UpstreamOverflow => "upstream_overflow",
             ProxyError::UpgradeNeedsHttp1 => "upgrade_needs_http1",
         }
     }

@@ -413,6 +413,9 @@ fn forward(
         // pick included); the retry budget's window and the pool's checkout take it too.
         let t_connect = Instant::now();
         let cluster = &worker.upstreams.clusters[route.cluster];
+        // Held until the response head (this function's end): past the cluster's
+        // `max_requests` a request is refused at once, not queued behind a slow upstream.
+        let _awaiting = cluster.admit()?;
         cluster.count_request_at(t_connect);
         let mut pool = cluster.pick(None)?;
         if let Some(ex) = rec.exchange_mut() {

@@ -24,7 +24,7 @@ pub use balance::Balance;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
@@ -51,6 +51,8 @@ pub struct ClusterStats {
     pub hedges_won: AtomicU64,
     /// Hedges not sent because the hedge or retry budget was spent.
     pub hedges_refused: AtomicU64,
+    /// Requests refused (503) because `max_requests` were awaiting the cluster's answer.
+    pub overflows: AtomicU64,
 }
 
 /// The retry budget's window, and the retries it always allows per second of it.
@@ -78,9 +80,39 @@ pub struct ClusterPools {
     window_start: AtomicU64,
     /// Retries refused by the budget.
     pub budget_exhausted: AtomicU64,
+    /// Requests of this worker awaiting the cluster's answer, and this worker's share of
+    /// the cluster's `max_requests` (`usize::MAX`: no cap).
+    awaiting: AtomicUsize,
+    max_awaiting: usize,
+}
+
+/// A request's place among those awaiting its cluster's answer; given back when dropped
+/// (the response head came, or the request failed or went away).
+pub struct Awaiting<'a>(&'a AtomicUsize);
+
+impl Drop for Awaiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl ClusterPools {
+    /// A place among the requests awaiting this cluster's answer, or `None` (counted) when
+    /// this worker's share of `max_requests` is taken. Only this worker touches the count.
+    /// Without a cap nothing is counted.
+    #[inline]
+    pub fn admit(&self) -> Result<Option<Awaiting<'_>>, ProxyError> {
+        if self.max_awaiting == usize::MAX {
+            return Ok(None);
+        }
+        if self.awaiting.load(Ordering::Relaxed) >= self.max_awaiting {
+            self.stats.overflows.fetch_add(1, Ordering::Relaxed);
+            return Err(ProxyError::UpstreamOverflow);
+        }
+        self.awaiting.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(Awaiting(&self.awaiting)))
+    }
+
     /// Counts a request against the retry budget, at `now`: the pipeline's reading that ends
     /// the route stage (no clock read of its own per request).
     pub fn count_request_at(&self, now: Instant) {
@@ -342,6 +374,13 @@ impl Upstreams {
                         hedge_budget_percent: c.hedge_budget_percent,
                         epoch: Instant::now(),
                         window_start: AtomicU64::new(0),
+                        awaiting: AtomicUsize::new(0),
+                        max_awaiting: match c.max_requests {
+                            0 => usize::MAX,
+                            // Each worker's share, rounded up: the total never falls below
+                            // the cap, and a cap below the worker count still lets one in.
+                            max => max.div_ceil(config.server.workers.max(1)),
+                        },
                         budget_exhausted: AtomicU64::new(0),
                     })
                 })

@@ -34,7 +34,7 @@ pub const METHODS: [&str; 8] = [
 /// Status classes; `none` is an exchange that ended before any status (client gone).
 pub const CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "none"];
 /// Error kinds with their own label value (the codes of `ProxyError` and of the bodies).
-pub const ERROR_KINDS: [&str; 20] = [
+pub const ERROR_KINDS: [&str; 21] = [
     "no_route",
     "method_not_allowed",
     "misdirected_request",
@@ -50,6 +50,7 @@ pub const ERROR_KINDS: [&str; 20] = [
     "no_endpoints",
     "upstream_tls_failed",
     "upgrade_needs_http1",
+    "upstream_overflow",
     "total_timeout",
     "upstream_body",
     "upstream_body_timeout",
@@ -348,6 +349,7 @@ mod tests {
             E::UpstreamReset("x".into()),
             E::UpstreamTimeout,
             E::NoEndpoints,
+            E::UpstreamOverflow,
             E::UpgradeNeedsHttp1,
         ];
         for e in &all {
@@ -366,6 +368,7 @@ mod tests {
                 | E::UpstreamReset(_)
                 | E::UpstreamTimeout
                 | E::NoEndpoints
+                | E::UpstreamOverflow
                 | E::UpgradeNeedsHttp1 => {}
             }
             assert_ne!(error_index(e.code()), ERROR_KINDS.len() - 1, "{}", e.code());
