@@ -4,9 +4,12 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use common::*;
+use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -296,6 +299,7 @@ async fn past_max_requests_a_request_gets_503_upstream_overflow() {
         .expect("the third request was queued, not refused");
     assert_eq!(resp.status(), 503);
     assert_eq!(json(&resp)["error"], "upstream_overflow");
+    assert_eq!(resp.headers()["retry-after"], "1");
     open_tx.send(true).unwrap();
     for w in waiting {
         assert_eq!(w.await.unwrap(), 200);
@@ -314,4 +318,62 @@ async fn past_max_requests_a_request_gets_503_upstream_overflow() {
         })
         .sum();
     assert_eq!(overflows, 1);
+}
+
+/// A response whose head came but whose body still streams holds its place under
+/// `max_requests` until its body ends.
+#[tokio::test]
+async fn a_streaming_response_holds_its_place_under_max_requests() {
+    let (piece_tx, piece_rx) = tokio::sync::mpsc::channel::<Bytes>(4);
+    let piece_rx = Arc::new(std::sync::Mutex::new(Some(piece_rx)));
+    let up = upstream(move |_| {
+        let rx = piece_rx.lock().unwrap().take();
+        async move {
+            match rx {
+                // The first request: its head now, its body when the test sends it.
+                Some(rx) => {
+                    type E = Box<dyn std::error::Error + Send + Sync>;
+                    let frames = futures_util::StreamExt::map(tokio_stream(rx), |b| {
+                        Ok::<_, E>(hyper::body::Frame::data(b))
+                    });
+                    http::Response::new(http_body_util::StreamBody::new(frames).boxed())
+                }
+                None => http::Response::new(full("ok")),
+            }
+        }
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"one\"\nendpoints = [\"{up}\"]\nmax_requests = 1\n[[route]]\npath_prefix = \"/\"\ncluster = \"one\"\n"
+    ));
+    let mut c = h1_client(gw.addr).await;
+    let req = http::Request::get("/stream")
+        .header("host", "a")
+        .body(full(""))
+        .unwrap();
+    let resp = c.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    // Its head is here, its body is not over: the cluster's one place is taken.
+    let other = tokio::time::timeout(Duration::from_secs(10), get(gw.addr, "/"))
+        .await
+        .unwrap();
+    assert_eq!(other.status(), 503);
+    assert_eq!(json(&other)["error"], "upstream_overflow");
+    piece_tx.send(Bytes::from_static(b"end")).await.unwrap();
+    drop(piece_tx);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"end");
+    // Given back with the body's end.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = get(gw.addr, "/").await;
+        if r.status() == 200 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the place was never given back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

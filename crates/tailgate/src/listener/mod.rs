@@ -117,8 +117,21 @@ pub async fn accept_loop(
             }
         }
     }
-    take_queued(socket, &listener.name, &count, spawn);
+    // A TLS connection costs a handshake on this thread while the drain runs: fewer are
+    // taken, so that the requests in flight are not held up behind them.
+    let most = if listener.tls.is_some() {
+        QUEUED_TLS_MAX
+    } else {
+        QUEUED_MAX
+    };
+    take_queued(socket, &listener.name, most, &count, spawn);
 }
+
+/// The most connections taken from one listen queue at shutdown: a backlog's worth (a
+/// flood cannot hold the shutdown here), and for TLS listeners fewer, as each costs a
+/// handshake (about a millisecond of this worker's time) while requests in flight finish.
+const QUEUED_MAX: usize = 4096;
+const QUEUED_TLS_MAX: usize = 256;
 
 /// At shutdown, before the socket closes: the connections the kernel already queued for it
 /// are taken and served (their request gets its answer, then they close), not reset by the
@@ -128,14 +141,14 @@ pub async fn accept_loop(
 fn take_queued(
     socket: tokio::net::TcpListener,
     name: &str,
+    most: usize,
     count: &Arc<ConnCount>,
     spawn: impl Fn(tokio::net::TcpStream, SocketAddr, ConnSlot),
 ) {
     let Ok(socket) = socket.into_std() else {
         return;
     };
-    // A listen backlog's worth at most, so that a flood cannot hold the shutdown here.
-    for _ in 0..4096 {
+    for _ in 0..most {
         match socket.accept() {
             Ok((stream, peer)) => {
                 // Past `server.max_connections` if need be: this is the last chance to answer
@@ -153,7 +166,7 @@ fn take_queued(
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
             Err(e) => {
-                tracing::debug!(listener.name = %name, error = %e, "accept at shutdown failed");
+                count.accept_failed(name, &e);
                 return;
             }
         }

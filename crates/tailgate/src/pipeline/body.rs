@@ -382,6 +382,8 @@ pub struct UpstreamBody {
     /// connection's [`ConnActivity`](crate::observe::ConnActivity), which the connection's
     /// idle check reads).
     pub handed: bool,
+    /// The request's place under its cluster's `max_requests`, held while the body streams.
+    pub admitted: Option<crate::upstream::Admitted>,
 }
 
 impl Drop for UpstreamBody {

@@ -37,7 +37,7 @@ pub enum ProxyError {
     UpstreamTimeout,
     #[error("cluster has no endpoints")]
     NoEndpoints,
-    #[error("the cluster's max_requests are awaiting its answer; try again shortly")]
+    #[error("the cluster's max_requests are in flight; try again shortly")]
     UpstreamOverflow,
     #[error(
         "a protocol upgrade (WebSocket) needs an HTTP/1.1 upstream; this cluster speaks HTTP/2"
@@ -120,6 +120,9 @@ impl ProxyError {
             HeaderValue::from_static("application/json"),
         );
         h.insert(request_id_header.clone(), request_id.clone());
+        if matches!(self, ProxyError::UpstreamOverflow) {
+            h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
         if let ProxyError::MethodNotAllowed(methods) = self {
             let mut allow: Vec<&str> = methods.iter().map(http::Method::as_str).collect();
             allow.sort_unstable();

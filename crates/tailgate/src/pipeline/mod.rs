@@ -413,9 +413,9 @@ fn forward(
         // pick included); the retry budget's window and the pool's checkout take it too.
         let t_connect = Instant::now();
         let cluster = &worker.upstreams.clusters[route.cluster];
-        // Held until the response head (this function's end): past the cluster's
+        // Held until the response ends (with its body, or its tunnel): past the cluster's
         // `max_requests` a request is refused at once, not queued behind a slow upstream.
-        let _awaiting = cluster.admit()?;
+        let mut admitted = cluster.admit()?;
         cluster.count_request_at(t_connect);
         let mut pool = cluster.pick(None)?;
         if let Some(ex) = rec.exchange_mut() {
@@ -648,8 +648,9 @@ fn forward(
             if let Some(mut upstream) = up.into_upgraded() {
                 let tunnel_conn = conn.clone();
                 let idle = settings.idle_timeout;
+                let admitted = admitted.take();
                 tokio::spawn(async move {
-                    let _hold = tunnel_conn;
+                    let _hold = (tunnel_conn, admitted);
                     match client_upgrade.await {
                         Ok(c) => {
                             let mut c = TokioIo::new(c);
@@ -706,6 +707,7 @@ fn forward(
             read_wait: ReadWait::new(route.response_timeout),
             recorder,
             handed: false,
+            admitted,
         }));
         Ok(Response::from_parts(parts, body))
     }

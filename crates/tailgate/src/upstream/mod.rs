@@ -51,7 +51,7 @@ pub struct ClusterStats {
     pub hedges_won: AtomicU64,
     /// Hedges not sent because the hedge or retry budget was spent.
     pub hedges_refused: AtomicU64,
-    /// Requests refused (503) because `max_requests` were awaiting the cluster's answer.
+    /// Requests refused (503) because `max_requests` were in flight to the cluster.
     pub overflows: AtomicU64,
 }
 
@@ -80,37 +80,37 @@ pub struct ClusterPools {
     window_start: AtomicU64,
     /// Retries refused by the budget.
     pub budget_exhausted: AtomicU64,
-    /// Requests of this worker awaiting the cluster's answer, and this worker's share of
-    /// the cluster's `max_requests` (`usize::MAX`: no cap).
-    awaiting: AtomicUsize,
-    max_awaiting: usize,
+    /// This worker's requests in flight to the cluster, and its share of the cluster's
+    /// `max_requests` (`usize::MAX`: no cap).
+    in_flight: AtomicUsize,
+    max_in_flight: usize,
 }
 
-/// A request's place among those awaiting its cluster's answer; given back when dropped
-/// (the response head came, or the request failed or went away).
-pub struct Awaiting<'a>(&'a AtomicUsize);
+/// A request's place among those in flight to its cluster; given back when dropped: when
+/// its response has ended (or its tunnel has), or it failed or went away.
+pub struct Admitted(Arc<ClusterPools>);
 
-impl Drop for Awaiting<'_> {
+impl Drop for Admitted {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
 impl ClusterPools {
-    /// A place among the requests awaiting this cluster's answer, or `None` (counted) when
-    /// this worker's share of `max_requests` is taken. Only this worker touches the count.
-    /// Without a cap nothing is counted.
+    /// A place among the requests in flight to this cluster, or `UpstreamOverflow`
+    /// (counted) when this worker's share of `max_requests` is taken. Only this worker
+    /// touches the count. Without a cap nothing is counted (`None`).
     #[inline]
-    pub fn admit(&self) -> Result<Option<Awaiting<'_>>, ProxyError> {
-        if self.max_awaiting == usize::MAX {
+    pub fn admit(self: &Arc<Self>) -> Result<Option<Admitted>, ProxyError> {
+        if self.max_in_flight == usize::MAX {
             return Ok(None);
         }
-        if self.awaiting.load(Ordering::Relaxed) >= self.max_awaiting {
+        if self.in_flight.load(Ordering::Relaxed) >= self.max_in_flight {
             self.stats.overflows.fetch_add(1, Ordering::Relaxed);
             return Err(ProxyError::UpstreamOverflow);
         }
-        self.awaiting.fetch_add(1, Ordering::Relaxed);
-        Ok(Some(Awaiting(&self.awaiting)))
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(Admitted(self.clone())))
     }
 
     /// Counts a request against the retry budget, at `now`: the pipeline's reading that ends
@@ -374,8 +374,8 @@ impl Upstreams {
                         hedge_budget_percent: c.hedge_budget_percent,
                         epoch: Instant::now(),
                         window_start: AtomicU64::new(0),
-                        awaiting: AtomicUsize::new(0),
-                        max_awaiting: match c.max_requests {
+                        in_flight: AtomicUsize::new(0),
+                        max_in_flight: match c.max_requests {
                             0 => usize::MAX,
                             // Each worker's share, rounded up: the total never falls below
                             // the cap, and a cap below the worker count still lets one in.
