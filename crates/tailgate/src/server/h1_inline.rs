@@ -274,11 +274,11 @@ async fn refuse<I>(
 }
 
 /// The longest a closing connection is read for what the client still sends.
-const LINGER_TIME: Duration = Duration::from_secs(5);
+pub(super) const LINGER_TIME: Duration = Duration::from_secs(5);
 /// The longest a read of it waits for more.
-const LINGER_READ: Duration = Duration::from_secs(1);
+pub(super) const LINGER_READ: Duration = Duration::from_secs(1);
 /// The most it is read of.
-const LINGER_BYTES: usize = 1 << 20;
+pub(super) const LINGER_BYTES: usize = 1 << 20;
 
 /// After the answer and a half-close: reads and drops what the client still sends (the rest
 /// of a refused request's body, requests pipelined behind it) until it closes too, for a

@@ -20,6 +20,11 @@
 //! hyper is fed bytes its chunked decoder rejects, which fails that request. An upgrade is
 //! passed through untouched.
 //!
+//! After a refusal, when hyper closes the connection, the guard's shutdown lingers as the
+//! inline server's close does: the write side is shut, then what the client still sends is
+//! read and dropped until it closes too (5 s, 1 s per read, 1 MiB at most), so that a client
+//! still sending the refused request's body gets the answer, not a reset.
+//!
 //! The guard also enforces the header read timeout (slowloris): from the first byte of a
 //! head to its end. Idle time between requests is the idle timeout's business, not this.
 //! A pipelined head that arrives while the request before it is still being answered is
@@ -37,6 +42,7 @@ use tokio::time::Sleep;
 
 pub use self::framing::Refusal;
 use self::framing::{Framing, State};
+use super::h1_inline::{LINGER_BYTES, LINGER_READ, LINGER_TIME};
 use crate::pipeline::{ConnInfo, REFUSED_HEAD_HEADER, RefusedHead};
 
 mod framing;
@@ -66,6 +72,48 @@ pub struct H1Guard<T> {
     /// The request hyper is fed in place of a refused head, which the pipeline answers
     /// (`None`: [`POISON`], which hyper rejects itself).
     stand_in: Option<Vec<u8>>,
+    /// The lingering close after a refusal, once the write side is shut.
+    linger: Option<Linger>,
+}
+
+/// What bounds a lingering close: its whole length, each read's wait, and the bytes read.
+/// Made only for a refused connection (its timers are on the heap).
+struct Linger {
+    total: Pin<Box<Sleep>>,
+    read: Pin<Box<Sleep>>,
+    left: usize,
+}
+
+impl Linger {
+    fn new() -> Linger {
+        Linger {
+            total: Box::pin(tokio::time::sleep(LINGER_TIME)),
+            read: Box::pin(tokio::time::sleep(LINGER_READ)),
+            left: LINGER_BYTES,
+        }
+    }
+
+    /// Reads and drops what `io` still sends until it ends, fails, or a bound is reached.
+    fn poll_drain<T: AsyncRead + Unpin>(&mut self, io: &mut T, cx: &mut Context<'_>) -> Poll<()> {
+        let mut scratch = [0u8; 4096];
+        loop {
+            // Both timers are polled before each read, so a read left pending is woken by
+            // either of them.
+            if self.total.as_mut().poll(cx).is_ready() || self.read.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(());
+            }
+            let mut rb = ReadBuf::new(&mut scratch);
+            match Pin::new(&mut *io).poll_read(cx, &mut rb) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok(())) if !rb.filled().is_empty() && rb.filled().len() < self.left => {
+                    self.left -= rb.filled().len();
+                    let next = tokio::time::Instant::now() + LINGER_READ;
+                    self.read.as_mut().reset(next);
+                }
+                Poll::Ready(_) => return Poll::Ready(()),
+            }
+        }
+    }
 }
 
 impl<T> H1Guard<T> {
@@ -87,6 +135,7 @@ impl<T> H1Guard<T> {
             deadline: None,
             info: None,
             stand_in: None,
+            linger: None,
         }
     }
 
@@ -421,7 +470,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
     }
 }
 
-impl<T: AsyncWrite + Unpin> AsyncWrite for H1Guard<T> {
+impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for H1Guard<T> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -434,8 +483,23 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for H1Guard<T> {
         Pin::new(&mut self.inner).poll_flush(cx)
     }
 
+    /// After a refusal: the write side is shut, then the connection lingers (see the
+    /// module's doc) before hyper drops it.
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
+        let this = &mut *self;
+        if this.framing.refused.is_none() {
+            return Pin::new(&mut this.inner).poll_shutdown(cx);
+        }
+        if this.linger.is_none() {
+            if let Err(e) = std::task::ready!(Pin::new(&mut this.inner).poll_shutdown(cx)) {
+                return Poll::Ready(Err(e));
+            }
+            this.linger = Some(Linger::new());
+        }
+        if let Some(linger) = &mut this.linger {
+            std::task::ready!(linger.poll_drain(&mut this.inner, cx));
+        }
+        Poll::Ready(Ok(()))
     }
 
     fn poll_write_vectored(
