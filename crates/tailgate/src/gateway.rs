@@ -179,7 +179,10 @@ impl Gateway {
             routes: RouteTable::new(&config),
             observers: Observers::new(observers),
             ids: RequestIds::default(),
-            connections: Arc::new(ConnCount::new(config.server.max_connections)),
+            connections: Arc::new(ConnCount::new(
+                config.server.max_connections,
+                config.tenants.len(),
+            )),
         });
         let config = Arc::new(config);
         let plan = Arc::new(MetricsPlan::new(&config));

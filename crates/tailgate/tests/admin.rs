@@ -997,3 +997,60 @@ async fn at_max_connections_new_connections_wait_until_one_closes() {
     );
     assert_eq!(ex.value("tailgate_downstream_connections", &[]), 2.0);
 }
+
+/// Open connections per tenant, for connections whose listener names their tenant; a
+/// connection on a listener without one counts in the total only.
+#[tokio::test]
+async fn open_connections_are_exported_per_tenant() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = ok_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "{ADMIN}[[listener]]\nname = \"acme\"\naddress = \"127.0.0.1:0\"\ntenant = \"acme\"\n[[listener]]\nname = \"any\"\naddress = \"127.0.0.1:0\"\n[[tenant]]\nname = \"acme\"\nhosts = [\"acme.test\"]\n[[tenant]]\nname = \"globex\"\nhosts = [\"globex.test\"]\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let g = gw.gw.as_ref().unwrap();
+    let (acme, any) = (
+        g.listener_addr("acme").unwrap(),
+        g.listener_addr("any").unwrap(),
+    );
+    let admin = admin_addr(&gw);
+    let mut open = Vec::new();
+    for (addr, host) in [
+        (acme, "acme.test"),
+        (acme, "acme.test"),
+        (any, "globex.test"),
+    ] {
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut buf = [0u8; 512];
+        let n = c.read(&mut buf).await.unwrap();
+        assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+        open.push(c);
+    }
+    let ex = scrape(admin).await;
+    assert_eq!(ex.value("tailgate_downstream_connections", &[]), 3.0);
+    assert_eq!(
+        ex.value("tailgate_tenant_connections", &[("tenant", "acme")]),
+        2.0
+    );
+    assert_eq!(
+        ex.value("tailgate_tenant_connections", &[("tenant", "globex")]),
+        0.0
+    );
+    drop(open);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let ex = scrape(admin).await;
+        if ex.value("tailgate_tenant_connections", &[("tenant", "acme")]) == 0.0
+            && ex.value("tailgate_downstream_connections", &[]) == 0.0
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "closed connections still counted"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

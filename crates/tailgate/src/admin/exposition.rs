@@ -172,6 +172,20 @@ async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> 
         );
         w.gauge("tailgate_downstream_connections", &[], conns.open() as u64);
         w.family(
+            "tailgate_tenant_connections",
+            Kind::Gauge,
+            "Client connections open now whose tenant the connection names (its listener's, or its TLS server name's); connections classified only by each request's Host are not counted here.",
+        );
+        for (t, open) in conns.per_tenant().enumerate() {
+            if let Some(tenant) = state.config.tenants.get(t) {
+                w.gauge(
+                    "tailgate_tenant_connections",
+                    &[&format!("tenant=\"{}\"", escape_label(&tenant.name))],
+                    open as u64,
+                );
+            }
+        }
+        w.family(
             "tailgate_downstream_connections_accepted",
             Kind::Counter,
             "Client connections accepted (counted once let in under server.max_connections).",

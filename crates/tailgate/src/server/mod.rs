@@ -168,16 +168,20 @@ async fn serve_tls(
 
 fn conn_info(
     ctx: &ConnCtx,
-    slot: Option<spawner::ConnSlot>,
+    mut slot: Option<spawner::ConnSlot>,
     peer: SocketAddr,
     tls: bool,
     sni_tenant: Option<usize>,
 ) -> Arc<ConnInfo> {
+    let tenant = ctx.listener.tenant.or(sni_tenant);
+    if let (Some(slot), Some(t)) = (slot.as_mut(), tenant) {
+        slot.classify(t);
+    }
     Arc::new(ConnInfo {
         client: peer,
         client_addr: crate::pipeline::headers::client_addr_value(peer.ip()),
         tls,
-        tenant: ctx.listener.tenant.or(sni_tenant),
+        tenant,
         activity: Arc::new(ConnActivity::default()),
         drain: ctx.drain.clone(),
         slot,

@@ -35,6 +35,9 @@ pub struct ConnCount {
     cap_warning: Every,
     /// At most one "accept failed" warning per [`WARN_EVERY`].
     error_warning: Every,
+    /// Open connections per tenant, for those whose tenant the connection itself names
+    /// (its listener's, or its TLS server name's), once it is known.
+    per_tenant: Box<[AtomicUsize]>,
 }
 
 /// At most one warning of a kind this often: a gateway held at its cap, or out of file
@@ -70,21 +73,47 @@ impl Every {
     }
 }
 
-/// A connection's place in the count over every worker, given back when dropped.
+/// A connection's place in the count over every worker (and, once known, in its tenant's),
+/// given back when dropped.
 #[derive(Debug)]
-pub struct ConnSlot(Arc<ConnCount>);
+pub struct ConnSlot {
+    count: Arc<ConnCount>,
+    tenant: Option<usize>,
+}
+
+impl ConnSlot {
+    fn new(count: Arc<ConnCount>) -> ConnSlot {
+        ConnSlot {
+            count,
+            tenant: None,
+        }
+    }
+
+    /// Counts the connection under `tenant` too (the first tenant given, if several are).
+    pub fn classify(&mut self, tenant: usize) {
+        if self.tenant.is_none()
+            && let Some(n) = self.count.per_tenant.get(tenant)
+        {
+            n.fetch_add(1, Ordering::Relaxed);
+            self.tenant = Some(tenant);
+        }
+    }
+}
 
 impl Drop for ConnSlot {
     fn drop(&mut self) {
-        if self.0.open.fetch_sub(1, Ordering::Relaxed) >= self.0.max {
-            self.0.freed.notify_waiters();
+        if let Some(n) = self.tenant.and_then(|t| self.count.per_tenant.get(t)) {
+            n.fetch_sub(1, Ordering::Relaxed);
+        }
+        if self.count.open.fetch_sub(1, Ordering::Relaxed) >= self.count.max {
+            self.count.freed.notify_waiters();
         }
     }
 }
 
 impl ConnCount {
-    /// `max` 0: no cap.
-    pub fn new(max: usize) -> ConnCount {
+    /// `max` 0: no cap; `tenants`: how many the config has.
+    pub fn new(max: usize, tenants: usize) -> ConnCount {
         ConnCount {
             open: AtomicUsize::new(0),
             max: if max == 0 { usize::MAX } else { max },
@@ -94,7 +123,14 @@ impl ConnCount {
             accept_errors: AtomicU64::new(0),
             cap_warning: Every::new(),
             error_warning: Every::new(),
+            per_tenant: (0..tenants).map(|_| AtomicUsize::new(0)).collect(),
         }
+    }
+
+    /// Open connections of each tenant (by the config's index) that the connection itself
+    /// names.
+    pub fn per_tenant(&self) -> impl Iterator<Item = usize> + '_ {
+        self.per_tenant.iter().map(|n| n.load(Ordering::Relaxed))
     }
 
     /// Client connections open now, over every worker.
@@ -118,14 +154,14 @@ impl ConnCount {
             })
             .ok()?;
         self.accepted.fetch_add(1, Ordering::Relaxed);
-        Some(ConnSlot(self.clone()))
+        Some(ConnSlot::new(self.clone()))
     }
 
     /// A place for a connection the cap does not apply to (one queued at shutdown).
     pub fn take_past_cap(self: &Arc<Self>) -> ConnSlot {
         self.open.fetch_add(1, Ordering::Relaxed);
         self.accepted.fetch_add(1, Ordering::Relaxed);
-        ConnSlot(self.clone())
+        ConnSlot::new(self.clone())
     }
 
     /// A place for a connection just accepted, waiting (counted as a pause, with a
@@ -260,7 +296,7 @@ mod tests {
     #[test]
     fn a_task_dropped_with_its_runtime_is_no_longer_counted() {
         let spawner = TenantSpawner::new(1);
-        let total = Arc::new(ConnCount::new(0));
+        let total = Arc::new(ConnCount::new(0, 0));
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
@@ -283,7 +319,7 @@ mod tests {
     /// never passes the cap.
     #[tokio::test]
     async fn take_waits_at_the_cap_until_a_connection_ends() {
-        let total = Arc::new(ConnCount::new(2));
+        let total = Arc::new(ConnCount::new(2, 0));
         let spawner = TenantSpawner::new(0);
         let mut ends = Vec::new();
         for _ in 0..2 {
@@ -316,7 +352,7 @@ mod tests {
         drop(slot);
         assert_eq!(total.open(), 1);
         // No cap: never waits.
-        let free = Arc::new(ConnCount::new(0));
+        let free = Arc::new(ConnCount::new(0, 0));
         let _slot = free.take("t").await;
         assert_eq!(free.pauses.load(Ordering::Relaxed), 0);
     }
