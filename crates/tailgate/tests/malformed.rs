@@ -452,14 +452,13 @@ async fn a_repeated_content_length_frames_the_body() {
     }
 }
 
-/// On a connection that first sends `before` (a request answered with `ok`, or nothing), a
-/// refused head with bytes behind it, and more sent after the answer: the client gets the
-/// 400 and can finish sending, and the connection closes cleanly, not with a reset from a
-/// close over unread bytes (which would fail its writes). Returns the requests the upstream
-/// got.
-async fn refused_while_the_client_still_sends(before: &[u8]) -> usize {
+/// On a connection that first sends `before` (a request answered with `ok`, or nothing),
+/// `head` with bytes behind it, and more sent after the answer: the client gets `status`
+/// and can finish sending, and the connection closes cleanly, not with a reset from a close
+/// over unread bytes (which would fail its writes). Returns the requests the upstream got.
+async fn refused_while_the_client_still_sends(before: &[u8], head: &[u8], status: &[u8]) -> usize {
     let (up, hits) = counting_upstream().await;
-    let gw = TestGateway::to(up, "");
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nmax_body_bytes = 100000\n");
     let s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
     let (mut rd, mut wr) = s.into_split();
     if !before.is_empty() {
@@ -473,15 +472,13 @@ async fn refused_while_the_client_still_sends(before: &[u8]) -> usize {
         }
         assert!(got.starts_with(b"HTTP/1.1 200"));
     }
-    // The refused head, with bytes behind it already.
-    let mut refused =
-        b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
-            .to_vec();
+    // The head, with bytes behind it already.
+    let mut refused = head.to_vec();
     refused.extend_from_slice(&[b'x'; 16 * 1024]);
     wr.write_all(&refused).await.unwrap();
     let mut answer = [0u8; 12];
     rd.read_exact(&mut answer).await.unwrap();
-    assert_eq!(&answer, b"HTTP/1.1 400");
+    assert_eq!(&answer[..], status);
     // The client goes on sending for a while after the answer (within the gateway's
     // lingering bounds): every write goes through.
     for i in 0..20 {
@@ -501,7 +498,25 @@ async fn refused_while_the_client_still_sends(before: &[u8]) -> usize {
 /// the client is done.
 #[tokio::test]
 async fn a_refused_head_is_answered_while_the_client_still_sends() {
-    assert_eq!(refused_while_the_client_still_sends(b"").await, 0);
+    assert_eq!(
+        refused_while_the_client_still_sends(b"", CL_AND_TE, b"HTTP/1.1 400").await,
+        0
+    );
+}
+
+/// A refused head: `Content-Length` with `Transfer-Encoding`.
+const CL_AND_TE: &[u8] =
+    b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n";
+
+/// A body declared over `max_body_bytes` is answered 413 (by hyper's server, before any of
+/// it is read) while the client is still uploading it: the client gets the 413, not a reset.
+#[tokio::test]
+async fn a_body_over_the_limit_is_answered_413_while_the_client_still_uploads() {
+    let head = b"POST /up HTTP/1.1\r\nHost: a\r\nContent-Length: 10000000\r\n\r\n";
+    assert_eq!(
+        refused_while_the_client_still_sends(b"", head, b"HTTP/1.1 413").await,
+        0
+    );
 }
 
 /// The same behind the smuggling guard, on a connection hyper's server took over (its first
@@ -511,7 +526,7 @@ async fn a_refused_head_behind_the_guard_is_answered_while_the_client_still_send
     let chunked =
         b"POST /c HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n";
     assert_eq!(
-        refused_while_the_client_still_sends(chunked).await,
+        refused_while_the_client_still_sends(chunked, CL_AND_TE, b"HTTP/1.1 400").await,
         1,
         "only the chunked request went upstream"
     );

@@ -20,10 +20,12 @@
 //! hyper is fed bytes its chunked decoder rejects, which fails that request. An upgrade is
 //! passed through untouched.
 //!
-//! After a refusal, when hyper closes the connection, the guard's shutdown lingers as the
-//! inline server's close does: the write side is shut, then what the client still sends is
-//! read and dropped until it closes too (5 s, 1 s per read, 1 MiB at most), so that a client
-//! still sending the refused request's body gets the answer, not a reset.
+//! When hyper's server closes the connection, the guard's shutdown lingers as the inline
+//! server's close does: the write side is shut, then what the client still sends is read
+//! and dropped until it closes too (5 s, 1 s per read, 1 MiB at most). A client still
+//! sending a body hyper did not read (a refused head's, one over `max_body_bytes` answered
+//! 413 before it came, a request behind a `Connection: close`) gets the answer, not a
+//! reset. A client that has closed already ends it at once.
 //!
 //! The guard also enforces the header read timeout (slowloris): from the first byte of a
 //! head to its end. Idle time between requests is the idle timeout's business, not this.
@@ -72,12 +74,12 @@ pub struct H1Guard<T> {
     /// The request hyper is fed in place of a refused head, which the pipeline answers
     /// (`None`: [`POISON`], which hyper rejects itself).
     stand_in: Option<Vec<u8>>,
-    /// The lingering close after a refusal, once the write side is shut.
+    /// The lingering close, once the write side is shut.
     linger: Option<Linger>,
 }
 
 /// What bounds a lingering close: its whole length, each read's wait, and the bytes read.
-/// Made only for a refused connection (its timers are on the heap).
+/// Made only when a connection closes (its timers are on the heap).
 struct Linger {
     total: Pin<Box<Sleep>>,
     read: Pin<Box<Sleep>>,
@@ -483,11 +485,11 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for H1Guard<T> {
         Pin::new(&mut self.inner).poll_flush(cx)
     }
 
-    /// After a refusal: the write side is shut, then the connection lingers (see the
-    /// module's doc) before hyper drops it.
+    /// The write side is shut, then the connection lingers (see the module's doc) before
+    /// hyper drops it. Not once the connection speaks HTTP/2 (it has its own close).
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
-        if this.framing.refused.is_none() {
+        if matches!(this.framing.state, State::Passthrough) {
             return Pin::new(&mut this.inner).poll_shutdown(cx);
         }
         if this.linger.is_none() {
