@@ -21,6 +21,8 @@ pub enum ProxyError {
     HeadTooLarge(&'static str),
     #[error("{0}")]
     UriTooLong(&'static str),
+    #[error("{0}")]
+    NotImplemented(&'static str),
     #[error("request body larger than {0} bytes")]
     BodyTooLarge(u64),
     #[error("the client sent no more of its body within the response timeout")]
@@ -54,6 +56,7 @@ impl ProxyError {
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::HeadTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ProxyError::UriTooLong(_) => StatusCode::URI_TOO_LONG,
+            ProxyError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::ClientBodyTimeout => StatusCode::REQUEST_TIMEOUT,
             ProxyError::UpstreamConnect(_)
@@ -75,6 +78,7 @@ impl ProxyError {
             ProxyError::BadRequest(_) => "bad_request",
             ProxyError::HeadTooLarge(_) => "header_too_large",
             ProxyError::UriTooLong(_) => "uri_too_long",
+            ProxyError::NotImplemented(_) => "not_implemented",
             ProxyError::BodyTooLarge(_) => "body_too_large",
             ProxyError::ClientBodyTimeout => "client_body_timeout",
             ProxyError::UpstreamConnect(_) => "upstream_connect_failed",
@@ -136,6 +140,7 @@ impl ProxyError {
             ProxyError::BadRequest(_)
                 | ProxyError::HeadTooLarge(_)
                 | ProxyError::UriTooLong(_)
+                | ProxyError::NotImplemented(_)
                 | ProxyError::BodyTooLarge(_)
         ) {
             h.insert(header::CONNECTION, HeaderValue::from_static("close"));

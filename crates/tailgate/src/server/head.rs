@@ -21,6 +21,8 @@ pub enum HeadFault {
     TooLarge(&'static str),
     /// 414: a target over [`MAX_URI_LEN`], or a request line over the head limit.
     UriTooLong(&'static str),
+    /// 501: a transfer coding the gateway does not decode, before a final `chunked`.
+    NotImplemented(&'static str),
 }
 
 impl From<HeadFault> for ProxyError {
@@ -29,6 +31,7 @@ impl From<HeadFault> for ProxyError {
             HeadFault::Bad(m) => ProxyError::BadRequest(m),
             HeadFault::TooLarge(m) => ProxyError::HeadTooLarge(m),
             HeadFault::UriTooLong(m) => ProxyError::UriTooLong(m),
+            HeadFault::NotImplemented(m) => ProxyError::NotImplemented(m),
         }
     }
 }
@@ -146,9 +149,15 @@ pub struct BodyHeaders {
     /// One `Content-Length`, digits only (or none): the shape the inline server serves.
     pub plain: bool,
     bad_length: bool,
-    /// A `Transfer-Encoding` came; `chunked`: its last one ends in `chunked`.
+    /// A `Transfer-Encoding` came; `chunked`: it is `chunked` alone.
     pub te: bool,
     pub chunked: bool,
+    /// Over every `Transfer-Encoding` line: the last coding is `chunked`, how many times
+    /// `chunked` came, another coding came, and one is not a token.
+    te_last_chunked: bool,
+    te_chunked: u8,
+    te_other: bool,
+    te_bad: bool,
 }
 
 impl Default for BodyHeaders {
@@ -159,6 +168,10 @@ impl Default for BodyHeaders {
             bad_length: false,
             te: false,
             chunked: false,
+            te_last_chunked: false,
+            te_chunked: 0,
+            te_other: false,
+            te_bad: false,
         }
     }
 }
@@ -184,6 +197,28 @@ impl BodyHeaders {
     pub fn transfer_encoding(&mut self, v: &[u8]) {
         self.chunked = !self.te && v.trim_ascii().eq_ignore_ascii_case(b"chunked");
         self.te = true;
+        // What the refusal says: the list's shape, over every line.
+        for coding in v.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+            if coding.is_empty() {
+                continue;
+            }
+            // A coding's name (parameters after `;` are a coding's too).
+            let name = coding
+                .split(|&b| b == b';')
+                .next()
+                .unwrap_or_default()
+                .trim_ascii();
+            if name.is_empty() || !name.iter().all(|&b| is_tchar(b)) {
+                self.te_bad = true;
+            } else if name.eq_ignore_ascii_case(b"chunked") {
+                self.te_chunked = self.te_chunked.saturating_add(1);
+                self.te_last_chunked = true;
+                continue;
+            } else {
+                self.te_other = true;
+            }
+            self.te_last_chunked = false;
+        }
     }
 
     /// The framing's verdict, once every line was seen.
@@ -201,12 +236,25 @@ impl BodyHeaders {
             return Err(HeadFault::Bad("Transfer-Encoding in an HTTP/1.0 request"));
         }
         if self.te && !self.chunked {
+            // A coding the gateway does not decode before a final `chunked` is well framed
+            // but not served: 501 (RFC 9112 §6.1, as nginx answers it). Anything else cannot
+            // be framed: 400 (`chunked` not last, or twice, or not a coding at all).
+            if self.te_last_chunked && self.te_chunked == 1 && self.te_other && !self.te_bad {
+                return Err(HeadFault::NotImplemented(
+                    "transfer codings other than chunked are not decoded",
+                ));
+            }
             return Err(HeadFault::Bad(
                 "a Transfer-Encoding other than chunked alone",
             ));
         }
         Ok(())
     }
+}
+
+/// A `tchar` of RFC 9110 §5.6.2 (the characters of a token).
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
 /// A `Content-Length` value: digits only, and below the two values hyper reserves for its
@@ -378,6 +426,48 @@ mod tests {
             (&[("transfer-encoding", "chunked")][..], true),
         ] {
             assert!(framing(lines, http10).is_err(), "{lines:?}");
+        }
+    }
+
+    /// A coding the gateway does not decode before a final `chunked` is 501; a list that
+    /// cannot frame a body (`chunked` not last, twice, or a coding that is not a token) is
+    /// 400.
+    #[test]
+    fn an_undecoded_coding_before_chunked_is_501_and_an_unframed_list_400() {
+        let not_implemented = |lines: &[(&str, &str)]| {
+            matches!(framing(lines, false), Err(HeadFault::NotImplemented(_)))
+        };
+        for lines in [
+            &[("transfer-encoding", "gzip, chunked")][..],
+            &[("transfer-encoding", "GZIP ,chunked")][..],
+            &[("transfer-encoding", "deflate;q=1, chunked")][..],
+            &[
+                ("transfer-encoding", "gzip"),
+                ("transfer-encoding", "chunked"),
+            ][..],
+        ] {
+            assert!(not_implemented(lines), "{lines:?}");
+        }
+        for lines in [
+            &[("transfer-encoding", "gzip")][..],
+            &[("transfer-encoding", "identity")][..],
+            &[("transfer-encoding", "chunked, gzip")][..],
+            &[("transfer-encoding", "chunked, chunked")][..],
+            &[("transfer-encoding", "gzip, chunked, chunked")][..],
+            &[("transfer-encoding", "g\u{e9}, chunked")][..],
+            &[
+                ("transfer-encoding", "chunked"),
+                ("transfer-encoding", "chunked"),
+            ][..],
+            &[
+                ("transfer-encoding", "chunked"),
+                ("transfer-encoding", "gzip"),
+            ][..],
+        ] {
+            assert!(
+                matches!(framing(lines, false), Err(HeadFault::Bad(_))),
+                "{lines:?}"
+            );
         }
     }
 }

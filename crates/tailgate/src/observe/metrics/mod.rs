@@ -34,13 +34,14 @@ pub const METHODS: [&str; 8] = [
 /// Status classes; `none` is an exchange that ended before any status (client gone).
 pub const CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "none"];
 /// Error kinds with their own label value (the codes of `ProxyError` and of the bodies).
-pub const ERROR_KINDS: [&str; 21] = [
+pub const ERROR_KINDS: [&str; 22] = [
     "no_route",
     "method_not_allowed",
     "misdirected_request",
     "bad_request",
     "header_too_large",
     "uri_too_long",
+    "not_implemented",
     "body_too_large",
     "client_body_timeout",
     "upstream_connect_failed",
@@ -341,6 +342,7 @@ mod tests {
             E::BadRequest("x"),
             E::HeadTooLarge("x"),
             E::UriTooLong("x"),
+            E::NotImplemented("x"),
             E::BodyTooLarge(1),
             E::ClientBodyTimeout,
             E::UpstreamConnect(io()),
@@ -360,6 +362,7 @@ mod tests {
                 | E::BadRequest(_)
                 | E::HeadTooLarge(_)
                 | E::UriTooLong(_)
+                | E::NotImplemented(_)
                 | E::BodyTooLarge(_)
                 | E::ClientBodyTimeout
                 | E::UpstreamConnect(_)
