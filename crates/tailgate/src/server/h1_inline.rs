@@ -43,7 +43,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderValue, Method, Response, Uri, Version, header};
 use http_body::{Body, Frame};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::time::Sleep;
 
 use super::head::{self, BodyHeaders, MAX_HEADERS, MAX_URI_LEN, content_length};
@@ -236,7 +236,7 @@ where
             // Bytes of the client's still unread (pipelined behind a request that closes
             // the connection): read out, not reset over.
             if !buf.is_empty() {
-                Box::pin(linger(io)).await;
+                Box::pin(super::linger::linger(io)).await;
             }
             return Ended::Closed;
         }
@@ -269,32 +269,7 @@ async fn refuse<I>(
     {
         let _ = io.shutdown().await;
         // On the heap, and only here: the connection's future does not grow by it.
-        Box::pin(linger(io)).await;
-    }
-}
-
-/// The longest a closing connection is read for what the client still sends.
-pub(super) const LINGER_TIME: Duration = Duration::from_secs(5);
-/// The longest a read of it waits for more.
-pub(super) const LINGER_READ: Duration = Duration::from_secs(1);
-/// The most it is read of.
-pub(super) const LINGER_BYTES: usize = 1 << 20;
-
-/// After the answer and a half-close: reads and drops what the client still sends (the rest
-/// of a refused request's body, requests pipelined behind it) until it closes too, for a
-/// bounded time and amount, as nginx's `lingering_close` does (RFC 9112 §9.6). Closing a
-/// socket with unread bytes in it sends a reset, and a client still sending would see the
-/// reset instead of the answer.
-async fn linger<I: AsyncRead + Unpin>(io: &mut I) {
-    let deadline = tokio::time::Instant::now() + LINGER_TIME;
-    let mut scratch = vec![0u8; 16 * 1024];
-    let mut left = LINGER_BYTES;
-    loop {
-        let wait = deadline.min(tokio::time::Instant::now() + LINGER_READ);
-        match tokio::time::timeout_at(wait, io.read(&mut scratch)).await {
-            Ok(Ok(n)) if n > 0 && n < left => left -= n,
-            _ => return,
-        }
+        Box::pin(super::linger::linger(io)).await;
     }
 }
 

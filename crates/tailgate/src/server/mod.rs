@@ -5,6 +5,7 @@
 pub mod h1_guard;
 pub mod h1_inline;
 pub mod head;
+mod linger;
 pub mod send_timeout;
 pub mod spawner;
 

@@ -21,8 +21,8 @@
 //! passed through untouched.
 //!
 //! When hyper's server closes the connection, the guard's shutdown lingers as the inline
-//! server's close does: the write side is shut, then what the client still sends is read
-//! and dropped until it closes too (5 s, 1 s per read, 1 MiB at most). A client still
+//! server's close does (`server::linger`): the write side is shut, then what the client
+//! still sends is read and dropped until it closes too. A client still
 //! sending a body hyper did not read (a refused head's, one over `max_body_bytes` answered
 //! 413 before it came, a request behind a `Connection: close`) gets the answer, not a
 //! reset. A client that has closed already ends it at once.
@@ -44,7 +44,7 @@ use tokio::time::Sleep;
 
 pub use self::framing::Refusal;
 use self::framing::{Framing, State};
-use super::h1_inline::{LINGER_BYTES, LINGER_READ, LINGER_TIME};
+use super::linger::Linger;
 use crate::pipeline::{ConnInfo, REFUSED_HEAD_HEADER, RefusedHead};
 
 mod framing;
@@ -76,46 +76,6 @@ pub struct H1Guard<T> {
     stand_in: Option<Vec<u8>>,
     /// The lingering close, once the write side is shut.
     linger: Option<Linger>,
-}
-
-/// What bounds a lingering close: its whole length, each read's wait, and the bytes read.
-/// Made only when a connection closes (its timers are on the heap).
-struct Linger {
-    total: Pin<Box<Sleep>>,
-    read: Pin<Box<Sleep>>,
-    left: usize,
-}
-
-impl Linger {
-    fn new() -> Linger {
-        Linger {
-            total: Box::pin(tokio::time::sleep(LINGER_TIME)),
-            read: Box::pin(tokio::time::sleep(LINGER_READ)),
-            left: LINGER_BYTES,
-        }
-    }
-
-    /// Reads and drops what `io` still sends until it ends, fails, or a bound is reached.
-    fn poll_drain<T: AsyncRead + Unpin>(&mut self, io: &mut T, cx: &mut Context<'_>) -> Poll<()> {
-        let mut scratch = [0u8; 4096];
-        loop {
-            // Both timers are polled before each read, so a read left pending is woken by
-            // either of them.
-            if self.total.as_mut().poll(cx).is_ready() || self.read.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(());
-            }
-            let mut rb = ReadBuf::new(&mut scratch);
-            match Pin::new(&mut *io).poll_read(cx, &mut rb) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(Ok(())) if !rb.filled().is_empty() && rb.filled().len() < self.left => {
-                    self.left -= rb.filled().len();
-                    let next = tokio::time::Instant::now() + LINGER_READ;
-                    self.read.as_mut().reset(next);
-                }
-                Poll::Ready(_) => return Poll::Ready(()),
-            }
-        }
-    }
 }
 
 impl<T> H1Guard<T> {
