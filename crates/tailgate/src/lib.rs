@@ -13,6 +13,7 @@ pub mod gateway;
 pub mod listener;
 pub mod logging;
 pub mod observe;
+pub(crate) mod pace;
 pub mod pipeline;
 pub mod runtime;
 pub mod server;

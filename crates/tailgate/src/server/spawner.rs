@@ -13,7 +13,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::pace::Every;
 
 /// Open client connections over every worker, and the cap on them. On cache lines of its
 /// own: every worker writes it at each accept and close.
@@ -43,35 +45,6 @@ pub struct ConnCount {
 /// At most one warning of a kind this often: a gateway held at its cap, or out of file
 /// descriptors, would otherwise log one per accept (every 50 ms per listener and worker).
 const WARN_EVERY: Duration = Duration::from_secs(10);
-
-/// Says when something said at most every [`WARN_EVERY`] may be said again, over every
-/// thread.
-#[derive(Debug)]
-struct Every {
-    epoch: Instant,
-    /// When it was last said (ms since `epoch`, +1; 0: never).
-    last_ms: AtomicU64,
-}
-
-impl Every {
-    fn new() -> Every {
-        Every {
-            epoch: Instant::now(),
-            last_ms: AtomicU64::new(0),
-        }
-    }
-
-    /// Whether it may be said now (and then it counts as said).
-    fn due(&self) -> bool {
-        let now = self.epoch.elapsed().as_millis() as u64 + 1;
-        let last = self.last_ms.load(Ordering::Relaxed);
-        (last == 0 || now.saturating_sub(last) >= WARN_EVERY.as_millis() as u64)
-            && self
-                .last_ms
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-    }
-}
 
 /// A connection's place in the count over every worker (and, once known, in its tenant's),
 /// given back when dropped.
@@ -121,8 +94,8 @@ impl ConnCount {
             accepted: AtomicU64::new(0),
             pauses: AtomicU64::new(0),
             accept_errors: AtomicU64::new(0),
-            cap_warning: Every::new(),
-            error_warning: Every::new(),
+            cap_warning: Every::new(WARN_EVERY),
+            error_warning: Every::new(WARN_EVERY),
             per_tenant: (0..tenants).map(|_| AtomicUsize::new(0)).collect(),
         }
     }

@@ -49,12 +49,10 @@ pub struct DnsStats {
 struct Early {
     notify: Notify,
     requested: Vec<AtomicBool>,
-    /// When each cluster last asked, in milliseconds since `epoch` (0: never): a cluster
-    /// asks at most once per `min_refresh`, however many requests fail meanwhile (a 502 for
-    /// want of an address comes back in microseconds, thousands of times a second).
-    asked_ms: Vec<AtomicU64>,
-    epoch: std::time::Instant,
-    min_interval_ms: u64,
+    /// Per cluster: it asks at most once per `min_refresh`, however many requests fail
+    /// meanwhile (a 502 for want of an address comes back in microseconds, thousands of
+    /// times a second).
+    asked: Vec<crate::pace::Every>,
 }
 
 /// What a worker needs to follow one cluster's addresses.
@@ -70,15 +68,8 @@ impl ClusterFeed {
     /// failure). Cheap and non-blocking: a flag and a wake-up.
     pub fn request_refresh(&self) {
         let early = &*self.early;
-        let now = u64::try_from(early.epoch.elapsed().as_millis())
-            .unwrap_or(u64::MAX)
-            .max(1);
-        if let Some(asked) = early.asked_ms.get(self.cluster) {
-            let last = asked.load(Ordering::Relaxed);
-            if last != 0 && now.saturating_sub(last) < early.min_interval_ms {
-                return;
-            }
-            asked.store(now, Ordering::Relaxed);
+        if early.asked.get(self.cluster).is_some_and(|a| !a.due()) {
+            return;
         }
         if let Some(flag) = early.requested.get(self.cluster)
             && !flag.swap(true, Ordering::Relaxed)
@@ -120,9 +111,11 @@ impl Dns {
                 .iter()
                 .map(|_| AtomicBool::new(false))
                 .collect(),
-            asked_ms: config.clusters.iter().map(|_| AtomicU64::new(0)).collect(),
-            epoch: std::time::Instant::now(),
-            min_interval_ms: u64::try_from(config.dns.min_refresh.as_millis()).unwrap_or(u64::MAX),
+            asked: config
+                .clusters
+                .iter()
+                .map(|_| crate::pace::Every::new(config.dns.min_refresh))
+                .collect(),
         });
         let mut feeds = Vec::new();
         let mut targets = Vec::new();
