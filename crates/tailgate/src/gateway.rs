@@ -100,21 +100,26 @@ impl Gateway {
             .map_err(StartError::Thread)?;
         // And the admin socket bound before them too, so that a bad admin address stops the
         // start before any client connection is taken (and then reset).
-        let admin_socket = match &config.admin {
+        let admin_bound = match &config.admin {
             Some(settings) => {
                 let addr = settings.address;
                 if listener::taken_by_another(addr) {
                     tracing::warn!(admin.addr = %addr, "another process already listens on the admin address: scrapes and probes are shared with it (SO_REUSEPORT) until it stops; stop it, unless this gateway is starting to replace it");
                 }
-                let socket = crate::admin::bind(addr)
+                let bound = crate::admin::bind(addr)
                     .map_err(|source| StartError::Admin { addr, source })?;
-                Some((addr, socket))
+                Some((addr, bound))
             }
             None => None,
         };
 
-        // Every listener bound once per worker; the first bind fixes port 0 to a real port.
+        // The workers' runtimes, before any listener listens (`runtime::build`).
         let workers = config.server.workers;
+        let runtimes = (0..workers)
+            .map(|_| crate::runtime::build())
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(StartError::Thread)?;
+        // Every listener bound once per worker; the first bind fixes port 0 to a real port.
         let mut per_worker: Vec<Vec<(std::net::TcpListener, Arc<BoundListener>)>> =
             (0..workers).map(|_| Vec::new()).collect();
         let mut listeners = Vec::new();
@@ -189,7 +194,7 @@ impl Gateway {
 
         let mut workers = Vec::new();
         let mut handles = Vec::new();
-        for (i, sockets) in per_worker.into_iter().enumerate() {
+        for (i, (sockets, rt)) in per_worker.into_iter().zip(runtimes).enumerate() {
             let worker = Arc::new(Worker {
                 upstreams: Upstreams::new(&config, &dns),
                 shared: shared.clone(),
@@ -202,7 +207,7 @@ impl Gateway {
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("tailgate-worker-{i}"))
-                    .spawn(move || run_worker(worker, &config, sockets, rx, handle_tx))
+                    .spawn(move || run_worker(rt, worker, &config, sockets, rx, handle_tx))
                     .map_err(StartError::Thread)?,
             );
             if let Ok(h) = handle_rx.recv() {
@@ -215,9 +220,9 @@ impl Gateway {
             workers.clone(),
             dns.stats.clone(),
         ));
-        let admin = match admin_socket {
-            Some((addr, socket)) => Some(
-                Admin::start(socket, state.clone())
+        let admin = match admin_bound {
+            Some((addr, bound)) => Some(
+                Admin::start(bound, state.clone())
                     .map_err(|source| StartError::Admin { addr, source })?,
             ),
             None => None,
@@ -335,15 +340,13 @@ impl Gateway {
 }
 
 fn run_worker(
+    rt: tokio::runtime::Runtime,
     worker: Arc<Worker>,
     config: &Config,
     sockets: Vec<(std::net::TcpListener, Arc<BoundListener>)>,
     mut shutdown: watch::Receiver<bool>,
     handle_tx: std::sync::mpsc::SyncSender<Handle>,
 ) {
-    let Some(rt) = crate::runtime::for_thread("worker", "") else {
-        return;
-    };
     let grace = worker.shared.settings.shutdown_grace;
     let spawner = Arc::new(TenantSpawner::new(config.tenants.len()));
     rt.block_on(async move {

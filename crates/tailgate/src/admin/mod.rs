@@ -198,33 +198,54 @@ pub struct Admin {
     scrape_thread: JoinHandle<()>,
 }
 
-/// Binds the admin listener. With SO_REUSEPORT, as the data listeners are: a second gateway
-/// started on a running one's addresses (a restart that refuses no connection) shares it
-/// rather than failing to start.
-pub fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
-    crate::listener::bind_reuseport(addr)
+/// The admin listener and the runtimes of the admin and scrape threads, made before the
+/// data plane starts (see [`crate::runtime::build`]).
+pub struct Bound {
+    listener: std::net::TcpListener,
+    runtime: tokio::runtime::Runtime,
+    /// `None` when it could not be built: scrapes render on the admin thread.
+    scrape_runtime: Option<tokio::runtime::Runtime>,
+}
+
+/// Binds the admin listener, and builds the runtimes its threads will run. With
+/// SO_REUSEPORT, as the data listeners are: a second gateway started on a running one's
+/// addresses (a restart that refuses no connection) shares it rather than failing to start.
+pub fn bind(addr: SocketAddr) -> std::io::Result<Bound> {
+    let listener = crate::listener::bind_reuseport(addr)?;
+    let runtime = crate::runtime::build()?;
+    let scrape_runtime = crate::runtime::build()
+        .inspect_err(|e| {
+            tracing::error!(error = %e, "cannot build the scrape runtime; scrapes render on the admin thread");
+        })
+        .ok();
+    Ok(Bound {
+        listener,
+        runtime,
+        scrape_runtime,
+    })
 }
 
 impl Admin {
-    /// Starts the admin thread on `listener` (from [`bind`]), and the scrape thread.
-    pub fn start(
-        listener: std::net::TcpListener,
-        state: Arc<AdminState>,
-    ) -> std::io::Result<Admin> {
+    /// Starts the admin thread on what [`bind`] made, and the scrape thread.
+    pub fn start(bound: Bound, state: Arc<AdminState>) -> std::io::Result<Admin> {
+        let Bound {
+            listener,
+            runtime,
+            scrape_runtime,
+        } = bound;
         let addr = listener.local_addr()?;
         let (stop, stop_rx) = watch::channel(false);
-        let (runtime_tx, runtime_rx) = std::sync::mpsc::channel();
         let scrape_stop = stop_rx.clone();
+        // Without it, scrapes render on the admin thread.
+        if let Some(rt) = &scrape_runtime {
+            let _ = state.scrape_runtime.set(rt.handle().clone());
+        }
         let scrape_thread = std::thread::Builder::new()
             .name("tailgate-scrape".into())
-            .spawn(move || run_scrapes(runtime_tx, scrape_stop))?;
-        // Without it (its runtime could not be built), scrapes render on the admin thread.
-        if let Ok(handle) = runtime_rx.recv() {
-            let _ = state.scrape_runtime.set(handle);
-        }
+            .spawn(move || run_scrapes(scrape_runtime, scrape_stop))?;
         let thread = std::thread::Builder::new()
             .name("tailgate-admin".into())
-            .spawn(move || run(listener, state, stop_rx))?;
+            .spawn(move || run(listener, runtime, state, stop_rx))?;
         tracing::info!(admin.addr = %addr, "admin listening");
         Ok(Admin {
             addr,
@@ -244,28 +265,23 @@ impl Admin {
 
 /// The scrape thread: a runtime that only renders expositions, under `SCHED_IDLE`, until
 /// the admin plane stops.
-fn run_scrapes(
-    runtime_tx: std::sync::mpsc::Sender<tokio::runtime::Handle>,
-    mut stop: watch::Receiver<bool>,
-) {
-    let Some(rt) = crate::runtime::for_thread("scrape", "; scrapes render on the admin thread")
-    else {
+fn run_scrapes(rt: Option<tokio::runtime::Runtime>, mut stop: watch::Receiver<bool>) {
+    let Some(rt) = rt else {
         return;
     };
-    let _ = runtime_tx.send(rt.handle().clone());
-    // Only after the handle is sent: `Admin::start` waits for it, and a `SCHED_IDLE` thread
-    // on a busy core may wait a second for its turn.
     idle_priority();
     rt.block_on(async move {
         let _ = stop.wait_for(|s| *s).await;
     });
 }
 
-fn run(listener: std::net::TcpListener, state: Arc<AdminState>, mut stop: watch::Receiver<bool>) {
+fn run(
+    listener: std::net::TcpListener,
+    rt: tokio::runtime::Runtime,
+    state: Arc<AdminState>,
+    mut stop: watch::Receiver<bool>,
+) {
     lower_priority();
-    let Some(rt) = crate::runtime::for_thread("admin", "") else {
-        return;
-    };
     rt.block_on(async move {
         let listener = match tokio::net::TcpListener::from_std(listener) {
             Ok(l) => l,
