@@ -125,18 +125,16 @@ async fn serve_tls(
 ) {
     let stream = stream.prepare(ctx.worker.shared.settings.idle_timeout);
     let handshake_timeout = ctx.worker.shared.settings.header_read_timeout;
-    // Shutdown does not wait for a handshake in progress, but one taken from the listen
-    // queue at shutdown (`listener::take_queued`) gets the short wait a plain one gets for
-    // its first bytes, then its request is answered: its client has usually sent its hello
-    // and is waiting.
-    let mut shutdown = ctx.shutdown.clone();
-    let accepted = if *shutdown.borrow() {
-        tokio::time::timeout(handshake_timeout.min(QUEUED_WAIT), acceptor.accept(stream)).await
-    } else {
-        tokio::select! {
-            a = tokio::time::timeout(handshake_timeout, acceptor.accept(stream)) => a,
-            _ = shutdown.wait_for(|stop| *stop) => return,
-        }
+    // Shutdown does not wait for a handshake in progress (see `first_step`).
+    let Some(accepted) = first_step(
+        &ctx.shutdown,
+        handshake_timeout,
+        handshake_timeout.min(QUEUED_WAIT),
+        acceptor.accept(stream),
+    )
+    .await
+    else {
+        return;
     };
     let tls = match accepted {
         Ok(Ok(s)) => s,
@@ -193,6 +191,26 @@ fn conn_info(
 /// How long a connection accepted at shutdown waits for its first bytes.
 const QUEUED_WAIT: Duration = Duration::from_secs(1);
 
+/// A connection's first step (`step`: its TLS handshake, or its first bytes) within `limit`,
+/// or `None` if shutdown comes first. One taken from the listen queue at shutdown
+/// (`listener::take_queued`) is past that: its client has usually sent its hello or its
+/// request and is waiting, so it gets `queued_limit` for the step, and then its answer.
+async fn first_step<F: Future>(
+    shutdown: &watch::Receiver<bool>,
+    limit: Duration,
+    queued_limit: Duration,
+    step: F,
+) -> Option<Result<F::Output, tokio::time::error::Elapsed>> {
+    let mut shutdown = shutdown.clone();
+    if *shutdown.borrow() {
+        return Some(tokio::time::timeout(queued_limit, step).await);
+    }
+    tokio::select! {
+        r = tokio::time::timeout(limit, step) => Some(r),
+        _ = shutdown.wait_for(|stop| *stop) => None,
+    }
+}
+
 /// No ALPN decision: HTTP/1.1, unless the client opens with the HTTP/2 preface.
 async fn serve_plain<I: Prepare>(
     mut ctx: ConnCtx,
@@ -207,17 +225,16 @@ async fn serve_plain<I: Prepare>(
     let mut guard = H1Guard::new(io, settings.max_header_bytes, settings.header_read_timeout);
     let info = conn_info(&ctx, slot, peer, tls, sni_tenant);
     // A client that connects and says nothing is closed after the idle timeout, or at
-    // shutdown. One taken from the listen queue at shutdown (`listener::take_queued`) has
-    // usually sent its request already: it gets a short wait for it, and its answer.
-    let mut shutdown = ctx.shutdown.clone();
-    let sniffed = if *shutdown.borrow() {
-        let wait = settings.header_read_timeout.min(QUEUED_WAIT);
-        tokio::time::timeout(wait, sniff_h2(&mut guard)).await
-    } else {
-        tokio::select! {
-            s = tokio::time::timeout(settings.idle_timeout, sniff_h2(&mut guard)) => s,
-            _ = shutdown.wait_for(|stop| *stop) => return,
-        }
+    // shutdown (see `first_step`).
+    let Some(sniffed) = first_step(
+        &ctx.shutdown,
+        settings.idle_timeout,
+        settings.header_read_timeout.min(QUEUED_WAIT),
+        sniff_h2(&mut guard),
+    )
+    .await
+    else {
+        return;
     };
     match sniffed.unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into())) {
         Ok(true) => {
