@@ -145,16 +145,24 @@ impl AdminState {
     /// until its start timeout kills the gateway). Past the wait, a cold cluster is named in
     /// `/readyz`'s answer and in one warning instead.
     pub fn not_ready(&self) -> Option<String> {
+        self.readiness().err()
+    }
+
+    /// Ready, with the clusters still cold (named in `/readyz` and `/stats`), or the reason
+    /// it is not (see [`not_ready`](Self::not_ready)).
+    pub fn readiness(&self) -> Result<Vec<&str>, String> {
         if self.draining.load(Ordering::Relaxed) {
-            return Some("draining".into());
+            return Err("draining".into());
         }
         if self.tick_ages().iter().any(Option::is_none) {
-            return Some("workers starting".into());
+            return Err("workers starting".into());
         }
         let cold = self.cold_clusters();
-        let first = cold.first()?;
+        let Some(first) = cold.first() else {
+            return Ok(cold);
+        };
         if self.started.elapsed() < self.config.server.warm_wait {
-            return Some(format!("cluster `{first}` has no warm connections yet"));
+            return Err(format!("cluster `{first}` has no warm connections yet"));
         }
         if !self.warned_cold.swap(true, Ordering::Relaxed) {
             tracing::warn!(
@@ -163,7 +171,7 @@ impl AdminState {
                 "ready without warm connections to these clusters: none opened within warm_wait (is their upstream down?)"
             );
         }
-        None
+        Ok(cold)
     }
 
     /// Clusters with `min_warm_connections` that some worker has not warmed yet (no
@@ -435,9 +443,8 @@ fn handle(state: Arc<AdminState>, req: Request<Incoming>) -> Response<AdminBody>
                 )
             }
         }
-        "/readyz" => match state.not_ready() {
-            None => {
-                let cold = state.cold_clusters();
+        "/readyz" => match state.readiness() {
+            Ok(cold) => {
                 let body = if cold.is_empty() {
                     serde_json::json!({"status": "ready"})
                 } else {
@@ -445,7 +452,7 @@ fn handle(state: Arc<AdminState>, req: Request<Incoming>) -> Response<AdminBody>
                 };
                 json(StatusCode::OK, &body)
             }
-            Some(reason) => json(
+            Err(reason) => json(
                 StatusCode::SERVICE_UNAVAILABLE,
                 &serde_json::json!({"status": "not_ready", "reason": reason}),
             ),
