@@ -603,7 +603,7 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
     let cluster_families: [(&str, &str, ClusterGet); 6] = [
         (
             "tailgate_upstream_overflows",
-            "Requests refused (503 upstream_overflow) because the cluster's max_requests were awaiting its answer.",
+            "Requests refused (503 upstream_overflow) because the cluster's max_requests were in flight.",
             |c| &c.overflows,
         ),
         (

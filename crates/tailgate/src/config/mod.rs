@@ -151,7 +151,7 @@ pub struct Cluster {
     pub retry_budget_percent: u32,
     /// Hedged requests may be at most this percentage of requests (they also spend retries).
     pub hedge_budget_percent: u32,
-    /// Requests awaiting this cluster's answer at once, over every worker (0: no cap).
+    /// Requests in flight to this cluster at once, over every worker (0: no cap).
     pub max_requests: usize,
     /// Set when the endpoints are `https://` (a cluster's endpoints share one scheme).
     pub tls: Option<crate::upstream::UpstreamTls>,
