@@ -207,7 +207,7 @@ pub struct Admin {
 }
 
 /// The admin listener and the runtimes of the admin and scrape threads, made before the
-/// data plane starts (see [`crate::runtime::build`]).
+/// data plane starts (see `runtime::build`).
 pub struct Bound {
     listener: std::net::TcpListener,
     runtime: tokio::runtime::Runtime,
