@@ -25,7 +25,7 @@ use crate::pipeline::route::RouteTable;
 use crate::pipeline::{Shared, Worker};
 use crate::server::DrainToken;
 use crate::server::spawner::{ConnCount, TenantSpawner};
-use crate::upstream::Upstreams;
+use crate::upstream::{ClusterCaps, Upstreams};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -194,9 +194,10 @@ impl Gateway {
 
         let mut workers = Vec::new();
         let mut handles = Vec::new();
+        let caps = ClusterCaps::new(&config);
         for (i, (sockets, rt)) in per_worker.into_iter().zip(runtimes).enumerate() {
             let worker = Arc::new(Worker {
-                upstreams: Upstreams::new(&config, &dns),
+                upstreams: Upstreams::new(&config, &dns, &caps),
                 shared: shared.clone(),
                 metrics: Arc::new(WorkerMetrics::new(plan.clone())),
             });
