@@ -103,6 +103,35 @@ async fn a_dot_segment_cannot_leave_its_routes_prefix() {
     );
 }
 
+/// A segment's `;` parameters do not take a path past the route its path takes in a Java
+/// application server, which drops them: `/public;jsessionid=1/x` is `/public/x` there.
+#[tokio::test]
+async fn a_path_parameter_does_not_pass_by_its_route() {
+    let gw = gateway().await;
+    for target in [
+        "/public;jsessionid=1/x",
+        "/public;/x",
+        "/;x/public/x",
+        "/public/;y/x",
+    ] {
+        let (status, body) = ask(&gw, &get(target)).await;
+        assert!(status.contains(" 200 "), "{target}: {status}");
+        assert_eq!(body, "public", "{target} is /public/x upstream");
+    }
+    // Still sent upstream as the client wrote it.
+    let (text, _) = raw(
+        gw.addr,
+        get("/public;jsessionid=1/x").as_bytes(),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(
+        text.to_ascii_lowercase()
+            .contains("x-target: /public;jsessionid=1/x"),
+        "{text}"
+    );
+}
+
 #[tokio::test]
 async fn encoded_and_doubled_slashes_route_as_their_normal_form() {
     let gw = gateway().await;

@@ -820,7 +820,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 Ok(normal) => c.err(
                     Some(r.path_prefix.span()),
                     format!("route[{i}].path_prefix"),
-                    format!("`{path_prefix}` is not in normal form, so no request would match it: paths are matched with `%XX` of unreserved characters decoded, `.` and `..` resolved and `//` merged"),
+                    format!("`{path_prefix}` is not in normal form, so no request would match it: paths are matched with `%XX` of unreserved characters decoded, `;` parameters dropped, `.` and `..` resolved and `//` merged"),
                     Some(&format!(
                         "write \"{}\"",
                         normal.strip_suffix('x').unwrap_or(&normal)
@@ -1199,6 +1199,10 @@ mod tests {
             (
                 format!("{TAIL}[[route]]\npath_prefix = \"/a%2fb\"\ncluster = \"c\"\n"),
                 "help: write \"/a/b\"",
+            ),
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/a;v=1/b/\"\ncluster = \"c\"\n"),
+                "help: write \"/a/b/\"",
             ),
             (
                 format!("[[tenant]]\nname = \"t\"\nhosts = [\"api.test.\"]\n{TAIL}"),

@@ -377,13 +377,14 @@ const HOST_BYTES: [HostByte; 256] = {
 /// The path as routes match it, as nginx reads a path before it matches a location:
 /// percent-encoded unreserved bytes decoded (`%2e` is `.`, `%41` is `A`), an encoded slash
 /// or backslash (`%2F`, `%5C`) and a backslash read as `/`, other escapes kept (their hex in
-/// upper case), `.` and `..` segments resolved (RFC 3986 §5.2.4), also with a `;` parameter
-/// after them (`..;x`, which some application servers resolve as `..`), and repeated slashes
-/// merged. Whatever an upstream may take for a dot segment is resolved here, so that no
-/// request reaches a route whose prefix its path leaves upstream.
+/// upper case), each segment's `;` parameters dropped (`/admin;jsessionid=1/x` is
+/// `/admin/x`, as Java application servers read it; `..;x` is `..`), `.` and `..` segments
+/// resolved (RFC 3986 §5.2.4), and repeated slashes merged. Whatever an upstream may take
+/// for a dot segment or a parameter is resolved here, so that no request reaches a route
+/// whose prefix its path leaves upstream, nor passes by the route its path takes there.
 ///
-/// Borrowed, with no allocation, when the path has no `%`, `\`, `//` or `/.` in it (nearly
-/// every request) or its normal form is the same.
+/// Borrowed, with no allocation, when the path has no `%`, `\`, `;`, `//` or `/.` in it
+/// (nearly every request) or its normal form is the same.
 ///
 /// [`AboveRoot`] for a `..` that would climb above `/` (nginx answers it `400`). A target
 /// that is not a path (`*` of `OPTIONS *`) is returned as it is.
@@ -392,11 +393,11 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, AboveRoot> {
     if b.first() != Some(&b'/') {
         return Ok(Cow::Borrowed(path));
     }
-    // One pass (this runs on every request): only `%`, `\`, and a `/` before `/` or `.`,
-    // can make the normal form differ.
+    // One pass (this runs on every request): only `%`, `\`, `;`, and a `/` before `/` or
+    // `.`, can make the normal form differ.
     let mut after_slash = false;
     let plain = b.iter().all(|&c| {
-        let odd = c == b'%' || c == b'\\' || after_slash && (c == b'/' || c == b'.');
+        let odd = c == b'%' || c == b'\\' || c == b';' || after_slash && (c == b'/' || c == b'.');
         after_slash = c == b'/';
         !odd
     });
@@ -432,9 +433,10 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, AboveRoot> {
     let mut trailing_slash = false;
     for seg in decoded[1..].split(|&c| c == b'/') {
         trailing_slash = false;
+        // The segment without its parameters; one with only parameters (`/;x/`) is empty.
         let name = seg.split(|&c| c == b';').next().unwrap_or_default();
         match name {
-            b"" if seg.is_empty() => trailing_slash = true,
+            b"" => trailing_slash = true,
             b"." => trailing_slash = true,
             b".." => {
                 let Some(last) = out.iter().rposition(|&c| c == b'/') else {
@@ -445,7 +447,7 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, AboveRoot> {
             }
             _ => {
                 out.push(b'/');
-                out.extend_from_slice(seg);
+                out.extend_from_slice(name);
             }
         }
     }
@@ -618,7 +620,11 @@ endpoints = ["127.0.0.1:1"]
             ("/x/..;y/z", "/z"),
             ("/x/.;y/z", "/x/z"),
             ("/x/..%2fz", "/z"),
-            ("/x/;y", "/x/;y"),
+            ("/x/;y", "/x/"),
+            ("/admin;jsessionid=1/keys", "/admin/keys"),
+            ("/a;x=1;y=2/b;c", "/a/b"),
+            ("/a/;x/b", "/a/b"),
+            ("/a%3Bb", "/a%3Bb"),
             ("/a%2", "/a%2"),
             ("/a%zz", "/a%zz"),
             ("/.well-known/x", "/.well-known/x"),
