@@ -502,3 +502,38 @@ async fn a_small_body_after_its_head_is_forwarded_and_the_connection_goes_on() {
     assert!(text.contains("x-echo-uri: /two\r\n"), "{text}");
     assert!(text.contains("connection: close\r\n"), "{text}");
 }
+
+/// `server.max_requests_per_connection` over HTTP/2: once the connection has taken that
+/// many streams it sends GOAWAY; the streams taken are answered, and the connection ends.
+#[tokio::test]
+async fn h2_connection_ends_after_max_requests_per_connection() {
+    let up = echo_upstream().await;
+    let gw = TestGateway::to(up, "[server]\nmax_requests_per_connection = 2\n");
+    let stream = TcpStream::connect(gw.addr).await.unwrap();
+    let (mut c, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    let conn = tokio::spawn(conn);
+    for i in 0..2 {
+        let req = http::Request::get(format!("http://api.test/h2/{i}"))
+            .body(full(""))
+            .unwrap();
+        let resp = c.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["x-echo-uri"], format!("/h2/{i}").as_str());
+        resp.into_body().collect().await.unwrap();
+    }
+    // The server's GOAWAY ends the connection (the client's driver returns).
+    tokio::time::timeout(Duration::from_secs(10), conn)
+        .await
+        .expect("the connection ended after its second stream")
+        .unwrap()
+        .unwrap();
+    let req = http::Request::get("http://api.test/h2/late")
+        .body(full(""))
+        .unwrap();
+    assert!(c.send_request(req).await.is_err());
+}

@@ -1325,3 +1325,75 @@ async fn ri_a_request_line_over_the_limit_is_414_and_headers_over_it_431() {
         "only the chunked requests went upstream"
     );
 }
+
+/// `server.max_requests_per_connection`: the last request a connection may carry is
+/// answered with `Connection: close` and the connection closed after it, as nginx's
+/// `keepalive_requests` does; the ones before it are kept alive. Served inline, across the
+/// handover to hyper's server (the count goes on there), and pipelined (what comes after
+/// the last one is not served).
+#[tokio::test]
+async fn ri_the_last_request_a_connection_may_carry_closes_it() {
+    let (up, hits) = path_upstream().await;
+    let gw = TestGateway::to(up, "[server]\nmax_requests_per_connection = 3\n");
+
+    // One at a time, inline.
+    let mut s = connect(gw.addr).await;
+    for i in 1..=3 {
+        s.write_all(get_req(&format!("/{i}")).as_bytes())
+            .await
+            .unwrap();
+        let got = read_responses(&mut s, 1).await;
+        assert_eq!(got[0].body(), format!("GET /{i}"));
+        let close = got[0].header("connection");
+        if i < 3 {
+            assert_eq!(close, None, "request {i} is kept alive");
+        } else {
+            assert_eq!(close, Some("close"), "the third is the last");
+        }
+    }
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed && text.is_empty(), "{text:?}");
+
+    // Two inline, the third a chunked POST that hyper's server takes, then one more.
+    let mut s = connect(gw.addr).await;
+    let req = [
+        get_req("/a"),
+        get_req("/b"),
+        "POST /c HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n"
+            .to_owned(),
+        get_req("/never"),
+    ]
+    .concat();
+    let before = hits.load(Ordering::SeqCst);
+    s.write_all(req.as_bytes()).await.unwrap();
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed, "{text:?}");
+    let got = responses(text.as_bytes(), &[]);
+    let bodies: Vec<&str> = got.iter().map(Resp::body).collect();
+    assert_eq!(bodies, ["GET /a", "GET /b", "POST /c hi"], "{text:?}");
+    assert_eq!(got[2].header("connection"), Some("close"), "{text:?}");
+    assert_eq!(
+        hits.load(Ordering::SeqCst) - before,
+        3,
+        "/never was not sent"
+    );
+
+    // Every request over hyper's server (each a chunked POST).
+    let mut s = connect(gw.addr).await;
+    for i in 1..=3 {
+        let req = format!(
+            "POST /p{i} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nx\r\n0\r\n\r\n"
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let got = read_responses(&mut s, 1).await;
+        assert_eq!(got[0].body(), format!("POST /p{i} x"));
+        let close = got[0].header("connection");
+        if i < 3 {
+            assert_ne!(close, Some("close"), "request {i} is kept alive");
+        } else {
+            assert_eq!(close, Some("close"), "the third is the last");
+        }
+    }
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed && text.is_empty(), "{text:?}");
+}

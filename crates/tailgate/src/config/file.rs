@@ -55,6 +55,7 @@ pub struct RawServer {
     pub request_id_header: Option<Spanned<String>>,
     pub warm_wait: Option<Spanned<String>>,
     pub max_connections: Option<usize>,
+    pub max_requests_per_connection: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

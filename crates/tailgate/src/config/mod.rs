@@ -68,6 +68,9 @@ pub struct ServerSettings {
     pub warm_wait: Duration,
     /// Open client connections over every worker at which accepting stops; 0: no cap.
     pub max_connections: usize,
+    /// Requests one client connection may carry; the last is answered and the connection
+    /// closed (HTTP/1.1 `Connection: close`, HTTP/2 GOAWAY). 0: no cap.
+    pub max_requests_per_connection: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

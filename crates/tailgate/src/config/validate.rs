@@ -398,6 +398,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             Duration::from_secs(10),
         ),
         max_connections: s.max_connections.unwrap_or(0),
+        max_requests_per_connection: s.max_requests_per_connection.unwrap_or(0),
     };
 
     // [log]

@@ -69,6 +69,9 @@ pub struct ConnInfo {
     /// Set when the HTTP/1 smuggling guard refused a head on a connection hyper's server
     /// reads (see [`crate::server::h1_guard`]).
     pub refused: std::sync::OnceLock<RefusedHead>,
+    /// Requests taken on the connection so far, under `server.max_requests_per_connection`.
+    /// Only the connection's task counts them.
+    pub requests: std::sync::atomic::AtomicU64,
 }
 
 /// A head the HTTP/1 smuggling guard refused. In its place hyper's server is fed a
@@ -84,6 +87,15 @@ pub struct RefusedHead {
 pub const REFUSED_HEAD_HEADER: &str = "tailgate-refused-head";
 
 impl ConnInfo {
+    /// Counts one more request taken on the connection: is it the last one allowed under
+    /// `max` (0: no cap)?
+    #[inline]
+    pub fn count_request(&self, max: u64) -> bool {
+        let n = self.requests.load(std::sync::atomic::Ordering::Relaxed) + 1;
+        self.requests.store(n, std::sync::atomic::Ordering::Relaxed);
+        max != 0 && n >= max
+    }
+
     /// The refusal this request stands in for, when it is the stand-in for a refused head.
     pub fn refused_head<B>(&self, req: &Request<B>) -> Option<&ProxyError> {
         let refused = self.refused.get()?;

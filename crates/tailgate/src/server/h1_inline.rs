@@ -67,6 +67,8 @@ pub struct Limits {
     pub max_head: usize,
     pub max_body: u64,
     pub header_timeout: Duration,
+    /// `server.max_requests_per_connection` (0: no cap).
+    pub max_requests: u64,
 }
 
 /// The largest request body waited for and read whole here when it comes after its head.
@@ -105,7 +107,11 @@ where
     loop {
         // 1. A whole head, or the reason there is none.
         let mut body_on_its_way = false;
-        let Served { parts, body, meta } = loop {
+        let Served {
+            parts,
+            body,
+            mut meta,
+        } = loop {
             if !buf.is_empty() && gate.worth_parsing(&buf, limits.max_head) {
                 match parse(&mut buf, limits, &mut idx) {
                     Ok(served) => {
@@ -190,6 +196,11 @@ where
             }
         };
         head_deadline = None;
+        // The last request `server.max_requests_per_connection` allows: answered with
+        // `Connection: close`, and the connection closed after it.
+        if info.count_request(limits.max_requests) {
+            meta.keep_alive = false;
+        }
 
         // 2. The pipeline, while the client is watched for its end. Its state (about 3 KB)
         // is boxed per request rather than kept in the connection's future: a request that
@@ -824,6 +835,7 @@ mod tests {
             max_head: 1024,
             max_body: 0,
             header_timeout: Duration::from_secs(1),
+            max_requests: 0,
         }
     }
 

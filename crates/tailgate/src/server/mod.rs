@@ -185,6 +185,7 @@ fn conn_info(
         drain: ctx.drain.clone(),
         slot,
         refused: std::sync::OnceLock::new(),
+        requests: std::sync::atomic::AtomicU64::new(0),
     })
 }
 
@@ -249,6 +250,7 @@ async fn serve_plain<I: Prepare>(
                 max_head: settings.max_header_bytes,
                 max_body: settings.max_body_bytes,
                 header_timeout: settings.header_read_timeout,
+                max_requests: settings.max_requests_per_connection,
             };
             let closing = AtomicBool::new(false);
             let ended = {
@@ -262,13 +264,9 @@ async fn serve_plain<I: Prepare>(
                     &limits,
                     &closing,
                 ));
-                drive(
-                    inline,
-                    ctx.shutdown.clone(),
-                    &info,
-                    settings.idle_timeout,
-                    |_| closing.store(true, Ordering::Relaxed),
-                )
+                drive(inline, ctx.shutdown.clone(), &info, settings, |_| {
+                    closing.store(true, Ordering::Relaxed)
+                })
                 .await
             };
             if let Some(h1_inline::Ended::Handover(rest)) = ended {
@@ -321,7 +319,11 @@ fn pipeline_service(
 + 'static {
     let (worker, info) = (worker.clone(), info.clone());
     let limit = worker.shared.settings.max_body_bytes;
+    let max_requests = worker.shared.settings.max_requests_per_connection;
     service_fn(move |req: Request<Incoming>| {
+        // Called from the connection's task as each request is taken; past the cap,
+        // [`Drive`] asks the connection to close once this poll of it is over.
+        info.count_request(max_requests);
         // The stand-in for a head the smuggling guard refused: its JSON error.
         if let Some(e) = info.refused_head(&req) {
             let resp = crate::pipeline::refusal_response(&worker, &info, e);
@@ -355,7 +357,7 @@ where
         .serve_connection(TokioIo::new(io), service)
         .with_upgrades();
     let conn = std::pin::pin!(conn);
-    let ended = drive(conn, ctx.shutdown, &info, settings.idle_timeout, |c| {
+    let ended = drive(conn, ctx.shutdown, &info, settings, |c| {
         c.as_mut().graceful_shutdown()
     })
     .await;
@@ -377,7 +379,7 @@ where
         .max_pending_accept_reset_streams(20)
         .serve_connection(TokioIo::new(io), service);
     let conn = std::pin::pin!(conn);
-    let ended = drive(conn, ctx.shutdown, &info, settings.idle_timeout, |c| {
+    let ended = drive(conn, ctx.shutdown, &info, settings, |c| {
         c.as_mut().graceful_shutdown()
     })
     .await;
@@ -414,7 +416,7 @@ fn drive<'a, C, G>(
     conn: C,
     mut shutdown: watch::Receiver<bool>,
     info: &'a ConnInfo,
-    idle: Duration,
+    settings: &crate::config::ServerSettings,
     graceful: G,
 ) -> Drive<'a, C, G>
 where
@@ -422,6 +424,7 @@ where
     G: FnMut(&mut C) + Unpin,
 {
     let close_at_first_poll = *shutdown.borrow();
+    let idle = settings.idle_timeout;
     let side = Arc::new(SideWake::default());
     Drive {
         close_at_first_poll,
@@ -432,6 +435,10 @@ where
         close_deadline: false,
         info,
         idle,
+        max_requests: match settings.max_requests_per_connection {
+            0 => u64::MAX,
+            max => max,
+        },
         graceful,
         // Any change of the shutdown value (or its sender going away) means: close.
         stop: Box::pin(async move {
@@ -462,6 +469,10 @@ struct Drive<'a, C, G> {
     close_deadline: bool,
     info: &'a ConnInfo,
     idle: Duration,
+    /// `server.max_requests_per_connection` (`u64::MAX`: no cap). Once the connection has
+    /// taken that many, it is asked to close as after an idle timeout: those in flight are
+    /// answered (the last HTTP/1.1 one with `Connection: close`; HTTP/2 sends GOAWAY).
+    max_requests: u64,
     graceful: G,
     stop: Pin<Box<dyn Future<Output = ()> + Send>>,
     idle_timer: Pin<Box<tokio::time::Sleep>>,
@@ -483,6 +494,16 @@ where
             if this.close_at_first_poll {
                 this.close_at_first_poll = false;
                 this.close_for_shutdown();
+                continue;
+            }
+            if !this.closing && this.info.requests.load(Ordering::Relaxed) >= this.max_requests {
+                this.closing = true;
+                this.close_deadline = true;
+                this.idle_timer
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + this.idle);
+                this.side.woken.store(true, Ordering::Release);
+                (this.graceful)(&mut this.conn);
                 continue;
             }
             if this.closing {
