@@ -628,3 +628,170 @@ async fn an_idle_connection_the_server_closed_is_closed_while_no_request_comes()
     .await;
     assert_eq!(g.pool_stat(|s| s.retired_idle.load(Ordering::Relaxed)), 0);
 }
+
+/// A raw HTTP/1.1 upstream that holds every request until `open` is set (then answers it,
+/// with `Connection: close` when `close` is set); counts accepted connections and the
+/// requests that arrived.
+struct GatedUpstream {
+    addr: std::net::SocketAddr,
+    conns: Arc<AtomicUsize>,
+    arrived: Arc<AtomicUsize>,
+    open: tokio::sync::watch::Sender<bool>,
+}
+
+async fn gated_upstream(close: bool) -> GatedUpstream {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let conns = Arc::new(AtomicUsize::new(0));
+    let arrived = Arc::new(AtomicUsize::new(0));
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let (c, a) = (conns.clone(), arrived.clone());
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else {
+                return;
+            };
+            c.fetch_add(1, Ordering::SeqCst);
+            let (a, mut gate) = (a.clone(), gate.clone());
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                        let mut chunk = [0u8; 4096];
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    buf.clear();
+                    a.fetch_add(1, Ordering::SeqCst);
+                    if gate.wait_for(|o| *o).await.is_err() {
+                        return;
+                    }
+                    let resp: &[u8] = if close {
+                        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"
+                    } else {
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+                    };
+                    if s.write_all(resp).await.is_err() || close {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    GatedUpstream {
+        addr,
+        conns,
+        arrived,
+        open,
+    }
+}
+
+/// `max_connections_per_endpoint`: a burst opens no more connections than the cap; the
+/// requests beyond it queue and are served on those connections as they come back, first
+/// come first served, none refused.
+#[tokio::test]
+async fn a_burst_past_max_connections_per_endpoint_queues_for_the_connections_open() {
+    let up = gated_upstream(false).await;
+    let gw = gateway(up.addr, "max_connections_per_endpoint = 2");
+    let addr = gw.addr;
+    let burst: Vec<_> = (0..6)
+        .map(|i| tokio::spawn(async move { get(addr, &format!("/{i}")).await.status() }))
+        .collect();
+    wait_for("two requests at the upstream", || {
+        up.arrived.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    wait_for("four requests queued", || {
+        stat(&gw, |s| s.queued.load(Ordering::SeqCst)) == 4
+    })
+    .await;
+    assert_eq!(up.conns.load(Ordering::SeqCst), 2);
+    up.open.send(true).unwrap();
+    for r in burst {
+        assert_eq!(r.await.unwrap(), 200);
+    }
+    assert_eq!(up.arrived.load(Ordering::SeqCst), 6);
+    assert_eq!(up.conns.load(Ordering::SeqCst), 2, "no third connection");
+    assert_eq!(stat(&gw, |s| s.queue_timeouts.load(Ordering::SeqCst)), 0);
+    assert_eq!(
+        stat(&gw, |s| s.connects_on_request.load(Ordering::SeqCst)),
+        2
+    );
+}
+
+/// A connection the server closes frees its place for the next request queued, which
+/// opens a new one.
+#[tokio::test]
+async fn a_closed_connection_hands_its_place_to_the_next_request_queued() {
+    let up = gated_upstream(true).await;
+    let gw = gateway(up.addr, "max_connections_per_endpoint = 1");
+    let addr = gw.addr;
+    let burst: Vec<_> = (0..3)
+        .map(|i| tokio::spawn(async move { get(addr, &format!("/{i}")).await.status() }))
+        .collect();
+    wait_for("two requests queued", || {
+        stat(&gw, |s| s.queued.load(Ordering::SeqCst)) == 2
+    })
+    .await;
+    assert_eq!(up.arrived.load(Ordering::SeqCst), 1);
+    up.open.send(true).unwrap();
+    for r in burst {
+        assert_eq!(r.await.unwrap(), 200);
+    }
+    assert_eq!(
+        up.conns.load(Ordering::SeqCst),
+        3,
+        "one connection at a time"
+    );
+}
+
+/// A request that gets no connection within the connect timeout is answered `503
+/// upstream_queue_timeout` (counted), and one that left the queue early (its client went
+/// away) takes nothing with it: the connection given back next goes to a live request.
+#[tokio::test]
+async fn a_request_queued_past_the_connect_timeout_gets_503() {
+    let up = gated_upstream(false).await;
+    let gw = gateway(
+        up.addr,
+        "max_connections_per_endpoint = 1\nconnect_timeout = \"300ms\"",
+    );
+    let addr = gw.addr;
+    let held = tokio::spawn(async move { get(addr, "/held").await.status() });
+    wait_for("the first request at the upstream", || {
+        up.arrived.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let resp = get(addr, "/late").await;
+    assert_eq!(resp.status(), 503);
+    assert_eq!(json(&resp)["error"], "upstream_queue_timeout");
+    assert_eq!(resp.headers()["retry-after"], "1");
+    assert_eq!(stat(&gw, |s| s.queue_timeouts.load(Ordering::SeqCst)), 1);
+    // A client that goes away while queued.
+    let gone = tokio::spawn(async move { get(addr, "/gone").await });
+    wait_for("the request queued", || {
+        stat(&gw, |s| s.queued.load(Ordering::SeqCst)) == 2
+    })
+    .await;
+    gone.abort();
+    let next = tokio::spawn(async move { get(addr, "/next").await.status() });
+    wait_for("the next request queued", || {
+        stat(&gw, |s| s.queued.load(Ordering::SeqCst)) == 3
+    })
+    .await;
+    up.open.send(true).unwrap();
+    assert_eq!(held.await.unwrap(), 200);
+    assert_eq!(next.await.unwrap(), 200);
+    assert_eq!(up.conns.load(Ordering::SeqCst), 1);
+    assert_eq!(get(addr, "/after").await.status(), 200);
+    assert_eq!(
+        up.conns.load(Ordering::SeqCst),
+        1,
+        "the one connection is reused"
+    );
+}
+
+fn json(resp: &http::Response<bytes::Bytes>) -> serde_json::Value {
+    serde_json::from_slice(resp.body()).unwrap()
+}

@@ -397,6 +397,10 @@ struct EndpointSums {
     ejections: u64,
     ejected: bool,
     in_flight: u64,
+    queued: u64,
+    queue_timeouts: u64,
+    /// Connections open under `max_connections_per_endpoint` (summed over the workers).
+    capped_open: Option<u64>,
 }
 
 impl EndpointSums {
@@ -425,6 +429,11 @@ impl EndpointSums {
         self.ejections += l(&e.load.ejections);
         self.ejected |= e.load.is_ejected();
         self.in_flight += u64::from(e.load.in_flight());
+        self.queued += l(&s.queued);
+        self.queue_timeouts += l(&s.queue_timeouts);
+        if let Some(open) = e.capped_open() {
+            *self.capped_open.get_or_insert(0) += open as u64;
+        }
     }
 }
 
@@ -459,7 +468,19 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
         )
     };
     type Get = fn(&EndpointSums) -> u64;
-    let families: [(&str, Kind, &str, Get); 9] = [
+    let families: [(&str, Kind, &str, Get); 11] = [
+        (
+            "tailgate_upstream_queued",
+            Kind::Counter,
+            "Requests that found max_connections_per_endpoint connections open and none idle, and queued for one.",
+            |e| e.queued,
+        ),
+        (
+            "tailgate_upstream_queue_timeouts",
+            Kind::Counter,
+            "Queued requests that got no connection within the connect timeout (503 upstream_queue_timeout).",
+            |e| e.queue_timeouts,
+        ),
         (
             "tailgate_upstream_refused_resends",
             Kind::Counter,
@@ -554,6 +575,18 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
                     &[&l, &r],
                     e.retired[i],
                 );
+            }
+        }
+    }
+    w.family(
+        "tailgate_upstream_connections_open",
+        Kind::Gauge,
+        "HTTP/1.1 connections open to the endpoint (busy and idle), for clusters with max_connections_per_endpoint.",
+    );
+    for (c, eps, _) in &clusters {
+        for e in eps {
+            if let Some(open) = e.capped_open {
+                w.gauge("tailgate_upstream_connections_open", &[&label(c, e)], open);
             }
         }
     }

@@ -619,6 +619,9 @@ fn stats(state: &AdminState) -> serde_json::Value {
                             "ejections": l(&e.load.ejections),
                             "ejected": e.load.is_ejected(),
                             "requests_in_flight": e.load.in_flight(),
+                            "queued": l(&s.queued),
+                            "queue_timeouts": l(&s.queue_timeouts),
+                            "connections_open": e.capped_open(),
                         })
                     })
                 })

@@ -114,6 +114,7 @@ pub struct RawCluster {
     pub endpoints: Spanned<Vec<Spanned<String>>>,
     pub connect_timeout: Option<Spanned<String>>,
     pub max_idle_per_endpoint: Option<usize>,
+    pub max_connections_per_endpoint: Option<Spanned<usize>>,
     pub idle_timeout: Option<Spanned<String>>,
     pub max_requests_per_connection: Option<u32>,
     pub max_connection_lifetime: Option<Spanned<String>>,

@@ -139,6 +139,9 @@ pub struct Cluster {
     pub hostnames: Vec<HostPort>,
     pub connect_timeout: Duration,
     pub max_idle_per_endpoint: usize,
+    /// HTTP/1.1 connections open to one endpoint from one worker, busy and idle (0: no
+    /// cap); past it requests queue for one, up to `connect_timeout`.
+    pub max_connections_per_endpoint: usize,
     pub idle_timeout: Duration,
     /// Retire a connection after this many requests (0: no cap).
     pub max_requests_per_connection: u32,

@@ -709,6 +709,10 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 Duration::from_secs(2),
             ),
             max_idle_per_endpoint: cl.max_idle_per_endpoint.unwrap_or(256),
+            max_connections_per_endpoint: cl
+                .max_connections_per_endpoint
+                .as_ref()
+                .map_or(0, |m| *m.get_ref()),
             idle_timeout: c.duration(
                 &cl.idle_timeout,
                 format!("cluster[{i}].idle_timeout"),
@@ -945,6 +949,20 @@ fn pool_limits(c: &mut Checker<'_>, raw: &super::file::RawCluster, i: usize, cl:
                 cl.min_warm_connections, cl.max_idle_per_endpoint
             ),
             Some("keep min_warm_connections at or below max_idle_per_endpoint"),
+        );
+    }
+    if cl.protocol != crate::upstream::Protocol::Http2
+        && cl.max_connections_per_endpoint > 0
+        && cl.min_warm_connections > cl.max_connections_per_endpoint
+    {
+        c.err(
+            warm_at.clone(),
+            format!("cluster[{i}].min_warm_connections"),
+            format!(
+                "{} warm connections cannot be kept with max_connections_per_endpoint = {}",
+                cl.min_warm_connections, cl.max_connections_per_endpoint
+            ),
+            Some("keep min_warm_connections at or below max_connections_per_endpoint"),
         );
     }
     if cl.min_warm_connections > 0 && cl.idle_timeout.is_zero() {
@@ -1245,6 +1263,20 @@ mod tests {
     fn http2_warm_connections_ignore_the_idle_limit() {
         let text = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\nprotocol = \"http2\"\nmax_idle_per_endpoint = 0\nmin_warm_connections = 2\n";
         assert_eq!(errors_of(text), "");
+    }
+
+    /// Warm spares take places under `max_connections_per_endpoint`: more than it cannot be
+    /// kept. An HTTP/2 cluster's connections are not under it.
+    #[test]
+    fn warm_spares_past_max_connections_per_endpoint_are_refused() {
+        let text = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\nmax_connections_per_endpoint = 2\nmin_warm_connections = 3\n";
+        assert!(
+            errors_of(text).contains("t.toml:7:24: cluster[0].min_warm_connections: 3 warm connections cannot be kept with max_connections_per_endpoint = 2"),
+            "{}",
+            errors_of(text)
+        );
+        assert_eq!(errors_of(&text.replace("= 3", "= 2")), "");
+        assert_eq!(errors_of(&format!("{text}protocol = \"http2\"\n")), "");
     }
 
     #[test]

@@ -42,6 +42,10 @@ pub enum ProxyError {
     #[error("the cluster's max_requests are in flight; try again shortly")]
     UpstreamOverflow,
     #[error(
+        "no connection to the upstream came free within the connect timeout (its max_connections_per_endpoint are busy); try again shortly"
+    )]
+    UpstreamQueueTimeout,
+    #[error(
         "a protocol upgrade (WebSocket) needs an HTTP/1.1 upstream; this cluster speaks HTTP/2"
     )]
     UpgradeNeedsHttp1,
@@ -65,7 +69,9 @@ impl ProxyError {
             | ProxyError::NoEndpoints
             | ProxyError::UpgradeNeedsHttp1 => StatusCode::BAD_GATEWAY,
             ProxyError::ConnectTimeout | ProxyError::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
-            ProxyError::UpstreamOverflow => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::UpstreamOverflow | ProxyError::UpstreamQueueTimeout => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
         }
     }
 
@@ -88,6 +94,7 @@ impl ProxyError {
             ProxyError::UpstreamTimeout => "upstream_timeout",
             ProxyError::NoEndpoints => "no_endpoints",
             ProxyError::UpstreamOverflow => "upstream_overflow",
+            ProxyError::UpstreamQueueTimeout => "upstream_queue_timeout",
             ProxyError::UpgradeNeedsHttp1 => "upgrade_needs_http1",
         }
     }
@@ -124,7 +131,10 @@ impl ProxyError {
             HeaderValue::from_static("application/json"),
         );
         h.insert(request_id_header.clone(), request_id.clone());
-        if matches!(self, ProxyError::UpstreamOverflow) {
+        if matches!(
+            self,
+            ProxyError::UpstreamOverflow | ProxyError::UpstreamQueueTimeout
+        ) {
             h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         if let ProxyError::MethodNotAllowed(methods) = self {

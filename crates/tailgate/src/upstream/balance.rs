@@ -217,10 +217,15 @@ impl InFlight<'_> {
     }
 
     /// A checkout that ended in `e`: the route's total deadline cutting a connect short
-    /// (`UpstreamTimeout` there) says the endpoint is slow, not broken, so it counts as
+    /// (`UpstreamTimeout` there), or a wait for one of its connections past the connect
+    /// timeout, says the endpoint is slow or busy, not broken, so it counts as
     /// [`abandoned`](Self::abandoned); any other error as [`failed`](Self::failed).
     pub fn ended_by(self, e: &crate::pipeline::error::ProxyError) {
-        if matches!(e, crate::pipeline::error::ProxyError::UpstreamTimeout) {
+        use crate::pipeline::error::ProxyError;
+        if matches!(
+            e,
+            ProxyError::UpstreamTimeout | ProxyError::UpstreamQueueTimeout
+        ) {
             self.abandoned();
         } else {
             self.failed();

@@ -159,13 +159,21 @@ impl Conn {
     /// then shared by every request a closing connection turned away (after a GOAWAY, hyper
     /// keeps the connection looking open until its task runs again, and each request sent
     /// on it meanwhile comes back unsent).
-    pub async fn replacement(&self) -> Result<Conn, ProxyError> {
-        match &self._slot {
-            Some(slot) => {
+    ///
+    /// An HTTP/1.1 replacement takes this connection's place under
+    /// `max_connections_per_endpoint`: it does not queue behind others for a place while it
+    /// holds one.
+    pub async fn replacement(&mut self) -> Result<Conn, ProxyError> {
+        match (&self._slot, &mut self.sender) {
+            (Some(slot), _) => {
                 self.pool.forget_h2(slot);
                 self.pool.checkout().await
             }
-            None => self.pool.connect().await,
+            (None, Sender::H1(c)) => {
+                let permit = c.take_permit();
+                self.pool.connect_with(permit).await
+            }
+            (None, Sender::H2(_)) => self.pool.connect_with(None).await,
         }
     }
 

@@ -29,6 +29,7 @@
 //!
 //! HTTP/2 upstreams stay on hyper (`conn.rs`): multiplexing needs a task per connection.
 
+use super::limit::ConnPermit;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::io::{self, Write as _};
@@ -153,6 +154,8 @@ pub struct H1Conn {
     /// This exchange's request body's progress, which moves the response deadline on while
     /// the body is being sent (none for a request without a body).
     progress: Option<Arc<BodyProgress>>,
+    /// Its place under the cluster's `max_connections_per_endpoint`, freed when it closes.
+    permit: Option<ConnPermit>,
 }
 
 impl H1Conn {
@@ -170,7 +173,18 @@ impl H1Conn {
             interim: 0,
             timer: None,
             progress: None,
+            permit: None,
         }
+    }
+
+    /// Holds `permit` (its place under `max_connections_per_endpoint`) while it is open.
+    pub(super) fn hold(&mut self, permit: Option<ConnPermit>) {
+        self.permit = permit;
+    }
+
+    /// Gives up its place, for the connection that replaces it.
+    pub(super) fn take_permit(&mut self) -> Option<ConnPermit> {
+        self.permit.take()
     }
 
     /// Can the connection carry another request: both bodies ended, nothing left over, and
@@ -857,6 +871,7 @@ impl H1Conn {
         Upgraded {
             pre: self.rbuf.freeze(),
             io: self.io,
+            _permit: self.permit,
         }
     }
 }
@@ -871,6 +886,8 @@ enum Step {
 pub struct Upgraded {
     pre: Bytes,
     io: Transport,
+    /// The connection's place under `max_connections_per_endpoint`: a tunnel keeps it.
+    _permit: Option<ConnPermit>,
 }
 
 impl AsyncRead for Upgraded {

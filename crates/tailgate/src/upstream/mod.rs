@@ -16,6 +16,7 @@ mod conn;
 pub mod dns;
 mod h1;
 pub mod hedge;
+mod limit;
 mod multiplex;
 mod pool;
 pub(crate) mod tls;

@@ -32,6 +32,7 @@ use tokio::sync::Notify;
 
 use super::conn::{Conn, Protocol, Sender, handshake_h2};
 use super::h1::{H1Conn, Transport};
+use super::limit::{ConnLimit, ConnPermit, Handed, Turn, Waiting};
 use super::multiplex::H2Set;
 use super::tls::{EndpointTls, Handshake};
 use crate::config::Cluster;
@@ -47,7 +48,8 @@ const LEARNED_TTL: Duration = Duration::from_secs(600);
 /// long a connection the server closed may sit in CLOSE_WAIT once traffic stops.
 const SWEEP_TICK: Duration = Duration::from_secs(2);
 
-struct Idle {
+/// An idle HTTP/1.1 connection and what the pool knows of it.
+pub(super) struct Idle {
     conn: Box<H1Conn>,
     since: Instant,
     created: Instant,
@@ -90,6 +92,12 @@ pub struct PoolStats {
     pub h2_waits_for_connect: AtomicU64,
     /// The server's requests-per-connection limit as learned from its closes (0: none seen).
     pub learned_limit: AtomicU32,
+    /// Requests that found `max_connections_per_endpoint` connections open and none idle,
+    /// and queued for one.
+    pub queued: AtomicU64,
+    /// Queued requests that got no connection within the connect timeout (`503
+    /// upstream_queue_timeout`).
+    pub queue_timeouts: AtomicU64,
 }
 
 /// The pool of one endpoint on one worker.
@@ -131,6 +139,8 @@ pub struct EndpointPool {
     owed: AtomicU32,
     /// Removed from its cluster (DNS): keeps no idle connections, opens no spares.
     retired: AtomicBool,
+    /// `max_connections_per_endpoint` (HTTP/1.1 connections), when set.
+    limit: Option<Arc<ConnLimit>>,
 }
 
 impl EndpointPool {
@@ -167,7 +177,15 @@ impl EndpointPool {
             epoch: Instant::now(),
             owed: AtomicU32::new(0),
             retired: AtomicBool::new(false),
+            limit: (cluster.max_connections_per_endpoint > 0
+                && cluster.protocol != Protocol::Http2)
+                .then(|| ConnLimit::new(cluster.max_connections_per_endpoint)),
         }
+    }
+
+    /// HTTP/1.1 connections open now under `max_connections_per_endpoint` (`None`: no cap).
+    pub fn capped_open(&self) -> Option<usize> {
+        self.limit.as_ref().map(|l| l.open())
     }
 
     /// Drains the pool of an endpoint removed from its cluster: idle connections close, the
@@ -307,7 +325,16 @@ impl EndpointPool {
             .is_ok()
     }
 
-    fn put(&self, idle: Idle) {
+    /// An idle connection goes to the first request queued for one, if any, else to the
+    /// idle list.
+    pub(super) fn put(&self, idle: Idle) {
+        let idle = match &self.limit {
+            Some(limit) => match limit.hand_idle(idle) {
+                Some(idle) => idle,
+                None => return,
+            },
+            None => idle,
+        };
         if self.max_idle == 0 || self.retired.load(Ordering::Relaxed) {
             return;
         }
@@ -389,11 +416,51 @@ impl EndpointPool {
                 _slot: None,
             });
         }
+        let permit = match &self.limit {
+            None => None,
+            Some(limit) => match limit.take_or_queue() {
+                Turn::Now(p) => Some(p),
+                Turn::Queued(rx) => match self.wait_turn(rx).await? {
+                    Handed::Idle(idle) => {
+                        self.stats.reuses.fetch_add(1, Ordering::Relaxed);
+                        return Ok(Conn {
+                            sender: Sender::H1(idle.conn),
+                            pool: self.clone(),
+                            reused: true,
+                            created: idle.created,
+                            uses: idle.uses,
+                            response_ok: false,
+                            _slot: None,
+                        });
+                    }
+                    Handed::Room(p) => Some(p),
+                },
+            },
+        };
         self.stats
             .connects_on_request
             .fetch_add(1, Ordering::Relaxed);
         self.refill.notify_one();
-        self.connect().await
+        self.connect_with(permit).await
+    }
+
+    /// Waits in the queue of `max_connections_per_endpoint` for a connection given back or
+    /// a place freed, up to the connect timeout.
+    async fn wait_turn(
+        &self,
+        rx: tokio::sync::oneshot::Receiver<Handed>,
+    ) -> Result<Handed, ProxyError> {
+        self.stats.queued.fetch_add(1, Ordering::Relaxed);
+        let mut waiting = Waiting { rx, pool: self };
+        match tokio::time::timeout(self.connect_timeout, &mut waiting.rx).await {
+            Ok(Ok(handed)) => Ok(handed),
+            // The queue is never cleared while the pool lives; a sender dropped unsent
+            // (none is) would end the wait like the timeout.
+            Ok(Err(_)) | Err(_) => {
+                self.stats.queue_timeouts.fetch_add(1, Ordering::Relaxed);
+                Err(ProxyError::UpstreamQueueTimeout)
+            }
+        }
     }
 
     /// A stream on an open HTTP/2 connection. While none has room and one is being opened,
@@ -464,12 +531,21 @@ impl EndpointPool {
     /// allocated only when a connect happens: inline, it would make every future that may
     /// connect (a checkout, and so each request's) that large, and moving those costs a
     /// copy of it on every request.
-    pub async fn connect(self: &Arc<Self>) -> Result<Conn, ProxyError> {
-        Box::pin(self.connect_inline()).await
+    ///
+    /// Under `max_connections_per_endpoint` an HTTP/1.1 connection holds `permit`, its
+    /// place (taken or handed on by the caller).
+    pub(super) async fn connect_with(
+        self: &Arc<Self>,
+        permit: Option<ConnPermit>,
+    ) -> Result<Conn, ProxyError> {
+        Box::pin(self.connect_inline(permit)).await
     }
 
-    async fn connect_inline(self: &Arc<Self>) -> Result<Conn, ProxyError> {
-        let conn = match self.open(true).await? {
+    async fn connect_inline(
+        self: &Arc<Self>,
+        permit: Option<ConnPermit>,
+    ) -> Result<Conn, ProxyError> {
+        let conn = match self.open(true, permit).await? {
             Opened::H1(s) => Conn {
                 sender: Sender::H1(s),
                 pool: self.clone(),
@@ -494,13 +570,16 @@ impl EndpointPool {
 
     /// Opens a connection and runs the handshakes. An HTTP/2 one joins the shared set (with
     /// a stream taken on it when `take`), and the requests waiting for it are woken.
-    async fn open(&self, take: bool) -> Result<Opened, ProxyError> {
+    async fn open(&self, take: bool, permit: Option<ConnPermit>) -> Result<Opened, ProxyError> {
         // Counted while under way, and announced when it ends — also when the request that
         // opened it goes away mid-connect (the guard's drop), or the waiters would wait for
         // a connect that never ends.
         let _announce = (self.protocol != Protocol::Http1).then(|| H2Connecting::start(self));
         match self.open_inner().await {
-            Ok(Handshaken::H1(s)) => Ok(Opened::H1(s)),
+            Ok(Handshaken::H1(mut s)) => {
+                s.hold(permit);
+                Ok(Opened::H1(s))
+            }
             Ok(Handshaken::H2(s, max)) => {
                 self.h2_seen.store(true, Ordering::Relaxed);
                 self.stats.h2_connections.fetch_add(1, Ordering::Relaxed);
@@ -598,7 +677,16 @@ impl EndpointPool {
             }
             while (self.warm_missing() || self.take_owed()) && !self.retired.load(Ordering::Relaxed)
             {
-                match self.open(false).await {
+                // Spares take a place under `max_connections_per_endpoint` too; with none
+                // free, the connections open are in use, and none is missing.
+                let permit = match &self.limit {
+                    None => None,
+                    Some(limit) => match limit.try_take() {
+                        Some(p) => Some(p),
+                        None => break,
+                    },
+                };
+                match self.open(false, permit).await {
                     Ok(Opened::H1(conn)) => {
                         self.stats.preconnects.fetch_add(1, Ordering::Relaxed);
                         let now = Instant::now();

@@ -34,7 +34,7 @@ pub const METHODS: [&str; 8] = [
 /// Status classes; `none` is an exchange that ended before any status (client gone).
 pub const CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "none"];
 /// Error kinds with their own label value (the codes of `ProxyError` and of the bodies).
-pub const ERROR_KINDS: [&str; 22] = [
+pub const ERROR_KINDS: [&str; 23] = [
     "no_route",
     "method_not_allowed",
     "misdirected_request",
@@ -52,6 +52,7 @@ pub const ERROR_KINDS: [&str; 22] = [
     "upstream_tls_failed",
     "upgrade_needs_http1",
     "upstream_overflow",
+    "upstream_queue_timeout",
     "total_timeout",
     "upstream_body",
     "upstream_body_timeout",
@@ -352,6 +353,7 @@ mod tests {
             E::UpstreamTimeout,
             E::NoEndpoints,
             E::UpstreamOverflow,
+            E::UpstreamQueueTimeout,
             E::UpgradeNeedsHttp1,
         ];
         for e in &all {
@@ -372,6 +374,7 @@ mod tests {
                 | E::UpstreamTimeout
                 | E::NoEndpoints
                 | E::UpstreamOverflow
+                | E::UpstreamQueueTimeout
                 | E::UpgradeNeedsHttp1 => {}
             }
             assert_ne!(error_index(e.code()), ERROR_KINDS.len() - 1, "{}", e.code());
