@@ -113,6 +113,10 @@ async fn a_path_parameter_does_not_pass_by_its_route() {
         "/public;/x",
         "/;x/public/x",
         "/public/;y/x",
+        // The parameter runs to the next `/` as sent, encoded ones inside it included, as
+        // Tomcat and Jetty read it: this is `/public/x` there, not `/internal/x`.
+        "/public;%2F..%2Finternal/x",
+        "/public;\\..\\internal/x",
     ] {
         let (status, body) = ask(&gw, &get(target)).await;
         assert!(status.contains(" 200 "), "{target}: {status}");
@@ -152,6 +156,12 @@ async fn a_path_above_the_root_is_400() {
         let (status, body) = ask(&gw, &get(target)).await;
         assert!(status.contains(" 400 "), "{target}: {status}");
         assert!(body.contains("bad_request"), "{target}: {body}");
+    }
+    // `..` after an empty segment: `/b` where slashes are merged, `/public/b` in Jetty.
+    for target in ["/public//../b", "/public/;x/../b", "/public%2F%2F../b"] {
+        let (status, body) = ask(&gw, &get(target)).await;
+        assert!(status.contains(" 400 "), "{target}: {status}");
+        assert!(body.contains("empty segment"), "{target}: {body}");
     }
 }
 

@@ -818,24 +818,41 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         } else {
             // Requests are matched in normal form (`pipeline::route::normal_path`): a prefix
             // that is not would never match anything. Its last segment may be cut short
-            // (`/static/.` matches `/static/.env`): checked as if a letter followed it.
-            let whole = format!("{path_prefix}x");
+            // (`/static/.` matches `/static/.env`): checked as if a letter followed it,
+            // unless it has a `;` (the letter would be part of the parameter).
+            let params = path_prefix.contains(';');
+            let whole = if params {
+                path_prefix.clone()
+            } else {
+                format!("{path_prefix}x")
+            };
+            use crate::pipeline::route::BadPath;
             match crate::pipeline::route::normal_path(&whole) {
                 Ok(normal) if normal == whole.as_str() => {}
                 Ok(normal) => c.err(
                     Some(r.path_prefix.span()),
                     format!("route[{i}].path_prefix"),
-                    format!("`{path_prefix}` is not in normal form, so no request would match it: paths are matched with `%XX` of unreserved characters decoded, `;` parameters dropped, `.` and `..` resolved and `//` merged"),
+                    format!("`{path_prefix}` is not in normal form, so no request would match it: paths are matched with `;` parameters dropped, `%XX` of unreserved characters decoded, `.` and `..` resolved and `//` merged"),
                     Some(&format!(
                         "write \"{}\"",
-                        normal.strip_suffix('x').unwrap_or(&normal)
+                        if params {
+                            &normal
+                        } else {
+                            normal.strip_suffix('x').unwrap_or(&normal)
+                        }
                     )),
                 ),
-                Err(_) => c.err(
+                Err(BadPath::AboveRoot) => c.err(
                     Some(r.path_prefix.span()),
                     format!("route[{i}].path_prefix"),
                     format!("`{path_prefix}` climbs above `/` with `..`"),
                     Some("write the prefix without `..` segments"),
+                ),
+                Err(BadPath::DotsAfterEmpty) => c.err(
+                    Some(r.path_prefix.span()),
+                    format!("route[{i}].path_prefix"),
+                    format!("`{path_prefix}` has `..` right after an empty segment; such paths are refused with 400"),
+                    Some("write the prefix without `//` or `..` segments"),
                 ),
             }
         }
@@ -1222,6 +1239,14 @@ mod tests {
             (
                 format!("{TAIL}[[route]]\npath_prefix = \"/a;v=1/b/\"\ncluster = \"c\"\n"),
                 "help: write \"/a/b/\"",
+            ),
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/box;v=2\"\ncluster = \"c\"\n"),
+                "help: write \"/box\"",
+            ),
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/a//../b\"\ncluster = \"c\"\n"),
+                "`/a//../b` has `..` right after an empty segment",
             ),
             (
                 format!("[[tenant]]\nname = \"t\"\nhosts = [\"api.test.\"]\n{TAIL}"),

@@ -265,11 +265,9 @@ pub fn handle(
         } else {
             host
         };
-        let Ok(path) = route::normal_path(parts.uri.path()) else {
-            return fail(
-                &mut rec,
-                ProxyError::BadRequest("the path climbs above the root (`..`)"),
-            );
+        let path = match route::normal_path(parts.uri.path()) {
+            Ok(path) => path,
+            Err(bad) => return fail(&mut rec, ProxyError::BadRequest(bad.message())),
         };
         let host_tenant = shared.routes.tenant_of_host(host);
         // A connection classified to a tenant (its listener's, or its TLS SNI's) does not

@@ -375,20 +375,25 @@ const HOST_BYTES: [HostByte; 256] = {
 };
 
 /// The path as routes match it, as nginx reads a path before it matches a location:
-/// percent-encoded unreserved bytes decoded (`%2e` is `.`, `%41` is `A`), an encoded slash
-/// or backslash (`%2F`, `%5C`) and a backslash read as `/`, other escapes kept (their hex in
-/// upper case), each segment's `;` parameters dropped (`/admin;jsessionid=1/x` is
-/// `/admin/x`, as Java application servers read it; `..;x` is `..`), `.` and `..` segments
-/// resolved (RFC 3986 §5.2.4), and repeated slashes merged. Whatever an upstream may take
-/// for a dot segment or a parameter is resolved here, so that no request reaches a route
-/// whose prefix its path leaves upstream, nor passes by the route its path takes there.
+/// each segment's `;` parameters dropped first, from the raw bytes, up to the next `/`
+/// (`/admin;jsessionid=1/x` is `/admin/x`, and `/admin;%2F..%2Fx/y` is `/admin/y`, as
+/// Tomcat and Jetty read them; `..;x` is `..`); then percent-encoded unreserved bytes
+/// decoded (`%2e` is `.`, `%41` is `A`), an encoded slash or backslash (`%2F`, `%5C`) and a
+/// backslash read as `/`, other escapes kept (their hex in upper case); `.` and `..`
+/// segments resolved (RFC 3986 §5.2.4), and repeated slashes merged. Whatever an upstream
+/// may take for a dot segment or a parameter is resolved here, so that no request reaches a
+/// route whose prefix its path leaves upstream, nor passes by the route its path takes
+/// there.
 ///
 /// Borrowed, with no allocation, when the path has no `%`, `\`, `;`, `//` or `/.` in it
 /// (nearly every request) or its normal form is the same.
 ///
-/// [`AboveRoot`] for a `..` that would climb above `/` (nginx answers it `400`). A target
-/// that is not a path (`*` of `OPTIONS *`) is returned as it is.
-pub fn normal_path(path: &str) -> Result<Cow<'_, str>, AboveRoot> {
+/// [`BadPath::AboveRoot`] for a `..` that would climb above `/` (nginx answers it `400`),
+/// [`BadPath::DotsAfterEmpty`] for a `..` right after an empty segment (`/a//../b`), which
+/// servers resolve differently (`/b` once slashes are merged, `/a/b` in Jetty, which
+/// refuses it since version 10). A target that is not a path (`*` of `OPTIONS *`) is
+/// returned as it is.
+pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
     let b = path.as_bytes();
     if b.first() != Some(&b'/') {
         return Ok(Cow::Borrowed(path));
@@ -408,6 +413,15 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, AboveRoot> {
     let mut i = 0;
     while i < b.len() {
         let c = b[i];
+        // A parameter runs to the next `/` as sent: an encoded or backslash one inside it is
+        // part of the parameter, as an application server that drops it reads it.
+        if c == b';' {
+            i += b[i..]
+                .iter()
+                .position(|&c| c == b'/')
+                .unwrap_or(b.len() - i);
+            continue;
+        }
         if c == b'%'
             && let (Some(hi), Some(lo)) = (
                 b.get(i + 1).and_then(|&c| hex_value(c)),
@@ -431,25 +445,30 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, AboveRoot> {
     // Segments are copied into `out`; a `..` cuts it back to the `/` before the last one.
     let mut out = Vec::with_capacity(decoded.len());
     let mut trailing_slash = false;
+    let mut after_empty = false;
     for seg in decoded[1..].split(|&c| c == b'/') {
         trailing_slash = false;
-        // The segment without its parameters; one with only parameters (`/;x/`) is empty.
-        let name = seg.split(|&c| c == b';').next().unwrap_or_default();
-        match name {
-            b"" => trailing_slash = true,
+        match seg {
+            b"" => {
+                trailing_slash = true;
+                after_empty = true;
+                continue;
+            }
             b"." => trailing_slash = true,
+            b".." if after_empty => return Err(BadPath::DotsAfterEmpty),
             b".." => {
                 let Some(last) = out.iter().rposition(|&c| c == b'/') else {
-                    return Err(AboveRoot);
+                    return Err(BadPath::AboveRoot);
                 };
                 out.truncate(last);
                 trailing_slash = true;
             }
             _ => {
                 out.push(b'/');
-                out.extend_from_slice(name);
+                out.extend_from_slice(seg);
             }
         }
+        after_empty = false;
     }
     if trailing_slash || out.is_empty() {
         out.push(b'/');
@@ -466,9 +485,26 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, AboveRoot> {
 
 const HEX: &[u8; 16] = b"0123456789ABCDEF";
 
-/// A path whose `..` climbs above the root.
+/// A path routes cannot match.
 #[derive(Debug, PartialEq, Eq)]
-pub struct AboveRoot;
+pub enum BadPath {
+    /// A `..` climbs above the root.
+    AboveRoot,
+    /// A `..` right after an empty segment, which servers resolve differently.
+    DotsAfterEmpty,
+}
+
+impl BadPath {
+    /// What a `400` says of it.
+    pub fn message(&self) -> &'static str {
+        match self {
+            BadPath::AboveRoot => "the path climbs above the root (`..`)",
+            BadPath::DotsAfterEmpty => {
+                "the path has `..` right after an empty segment (`//..`), which servers resolve differently"
+            }
+        }
+    }
+}
 
 fn hex_value(c: u8) -> Option<u8> {
     match c {
@@ -625,6 +661,12 @@ endpoints = ["127.0.0.1:1"]
             ("/a;x=1;y=2/b;c", "/a/b"),
             ("/a/;x/b", "/a/b"),
             ("/a%3Bb", "/a%3Bb"),
+            // A parameter runs to the next `/` as sent, encoded slashes and dots included.
+            ("/admin;%2F..%2Fpublic/x", "/admin/x"),
+            ("/admin;\\..\\public/x", "/admin/x"),
+            ("/x/%2e%2e;y/z", "/z"),
+            ("/;", "/"),
+            ("/a;", "/a"),
             ("/a%2", "/a%2"),
             ("/a%zz", "/a%zz"),
             ("/.well-known/x", "/.well-known/x"),
@@ -647,7 +689,15 @@ endpoints = ["127.0.0.1:1"]
             "/..;x/a",
             "/a/..%2F..",
         ] {
-            assert_eq!(normal_path(above), Err(AboveRoot), "{above}");
+            assert_eq!(normal_path(above), Err(BadPath::AboveRoot), "{above}");
+        }
+        // `..` after an empty segment: `/b` once slashes are merged, `/a/b` in Jetty.
+        for ambiguous in ["/a//../b", "/a/;x/../b", "/a%2F%2F..", "//..", "/a//.."] {
+            assert_eq!(
+                normal_path(ambiguous),
+                Err(BadPath::DotsAfterEmpty),
+                "{ambiguous}"
+            );
         }
     }
 
