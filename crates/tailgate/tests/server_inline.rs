@@ -1354,13 +1354,16 @@ async fn ri_the_last_request_a_connection_may_carry_closes_it() {
     let (text, closed) = read_until_close(&mut s, WAIT).await;
     assert!(closed && text.is_empty(), "{text:?}");
 
-    // Two inline, the third a chunked POST that hyper's server takes, then one more.
-    let mut s = connect(gw.addr).await;
+    // Two inline, the third a chunked POST that hyper's server takes, then two more there:
+    // the count goes on across the handover, each request counted once.
+    let gw4 = TestGateway::to(up, "[server]\nmax_requests_per_connection = 4\n");
+    let mut s = connect(gw4.addr).await;
     let req = [
         get_req("/a"),
         get_req("/b"),
         "POST /c HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n"
             .to_owned(),
+        get_req("/d"),
         get_req("/never"),
     ]
     .concat();
@@ -1370,11 +1373,40 @@ async fn ri_the_last_request_a_connection_may_carry_closes_it() {
     assert!(closed, "{text:?}");
     let got = responses(text.as_bytes(), &[]);
     let bodies: Vec<&str> = got.iter().map(Resp::body).collect();
-    assert_eq!(bodies, ["GET /a", "GET /b", "POST /c hi"], "{text:?}");
-    assert_eq!(got[2].header("connection"), Some("close"), "{text:?}");
+    assert_eq!(
+        bodies,
+        ["GET /a", "GET /b", "POST /c hi", "GET /d"],
+        "{text:?}"
+    );
+    assert_ne!(got[2].header("connection"), Some("close"), "{text:?}");
+    assert_eq!(got[3].header("connection"), Some("close"), "{text:?}");
     assert_eq!(
         hits.load(Ordering::SeqCst) - before,
-        3,
+        4,
+        "/never was not sent"
+    );
+
+    // Over hyper's server, the last request answered at once by the gateway (a TRACE gets
+    // 405 within the poll that took it) still says `Connection: close`.
+    let gw2 = TestGateway::to(up, "[server]\nmax_requests_per_connection = 2\n");
+    let mut s = connect(gw2.addr).await;
+    let req = [
+        "POST /p HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nx\r\n0\r\n\r\n",
+        "TRACE /t HTTP/1.1\r\nHost: a\r\n\r\n",
+        "GET /never HTTP/1.1\r\nHost: a\r\n\r\n",
+    ]
+    .concat();
+    let before = hits.load(Ordering::SeqCst);
+    s.write_all(req.as_bytes()).await.unwrap();
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed, "{text:?}");
+    let got = responses(text.as_bytes(), &[]);
+    assert_eq!(got.len(), 2, "{text:?}");
+    assert_eq!(got[1].status, 405, "{text:?}");
+    assert_eq!(got[1].header("connection"), Some("close"), "{text:?}");
+    assert_eq!(
+        hits.load(Ordering::SeqCst) - before,
+        1,
         "/never was not sent"
     );
 

@@ -421,6 +421,36 @@ async fn an_h2_client_that_takes_no_response_data_is_cut_off() {
     );
 }
 
+/// The same for the last stream `max_requests_per_connection` allows: the connection asked
+/// to close after it still cuts off a client that stops taking its response data.
+#[tokio::test]
+async fn an_h2_client_that_stalls_its_last_stream_is_cut_off() {
+    let up = upstream(|_| async { http::Response::new(full(vec![b'x'; 4 << 20])) }).await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nidle_timeout = \"600ms\"\nmax_requests_per_connection = 1\n",
+    );
+    let stream = TcpStream::connect(gw.addr).await.unwrap();
+    let (mut c, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    let conn = tokio::spawn(conn);
+    let resp = c
+        .send_request(http::Request::get("http://a/big").body(full("")).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let _unread = resp;
+    let ended = tokio::time::timeout(Duration::from_secs(10), conn).await;
+    assert!(
+        ended.is_ok(),
+        "the stalled client's connection was not closed"
+    );
+}
+
 /// Holds worker 0's thread for `d` (from when this returns), so that connections wait in
 /// its listen queue.
 fn hold_worker(gw: &TestGateway, d: Duration) {

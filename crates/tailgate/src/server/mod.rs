@@ -323,22 +323,37 @@ fn pipeline_service(
     service_fn(move |req: Request<Incoming>| {
         // Called from the connection's task as each request is taken; past the cap,
         // [`Drive`] asks the connection to close once this poll of it is over.
-        info.count_request(max_requests);
+        let last = info.count_request(max_requests);
         // The stand-in for a head the smuggling guard refused: its JSON error.
         if let Some(e) = info.refused_head(&req) {
             let resp = crate::pipeline::refusal_response(&worker, &info, e);
             return Either::Right(std::future::ready(Ok(resp)));
         }
+        let h1 = req.version() < http::Version::HTTP_2;
         // The head boxed, as the inline server's is: one allocation per request on this
         // path (bodies that stream, `Expect`, HTTP/2), so that the pipeline has one shape
         // and the inline path, nearly every request, passes its head by pointer.
         let (parts, body) = req.into_parts();
-        Either::Left(handle(
+        let handled = handle(
             worker.clone(),
             info.clone(),
             Box::new(parts),
             ReqBody::new(body, limit),
-        ))
+        );
+        if !(last && h1) {
+            return Either::Left(Either::Left(handled));
+        }
+        // The last HTTP/1.1 request says so in its answer: an answer ready within the poll
+        // that took its request is written before [`Drive`] turns keep-alive off, and
+        // hyper's server honours the header (no request pipelined behind it is served).
+        Either::Left(Either::Right(Box::pin(async move {
+            let mut resp = handled.await?;
+            resp.headers_mut().insert(
+                http::header::CONNECTION,
+                http::HeaderValue::from_static("close"),
+            );
+            Ok(resp)
+        })))
     })
 }
 
@@ -523,9 +538,21 @@ where
                 if this.info.activity.idle_deadline(this.idle).is_some() {
                     return Poll::Ready(None);
                 }
-                this.idle_timer
-                    .as_mut()
-                    .reset(tokio::time::Instant::now() + this.idle);
+                // Requests in flight: served, unless the client stopped taking their
+                // response data (as below), which a connection asked to close (its last
+                // request under `max_requests_per_connection`, a shutdown) must not
+                // escape.
+                match this.info.activity.stalled_deadline(this.idle) {
+                    Some(at) if at <= std::time::Instant::now() => {
+                        tracing::debug!(client.addr = %this.info.client, "client took no response data for the idle timeout; connection dropped");
+                        return Poll::Ready(None);
+                    }
+                    Some(at) => this.idle_timer.as_mut().reset(at.into()),
+                    None => this
+                        .idle_timer
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + this.idle),
+                }
                 this.side.woken.store(true, Ordering::Release);
                 continue;
             }
