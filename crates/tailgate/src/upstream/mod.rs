@@ -89,7 +89,8 @@ pub struct ClusterPools {
 /// Requests in flight to one cluster over every worker, and its `max_requests`. One count
 /// for the whole gateway, as Envoy's circuit breakers keep one per cluster: a count split
 /// over the workers would refuse on one worker while another had room. Workers touch it
-/// only on clusters with a cap, twice a request, on a cache line of its own.
+/// only on clusters with a cap, twice a request (take, give back), on a cache line of its
+/// own.
 #[repr(align(128))]
 pub struct InFlight {
     count: AtomicUsize,
@@ -121,12 +122,16 @@ impl ClusterCaps {
 }
 
 /// A request's place among those in flight to its cluster; given back when dropped: when
-/// its response has ended (or its tunnel has), or it failed or went away.
-pub struct Admitted(Arc<InFlight>);
+/// its response has ended (or its tunnel has), or it failed or went away. It holds the
+/// worker's own [`ClusterPools`] (its reference count is this worker's alone), not the
+/// shared count, whose line every worker writes already twice a request.
+pub struct Admitted(Arc<ClusterPools>);
 
 impl Drop for Admitted {
     fn drop(&mut self) {
-        self.0.count.fetch_sub(1, Ordering::Relaxed);
+        if let Some(cap) = &self.0.cap {
+            cap.count.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -135,7 +140,7 @@ impl ClusterPools {
     /// (counted) when its `max_requests` are taken, over every worker. Without a cap
     /// nothing is counted (`None`).
     #[inline]
-    pub fn admit(&self) -> Result<Option<Admitted>, ProxyError> {
+    pub fn admit(self: &Arc<Self>) -> Result<Option<Admitted>, ProxyError> {
         let Some(cap) = &self.cap else {
             return Ok(None);
         };
@@ -145,7 +150,7 @@ impl ClusterPools {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
                 (n < cap.max).then_some(n + 1)
             }) {
-            Ok(_) => Ok(Some(Admitted(cap.clone()))),
+            Ok(_) => Ok(Some(Admitted(self.clone()))),
             Err(_) => {
                 self.stats.overflows.fetch_add(1, Ordering::Relaxed);
                 Err(ProxyError::UpstreamOverflow)
