@@ -630,11 +630,12 @@ async fn an_idle_connection_the_server_closed_is_closed_while_no_request_comes()
 }
 
 /// A raw HTTP/1.1 upstream that holds every request until `open` is set (then answers it,
-/// with `Connection: close` when `close` is set); counts accepted connections and the
-/// requests that arrived.
+/// with `Connection: close` when `close` is set); counts accepted connections, the most
+/// open at once, and the requests that arrived.
 struct GatedUpstream {
     addr: std::net::SocketAddr,
     conns: Arc<AtomicUsize>,
+    peak: Arc<AtomicUsize>,
     arrived: Arc<AtomicUsize>,
     open: tokio::sync::watch::Sender<bool>,
 }
@@ -644,16 +645,30 @@ async fn gated_upstream(close: bool) -> GatedUpstream {
     let addr = l.local_addr().unwrap();
     let conns = Arc::new(AtomicUsize::new(0));
     let arrived = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let now_open = Arc::new(AtomicUsize::new(0));
     let (open, gate) = tokio::sync::watch::channel(false);
-    let (c, a) = (conns.clone(), arrived.clone());
+    let (c, a, p) = (conns.clone(), arrived.clone(), peak.clone());
     tokio::spawn(async move {
         loop {
             let Ok((mut s, _)) = l.accept().await else {
                 return;
             };
             c.fetch_add(1, Ordering::SeqCst);
-            let (a, mut gate) = (a.clone(), gate.clone());
+            p.fetch_max(
+                now_open.fetch_add(1, Ordering::SeqCst) + 1,
+                Ordering::SeqCst,
+            );
+            let (a, mut gate, now_open) = (a.clone(), gate.clone(), now_open.clone());
             tokio::spawn(async move {
+                // Counted closed when this task ends, whichever way.
+                struct Closed(Arc<AtomicUsize>);
+                impl Drop for Closed {
+                    fn drop(&mut self) {
+                        self.0.fetch_sub(1, Ordering::SeqCst);
+                    }
+                }
+                let _closed = Closed(now_open);
                 let mut buf = Vec::new();
                 loop {
                     while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -683,6 +698,7 @@ async fn gated_upstream(close: bool) -> GatedUpstream {
     GatedUpstream {
         addr,
         conns,
+        peak,
         arrived,
         open,
     }
@@ -714,6 +730,7 @@ async fn a_burst_past_max_connections_per_endpoint_queues_for_the_connections_op
     }
     assert_eq!(up.arrived.load(Ordering::SeqCst), 6);
     assert_eq!(up.conns.load(Ordering::SeqCst), 2, "no third connection");
+    assert_eq!(up.peak.load(Ordering::SeqCst), 2);
     assert_eq!(stat(&gw, |s| s.queue_timeouts.load(Ordering::SeqCst)), 0);
     assert_eq!(
         stat(&gw, |s| s.connects_on_request.load(Ordering::SeqCst)),
@@ -735,14 +752,18 @@ async fn a_closed_connection_hands_its_place_to_the_next_request_queued() {
         stat(&gw, |s| s.queued.load(Ordering::SeqCst)) == 2
     })
     .await;
-    assert_eq!(up.arrived.load(Ordering::SeqCst), 1);
+    wait_for("the first request at the upstream", || {
+        up.arrived.load(Ordering::SeqCst) == 1
+    })
+    .await;
     up.open.send(true).unwrap();
     for r in burst {
         assert_eq!(r.await.unwrap(), 200);
     }
+    assert_eq!(up.conns.load(Ordering::SeqCst), 3, "a new one for each");
     assert_eq!(
-        up.conns.load(Ordering::SeqCst),
-        3,
+        up.peak.load(Ordering::SeqCst),
+        1,
         "one connection at a time"
     );
 }
@@ -768,13 +789,21 @@ async fn a_request_queued_past_the_connect_timeout_gets_503() {
     assert_eq!(json(&resp)["error"], "upstream_queue_timeout");
     assert_eq!(resp.headers()["retry-after"], "1");
     assert_eq!(stat(&gw, |s| s.queue_timeouts.load(Ordering::SeqCst)), 1);
-    // A client that goes away while queued.
+    // A client that goes away while queued: its request (and its place in the queue) ends
+    // with its connection.
     let gone = tokio::spawn(async move { get(addr, "/gone").await });
     wait_for("the request queued", || {
         stat(&gw, |s| s.queued.load(Ordering::SeqCst)) == 2
     })
     .await;
     gone.abort();
+    let open_now = || {
+        gw.gw.as_ref().unwrap().admin_state().workers[0]
+            .shared
+            .connections
+            .open()
+    };
+    wait_for("the gone client's connection ended", || open_now() == 1).await;
     let next = tokio::spawn(async move { get(addr, "/next").await.status() });
     wait_for("the next request queued", || {
         stat(&gw, |s| s.queued.load(Ordering::SeqCst)) == 3
@@ -789,6 +818,39 @@ async fn a_request_queued_past_the_connect_timeout_gets_503() {
         up.conns.load(Ordering::SeqCst),
         1,
         "the one connection is reused"
+    );
+}
+
+/// A request that queued for a connection has the route's whole response timeout from when
+/// it is sent, not from before its wait: here it waits 1 s (the first request's body takes
+/// that long) and its timeout is 500 ms.
+#[tokio::test]
+async fn a_queued_request_has_its_whole_response_timeout() {
+    let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
+        if req.uri().path() == "/slow-body" {
+            // The head at once, the body in five pieces over a second (each within the
+            // response timeout of the one before).
+            return http::Response::new(trickle(5, 4, Duration::from_millis(250), None));
+        }
+        http::Response::new(full("ok"))
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nmax_connections_per_endpoint = 1\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"500ms\"\n"
+    ));
+    let addr = gw.addr;
+    let first = tokio::spawn(async move { get(addr, "/slow-body").await });
+    wait_for("the first request under way", || {
+        stat(&gw, |s| s.connects_on_request.load(Ordering::SeqCst)) == 1
+    })
+    .await;
+    let second = get(addr, "/second").await;
+    assert_eq!(stat(&gw, |s| s.queued.load(Ordering::SeqCst)), 1);
+    assert_eq!(second.status(), 200, "{:?}", second.body());
+    assert_eq!(first.await.unwrap().body().len(), 20);
+    assert_eq!(
+        stat(&gw, |s| s.connects_on_request.load(Ordering::SeqCst)),
+        1
     );
 }
 

@@ -968,6 +968,16 @@ fn pool_limits(c: &mut Checker<'_>, raw: &super::file::RawCluster, i: usize, cl:
             Some("keep min_warm_connections at or below max_idle_per_endpoint"),
         );
     }
+    if cl.protocol == crate::upstream::Protocol::Http2
+        && let Some(m) = &raw.max_connections_per_endpoint
+    {
+        c.err(
+            Some(m.span()),
+            format!("cluster[{i}].max_connections_per_endpoint"),
+            "caps HTTP/1.1 connections, and this cluster speaks HTTP/2 only (its requests share a few connections, bounded by the server's stream limit)".into(),
+            Some("remove it, or cap the cluster's requests with max_requests"),
+        );
+    }
     if cl.protocol != crate::upstream::Protocol::Http2
         && cl.max_connections_per_endpoint > 0
         && cl.min_warm_connections > cl.max_connections_per_endpoint
@@ -1291,7 +1301,7 @@ mod tests {
     }
 
     /// Warm spares take places under `max_connections_per_endpoint`: more than it cannot be
-    /// kept. An HTTP/2 cluster's connections are not under it.
+    /// kept. An HTTP/2 cluster's connections are not under it: it is refused there.
     #[test]
     fn warm_spares_past_max_connections_per_endpoint_are_refused() {
         let text = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\nmax_connections_per_endpoint = 2\nmin_warm_connections = 3\n";
@@ -1301,7 +1311,14 @@ mod tests {
             errors_of(text)
         );
         assert_eq!(errors_of(&text.replace("= 3", "= 2")), "");
-        assert_eq!(errors_of(&format!("{text}protocol = \"http2\"\n")), "");
+        let h2 = errors_of(&format!("{text}protocol = \"http2\"\n"));
+        assert!(
+            h2.contains(
+                "t.toml:6:32: cluster[0].max_connections_per_endpoint: caps HTTP/1.1 connections"
+            ),
+            "{h2}"
+        );
+        assert!(!h2.contains("min_warm_connections"), "{h2}");
     }
 
     #[test]

@@ -479,8 +479,10 @@ fn forward(
         // An idle HTTP/1.1 connection taken at the first try is taken without waiting: its
         // connect stage is nil (as nginx's `$upstream_connect_time` is for a kept-alive
         // connection), and the clock is not read again for it. After a failed connect, or
-        // from a pool that may have waited for an HTTP/2 connection, it is read.
-        let (t_send, connect_time) = if up.reused && !retried && pool.http1_only() {
+        // from a pool that may have waited (for an HTTP/2 connection, or in the queue of
+        // `max_connections_per_endpoint`), it is read: the response deadline counts from
+        // the send, not from before the wait.
+        let (t_send, connect_time) = if up.reused && !retried && pool.reuse_never_waits() {
             (t_connect, Duration::ZERO)
         } else {
             let t = Instant::now();

@@ -182,7 +182,8 @@ impl<'a> Hedge<'a> {
         let mut conn = match self.cluster.checkout(&pool).await {
             Ok(c) => c,
             Err(e) => {
-                in_flight.failed();
+                // A wait in a full endpoint's queue is no failure of it.
+                in_flight.ended_by(&e);
                 return Err(e);
             }
         };

@@ -124,7 +124,13 @@ impl ConnLimit {
                 Ok(()) => return,
                 // That request is gone: the place is not freed twice.
                 Err(Handed::Room(mut p)) => p.0 = None,
-                Err(Handed::Idle(_)) => {}
+                // Not what was sent. Dropped once the lock is let go (its drop may take it).
+                Err(idle @ Handed::Idle(_)) => {
+                    drop(waiters);
+                    drop(idle);
+                    self.open.fetch_sub(1, Ordering::Relaxed);
+                    return;
+                }
             }
         }
         self.open.fetch_sub(1, Ordering::Relaxed);

@@ -359,10 +359,11 @@ impl EndpointPool {
         Some((idle, list.len()))
     }
 
-    /// Only HTTP/1.1 connections: a reused connection from [`Self::checkout_at`] was then
-    /// taken from the idle list without waiting.
-    pub fn http1_only(&self) -> bool {
-        self.protocol == Protocol::Http1
+    /// A reused connection from [`Self::checkout_at`] was taken from the idle list without
+    /// waiting: only HTTP/1.1 connections (no wait for an HTTP/2 one being opened), and no
+    /// `max_connections_per_endpoint` (no wait in its queue).
+    pub fn reuse_never_waits(&self) -> bool {
+        self.protocol == Protocol::Http1 && self.limit.is_none()
     }
 
     /// A ready connection: a stream on a shared HTTP/2 connection, or the most recently used
@@ -433,7 +434,16 @@ impl EndpointPool {
                             _slot: None,
                         });
                     }
-                    Handed::Room(p) => Some(p),
+                    // An endpoint that speaks HTTP/2 (`auto`) may have a stream free by
+                    // now: taken rather than another connection opened.
+                    Handed::Room(p) => {
+                        if self.h2_seen.load(Ordering::Relaxed)
+                            && let Some(conn) = self.checkout_h2().await
+                        {
+                            return Ok(conn);
+                        }
+                        Some(p)
+                    }
                 },
             },
         };
