@@ -291,6 +291,50 @@ async fn a_websocket_tunnel_counts_under_max_connections() {
     assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
 }
 
+/// A WebSocket tunnel keeps its upstream connection's place under the cluster's
+/// `max_connections_per_endpoint` until it closes: at a cap of one, a request meanwhile
+/// queues (and, past the connect timeout, gets 503), and one after it goes through.
+#[tokio::test]
+async fn a_websocket_tunnel_keeps_its_place_under_max_connections_per_endpoint() {
+    let up = upstream(|mut req: http::Request<hyper::body::Incoming>| async move {
+        if req.headers().contains_key("upgrade") {
+            websocket_echo(&mut req)
+        } else {
+            http::Response::new(full("ok"))
+        }
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nmax_connections_per_endpoint = 1\nconnect_timeout = \"300ms\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let (ws, _) = ws_open(gw.addr).await;
+    let (text, _) = common::raw(
+        gw.addr,
+        b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(text.starts_with("HTTP/1.1 503"), "{text}");
+    assert!(text.contains("upstream_queue_timeout"), "{text}");
+    drop(ws);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (text, _) = common::raw(
+            gw.addr,
+            b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+            Duration::from_secs(5),
+        )
+        .await;
+        if text.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the tunnel's place never came back: {text}"
+        );
+    }
+}
+
 /// Opens a WebSocket through the gateway at `addr` to an echoing upstream; returns the
 /// client's socket once the 101 is in, and the response head (and any bytes after it).
 async fn ws_open(addr: std::net::SocketAddr) -> (TcpStream, String) {

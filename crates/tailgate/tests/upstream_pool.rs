@@ -854,6 +854,28 @@ async fn a_queued_request_has_its_whole_response_timeout() {
     );
 }
 
+/// A request retried on a fresh connection after its pooled one failed under it takes the
+/// failed one's place under `max_connections_per_endpoint`: the count stays that of the
+/// connections open.
+#[tokio::test]
+async fn a_retry_on_a_fresh_connection_takes_the_failed_ones_place() {
+    // Each connection answers its first request and drops at its second.
+    let up = raw_upstream(|i, _| if i == 1 { Act::Answer } else { Act::Drop }).await;
+    let gw = gateway(up.addr, "max_connections_per_endpoint = 1");
+    assert_eq!(get(gw.addr, "/1").await.status(), 200);
+    // On the pooled connection, dropped; sent again on a new one.
+    assert_eq!(get(gw.addr, "/2").await.status(), 200);
+    assert_eq!(stat(&gw, |s| s.retries.load(Ordering::SeqCst)), 1);
+    assert_eq!(up.conns.load(Ordering::SeqCst), 2);
+    let open = gw.gw.as_ref().unwrap().admin_state().workers[0]
+        .upstreams
+        .clusters[0]
+        .endpoints
+        .load()[0]
+        .capped_open();
+    assert_eq!(open, Some(1), "one connection open, counted once");
+}
+
 fn json(resp: &http::Response<bytes::Bytes>) -> serde_json::Value {
     serde_json::from_slice(resp.body()).unwrap()
 }
