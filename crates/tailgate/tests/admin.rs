@@ -777,6 +777,58 @@ async fn hedge_and_dns_counters_are_exported() {
     assert_eq!(ex.types["tailgate_dns_failures_total"], "counter");
 }
 
+/// `max_connections_per_endpoint`'s queue is exported: requests queued, those that timed
+/// out, and the connections open, in `/metrics` and `/stats`.
+#[tokio::test]
+async fn the_connection_queue_is_exported() {
+    let (open_tx, open_rx) = tokio::sync::watch::channel(false);
+    let (arrived_tx, mut arrived) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let up = upstream(move |_| {
+        let mut open = open_rx.clone();
+        let arrived = arrived_tx.clone();
+        async move {
+            let _ = arrived.send(());
+            let _ = open.wait_for(|o| *o).await;
+            http::Response::new(full("ok"))
+        }
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nmax_connections_per_endpoint = 1\nconnect_timeout = \"200ms\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let addr = gw.addr;
+    let held = tokio::spawn(async move { get(addr, "/held").await.status() });
+    arrived.recv().await.unwrap();
+    // Queued behind it until the connect timeout.
+    let late = get(addr, "/late").await;
+    assert_eq!(late.status(), 503);
+    let ex = scrape(admin_addr(&gw)).await;
+    let ep = up.to_string();
+    let labels = [("cluster", "up"), ("endpoint", ep.as_str())];
+    assert_eq!(ex.value("tailgate_upstream_queued_total", &labels), 1.0);
+    assert_eq!(
+        ex.value("tailgate_upstream_queue_timeouts_total", &labels),
+        1.0
+    );
+    assert_eq!(ex.value("tailgate_upstream_connections_open", &labels), 1.0);
+    assert_eq!(ex.types["tailgate_upstream_connections_open"], "gauge");
+    assert_eq!(
+        ex.value(
+            "tailgate_request_errors_total",
+            &[("kind", "upstream_queue_timeout")]
+        ),
+        1.0
+    );
+    let stats: serde_json::Value =
+        serde_json::from_slice(admin_get(admin_addr(&gw), "/stats", &[]).await.body()).unwrap();
+    let e = &stats["clusters"][0]["endpoints"][0];
+    assert_eq!(e["queued"], 1, "{stats}");
+    assert_eq!(e["queue_timeouts"], 1, "{stats}");
+    assert_eq!(e["connections_open"], 1, "{stats}");
+    open_tx.send(true).unwrap();
+    assert_eq!(held.await.unwrap(), 200);
+}
+
 #[tokio::test]
 async fn tls_handshakes_to_upstreams_are_exported() {
     use common::tls::{Pki, ServerOpts, https_gateway, tls_ok_upstream};

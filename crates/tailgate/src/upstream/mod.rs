@@ -4,8 +4,10 @@
 //! (`conn.rs`); `https://` endpoints add TLS (`tls.rs`).
 //!
 //! Pools are per data-plane worker (each worker is one thread with its own runtime), so a
-//! checkout takes only an uncontended per-endpoint lock and never crosses threads. The one
-//! thing workers share is a cluster's TLS session cache, touched once per TLS connect.
+//! checkout takes only an uncontended per-endpoint lock and never crosses threads. Workers
+//! share only a cluster's TLS session cache, touched once per TLS connect, and the count of
+//! its requests in flight under `max_requests` (clusters with one), touched twice a request.
+//! `max_connections_per_endpoint` is per worker, as the pools are (`limit.rs`).
 //!
 //! A cluster's endpoint list can change while requests run (host-name endpoints, [`dns`]):
 //! it sits behind an `ArcSwap`, so a request loads it without a lock, and an update keeps the

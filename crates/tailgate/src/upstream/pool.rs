@@ -19,6 +19,8 @@
 //! - `https://` endpoints: TCP, then a TLS handshake with the cluster's shared client config
 //!   (see [`super::tls`]), so replacements resume the TLS session; all of the above works
 //!   the same over TLS. With [`Protocol::Auto`], ALPN picks the protocol per connection.
+//! - `max_connections_per_endpoint`: at most that many HTTP/1.1 connections open; past it
+//!   requests queue for one (see [`super::limit`]).
 //! - Every event is counted in [`PoolStats`].
 
 use std::collections::VecDeque;
