@@ -205,6 +205,46 @@ async fn hostname_endpoint_whose_address_changes_is_followed_without_a_failed_re
     assert_eq!(pools[0].addr, SocketAddr::from(([127, 0, 0, 3], port)));
 }
 
+/// An address left out of one answer and back in a later one (a name whose servers answer
+/// a changing subset of its addresses) gets its pool back, warm connections and counters
+/// and all, instead of a new one that connects again.
+#[tokio::test]
+async fn an_address_back_in_a_later_answer_gets_its_pool_back() {
+    let (port, a_hits, b_hits) = twin_upstreams().await;
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    let gw = gateway(dns.addr, port, "");
+    let g = gw.gw.as_ref().unwrap();
+    let mut c = h1_client(gw.addr).await;
+    for _ in 0..10 {
+        assert_eq!(get_on(&mut c, "/").await, 200);
+    }
+    let a = SocketAddr::from(([127, 0, 0, 2], port));
+    let pool_of_a = || g.endpoint_pools().into_iter().find(|p| p.addr == a);
+    let first = pool_of_a().expect("A's pool");
+    let reuses = first.stats.reuses.load(Ordering::SeqCst);
+    assert!(reuses >= 9, "{reuses}");
+    // Out of the answer for a moment (well within the idle timeout of 4 s).
+    dns.set(Ipv4Addr::new(127, 0, 0, 3));
+    while b_hits.load(Ordering::SeqCst) < 5 {
+        assert_eq!(get_on(&mut c, "/").await, 200);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(pool_of_a().is_none(), "A takes no request while out");
+    dns.set(Ipv4Addr::new(127, 0, 0, 2));
+    let a_before = a_hits.load(Ordering::SeqCst);
+    while a_hits.load(Ordering::SeqCst) < a_before + 5 {
+        assert_eq!(get_on(&mut c, "/").await, 200);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let back = pool_of_a().expect("A's pool again");
+    assert!(Arc::ptr_eq(&first, &back), "the same pool came back");
+    assert!(back.stats.reuses.load(Ordering::SeqCst) >= reuses + 5);
+    assert_eq!(
+        back.stats.connects_on_request.load(Ordering::SeqCst),
+        first.stats.connects_on_request.load(Ordering::SeqCst)
+    );
+}
+
 /// The DNS server goes away: lookups fail and are counted, and requests keep going to the
 /// last resolved address.
 #[tokio::test]

@@ -26,8 +26,8 @@ pub(crate) mod tls;
 pub use balance::Balance;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, PoisonError};
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
@@ -71,6 +71,9 @@ pub struct ClusterPools {
     config: Cluster,
     /// Where its addresses come from when it has host-name endpoints.
     feed: Option<dns::ClusterFeed>,
+    /// Pools of addresses left out of the latest DNS answer, and since when: kept for the
+    /// cluster's `idle_timeout` in case the address comes back (see [`Self::set_addrs`]).
+    parked: std::sync::Mutex<Vec<(Arc<EndpointPool>, Instant)>>,
     balance: Balance,
     next: AtomicU64,
     /// Requests sent to this cluster, and retries spent, for the retry budget.
@@ -308,26 +311,57 @@ impl ClusterPools {
 
     /// Applies a new address list on this worker: pools of addresses that stay are kept
     /// (with their connections and counters), new addresses get new pools whose warm keepers
-    /// start, removed ones are drained. Runs on the worker's runtime.
+    /// start. Runs on the worker's runtime.
+    ///
+    /// A removed address's pool is set aside (parked) for the cluster's `idle_timeout`
+    /// rather than drained at once: a name whose servers answer a changing subset of its
+    /// addresses (Consul answers three healthy nodes at random, Route 53's multivalue
+    /// answers up to eight) would otherwise close and reopen connections at every lookup,
+    /// and each request on a reopened one pays a connect (seed 004). A parked pool takes no
+    /// request; its idle connections expire as they would have; if the address comes back
+    /// meanwhile, so does the pool, connections, latency estimate and all. Past that time it
+    /// is drained.
     pub fn set_addrs(&self, addrs: &[SocketAddr]) {
         let old = self.endpoints.load_full();
+        let now = Instant::now();
+        let park_for = self.config.idle_timeout;
+        let mut parked = self.parked.lock().unwrap_or_else(PoisonError::into_inner);
+        // Parked past their time, and not back in this answer: drained.
+        parked.retain(|(p, since)| {
+            let keep = addrs.contains(&p.addr) || now.saturating_duration_since(*since) < park_for;
+            if !keep {
+                p.retire();
+            }
+            keep
+        });
         let mut next = Vec::with_capacity(addrs.len());
         let (mut added, mut removed) = (0, 0);
         for &a in addrs {
-            match old.iter().find(|p| p.addr == a) {
-                Some(p) => next.push(p.clone()),
-                None => {
-                    let p = Arc::new(EndpointPool::new(a, &self.config));
-                    tokio::spawn(p.clone().keep_warm());
-                    next.push(p);
-                    added += 1;
-                }
+            if let Some(p) = old.iter().find(|p| p.addr == a) {
+                next.push(p.clone());
+                continue;
             }
+            added += 1;
+            if let Some(i) = parked.iter().position(|(p, _)| p.addr == a) {
+                let (p, _) = parked.swap_remove(i);
+                p.unpark();
+                next.push(p);
+                continue;
+            }
+            let p = Arc::new(EndpointPool::new(a, &self.config));
+            tokio::spawn(p.clone().keep_warm());
+            next.push(p);
         }
         for p in old.iter().filter(|p| !addrs.contains(&p.addr)) {
-            p.retire();
             removed += 1;
+            if park_for.is_zero() {
+                p.retire();
+            } else {
+                p.park();
+                parked.push((p.clone(), now));
+            }
         }
+        drop(parked);
         if added == 0 && removed == 0 {
             return;
         }
@@ -413,6 +447,7 @@ impl Upstreams {
                         stats: ClusterStats::default(),
                         config: c.clone(),
                         feed,
+                        parked: std::sync::Mutex::new(Vec::new()),
                         balance: c.balance,
                         next: AtomicU64::new(0),
                         requests: AtomicU64::new(0),
@@ -493,6 +528,37 @@ mod tests {
         // A cluster without a cap counts nothing.
         let free = one_cluster("endpoints = [\"127.0.0.1:1\"]");
         assert!(free.clusters[0].admit().expect("no cap").is_none());
+    }
+
+    /// A pool left out of one address list is parked, not drained, and comes back with its
+    /// address; one out for longer than the idle timeout is drained, and its address gets a
+    /// new pool.
+    #[tokio::test]
+    async fn a_parked_pool_comes_back_with_its_address() {
+        let ups =
+            one_cluster("endpoints = [\"127.0.0.1:1\", \"127.0.0.1:2\"]\nidle_timeout = \"300ms\"");
+        let c = &ups.clusters[0];
+        let (a, b): (SocketAddr, SocketAddr) = (
+            "127.0.0.1:1".parse().expect("address"),
+            "127.0.0.1:2".parse().expect("address"),
+        );
+        let pool_b = c.endpoints.load()[1].clone();
+        c.set_addrs(&[a]);
+        assert_eq!(c.endpoint_count(), 1);
+        assert!(pool_b.is_parked() && !pool_b.is_retired());
+        c.set_addrs(&[a, b]);
+        assert!(Arc::ptr_eq(&c.endpoints.load()[1], &pool_b));
+        assert!(!pool_b.is_parked());
+        assert_eq!(c.stats.endpoints_added.load(Ordering::Relaxed), 1);
+        assert_eq!(c.stats.endpoints_removed.load(Ordering::Relaxed), 1);
+        // Out past the idle timeout: drained at the next answer, and replaced when it comes
+        // back.
+        c.set_addrs(&[a]);
+        tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+        c.set_addrs(&[a]);
+        assert!(pool_b.is_retired());
+        c.set_addrs(&[a, b]);
+        assert!(!Arc::ptr_eq(&c.endpoints.load()[1], &pool_b));
     }
 
     #[test]

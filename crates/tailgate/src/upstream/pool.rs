@@ -141,6 +141,10 @@ pub struct EndpointPool {
     owed: AtomicU32,
     /// Removed from its cluster (DNS): keeps no idle connections, opens no spares.
     retired: AtomicBool,
+    /// Left out of its cluster's latest DNS answer, for now: takes no new requests and opens
+    /// no spares, but keeps its connections and state in case the address comes back (see
+    /// [`super::ClusterPools::set_addrs`]).
+    parked: AtomicBool,
     /// `max_connections_per_endpoint` (HTTP/1.1 connections), when set.
     limit: Option<Arc<ConnLimit>>,
 }
@@ -179,6 +183,7 @@ impl EndpointPool {
             epoch: Instant::now(),
             owed: AtomicU32::new(0),
             retired: AtomicBool::new(false),
+            parked: AtomicBool::new(false),
             limit: (cluster.max_connections_per_endpoint > 0
                 && cluster.protocol != Protocol::Http2)
                 .then(|| ConnLimit::new(cluster.max_connections_per_endpoint)),
@@ -188,6 +193,28 @@ impl EndpointPool {
     /// HTTP/1.1 connections open now under `max_connections_per_endpoint` (`None`: no cap).
     pub fn capped_open(&self) -> Option<usize> {
         self.limit.as_ref().map(|l| l.open())
+    }
+
+    /// Sets the pool aside while its address is out of the cluster's DNS answer: its
+    /// connections stay (they expire as idle ones do), and the warm keeper opens no more.
+    pub(super) fn park(&self) {
+        self.parked.store(true, Ordering::Relaxed);
+    }
+
+    /// Its address is back: spares are kept again.
+    pub(super) fn unpark(&self) {
+        self.parked.store(false, Ordering::Relaxed);
+        self.refill.notify_one();
+    }
+
+    #[cfg(test)]
+    pub(super) fn is_parked(&self) -> bool {
+        self.parked.load(Ordering::Relaxed)
+    }
+
+    #[cfg(test)]
+    pub(super) fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Relaxed)
     }
 
     /// Drains the pool of an endpoint removed from its cluster: idle connections close, the
@@ -687,10 +714,14 @@ impl EndpointPool {
             if self.retired.load(Ordering::Relaxed) {
                 return;
             }
-            while (self.warm_missing() || self.take_owed()) && !self.retired.load(Ordering::Relaxed)
-            {
+            while !self.retired.load(Ordering::Relaxed) && !self.parked.load(Ordering::Relaxed) {
+                let missing = self.warm_missing();
+                if !missing && self.owed.load(Ordering::Relaxed) == 0 {
+                    break;
+                }
                 // Spares take a place under `max_connections_per_endpoint` too; with none
-                // free, the connections open are in use, and none is missing.
+                // free, the connections open are in use, and none is missing (an owed
+                // replacement is kept for when one is).
                 let permit = match &self.limit {
                     None => None,
                     Some(limit) => match limit.try_take() {
@@ -698,6 +729,9 @@ impl EndpointPool {
                         None => break,
                     },
                 };
+                if !missing && !self.take_owed() {
+                    break;
+                }
                 match self.open(false, permit).await {
                     Ok(Opened::H1(conn)) => {
                         self.stats.preconnects.fetch_add(1, Ordering::Relaxed);
