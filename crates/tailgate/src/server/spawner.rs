@@ -9,10 +9,8 @@
 //! open ones need.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use crate::pace::Every;
@@ -163,56 +161,17 @@ impl ConnCount {
     }
 }
 
-/// A connection's place in the count of open connections, given up when its task's
-/// future is dropped: when the connection ends, or with the runtime.
-struct OpenSlot {
-    open: Arc<[AtomicUsize]>,
-    slot: usize,
-}
-
-impl Drop for OpenSlot {
-    fn drop(&mut self) {
-        self.open[self.slot].fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-pin_project_lite::pin_project! {
-    /// A connection's future with its [`OpenSlot`]. Not an `async` block around the
-    /// future: that stored the connection's future twice (once captured, once awaited),
-    /// which doubled every connection task's memory (13.5 KB against 6.7 KB) and put the
-    /// block's state, read at every poll, a cache line away from the rest.
-    struct Counted<F> {
-        #[pin]
-        fut: F,
-        _open: OpenSlot,
-    }
-}
-
-impl<F: Future> Future for Counted<F> {
-    type Output = F::Output;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        self.project().fut.poll(cx)
-    }
-}
-
-/// Spawns connection tasks and counts open connections per tenant (index = tenant,
-/// last slot = connections not yet classified).
+/// Spawns connection tasks on behalf of the tenant each was classified to at accept (its
+/// listener's; `None`: not classified then). Per-tenant scheduling groups attach here. Open
+/// connections are counted by their [`ConnSlot`]s (per tenant once known, which for TLS is
+/// after the handshake's server name), not here.
 pub struct TenantSpawner {
-    open: Arc<[AtomicUsize]>,
+    _tenants: usize,
 }
 
 impl TenantSpawner {
     pub fn new(tenants: usize) -> TenantSpawner {
-        TenantSpawner {
-            open: (0..=tenants).map(|_| AtomicUsize::new(0)).collect(),
-        }
-    }
-
-    fn slot(&self, tenant: Option<usize>) -> usize {
-        tenant
-            .unwrap_or(self.open.len() - 1)
-            .min(self.open.len() - 1)
+        TenantSpawner { _tenants: tenants }
     }
 
     /// Starts `fut` on this worker on behalf of `tenant`.
@@ -220,20 +179,9 @@ impl TenantSpawner {
     where
         F: Future<Output = ()> + Send + 'static,
     {
-        let slot = self.slot(tenant);
-        self.open[slot].fetch_add(1, Ordering::Relaxed);
-        tokio::spawn(Counted {
-            fut,
-            _open: OpenSlot {
-                open: self.open.clone(),
-                slot,
-            },
-        });
-    }
-
-    /// Open connections of a tenant (`None`: not classified at accept).
-    pub fn open_connections(&self, tenant: Option<usize>) -> usize {
-        self.open[self.slot(tenant)].load(Ordering::Relaxed)
+        // Every tenant shares the worker's scheduler for now.
+        let _ = tenant;
+        tokio::spawn(fut);
     }
 }
 
@@ -242,28 +190,20 @@ impl TenantSpawner {
 mod tests {
     use super::*;
 
-    #[tokio::test]
-    async fn a_connection_counts_while_its_task_lives() {
-        let spawner = TenantSpawner::new(2);
-        let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
-        let (ended_tx, ended_rx) = tokio::sync::oneshot::channel::<()>();
-        spawner.spawn(Some(1), async move {
-            let _ = done_rx.await;
-            let _ = ended_tx.send(());
-        });
-        assert_eq!(spawner.open_connections(Some(1)), 1);
-        assert_eq!(spawner.open_connections(Some(0)), 0);
-        assert_eq!(spawner.open_connections(None), 0);
-        done_tx.send(()).unwrap();
-        ended_rx.await.unwrap();
-        // The task's future is dropped right after it ends; give the runtime that turn.
-        for _ in 0..100 {
-            if spawner.open_connections(Some(1)) == 0 {
-                break;
-            }
-            tokio::task::yield_now().await;
-        }
-        assert_eq!(spawner.open_connections(Some(1)), 0);
+    /// A connection counts over every worker from accept, and under its tenant once
+    /// classified (once, to the first tenant given), until its slot is dropped.
+    #[test]
+    fn a_slot_counts_under_its_tenant_once_classified() {
+        let total = Arc::new(ConnCount::new(0, 2));
+        let mut slot = total.try_take().unwrap();
+        assert_eq!(total.open(), 1);
+        assert_eq!(total.per_tenant().collect::<Vec<_>>(), [0, 0]);
+        slot.classify(1);
+        slot.classify(0);
+        assert_eq!(total.per_tenant().collect::<Vec<_>>(), [0, 1]);
+        drop(slot);
+        assert_eq!(total.open(), 0);
+        assert_eq!(total.per_tenant().collect::<Vec<_>>(), [0, 0]);
     }
 
     #[test]
@@ -281,10 +221,8 @@ mod tests {
             });
             tokio::task::yield_now().await;
         });
-        assert_eq!(spawner.open_connections(None), 1);
         assert_eq!(total.open(), 1);
         drop(rt);
-        assert_eq!(spawner.open_connections(None), 0);
         assert_eq!(total.open(), 0);
     }
 
