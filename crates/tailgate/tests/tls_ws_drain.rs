@@ -258,6 +258,34 @@ async fn websocket_upgrade_is_passed_through() {
     assert_eq!(echoed, frame);
 }
 
+/// A WebSocket handshake that is the last request `max_requests_per_connection` allows is
+/// still a handshake: its `101` keeps `Connection: upgrade`, and the tunnel works.
+#[tokio::test]
+async fn a_websocket_upgrade_as_the_last_request_of_a_connection_works() {
+    let up = upstream(|mut req: http::Request<hyper::body::Incoming>| async move {
+        websocket_echo(&mut req)
+    })
+    .await;
+    let gw = TestGateway::to(up, "[server]\nmax_requests_per_connection = 1\n");
+    let (mut s, head) = ws_open(gw.addr).await;
+    let head = head.to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 101"), "{head}");
+    assert!(head.contains("connection: upgrade"), "{head}");
+    let frame = b"\x81\x85\x37\xfa\x21\x3d\x7f\x9f\x4d\x51\x58";
+    s.write_all(frame).await.unwrap();
+    let mut echoed = Vec::new();
+    let mut buf = vec![0u8; 256];
+    while echoed.len() < frame.len() {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "the tunnel closed");
+        echoed.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(echoed, frame);
+}
+
 /// A WebSocket holds its connection's place under `server.max_connections` for as long as
 /// the tunnel lives, not only until the upgrade: at a cap of one, another client waits until
 /// it closes.

@@ -448,7 +448,11 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
                 continue;
             };
             exhausted += pools.budget_exhausted.load(Ordering::Relaxed);
-            for e in pools.endpoints.load().iter() {
+            // Parked pools (addresses out of the latest DNS answer, not drained yet) count
+            // too: their counters go on if the address comes back, and their connections
+            // are still open.
+            let parked = pools.parked_pools();
+            for e in pools.endpoints.load().iter().chain(parked.iter()) {
                 match eps.iter_mut().find(|s| s.addr == Some(e.addr)) {
                     Some(s) => s.add(e),
                     None => {

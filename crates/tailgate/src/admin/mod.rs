@@ -594,13 +594,19 @@ fn stats(state: &AdminState) -> serde_json::Value {
                 .enumerate()
                 .filter_map(|(wi, w)| w.upstreams.clusters.get(ci).map(|p| (wi, p)))
                 .flat_map(|(wi, p)| {
-                    let pools = p.endpoints.load_full();
-                    (0..pools.len()).map(move |i| {
-                        let e = &pools[i];
+                    // Then the parked ones (out of the latest DNS answer, not drained).
+                    let live = p.endpoints.load_full();
+                    let pools: Vec<_> = live
+                        .iter()
+                        .map(|e| (e.clone(), false))
+                        .chain(p.parked_pools().into_iter().map(|e| (e, true)))
+                        .collect();
+                    pools.into_iter().map(move |(e, parked)| {
                         let s = &e.stats;
                         json!({
                             "worker": wi,
                             "address": e.addr.to_string(),
+                            "parked": parked,
                             "connects_on_request": l(&s.connects_on_request),
                             "preconnects": l(&s.preconnects),
                             "reuses": l(&s.reuses),

@@ -970,6 +970,7 @@ fn pool_limits(c: &mut Checker<'_>, raw: &super::file::RawCluster, i: usize, cl:
     }
     if cl.protocol == crate::upstream::Protocol::Http2
         && let Some(m) = &raw.max_connections_per_endpoint
+        && *m.get_ref() > 0
     {
         c.err(
             Some(m.span()),

@@ -346,12 +346,16 @@ fn pipeline_service(
         // The last HTTP/1.1 request says so in its answer: an answer ready within the poll
         // that took its request is written before [`Drive`] turns keep-alive off, and
         // hyper's server honours the header (no request pipelined behind it is served).
+        // (Not a `101`: its `Connection: upgrade` stays, and the connection becomes the
+        // tunnel.)
         Either::Left(Either::Right(Box::pin(async move {
             let mut resp = handled.await?;
-            resp.headers_mut().insert(
-                http::header::CONNECTION,
-                http::HeaderValue::from_static("close"),
-            );
+            if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+                resp.headers_mut().insert(
+                    http::header::CONNECTION,
+                    http::HeaderValue::from_static("close"),
+                );
+            }
             Ok(resp)
         })))
     })

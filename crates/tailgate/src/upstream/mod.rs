@@ -71,9 +71,10 @@ pub struct ClusterPools {
     config: Cluster,
     /// Where its addresses come from when it has host-name endpoints.
     feed: Option<dns::ClusterFeed>,
-    /// Pools of addresses left out of the latest DNS answer, and since when: kept for the
-    /// cluster's `idle_timeout` in case the address comes back (see [`Self::set_addrs`]).
-    parked: std::sync::Mutex<Vec<(Arc<EndpointPool>, Instant)>>,
+    /// Pools of addresses left out of the latest DNS answer, in case the address comes back
+    /// (see [`Self::set_addrs`]). Held weakly: a parked pool's own task keeps it, and drains
+    /// and lets it go after the cluster's `idle_timeout`.
+    parked: std::sync::Mutex<Vec<std::sync::Weak<EndpointPool>>>,
     balance: Balance,
     next: AtomicU64,
     /// Requests sent to this cluster, and retries spent, for the retry budget.
@@ -314,7 +315,8 @@ impl ClusterPools {
     /// start. Runs on the worker's runtime.
     ///
     /// A removed address's pool is set aside (parked) for the cluster's `idle_timeout`
-    /// rather than drained at once: a name whose servers answer a changing subset of its
+    /// rather than drained at once (by its own keeper or sweeper task, on its next tick past
+    /// that time): a name whose servers answer a changing subset of its
     /// addresses (Consul answers three healthy nodes at random, Route 53's multivalue
     /// answers up to eight) would otherwise close and reopen connections at every lookup,
     /// and each request on a reopened one pays a connect (seed 004). A parked pool takes no
@@ -323,17 +325,10 @@ impl ClusterPools {
     /// is drained.
     pub fn set_addrs(&self, addrs: &[SocketAddr]) {
         let old = self.endpoints.load_full();
-        let now = Instant::now();
-        let park_for = self.config.idle_timeout;
+        let park = !self.config.idle_timeout.is_zero();
         let mut parked = self.parked.lock().unwrap_or_else(PoisonError::into_inner);
-        // Parked past their time, and not back in this answer: drained.
-        parked.retain(|(p, since)| {
-            let keep = addrs.contains(&p.addr) || now.saturating_duration_since(*since) < park_for;
-            if !keep {
-                p.retire();
-            }
-            keep
-        });
+        // Those drained meanwhile are gone for good.
+        parked.retain(|w| w.upgrade().is_some_and(|p| p.is_parked_live()));
         let mut next = Vec::with_capacity(addrs.len());
         let (mut added, mut removed) = (0, 0);
         for &a in addrs {
@@ -342,9 +337,12 @@ impl ClusterPools {
                 continue;
             }
             added += 1;
-            if let Some(i) = parked.iter().position(|(p, _)| p.addr == a) {
-                let (p, _) = parked.swap_remove(i);
-                p.unpark();
+            let back = parked
+                .iter()
+                .position(|w| w.upgrade().is_some_and(|p| p.addr == a))
+                .and_then(|i| parked.swap_remove(i).upgrade())
+                .filter(|p| p.unpark());
+            if let Some(p) = back {
                 next.push(p);
                 continue;
             }
@@ -354,11 +352,11 @@ impl ClusterPools {
         }
         for p in old.iter().filter(|p| !addrs.contains(&p.addr)) {
             removed += 1;
-            if park_for.is_zero() {
-                p.retire();
-            } else {
+            if park {
                 p.park();
-                parked.push((p.clone(), now));
+                parked.push(Arc::downgrade(p));
+            } else {
+                p.retire();
             }
         }
         drop(parked);
@@ -373,6 +371,18 @@ impl ClusterPools {
         self.stats
             .endpoints_removed
             .fetch_add(removed, Ordering::Relaxed);
+    }
+
+    /// Pools of addresses out of the latest DNS answer and not drained yet (their counters
+    /// and connections still count in `/metrics`).
+    pub fn parked_pools(&self) -> Vec<Arc<EndpointPool>> {
+        self.parked
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .filter(|p| p.is_parked_live())
+            .collect()
     }
 }
 
@@ -531,12 +541,13 @@ mod tests {
     }
 
     /// A pool left out of one address list is parked, not drained, and comes back with its
-    /// address; one out for longer than the idle timeout is drained, and its address gets a
-    /// new pool.
+    /// address; one out for longer than the idle timeout is drained by its own task, even
+    /// with no other answer coming, and its address then gets a new pool.
     #[tokio::test]
     async fn a_parked_pool_comes_back_with_its_address() {
         let ups =
             one_cluster("endpoints = [\"127.0.0.1:1\", \"127.0.0.1:2\"]\nidle_timeout = \"300ms\"");
+        ups.start_background();
         let c = &ups.clusters[0];
         let (a, b): (SocketAddr, SocketAddr) = (
             "127.0.0.1:1".parse().expect("address"),
@@ -546,17 +557,24 @@ mod tests {
         c.set_addrs(&[a]);
         assert_eq!(c.endpoint_count(), 1);
         assert!(pool_b.is_parked() && !pool_b.is_retired());
+        assert_eq!(c.parked_pools().len(), 1);
         c.set_addrs(&[a, b]);
         assert!(Arc::ptr_eq(&c.endpoints.load()[1], &pool_b));
         assert!(!pool_b.is_parked());
+        assert!(c.parked_pools().is_empty());
         assert_eq!(c.stats.endpoints_added.load(Ordering::Relaxed), 1);
         assert_eq!(c.stats.endpoints_removed.load(Ordering::Relaxed), 1);
-        // Out past the idle timeout: drained at the next answer, and replaced when it comes
-        // back.
+        // Out past the idle timeout: drained by its task, with no answer after this one.
         c.set_addrs(&[a]);
-        tokio::time::sleep(std::time::Duration::from_millis(400)).await;
-        c.set_addrs(&[a]);
-        assert!(pool_b.is_retired());
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        while !pool_b.is_retired() {
+            assert!(
+                Instant::now() < deadline,
+                "the parked pool was never drained"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert!(c.parked_pools().is_empty());
         c.set_addrs(&[a, b]);
         assert!(!Arc::ptr_eq(&c.endpoints.load()[1], &pool_b));
     }

@@ -141,10 +141,11 @@ pub struct EndpointPool {
     owed: AtomicU32,
     /// Removed from its cluster (DNS): keeps no idle connections, opens no spares.
     retired: AtomicBool,
-    /// Left out of its cluster's latest DNS answer, for now: takes no new requests and opens
-    /// no spares, but keeps its connections and state in case the address comes back (see
-    /// [`super::ClusterPools::set_addrs`]).
-    parked: AtomicBool,
+    /// Left out of its cluster's latest DNS answer since this many ms after `epoch`
+    /// (`u64::MAX`: not parked): takes no new requests and opens no spares, but keeps its
+    /// connections and state in case the address comes back (see
+    /// [`super::ClusterPools::set_addrs`]); its own task drains it after `idle_timeout`.
+    parked_at_ms: AtomicU64,
     /// `max_connections_per_endpoint` (HTTP/1.1 connections), when set.
     limit: Option<Arc<ConnLimit>>,
 }
@@ -183,7 +184,7 @@ impl EndpointPool {
             epoch: Instant::now(),
             owed: AtomicU32::new(0),
             retired: AtomicBool::new(false),
-            parked: AtomicBool::new(false),
+            parked_at_ms: AtomicU64::new(u64::MAX),
             limit: (cluster.max_connections_per_endpoint > 0
                 && cluster.protocol != Protocol::Http2)
                 .then(|| ConnLimit::new(cluster.max_connections_per_endpoint)),
@@ -196,20 +197,57 @@ impl EndpointPool {
     }
 
     /// Sets the pool aside while its address is out of the cluster's DNS answer: its
-    /// connections stay (they expire as idle ones do), and the warm keeper opens no more.
+    /// connections stay (they expire as idle ones do), the warm keeper opens no more, and
+    /// its task (keeper or sweeper) drains it once it has been parked for `idle_timeout`.
     pub(super) fn park(&self) {
-        self.parked.store(true, Ordering::Relaxed);
+        let now = self.epoch.elapsed().as_millis() as u64;
+        self.parked_at_ms.store(now, Ordering::Relaxed);
+        self.refill.notify_one();
     }
 
-    /// Its address is back: spares are kept again.
-    pub(super) fn unpark(&self) {
-        self.parked.store(false, Ordering::Relaxed);
+    /// Its address is back: spares are kept again. False if it was drained meanwhile (it
+    /// cannot come back then).
+    pub(super) fn unpark(&self) -> bool {
+        if self.retired.load(Ordering::Relaxed) {
+            return false;
+        }
+        self.parked_at_ms.store(u64::MAX, Ordering::Relaxed);
         self.refill.notify_one();
+        true
+    }
+
+    fn is_parked_now(&self) -> bool {
+        self.parked_at_ms.load(Ordering::Relaxed) != u64::MAX
+    }
+
+    /// Parked, and not drained yet.
+    pub(super) fn is_parked_live(&self) -> bool {
+        self.is_parked_now() && !self.retired.load(Ordering::Relaxed)
+    }
+
+    /// A parked pool's upkeep, from its own task: idle connections expired and those the
+    /// server closed dropped (HTTP/2 ones too), and the pool drained once it has been
+    /// parked for `idle_timeout`. True when it was drained (the task ends).
+    fn parked_upkeep(&self) -> bool {
+        let at = self.parked_at_ms.load(Ordering::Relaxed);
+        if at == u64::MAX {
+            return false;
+        }
+        let now = self.epoch.elapsed().as_millis() as u64;
+        if now.saturating_sub(at) >= self.idle_timeout.as_millis() as u64 {
+            self.retire();
+            return true;
+        }
+        self.idle_len();
+        if self.protocol != Protocol::Http1 {
+            self.h2.tidy(&self.stats, self.idle_timeout, 0);
+        }
+        false
     }
 
     #[cfg(test)]
     pub(super) fn is_parked(&self) -> bool {
-        self.parked.load(Ordering::Relaxed)
+        self.is_parked_now()
     }
 
     #[cfg(test)]
@@ -465,9 +503,11 @@ impl EndpointPool {
                     }
                     // An endpoint that speaks HTTP/2 (`auto`) may have a stream free by
                     // now: taken rather than another connection opened.
+                    // (Without waiting for a connect under way: this place would be held
+                    // meanwhile.)
                     Handed::Room(p) => {
                         if self.h2_seen.load(Ordering::Relaxed)
-                            && let Some(conn) = self.checkout_h2().await
+                            && let Some(conn) = self.take_h2_stream()
                         {
                             return Ok(conn);
                         }
@@ -514,17 +554,8 @@ impl EndpointPool {
             if fresh < self.min_warm || (fresh == 0 && due > 0) {
                 self.refill.notify_one();
             }
-            if let Some((sender, slot, created)) = self.h2.take() {
-                self.stats.reuses.fetch_add(1, Ordering::Relaxed);
-                return Some(Conn {
-                    sender: Sender::H2(sender),
-                    pool: self.clone(),
-                    reused: true,
-                    created,
-                    uses: 0,
-                    response_ok: false,
-                    _slot: Some(slot),
-                });
+            if let Some(conn) = self.take_h2_stream() {
+                return Some(conn);
             }
             let h2_expected =
                 self.protocol == Protocol::Http2 || self.h2_seen.load(Ordering::Relaxed);
@@ -547,6 +578,21 @@ impl EndpointPool {
             let opened = self.h2_opened.notified();
             let _ = tokio::time::timeout(left, opened).await;
         }
+    }
+
+    /// A stream on an open HTTP/2 connection with room for one, if any (no wait).
+    fn take_h2_stream(self: &Arc<Self>) -> Option<Conn> {
+        let (sender, slot, created) = self.h2.take()?;
+        self.stats.reuses.fetch_add(1, Ordering::Relaxed);
+        Some(Conn {
+            sender: Sender::H2(sender),
+            pool: self.clone(),
+            reused: true,
+            created,
+            uses: 0,
+            response_ok: false,
+            _slot: Some(slot),
+        })
     }
 
     /// Takes no new streams on the HTTP/2 connection `slot` is on.
@@ -714,7 +760,10 @@ impl EndpointPool {
             if self.retired.load(Ordering::Relaxed) {
                 return;
             }
-            while !self.retired.load(Ordering::Relaxed) && !self.parked.load(Ordering::Relaxed) {
+            if self.parked_upkeep() {
+                return;
+            }
+            while !self.retired.load(Ordering::Relaxed) && !self.is_parked_now() {
                 let missing = self.warm_missing();
                 if !missing && self.owed.load(Ordering::Relaxed) == 0 {
                     break;
@@ -770,7 +819,7 @@ impl EndpointPool {
             .clamp(Duration::from_millis(100), SWEEP_TICK);
         loop {
             tokio::time::sleep(tick).await;
-            if self.retired.load(Ordering::Relaxed) {
+            if self.retired.load(Ordering::Relaxed) || self.parked_upkeep() {
                 return;
             }
             self.idle_len();
