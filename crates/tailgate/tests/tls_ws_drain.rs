@@ -239,23 +239,11 @@ async fn websocket_upgrade_is_passed_through() {
     .await;
     let gw = TestGateway::to(up, "");
     let (mut s, head) = ws_open(gw.addr).await;
-    let mut buf = vec![0u8; 4096];
     let head = head.to_ascii_lowercase();
     assert!(head.contains("upgrade: websocket"), "{head}");
     assert!(head.contains("sec-websocket-accept"), "{head}");
     // Frames pass both ways, byte for byte.
-    let frame = b"\x81\x85\x37\xfa\x21\x3d\x7f\x9f\x4d\x51\x58";
-    s.write_all(frame).await.unwrap();
-    let mut echoed = Vec::new();
-    while echoed.len() < frame.len() {
-        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(n > 0);
-        echoed.extend_from_slice(&buf[..n]);
-    }
-    assert_eq!(echoed, frame);
+    assert_frame_echoed(&mut s).await;
 }
 
 /// A WebSocket handshake that is the last request `max_requests_per_connection` allows is
@@ -271,19 +259,7 @@ async fn a_websocket_upgrade_as_the_last_request_of_a_connection_works() {
     let head = head.to_ascii_lowercase();
     assert!(head.starts_with("http/1.1 101"), "{head}");
     assert!(head.contains("connection: upgrade"), "{head}");
-    let frame = b"\x81\x85\x37\xfa\x21\x3d\x7f\x9f\x4d\x51\x58";
-    s.write_all(frame).await.unwrap();
-    let mut echoed = Vec::new();
-    let mut buf = vec![0u8; 256];
-    while echoed.len() < frame.len() {
-        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(n > 0, "the tunnel closed");
-        echoed.extend_from_slice(&buf[..n]);
-    }
-    assert_eq!(echoed, frame);
+    assert_frame_echoed(&mut s).await;
 }
 
 /// A WebSocket holds its connection's place under `server.max_connections` for as long as
@@ -291,14 +267,7 @@ async fn a_websocket_upgrade_as_the_last_request_of_a_connection_works() {
 /// it closes.
 #[tokio::test]
 async fn a_websocket_tunnel_counts_under_max_connections() {
-    let up = upstream(|mut req: http::Request<hyper::body::Incoming>| async move {
-        if req.headers().contains_key("upgrade") {
-            websocket_echo(&mut req)
-        } else {
-            http::Response::new(full("ok"))
-        }
-    })
-    .await;
+    let up = ws_or_ok_upstream().await;
     let gw = TestGateway::to(up, "[server]\nworkers = 1\nmax_connections = 1\n");
     let (ws, _) = ws_open(gw.addr).await;
     // The upgrade is done and its connection's task has ended: the tunnel still counts.
@@ -324,14 +293,7 @@ async fn a_websocket_tunnel_counts_under_max_connections() {
 /// queues (and, past the connect timeout, gets 503), and one after it goes through.
 #[tokio::test]
 async fn a_websocket_tunnel_keeps_its_place_under_max_connections_per_endpoint() {
-    let up = upstream(|mut req: http::Request<hyper::body::Incoming>| async move {
-        if req.headers().contains_key("upgrade") {
-            websocket_echo(&mut req)
-        } else {
-            http::Response::new(full("ok"))
-        }
-    })
-    .await;
+    let up = ws_or_ok_upstream().await;
     let gw = TestGateway::start(&format!(
         "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nmax_connections_per_endpoint = 1\nconnect_timeout = \"300ms\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
     ));
@@ -361,6 +323,36 @@ async fn a_websocket_tunnel_keeps_its_place_under_max_connections_per_endpoint()
             "the tunnel's place never came back: {text}"
         );
     }
+}
+
+/// An upstream that accepts WebSocket upgrades (and echoes) and answers other requests
+/// `ok`.
+async fn ws_or_ok_upstream() -> std::net::SocketAddr {
+    upstream(|mut req: http::Request<hyper::body::Incoming>| async move {
+        if req.headers().contains_key("upgrade") {
+            websocket_echo(&mut req)
+        } else {
+            http::Response::new(full("ok"))
+        }
+    })
+    .await
+}
+
+/// A masked text frame sent into the tunnel `s` comes back byte for byte.
+async fn assert_frame_echoed(s: &mut TcpStream) {
+    let frame = b"\x81\x85\x37\xfa\x21\x3d\x7f\x9f\x4d\x51\x58";
+    s.write_all(frame).await.unwrap();
+    let mut echoed = Vec::new();
+    let mut buf = vec![0u8; 256];
+    while echoed.len() < frame.len() {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "the tunnel closed");
+        echoed.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(echoed, frame);
 }
 
 /// Opens a WebSocket through the gateway at `addr` to an echoing upstream; returns the

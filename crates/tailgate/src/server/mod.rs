@@ -516,13 +516,8 @@ where
                 continue;
             }
             if !this.closing && this.info.requests.load(Ordering::Relaxed) >= this.max_requests {
-                this.closing = true;
-                this.close_deadline = true;
-                this.idle_timer
-                    .as_mut()
-                    .reset(tokio::time::Instant::now() + this.idle);
+                this.close_as_idle();
                 this.side.woken.store(true, Ordering::Release);
-                (this.graceful)(&mut this.conn);
                 continue;
             }
             if this.closing {
@@ -546,16 +541,8 @@ where
                 // response data (as below), which a connection asked to close (its last
                 // request under `max_requests_per_connection`, a shutdown) must not
                 // escape.
-                match this.info.activity.stalled_deadline(this.idle) {
-                    Some(at) if at <= std::time::Instant::now() => {
-                        tracing::debug!(client.addr = %this.info.client, "client took no response data for the idle timeout; connection dropped");
-                        return Poll::Ready(None);
-                    }
-                    Some(at) => this.idle_timer.as_mut().reset(at.into()),
-                    None => this
-                        .idle_timer
-                        .as_mut()
-                        .reset(tokio::time::Instant::now() + this.idle),
+                if this.client_stalled() {
+                    return Poll::Ready(None);
                 }
                 this.side.woken.store(true, Ordering::Release);
                 continue;
@@ -574,31 +561,14 @@ where
                 return Poll::Pending;
             }
             match this.info.activity.idle_deadline(this.idle) {
-                Some(at) if at <= std::time::Instant::now() => {
-                    this.closing = true;
-                    this.close_deadline = true;
-                    this.idle_timer
-                        .as_mut()
-                        .reset(tokio::time::Instant::now() + this.idle);
-                    (this.graceful)(&mut this.conn);
-                }
+                Some(at) if at <= std::time::Instant::now() => this.close_as_idle(),
                 Some(at) => this.idle_timer.as_mut().reset(at.into()),
                 // Requests in flight: unless the client stopped taking their response data.
-                // Over HTTP/2 such a client leaves no write blocked (its flow-control window
-                // holds the data back), so the send timeout never sees it; each stalled
-                // stream would hold its upstream connection for as long as the client
-                // liked. The connection is dropped, and its streams with it.
-                None => match this.info.activity.stalled_deadline(this.idle) {
-                    Some(at) if at <= std::time::Instant::now() => {
-                        tracing::debug!(client.addr = %this.info.client, "client took no response data for the idle timeout; connection dropped");
+                None => {
+                    if this.client_stalled() {
                         return Poll::Ready(None);
                     }
-                    Some(at) => this.idle_timer.as_mut().reset(at.into()),
-                    None => this
-                        .idle_timer
-                        .as_mut()
-                        .reset(tokio::time::Instant::now() + this.idle),
-                },
+                }
             }
             // The timer was reset (or the connection is closing): poll again.
             this.side.woken.store(true, Ordering::Release);
@@ -611,6 +581,41 @@ where
     C: Future + Unpin,
     G: FnMut(&mut C) + Unpin,
 {
+    /// Asks the connection to close as after an idle timeout: it has one more `idle` to
+    /// end (then, with no request in flight, it is dropped).
+    fn close_as_idle(&mut self) {
+        self.closing = true;
+        self.close_deadline = true;
+        self.idle_timer
+            .as_mut()
+            .reset(tokio::time::Instant::now() + self.idle);
+        (self.graceful)(&mut self.conn);
+    }
+
+    /// With requests in flight: has the client taken none of their response data for
+    /// `idle`? Over HTTP/2 such a client leaves no write blocked (its flow-control window
+    /// holds the data back), so the send timeout never sees it, and each stalled stream
+    /// would hold its upstream connection for as long as the client liked: the connection is
+    /// dropped, and its streams with it. If not, the timer is set to when it would be.
+    fn client_stalled(&mut self) -> bool {
+        match self.info.activity.stalled_deadline(self.idle) {
+            Some(at) if at <= std::time::Instant::now() => {
+                tracing::debug!(client.addr = %self.info.client, "client took no response data for the idle timeout; connection dropped");
+                true
+            }
+            Some(at) => {
+                self.idle_timer.as_mut().reset(at.into());
+                false
+            }
+            None => {
+                self.idle_timer
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + self.idle);
+                false
+            }
+        }
+    }
+
     /// Asks the connection to close for a shutdown, and gives it [`SHUTDOWN_CLOSE_WAIT`] to
     /// do so while no request is in flight (then, as after an idle close, it is dropped). An
     /// HTTP/2 client that does not answer the PING of the graceful close (gone without a

@@ -469,38 +469,18 @@ impl EndpointPool {
                 self.owe_replacement();
                 continue;
             }
-            self.stats.reuses.fetch_add(1, Ordering::Relaxed);
             // Wake the keeper only when the spares run low, not on every request.
             if left < self.min_warm {
                 self.refill.notify_one();
             }
-            return Ok(Conn {
-                sender: Sender::H1(idle.conn),
-                pool: self.clone(),
-                reused: true,
-                created: idle.created,
-                uses: idle.uses,
-                response_ok: false,
-                _slot: None,
-            });
+            return Ok(self.reuse(idle));
         }
         let permit = match &self.limit {
             None => None,
             Some(limit) => match limit.take_or_queue() {
                 Turn::Now(p) => Some(p),
                 Turn::Queued(rx) => match self.wait_turn(rx).await? {
-                    Handed::Idle(idle) => {
-                        self.stats.reuses.fetch_add(1, Ordering::Relaxed);
-                        return Ok(Conn {
-                            sender: Sender::H1(idle.conn),
-                            pool: self.clone(),
-                            reused: true,
-                            created: idle.created,
-                            uses: idle.uses,
-                            response_ok: false,
-                            _slot: None,
-                        });
-                    }
+                    Handed::Idle(idle) => return Ok(self.reuse(idle)),
                     // An endpoint that speaks HTTP/2 (`auto`) may have a stream free by
                     // now: taken rather than another connection opened.
                     // (Without waiting for a connect under way: this place would be held
@@ -577,6 +557,20 @@ impl EndpointPool {
             // (this worker runs nothing else in between).
             let opened = self.h2_opened.notified();
             let _ = tokio::time::timeout(left, opened).await;
+        }
+    }
+
+    /// An idle HTTP/1.1 connection taken for a request (counted as a reuse).
+    fn reuse(self: &Arc<Self>, idle: Idle) -> Conn {
+        self.stats.reuses.fetch_add(1, Ordering::Relaxed);
+        Conn {
+            sender: Sender::H1(idle.conn),
+            pool: self.clone(),
+            reused: true,
+            created: idle.created,
+            uses: idle.uses,
+            response_ok: false,
+            _slot: None,
         }
     }
 
