@@ -69,8 +69,8 @@ pub struct ConnInfo {
     /// Set when the HTTP/1 smuggling guard refused a head on a connection hyper's server
     /// reads (see [`crate::server::h1_guard`]).
     pub refused: std::sync::OnceLock<RefusedHead>,
-    /// Requests taken on the connection so far, under `server.max_requests_per_connection`.
-    /// Only the connection's task counts them.
+    /// Requests taken on the connection so far, under `server.max_requests_per_connection`
+    /// (not counted without one). Only the connection's task counts them.
     pub requests: std::sync::atomic::AtomicU64,
 }
 
@@ -88,12 +88,15 @@ pub const REFUSED_HEAD_HEADER: &str = "tailgate-refused-head";
 
 impl ConnInfo {
     /// Counts one more request taken on the connection: is it the last one allowed under
-    /// `max` (0: no cap)?
+    /// `max`? With no cap (`max` 0) nothing is counted: no request pays for it.
     #[inline]
     pub fn count_request(&self, max: u64) -> bool {
+        if max == 0 {
+            return false;
+        }
         let n = self.requests.load(std::sync::atomic::Ordering::Relaxed) + 1;
         self.requests.store(n, std::sync::atomic::Ordering::Relaxed);
-        max != 0 && n >= max
+        n >= max
     }
 
     /// The refusal this request stands in for, when it is the stand-in for a refused head.
