@@ -27,7 +27,7 @@ pub use balance::Balance;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, PoisonError};
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
@@ -71,10 +71,11 @@ pub struct ClusterPools {
     config: Cluster,
     /// Where its addresses come from when it has host-name endpoints.
     feed: Option<dns::ClusterFeed>,
-    /// Pools of addresses left out of the latest DNS answer, in case the address comes back
-    /// (see [`Self::set_addrs`]). Held weakly: a parked pool's own task keeps it, and drains
-    /// and lets it go after the cluster's `idle_timeout`.
-    parked: std::sync::Mutex<Vec<std::sync::Weak<EndpointPool>>>,
+    /// Pools of addresses left out of the latest DNS answer, by address, in case it comes
+    /// back (see [`Self::set_addrs`]). Held weakly: a parked pool's own task keeps it, and
+    /// drains and lets it go after the cluster's `idle_timeout`. Swapped whole by the worker
+    /// (the one writer) and read by scrapes without a lock, as `endpoints` is.
+    parked: ArcSwap<Vec<(SocketAddr, Weak<EndpointPool>)>>,
     balance: Balance,
     next: AtomicU64,
     /// Requests sent to this cluster, and retries spent, for the retry budget.
@@ -89,7 +90,7 @@ pub struct ClusterPools {
     pub budget_exhausted: AtomicU64,
     /// The cluster's requests in flight over every worker, under its `max_requests`
     /// (`None`: no cap).
-    cap: Option<Arc<InFlight>>,
+    cap: Option<Arc<RequestCap>>,
 }
 
 /// Requests in flight to one cluster over every worker, and its `max_requests`. One count
@@ -98,14 +99,13 @@ pub struct ClusterPools {
 /// only on clusters with a cap, twice a request (take, give back), on a cache line of its
 /// own.
 #[repr(align(128))]
-pub struct InFlight {
+pub struct RequestCap {
     count: AtomicUsize,
     max: usize,
 }
 
-/// Every cluster's [`InFlight`] count, made once and shared by the workers' [`Upstreams`].
-#[derive(Clone, Default)]
-pub struct ClusterCaps(Vec<Option<Arc<InFlight>>>);
+/// Every cluster's [`RequestCap`] count, made once and shared by the workers' [`Upstreams`].
+pub struct ClusterCaps(Vec<Option<Arc<RequestCap>>>);
 
 impl ClusterCaps {
     /// A count for each cluster with a `max_requests`, indexed like the config's clusters.
@@ -116,7 +116,7 @@ impl ClusterCaps {
                 .iter()
                 .map(|c| {
                     (c.max_requests > 0).then(|| {
-                        Arc::new(InFlight {
+                        Arc::new(RequestCap {
                             count: AtomicUsize::new(0),
                             max: c.max_requests,
                         })
@@ -326,9 +326,14 @@ impl ClusterPools {
     pub fn set_addrs(&self, addrs: &[SocketAddr]) {
         let old = self.endpoints.load_full();
         let park = !self.config.idle_timeout.is_zero();
-        let mut parked = self.parked.lock().unwrap_or_else(PoisonError::into_inner);
         // Those drained meanwhile are gone for good.
-        parked.retain(|w| w.upgrade().is_some_and(|p| p.is_parked_live()));
+        let mut parked: Vec<_> = self
+            .parked
+            .load()
+            .iter()
+            .filter(|(_, w)| w.upgrade().is_some_and(|p| p.is_parked_live()))
+            .cloned()
+            .collect();
         let mut next = Vec::with_capacity(addrs.len());
         let (mut added, mut removed) = (0, 0);
         for &a in addrs {
@@ -339,8 +344,8 @@ impl ClusterPools {
             added += 1;
             let back = parked
                 .iter()
-                .position(|w| w.upgrade().is_some_and(|p| p.addr == a))
-                .and_then(|i| parked.swap_remove(i).upgrade())
+                .position(|(addr, _)| *addr == a)
+                .and_then(|i| parked.swap_remove(i).1.upgrade())
                 .filter(|p| p.unpark());
             if let Some(p) = back {
                 next.push(p);
@@ -354,12 +359,12 @@ impl ClusterPools {
             removed += 1;
             if park {
                 p.park();
-                parked.push(Arc::downgrade(p));
+                parked.push((p.addr, Arc::downgrade(p)));
             } else {
                 p.retire();
             }
         }
-        drop(parked);
+        self.parked.store(Arc::new(parked));
         if added == 0 && removed == 0 {
             return;
         }
@@ -377,10 +382,9 @@ impl ClusterPools {
     /// and connections still count in `/metrics`).
     pub fn parked_pools(&self) -> Vec<Arc<EndpointPool>> {
         self.parked
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+            .load()
             .iter()
-            .filter_map(std::sync::Weak::upgrade)
+            .filter_map(|(_, w)| w.upgrade())
             .filter(|p| p.is_parked_live())
             .collect()
     }
@@ -457,7 +461,7 @@ impl Upstreams {
                         stats: ClusterStats::default(),
                         config: c.clone(),
                         feed,
-                        parked: std::sync::Mutex::new(Vec::new()),
+                        parked: ArcSwap::from_pointee(Vec::new()),
                         balance: c.balance,
                         next: AtomicU64::new(0),
                         requests: AtomicU64::new(0),

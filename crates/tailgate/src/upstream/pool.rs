@@ -216,13 +216,14 @@ impl EndpointPool {
         true
     }
 
-    fn is_parked_now(&self) -> bool {
+    /// Out of its cluster's DNS answer (drained or not).
+    pub(super) fn is_parked(&self) -> bool {
         self.parked_at_ms.load(Ordering::Relaxed) != u64::MAX
     }
 
     /// Parked, and not drained yet.
     pub(super) fn is_parked_live(&self) -> bool {
-        self.is_parked_now() && !self.retired.load(Ordering::Relaxed)
+        self.is_parked() && !self.retired.load(Ordering::Relaxed)
     }
 
     /// A parked pool's upkeep, from its own task: idle connections expired and those the
@@ -243,11 +244,6 @@ impl EndpointPool {
             self.h2.tidy(&self.stats, self.idle_timeout, 0);
         }
         false
-    }
-
-    #[cfg(test)]
-    pub(super) fn is_parked(&self) -> bool {
-        self.is_parked_now()
     }
 
     #[cfg(test)]
@@ -757,7 +753,7 @@ impl EndpointPool {
             if self.parked_upkeep() {
                 return;
             }
-            while !self.retired.load(Ordering::Relaxed) && !self.is_parked_now() {
+            while !self.retired.load(Ordering::Relaxed) && !self.is_parked() {
                 let missing = self.warm_missing();
                 if !missing && self.owed.load(Ordering::Relaxed) == 0 {
                     break;
