@@ -369,14 +369,7 @@ async fn expect_100_continue_is_answered_before_the_body() {
 async fn h2c_prior_knowledge_to_h1_upstream() {
     let up = echo_upstream().await;
     let gw = TestGateway::to(up, "");
-    let stream = TcpStream::connect(gw.addr).await.unwrap();
-    let (mut c, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let (mut c, _conn) = h2c_client(gw.addr).await;
     for i in 0..3 {
         let req = http::Request::post(format!("http://api.test/h2/{i}"))
             .body(full(format!("body{i}")))
@@ -509,14 +502,7 @@ async fn a_small_body_after_its_head_is_forwarded_and_the_connection_goes_on() {
 async fn h2_connection_ends_after_max_requests_per_connection() {
     let up = echo_upstream().await;
     let gw = TestGateway::to(up, "[server]\nmax_requests_per_connection = 2\n");
-    let stream = TcpStream::connect(gw.addr).await.unwrap();
-    let (mut c, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    let conn = tokio::spawn(conn);
+    let (mut c, conn) = h2c_client(gw.addr).await;
     for i in 0..2 {
         let req = http::Request::get(format!("http://api.test/h2/{i}"))
             .body(full(""))

@@ -457,14 +457,7 @@ async fn an_h2_client_that_takes_no_response_data_is_cut_off() {
     })
     .await;
     let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"600ms\"\n");
-    let stream = TcpStream::connect(gw.addr).await.unwrap();
-    let (mut c, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    let conn = tokio::spawn(conn);
+    let (mut c, conn) = h2c_client(gw.addr).await;
     // Waiting 1.5 s for the upstream's answer, past the idle timeout: served.
     let resp = c
         .send_request(http::Request::get("http://a/slow").body(full("")).unwrap())
@@ -494,14 +487,7 @@ async fn an_h2_client_that_stalls_its_last_stream_is_cut_off() {
         up,
         "[server]\nworkers = 1\nidle_timeout = \"600ms\"\nmax_requests_per_connection = 1\n",
     );
-    let stream = TcpStream::connect(gw.addr).await.unwrap();
-    let (mut c, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    let conn = tokio::spawn(conn);
+    let (mut c, conn) = h2c_client(gw.addr).await;
     let resp = c
         .send_request(http::Request::get("http://a/big").body(full("")).unwrap())
         .await

@@ -722,14 +722,7 @@ async fn r_h2_cookie_fields_are_joined_for_http1_upstreams() {
     )
     .await;
     let gw = TestGateway::to(up.addr, "");
-    let stream = TcpStream::connect(gw.addr).await.unwrap();
-    let (mut c, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let (mut c, _conn) = h2c_client(gw.addr).await;
     let req = http::Request::get("http://api.test/c")
         .header("cookie", "a=1")
         .header("cookie", "b=2")

@@ -283,6 +283,24 @@ pub async fn h1_client(addr: SocketAddr) -> hyper::client::conn::http1::SendRequ
     sender
 }
 
+/// An HTTP/2 client by prior knowledge (h2c) on a new connection to `addr`, and the task
+/// driving its connection (it ends with the connection).
+pub async fn h2c_client(
+    addr: SocketAddr,
+) -> (
+    hyper::client::conn::http2::SendRequest<TestBody>,
+    tokio::task::JoinHandle<Result<(), hyper::Error>>,
+) {
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    (sender, tokio::spawn(conn))
+}
+
 pub async fn get(addr: SocketAddr, path: &str) -> http::Response<Bytes> {
     let mut c = h1_client(addr).await;
     let req = http::Request::get(path)
