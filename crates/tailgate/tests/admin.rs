@@ -781,18 +781,11 @@ async fn hedge_and_dns_counters_are_exported() {
 /// out, and the connections open, in `/metrics` and `/stats`.
 #[tokio::test]
 async fn the_connection_queue_is_exported() {
-    let (open_tx, open_rx) = tokio::sync::watch::channel(false);
-    let (arrived_tx, mut arrived) = tokio::sync::mpsc::unbounded_channel::<()>();
-    let up = upstream(move |_| {
-        let mut open = open_rx.clone();
-        let arrived = arrived_tx.clone();
-        async move {
-            let _ = arrived.send(());
-            let _ = open.wait_for(|o| *o).await;
-            http::Response::new(full("ok"))
-        }
-    })
-    .await;
+    let HeldUpstream {
+        addr: up,
+        mut arrived,
+        open: open_tx,
+    } = held_upstream().await;
     let gw = TestGateway::start(&format!(
         "{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nmax_connections_per_endpoint = 1\nconnect_timeout = \"200ms\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
     ));

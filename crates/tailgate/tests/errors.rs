@@ -272,18 +272,11 @@ async fn r_a_client_that_never_reads_is_cut_off() {
 /// they are answered, requests go through again.
 #[tokio::test]
 async fn past_max_requests_a_request_gets_503_upstream_overflow() {
-    let (arrived_tx, mut arrived) = tokio::sync::mpsc::unbounded_channel::<()>();
-    let (open_tx, open_rx) = tokio::sync::watch::channel(false);
-    let up = upstream(move |_| {
-        let arrived = arrived_tx.clone();
-        let mut open = open_rx.clone();
-        async move {
-            let _ = arrived.send(());
-            let _ = open.wait_for(|o| *o).await;
-            http::Response::new(full("ok"))
-        }
-    })
-    .await;
+    let HeldUpstream {
+        addr: up,
+        mut arrived,
+        open: open_tx,
+    } = held_upstream().await;
     let gw = TestGateway::start(&format!(
         "[[cluster]]\nname = \"held\"\nendpoints = [\"{up}\"]\nmax_requests = 2\n[[route]]\npath_prefix = \"/\"\ncluster = \"held\"\n"
     ));

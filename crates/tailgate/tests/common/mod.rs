@@ -283,6 +283,34 @@ pub async fn h1_client(addr: SocketAddr) -> hyper::client::conn::http1::SendRequ
     sender
 }
 
+/// An upstream that holds every request until `open` is sent `true`, then answers `ok`;
+/// `arrived` gets one message per request that reached it.
+pub struct HeldUpstream {
+    pub addr: SocketAddr,
+    pub arrived: tokio::sync::mpsc::UnboundedReceiver<()>,
+    pub open: tokio::sync::watch::Sender<bool>,
+}
+
+pub async fn held_upstream() -> HeldUpstream {
+    let (arrived_tx, arrived) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let (open, open_rx) = tokio::sync::watch::channel(false);
+    let addr = upstream(move |_| {
+        let arrived = arrived_tx.clone();
+        let mut open = open_rx.clone();
+        async move {
+            let _ = arrived.send(());
+            let _ = open.wait_for(|o| *o).await;
+            http::Response::new(full("ok"))
+        }
+    })
+    .await;
+    HeldUpstream {
+        addr,
+        arrived,
+        open,
+    }
+}
+
 /// An HTTP/2 client by prior knowledge (h2c) on a new connection to `addr`, and the task
 /// driving its connection (it ends with the connection).
 pub async fn h2c_client(
