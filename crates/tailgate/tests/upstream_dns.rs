@@ -17,6 +17,7 @@ use hickory_proto::op::Message;
 use hickory_proto::rr::rdata::A;
 use hickory_proto::rr::{RData, Record, RecordType};
 use tokio::net::UdpSocket;
+use tokio::sync::watch;
 
 /// A minimal authoritative DNS server: `svc.test.` → the current A record (TTL `ttl`, 1 s
 /// unless set) while `answering`, an empty answer otherwise; AAAA and other names get empty
@@ -108,6 +109,15 @@ impl DnsServer {
 
 /// An upstream on `ip:port` (port 0: any) that counts its requests.
 async fn counting_on(ip: Ipv4Addr, port: u16) -> Option<(SocketAddr, Arc<AtomicUsize>)> {
+    counting_gated_on(ip, port, watch::channel(true).1).await
+}
+
+/// [`counting_on`], answering each request only once `gate` is true.
+async fn counting_gated_on(
+    ip: Ipv4Addr,
+    port: u16,
+    gate: watch::Receiver<bool>,
+) -> Option<(SocketAddr, Arc<AtomicUsize>)> {
     let hits = Arc::new(AtomicUsize::new(0));
     let h = hits.clone();
     // Binding may fail when the port is taken on this address: the caller picks another.
@@ -116,7 +126,11 @@ async fn counting_on(ip: Ipv4Addr, port: u16) -> Option<(SocketAddr, Arc<AtomicU
     drop(probe);
     let addr = upstream_on(&bind.to_string(), move |_| {
         h.fetch_add(1, Ordering::SeqCst);
-        async { http::Response::new(full("ok")) }
+        let mut gate = gate.clone();
+        async move {
+            let _ = gate.wait_for(|open| *open).await;
+            http::Response::new(full("ok"))
+        }
     })
     .await;
     Some((addr, hits))
@@ -124,8 +138,17 @@ async fn counting_on(ip: Ipv4Addr, port: u16) -> Option<(SocketAddr, Arc<AtomicU
 
 /// Two counting upstreams on 127.0.0.2 and 127.0.0.3, same port.
 async fn twin_upstreams() -> (u16, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    twin_upstreams_a_gated(watch::channel(true).1).await
+}
+
+/// [`twin_upstreams`], the one on 127.0.0.2 answering only once `gate` is true.
+async fn twin_upstreams_a_gated(
+    gate: watch::Receiver<bool>,
+) -> (u16, Arc<AtomicUsize>, Arc<AtomicUsize>) {
     for _ in 0..20 {
-        let (a, a_hits) = counting_on(Ipv4Addr::new(127, 0, 0, 2), 0).await.unwrap();
+        let (a, a_hits) = counting_gated_on(Ipv4Addr::new(127, 0, 0, 2), 0, gate.clone())
+            .await
+            .unwrap();
         if let Some((_, b_hits)) = counting_on(Ipv4Addr::new(127, 0, 0, 3), a.port()).await {
             return (a.port(), a_hits, b_hits);
         }
@@ -243,6 +266,58 @@ async fn an_address_back_in_a_later_answer_gets_its_pool_back() {
         back.stats.connects_on_request.load(Ordering::SeqCst),
         first.stats.connects_on_request.load(Ordering::SeqCst)
     );
+}
+
+/// Under `max_connections_per_endpoint`, a request queued for A's one connection when A
+/// leaves the answer is let go once A's pool is drained, and B answers it. (It waited on
+/// for A before, and a place freed there later would have sent it to the removed address.)
+#[tokio::test]
+async fn a_request_queued_for_a_removed_address_goes_to_another() {
+    let (open_a, gate) = watch::channel(false);
+    let (port, a_hits, b_hits) = twin_upstreams_a_gated(gate).await;
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    let gw = TestGateway::start(&format!(
+        "[dns]\nnameservers = [\"{}\"]\nmin_refresh = \"50ms\"\nmax_refresh = \"1s\"\nquery_timeout = \"2s\"\nstartup_timeout = \"3s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"svc.test:{port}\"]\nmax_connections_per_endpoint = 1\nidle_timeout = \"300ms\"\nconnect_timeout = \"20s\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
+        dns.addr
+    ));
+    let g = gw.gw.as_ref().unwrap();
+    let a = SocketAddr::from(([127, 0, 0, 2], port));
+    let pool_a = g
+        .endpoint_pools()
+        .into_iter()
+        .find(|p| p.addr == a)
+        .expect("A's pool");
+    // The first request holds A's one connection; the second queues for it.
+    let mut c1 = h1_client(gw.addr).await;
+    let first = tokio::spawn(async move { get_on(&mut c1, "/").await });
+    wait_until(|| a_hits.load(Ordering::SeqCst) == 1).await;
+    let mut c2 = h1_client(gw.addr).await;
+    let second = tokio::spawn(async move { get_on(&mut c2, "/").await });
+    wait_until(|| pool_a.stats.queued.load(Ordering::SeqCst) == 1).await;
+    dns.set(Ipv4Addr::new(127, 0, 0, 3));
+    let status = tokio::time::timeout(Duration::from_secs(15), second)
+        .await
+        .expect("the queued request was let go well within its connect timeout")
+        .unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(b_hits.load(Ordering::SeqCst), 1, "B answered it");
+    assert_eq!(a_hits.load(Ordering::SeqCst), 1, "A got only the first");
+    assert!(!first.is_finished(), "A's connection was still busy");
+    assert_eq!(pool_a.stats.queue_timeouts.load(Ordering::SeqCst), 0);
+    // The first request's connection serves it to the end, removed address or not.
+    open_a.send_replace(true);
+    assert_eq!(first.await.unwrap(), 200);
+}
+
+/// Polls `done` every 10 ms, for up to 10 s.
+async fn wait_until(done: impl Fn() -> bool) {
+    for _ in 0..1000 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("not reached within 10 s");
 }
 
 /// The DNS server goes away: lookups fail and are counted, and requests keep going to the

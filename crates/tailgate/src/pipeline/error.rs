@@ -46,6 +46,10 @@ pub enum ProxyError {
     )]
     UpstreamQueueTimeout,
     #[error(
+        "the endpoint this request was queued for left its cluster (DNS) before a connection came free, and no other endpoint is left"
+    )]
+    EndpointRemoved,
+    #[error(
         "a protocol upgrade (WebSocket) needs an HTTP/1.1 upstream; this cluster speaks HTTP/2"
     )]
     UpgradeNeedsHttp1,
@@ -69,9 +73,9 @@ impl ProxyError {
             | ProxyError::NoEndpoints
             | ProxyError::UpgradeNeedsHttp1 => StatusCode::BAD_GATEWAY,
             ProxyError::ConnectTimeout | ProxyError::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
-            ProxyError::UpstreamOverflow | ProxyError::UpstreamQueueTimeout => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ProxyError::UpstreamOverflow
+            | ProxyError::UpstreamQueueTimeout
+            | ProxyError::EndpointRemoved => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -95,6 +99,7 @@ impl ProxyError {
             ProxyError::NoEndpoints => "no_endpoints",
             ProxyError::UpstreamOverflow => "upstream_overflow",
             ProxyError::UpstreamQueueTimeout => "upstream_queue_timeout",
+            ProxyError::EndpointRemoved => "endpoint_removed",
             ProxyError::UpgradeNeedsHttp1 => "upgrade_needs_http1",
         }
     }

@@ -444,14 +444,19 @@ fn forward(
         };
         let mut up = match first {
             Ok(up) => up,
-            // Nothing was sent: trying another endpoint is always safe.
+            // Nothing was sent: trying another endpoint is always safe. One that left the
+            // cluster while the request queued for it costs no retry budget (it is not a
+            // failure, and its queue is let go once).
             Err(
                 e @ (ProxyError::UpstreamConnect(_)
                 | ProxyError::UpstreamTls(_)
-                | ProxyError::ConnectTimeout),
-            ) if cluster.endpoint_count() > 1 && cluster.try_spend_retry() => {
-                in_flight.failed();
-                tracing::debug!(upstream.addr = %pool.addr, error = %e, "connect failed; trying another endpoint");
+                | ProxyError::ConnectTimeout
+                | ProxyError::EndpointRemoved),
+            ) if (matches!(e, ProxyError::EndpointRemoved) && cluster.endpoint_count() > 0)
+                || (cluster.endpoint_count() > 1 && cluster.try_spend_retry()) =>
+            {
+                in_flight.ended_by(&e);
+                tracing::debug!(upstream.addr = %pool.addr, error = %e, "no connection to this endpoint; trying another");
                 pool.count_retry();
                 retried = true;
                 pool = cluster.pick(Some(pool.addr))?;

@@ -218,13 +218,16 @@ impl InFlight<'_> {
 
     /// A checkout that ended in `e`: the route's total deadline cutting a connect short
     /// (`UpstreamTimeout` there), or a wait for one of its connections past the connect
-    /// timeout, says the endpoint is slow or busy, not broken, so it counts as
+    /// timeout, says the endpoint is slow or busy, not broken, and one removed from its
+    /// cluster while a request waited says nothing of it, so these count as
     /// [`abandoned`](Self::abandoned); any other error as [`failed`](Self::failed).
     pub fn ended_by(self, e: &crate::pipeline::error::ProxyError) {
         use crate::pipeline::error::ProxyError;
         if matches!(
             e,
-            ProxyError::UpstreamTimeout | ProxyError::UpstreamQueueTimeout
+            ProxyError::UpstreamTimeout
+                | ProxyError::UpstreamQueueTimeout
+                | ProxyError::EndpointRemoved
         ) {
             self.abandoned();
         } else {

@@ -13,7 +13,7 @@
 //! waiter woken to look for it in the idle list would race the requests that come meanwhile.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::oneshot;
@@ -25,6 +25,9 @@ use super::pool::Idle;
 pub(super) struct ConnLimit {
     open: AtomicUsize,
     max: usize,
+    /// The endpoint was removed and its pool drained: no request queues any more, and those
+    /// queued were let go (see [`Self::close`]).
+    closed: AtomicBool,
     // Held only for a push, a pop or a send, never across an await; one worker uses it.
     waiters: Mutex<VecDeque<oneshot::Sender<Handed>>>,
 }
@@ -55,6 +58,8 @@ impl Drop for ConnPermit {
 pub(super) enum Turn {
     Now(ConnPermit),
     Queued(oneshot::Receiver<Handed>),
+    /// The endpoint is gone (its pool drained): nothing will be handed here.
+    Closed,
 }
 
 impl ConnLimit {
@@ -62,6 +67,7 @@ impl ConnLimit {
         Arc::new(ConnLimit {
             open: AtomicUsize::new(0),
             max,
+            closed: AtomicBool::new(false),
             waiters: Mutex::new(VecDeque::new()),
         })
     }
@@ -86,6 +92,9 @@ impl ConnLimit {
     /// queues even if a place has just freed (that place is on its way to the first of them).
     pub(super) fn take_or_queue(self: &Arc<Self>) -> Turn {
         let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.closed.load(Ordering::Relaxed) {
+            return Turn::Closed;
+        }
         waiters.retain(|w| !w.is_closed());
         if waiters.is_empty()
             && let Some(p) = self.try_take()
@@ -95,6 +104,18 @@ impl ConnLimit {
         let (tx, rx) = oneshot::channel();
         waiters.push_back(tx);
         Turn::Queued(rx)
+    }
+
+    /// The endpoint was removed and its pool drained: every request queued is let go (its
+    /// receiver sees the sender dropped, and it tries another endpoint), and none queues
+    /// after. Without this, a place freed later would send it to the removed address.
+    pub(super) fn close(&self) {
+        let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+        self.closed.store(true, Ordering::Relaxed);
+        let gone = std::mem::take(&mut *waiters);
+        // Dropped once the lock is let go, as everything handed here is.
+        drop(waiters);
+        drop(gone);
     }
 
     /// Hands `idle` to the first request still queued; gives it back when none is.

@@ -252,10 +252,14 @@ impl EndpointPool {
     }
 
     /// Drains the pool of an endpoint removed from its cluster: idle connections close, the
-    /// warm keeper stops, HTTP/2 connections take no new streams, and connections still
-    /// serving requests close when they finish.
+    /// warm keeper stops, HTTP/2 connections take no new streams, connections still
+    /// serving requests close when they finish, and requests queued for a connection
+    /// (`max_connections_per_endpoint`) are let go to try another endpoint.
     pub fn retire(&self) {
         self.retired.store(true, Ordering::Relaxed);
+        if let Some(limit) = &self.limit {
+            limit.close();
+        }
         self.idle
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -475,6 +479,7 @@ impl EndpointPool {
             None => None,
             Some(limit) => match limit.take_or_queue() {
                 Turn::Now(p) => Some(p),
+                Turn::Closed => return Err(ProxyError::EndpointRemoved),
                 Turn::Queued(rx) => match self.wait_turn(rx).await? {
                     Handed::Idle(idle) => return Ok(self.reuse(idle)),
                     // An endpoint that speaks HTTP/2 (`auto`) may have a stream free by
@@ -509,9 +514,9 @@ impl EndpointPool {
         let mut waiting = Waiting { rx, pool: self };
         match tokio::time::timeout(self.connect_timeout, &mut waiting.rx).await {
             Ok(Ok(handed)) => Ok(handed),
-            // The queue is never cleared while the pool lives; a sender dropped unsent
-            // (none is) would end the wait like the timeout.
-            Ok(Err(_)) | Err(_) => {
+            // Let go unsent: the pool was drained (its address left the cluster's answer).
+            Ok(Err(_)) => Err(ProxyError::EndpointRemoved),
+            Err(_) => {
                 self.stats.queue_timeouts.fetch_add(1, Ordering::Relaxed);
                 Err(ProxyError::UpstreamQueueTimeout)
             }

@@ -34,7 +34,7 @@ pub const METHODS: [&str; 8] = [
 /// Status classes; `none` is an exchange that ended before any status (client gone).
 pub const CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "none"];
 /// Error kinds with their own label value (the codes of `ProxyError` and of the bodies).
-pub const ERROR_KINDS: [&str; 23] = [
+pub const ERROR_KINDS: [&str; 24] = [
     "no_route",
     "method_not_allowed",
     "misdirected_request",
@@ -53,6 +53,7 @@ pub const ERROR_KINDS: [&str; 23] = [
     "upgrade_needs_http1",
     "upstream_overflow",
     "upstream_queue_timeout",
+    "endpoint_removed",
     "total_timeout",
     "upstream_body",
     "upstream_body_timeout",
@@ -354,6 +355,7 @@ mod tests {
             E::NoEndpoints,
             E::UpstreamOverflow,
             E::UpstreamQueueTimeout,
+            E::EndpointRemoved,
             E::UpgradeNeedsHttp1,
         ];
         for e in &all {
@@ -375,6 +377,7 @@ mod tests {
                 | E::NoEndpoints
                 | E::UpstreamOverflow
                 | E::UpstreamQueueTimeout
+                | E::EndpointRemoved
                 | E::UpgradeNeedsHttp1 => {}
             }
             assert_ne!(error_index(e.code()), ERROR_KINDS.len() - 1, "{}", e.code());
