@@ -290,10 +290,16 @@ async fn a_request_queued_for_a_removed_address_goes_to_another() {
     // The first request holds A's one connection; the second queues for it.
     let mut c1 = h1_client(gw.addr).await;
     let first = tokio::spawn(async move { get_on(&mut c1, "/").await });
-    wait_until(|| a_hits.load(Ordering::SeqCst) == 1).await;
+    wait_for("the first request at A", || {
+        a_hits.load(Ordering::SeqCst) == 1
+    })
+    .await;
     let mut c2 = h1_client(gw.addr).await;
     let second = tokio::spawn(async move { get_on(&mut c2, "/").await });
-    wait_until(|| pool_a.stats.queued.load(Ordering::SeqCst) == 1).await;
+    wait_for("the second request queued", || {
+        pool_a.stats.queued.load(Ordering::SeqCst) == 1
+    })
+    .await;
     dns.set(Ipv4Addr::new(127, 0, 0, 3));
     let status = tokio::time::timeout(Duration::from_secs(15), second)
         .await
@@ -307,17 +313,6 @@ async fn a_request_queued_for_a_removed_address_goes_to_another() {
     // The first request's connection serves it to the end, removed address or not.
     open_a.send_replace(true);
     assert_eq!(first.await.unwrap(), 200);
-}
-
-/// Polls `done` every 10 ms, for up to 10 s.
-async fn wait_until(done: impl Fn() -> bool) {
-    for _ in 0..1000 {
-        if done() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("not reached within 10 s");
 }
 
 /// The DNS server goes away: lookups fail and are counted, and requests keep going to the

@@ -738,6 +738,39 @@ async fn a_burst_past_max_connections_per_endpoint_queues_for_the_connections_op
     );
 }
 
+/// With two endpoints, a request whose pick is at its `max_connections_per_endpoint` with
+/// none idle goes to the other, which has room, rather than queue behind the held one (as
+/// HAProxy's balancer passes over a server at its `maxconn`).
+#[tokio::test]
+async fn a_full_endpoint_is_passed_over_for_one_with_room() {
+    let held = gated_upstream(false).await;
+    let (other, other_hits) = delayed_counting_upstream(Duration::ZERO).await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{}\", \"{other}\"]\nbalance = \"round_robin\"\nmax_connections_per_endpoint = 1\nconnect_timeout = \"20s\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
+        held.addr
+    ));
+    let addr = gw.addr;
+    // Round robin's first turn is the held endpoint's: this request keeps its one connection.
+    let first = tokio::spawn(async move { get(addr, "/first").await.status() });
+    wait_for("the first request at the held endpoint", || {
+        held.arrived.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    // Every other turn is the held endpoint's again, full.
+    for i in 0..4 {
+        let resp = tokio::time::timeout(Duration::from_secs(10), get(addr, &format!("/{i}")))
+            .await
+            .expect("not queued behind the held request");
+        assert_eq!(resp.status(), 200);
+    }
+    assert_eq!(other_hits.load(Ordering::SeqCst), 4);
+    assert_eq!(held.arrived.load(Ordering::SeqCst), 1);
+    assert_eq!(held.conns.load(Ordering::SeqCst), 1);
+    assert_eq!(stat(&gw, |s| s.queued.load(Ordering::SeqCst)), 0);
+    held.open.send(true).unwrap();
+    assert_eq!(first.await.unwrap(), 200);
+}
+
 /// A connection the server closes frees its place for the next request queued, which
 /// opens a new one.
 #[tokio::test]

@@ -77,6 +77,11 @@ impl ConnLimit {
         self.open.load(Ordering::Relaxed)
     }
 
+    /// No room for another connection.
+    pub(super) fn is_full(&self) -> bool {
+        self.open() >= self.max
+    }
+
     /// A place for one more connection, if there is room (the warm keeper's way: it does not
     /// wait).
     pub(super) fn try_take(self: &Arc<Self>) -> Option<ConnPermit> {

@@ -243,13 +243,31 @@ impl ClusterPools {
             }
             return Err(ProxyError::NoEndpoints);
         }
+        let excluded = |i: usize| exclude == Some(endpoints[i].addr);
         let i = balance::pick(
             self.balance,
             endpoints.len(),
             |i| &endpoints[i].load,
             &self.next,
-            |i| exclude == Some(endpoints[i].addr),
+            excluded,
         );
+        // One at its `max_connections_per_endpoint` with none idle would queue the request:
+        // another with room takes it, as HAProxy's balancer passes over a server at its
+        // `maxconn`. (Not an ejected one, unless the first pick was too.) The request
+        // queues only where every endpoint is full.
+        if endpoints.len() > 1 && endpoints[i].is_full() {
+            let j = balance::pick(
+                self.balance,
+                endpoints.len(),
+                |i| &endpoints[i].load,
+                &self.next,
+                |j| excluded(j) || endpoints[j].is_full(),
+            );
+            let (a, b) = (&endpoints[i], &endpoints[j]);
+            if !excluded(j) && !b.is_full() && (!b.load.is_ejected() || a.load.is_ejected()) {
+                return Ok(b.clone());
+            }
+        }
         Ok(endpoints[i].clone())
     }
 

@@ -426,6 +426,19 @@ impl EndpointPool {
         Some((idle, list.len()))
     }
 
+    /// At its `max_connections_per_endpoint` with none of those idle (and no HTTP/2 seen,
+    /// whose streams need no place): a request sent here now would queue. Without the
+    /// setting, a branch.
+    pub(super) fn is_full(&self) -> bool {
+        self.limit.as_ref().is_some_and(|l| l.is_full())
+            && !self.h2_seen.load(Ordering::Relaxed)
+            && self
+                .idle
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_empty()
+    }
+
     /// A reused connection from [`Self::checkout_at`] was taken from the idle list without
     /// waiting: only HTTP/1.1 connections (no wait for an HTTP/2 one being opened), and no
     /// `max_connections_per_endpoint` (no wait in its queue).
