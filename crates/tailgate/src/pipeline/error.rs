@@ -46,7 +46,7 @@ pub enum ProxyError {
     )]
     UpstreamQueueTimeout,
     #[error(
-        "the endpoint this request was queued for left its cluster (DNS) before a connection came free, and no other endpoint is left"
+        "the endpoint this request was queued for left its cluster (DNS) before a connection came free; try again shortly"
     )]
     EndpointRemoved,
     #[error(
@@ -138,7 +138,9 @@ impl ProxyError {
         h.insert(request_id_header.clone(), request_id.clone());
         if matches!(
             self,
-            ProxyError::UpstreamOverflow | ProxyError::UpstreamQueueTimeout
+            ProxyError::UpstreamOverflow
+                | ProxyError::UpstreamQueueTimeout
+                | ProxyError::EndpointRemoved
         ) {
             h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }

@@ -25,7 +25,7 @@ use super::pool::Idle;
 pub(super) struct ConnLimit {
     open: AtomicUsize,
     max: usize,
-    /// The endpoint was removed and its pool drained: no request queues any more, and those
+    /// The endpoint is out of its cluster (parked or drained): no request queues, and those
     /// queued were let go (see [`Self::close`]).
     closed: AtomicBool,
     // Held only for a push, a pop or a send, never across an await; one worker uses it.
@@ -111,9 +111,11 @@ impl ConnLimit {
         Turn::Queued(rx)
     }
 
-    /// The endpoint was removed and its pool drained: every request queued is let go (its
-    /// receiver sees the sender dropped, and it tries another endpoint), and none queues
-    /// after. Without this, a place freed later would send it to the removed address.
+    /// The endpoint left its cluster (its address is out of the DNS answer: parked, or
+    /// drained): every request queued is let go (its receiver sees the sender dropped, and
+    /// it tries another endpoint), and none queues until [`Self::reopen`]. Without this, a
+    /// place freed or a connection given back meanwhile would send it to the removed
+    /// address.
     pub(super) fn close(&self) {
         let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
         self.closed.store(true, Ordering::Relaxed);
@@ -121,6 +123,13 @@ impl ConnLimit {
         // Dropped once the lock is let go, as everything handed here is.
         drop(waiters);
         drop(gone);
+    }
+
+    /// The endpoint is back in its cluster (its address in a later answer): requests queue
+    /// again.
+    pub(super) fn reopen(&self) {
+        let _waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+        self.closed.store(false, Ordering::Relaxed);
     }
 
     /// Hands `idle` to the first request still queued; gives it back when none is.

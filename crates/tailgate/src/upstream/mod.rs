@@ -251,24 +251,36 @@ impl ClusterPools {
             &self.next,
             excluded,
         );
-        // One at its `max_connections_per_endpoint` with none idle would queue the request:
-        // another with room takes it, as HAProxy's balancer passes over a server at its
-        // `maxconn`. (Not an ejected one, unless the first pick was too.) The request
-        // queues only where every endpoint is full.
-        if endpoints.len() > 1 && endpoints[i].is_full() {
-            let j = balance::pick(
-                self.balance,
-                endpoints.len(),
-                |i| &endpoints[i].load,
-                &self.next,
-                |j| excluded(j) || endpoints[j].is_full(),
-            );
-            let (a, b) = (&endpoints[i], &endpoints[j]);
-            if !excluded(j) && !b.is_full() && (!b.load.is_ejected() || a.load.is_ejected()) {
-                return Ok(b.clone());
-            }
+        Ok(endpoints[self.with_room(&endpoints, i, excluded)].clone())
+    }
+
+    /// `i`, the balancer's pick, unless it is at its `max_connections_per_endpoint` with
+    /// none idle (a request sent there would queue) and another has room: then that one, as
+    /// HAProxy's balancer passes over a server at its `maxconn`. Never an `excluded` one,
+    /// nor an ejected one unless `i` is too. A request queues only where every endpoint is
+    /// full.
+    fn with_room(
+        &self,
+        endpoints: &[Arc<EndpointPool>],
+        i: usize,
+        excluded: impl Fn(usize) -> bool,
+    ) -> usize {
+        if endpoints.len() < 2 || !endpoints[i].is_full() {
+            return i;
         }
-        Ok(endpoints[i].clone())
+        let j = balance::pick(
+            self.balance,
+            endpoints.len(),
+            |i| &endpoints[i].load,
+            &self.next,
+            |j| excluded(j) || endpoints[j].is_full(),
+        );
+        let (a, b) = (&endpoints[i], &endpoints[j]);
+        if !excluded(j) && !b.is_full() && (!b.load.is_ejected() || a.load.is_ejected()) {
+            j
+        } else {
+            i
+        }
     }
 
     /// Whether an endpoint other than `avoid` is not ejected (a hedge has somewhere to go),
@@ -291,14 +303,15 @@ impl ClusterPools {
         if endpoints.is_empty() {
             return None;
         }
+        let avoided = |i: usize| endpoints[i].addr == avoid;
         let i = balance::pick(
             self.balance,
             endpoints.len(),
             |i| &endpoints[i].load,
             &self.next,
-            |i| endpoints[i].addr == avoid,
+            avoided,
         );
-        let pool = &endpoints[i];
+        let pool = &endpoints[self.with_room(&endpoints, i, avoided)];
         (pool.addr != avoid && !pool.load.is_ejected()).then(|| pool.clone())
     }
 
@@ -599,6 +612,73 @@ mod tests {
         assert!(c.parked_pools().is_empty());
         c.set_addrs(&[a, b]);
         assert!(!Arc::ptr_eq(&c.endpoints.load()[1], &pool_b));
+    }
+
+    /// A parked pool takes no queue under `max_connections_per_endpoint` (a request there
+    /// is sent elsewhere at once); back in the answer, it queues requests again.
+    #[tokio::test]
+    async fn a_parked_pool_takes_no_queue_until_it_is_back() {
+        let ups = one_cluster(
+            "endpoints = [\"127.0.0.1:1\", \"127.0.0.1:2\"]\nmax_connections_per_endpoint = 1\nidle_timeout = \"60s\"",
+        );
+        let c = &ups.clusters[0];
+        let (a, b): (SocketAddr, SocketAddr) = (
+            "127.0.0.1:1".parse().expect("address"),
+            "127.0.0.1:2".parse().expect("address"),
+        );
+        let pool_b = c.endpoints.load()[1].clone();
+        let _held = pool_b.take_place().expect("room");
+        let queued = |p: Arc<EndpointPool>| async move {
+            tokio::time::timeout(std::time::Duration::from_millis(50), p.checkout())
+                .await
+                .map(|r| r.err().map(|e| e.code()))
+        };
+        assert!(queued(pool_b.clone()).await.is_err(), "queued while in");
+        c.set_addrs(&[a]);
+        assert_eq!(
+            queued(pool_b.clone()).await,
+            Ok(Some("endpoint_removed")),
+            "let go at once while parked"
+        );
+        c.set_addrs(&[a, b]);
+        assert!(Arc::ptr_eq(&c.endpoints.load()[1], &pool_b));
+        assert!(
+            queued(pool_b.clone()).await.is_err(),
+            "queued again once back"
+        );
+    }
+
+    /// An endpoint at its `max_connections_per_endpoint` with none idle is passed over for
+    /// one with room, by a request's pick and a hedge's; where all are full, the pick stays
+    /// the balancer's (and still never the excluded one).
+    #[test]
+    fn a_full_endpoint_is_passed_over_by_picks_and_hedges() {
+        let ups = one_cluster(
+            "endpoints = [\"127.0.0.1:1\", \"127.0.0.1:2\", \"127.0.0.1:3\"]\nbalance = \"round_robin\"\nmax_connections_per_endpoint = 1",
+        );
+        let c = &ups.clusters[0];
+        let list: Vec<_> = c.endpoints.load().iter().cloned().collect();
+        let full = list[0].take_place().expect("room");
+        assert!(list[0].is_full() && !list[1].is_full());
+        for _ in 0..30 {
+            assert_ne!(c.pick(None).expect("an endpoint").addr, list[0].addr);
+        }
+        for _ in 0..30 {
+            assert_eq!(
+                c.pick_other(list[1].addr).map(|p| p.addr),
+                Some(list[2].addr)
+            );
+        }
+        let others = [list[1].take_place(), list[2].take_place()];
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..30 {
+            let p = c.pick(Some(list[0].addr)).expect("an endpoint");
+            assert_ne!(p.addr, list[0].addr);
+            seen.insert(p.addr);
+        }
+        assert_eq!(seen.len(), 2, "the balancer's own turns");
+        drop((full, others));
+        assert!(!list[0].is_full());
     }
 
     #[test]

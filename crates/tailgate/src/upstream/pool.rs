@@ -202,6 +202,10 @@ impl EndpointPool {
     pub(super) fn park(&self) {
         let now = self.epoch.elapsed().as_millis() as u64;
         self.parked_at_ms.store(now, Ordering::Relaxed);
+        // Requests queued for one of its connections go to an endpoint still in the answer.
+        if let Some(limit) = &self.limit {
+            limit.close();
+        }
         self.refill.notify_one();
     }
 
@@ -212,6 +216,9 @@ impl EndpointPool {
             return false;
         }
         self.parked_at_ms.store(u64::MAX, Ordering::Relaxed);
+        if let Some(limit) = &self.limit {
+            limit.reopen();
+        }
         self.refill.notify_one();
         true
     }
@@ -244,6 +251,12 @@ impl EndpointPool {
             self.h2.tidy(&self.stats, self.idle_timeout, 0);
         }
         false
+    }
+
+    /// A place under `max_connections_per_endpoint`, as a connection opened would hold.
+    #[cfg(test)]
+    pub(super) fn take_place(&self) -> Option<ConnPermit> {
+        self.limit.as_ref()?.try_take()
     }
 
     #[cfg(test)]
