@@ -275,3 +275,63 @@ async fn the_total_timeout_bounds_the_connect() {
     assert!(body.contains("\"upstream_timeout\""), "{body}");
     drop(sock);
 }
+
+/// `rewrite_prefix`: the matched prefix is replaced in the path sent upstream (in normal
+/// form, as it was matched), the query kept as sent; HTTP/1.1 and HTTP/2 alike. A route
+/// without it sends the target as the client did.
+#[tokio::test]
+async fn a_rewrite_prefix_replaces_the_matched_prefix() {
+    let (billing, api, web) = (
+        named("billing").await,
+        named("the-api").await,
+        named("web").await,
+    );
+    let gw = TestGateway::start(&format!(
+        r#"
+[[cluster]]
+name = "billing"
+endpoints = ["{billing}"]
+[[cluster]]
+name = "api"
+endpoints = ["{api}"]
+[[cluster]]
+name = "web"
+endpoints = ["{web}"]
+[[route]]
+path_prefix = "/billing/"
+rewrite_prefix = "/"
+cluster = "billing"
+[[route]]
+path_prefix = "/v1"
+rewrite_prefix = "/api/v1"
+cluster = "api"
+[[route]]
+path_prefix = "/"
+cluster = "web"
+"#
+    ));
+    for (target, to, upstream) in [
+        (
+            "/billing/invoices?x=1&y=%20",
+            "/invoices?x=1&y=%20",
+            "billing",
+        ),
+        ("/billing/", "/", "billing"),
+        ("/billing/./a;v=2/b%2Fc/../d", "/a/b/d", "billing"),
+        ("/v1", "/api/v1", "the-api"),
+        ("/v1/users/7", "/api/v1/users/7", "the-api"),
+        ("/x/./y?q", "/x/./y?q", "web"),
+    ] {
+        let resp = common::get(gw.addr, target).await;
+        assert_eq!(resp.status(), 200, "{target}");
+        assert_eq!(resp.body().as_ref(), upstream.as_bytes(), "{target}");
+        assert_eq!(resp.headers()["x-target"], to, "{target}");
+    }
+    let (mut c, _conn) = h2c_client(gw.addr).await;
+    let req = http::Request::get("http://acme.test/billing/h2?z=1")
+        .body(full(""))
+        .unwrap();
+    let resp = c.send_request(req).await.unwrap();
+    assert_eq!(resp.version(), http::Version::HTTP_2);
+    assert_eq!(resp.headers()["x-target"], "/h2?z=1");
+}

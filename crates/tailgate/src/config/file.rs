@@ -146,4 +146,5 @@ pub struct RawRoute {
     pub total_timeout: Option<Spanned<String>>,
     pub idempotent: Option<bool>,
     pub hedge_delay: Option<Spanned<String>>,
+    pub rewrite_prefix: Option<Spanned<String>>,
 }

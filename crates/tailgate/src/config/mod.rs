@@ -188,6 +188,9 @@ pub struct Route {
     pub idempotent: bool,
     /// Send a second copy to another endpoint when no response head came by then.
     pub hedge_delay: Option<HedgeDelay>,
+    /// Sent upstream in place of the matched `path_prefix` (Envoy's `prefix_rewrite`,
+    /// nginx's `proxy_pass` with a URI): `None` sends the target as the client did.
+    pub rewrite_prefix: Option<String>,
 }
 
 /// When a hedged request's second copy is sent.

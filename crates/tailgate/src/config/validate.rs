@@ -11,6 +11,7 @@ use toml::Spanned;
 
 mod dns;
 mod hedge;
+mod rewrite;
 
 use super::file::{RawConfig, RawRoute};
 use super::upstream_tls;
@@ -895,6 +896,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             .hedge_delay
             .as_ref()
             .and_then(|v| c.hedge_delay(v, format!("route[{i}].hedge_delay")));
+        let rewrite_prefix = c.rewrite_prefix(r, i, &path_prefix);
         if let Some(cluster) = cluster {
             routes.push(Route {
                 name: route_name(c, r, i, &mut route_names),
@@ -907,6 +909,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 total_timeout,
                 idempotent: r.idempotent.unwrap_or(false),
                 hedge_delay,
+                rewrite_prefix,
             });
         }
     }

@@ -421,6 +421,11 @@ fn forward(
         if parts.uri.scheme().is_some() || parts.uri.authority().is_some() {
             parts.uri = origin_form(&parts.uri);
         }
+        if let Some(to) = &route.rewrite_prefix {
+            parts.uri = route::rewrite_target(&parts.uri, &route.path_prefix, to).ok_or(
+                ProxyError::BadRequest("the path cannot be rewritten into a valid target"),
+            )?;
+        }
         parts.version = http::Version::HTTP_11;
         // One clock read ends the route stage and starts the upstream one (the endpoint's
         // pick included); the retry budget's window and the pool's checkout take it too.

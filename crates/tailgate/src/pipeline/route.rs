@@ -4,7 +4,8 @@
 //!
 //! Routes match the path in normal form ([`normal_path`]), as nginx matches its locations:
 //! `/public/../internal/keys` must not reach the route of `/public/`. The request goes
-//! upstream with its target as the client sent it.
+//! upstream with its target as the client sent it, unless its route has a
+//! `rewrite_prefix` ([`rewrite_target`]).
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -27,6 +28,8 @@ pub struct RouteEntry {
     /// Requests of every method may be sent twice (see [`config::Route::idempotent`]).
     pub idempotent: bool,
     pub hedge_delay: Option<config::HedgeDelay>,
+    /// Sent upstream in place of `path_prefix` (see [`rewrite_target`]).
+    pub rewrite_prefix: Option<String>,
 }
 
 /// What a route without `methods` allows, for the `Allow` of a TRACE it refuses.
@@ -155,6 +158,7 @@ impl RouteTable {
                 total_timeout: r.total_timeout,
                 idempotent: r.idempotent,
                 hedge_delay: r.hedge_delay,
+                rewrite_prefix: r.rewrite_prefix.clone(),
             });
             match (&r.host, r.tenant) {
                 (Some(h), _) => t.by_host.entry(h.clone()).or_default().push(entry),
@@ -484,6 +488,32 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
 }
 
 const HEX: &[u8; 16] = b"0123456789ABCDEF";
+
+/// The target sent upstream on a route with a `rewrite_prefix`: the path in normal form,
+/// as the route matched it, with the route's `path_prefix` replaced by `to`, and the query
+/// as the client sent it. The normal form, not the client's bytes, as nginx sends a path
+/// through a `proxy_pass` with a URI: the prefix replaced is the one that was matched
+/// (`/api/./users` and `/api;v=1/users` go up as `/v2/users`, and `%2F` as `/`). A `/` that
+/// ends `to` and starts the rest is written once (`/api` → `/`: `/api/users` is `/users`).
+/// `None` when the path does not match `prefix` (it did when routed) or the result is not
+/// a valid target.
+pub fn rewrite_target(uri: &http::Uri, prefix: &str, to: &str) -> Option<http::Uri> {
+    let path = normal_path(uri.path()).ok()?;
+    let rest = path.strip_prefix(prefix)?;
+    let rest = match rest.strip_prefix('/') {
+        Some(r) if to.ends_with('/') => r,
+        _ => rest,
+    };
+    let query = uri.query();
+    let mut out = String::with_capacity(to.len() + rest.len() + query.map_or(0, |q| q.len() + 1));
+    out.push_str(to);
+    out.push_str(rest);
+    if let Some(q) = query {
+        out.push('?');
+        out.push_str(q);
+    }
+    http::Uri::try_from(out).ok()
+}
 
 /// A path routes cannot match.
 #[derive(Debug, PartialEq, Eq)]

@@ -1,0 +1,128 @@
+//! Checks for a route's `rewrite_prefix`.
+
+use super::super::file::RawRoute;
+use super::Checker;
+
+impl Checker<'_> {
+    /// A route's `rewrite_prefix`: an absolute path in normal form (what is sent upstream
+    /// must not be a path the routes would read otherwise), without a query; ending in `/`
+    /// when `path_prefix` does, or the segment after it would be glued to it (`/api/users`
+    /// through `/api/` → `/v2` would go up as `/v2users`).
+    pub(super) fn rewrite_prefix(
+        &mut self,
+        r: &RawRoute,
+        i: usize,
+        path_prefix: &str,
+    ) -> Option<String> {
+        let raw = r.rewrite_prefix.as_ref()?;
+        let to = raw.get_ref();
+        let field = format!("route[{i}].rewrite_prefix");
+        let normal = |p: &str| crate::pipeline::route::normal_path(p).map(|n| n.into_owned());
+        let problem = if !to.starts_with('/') {
+            Some((
+                format!("`{to}` does not start with `/`"),
+                format!("write \"/{to}\""),
+            ))
+        } else if to.contains(['?', '#']) {
+            Some((
+                format!("`{to}` has a query or fragment; the client's query is kept as it is"),
+                format!("write \"{}\"", to.split(['?', '#']).next().unwrap_or("/")),
+            ))
+        } else if to
+            .parse::<http::uri::PathAndQuery>()
+            .map_or(true, |pq| pq.path() != to.as_str())
+        {
+            Some((
+                format!("`{to}` has bytes a request target cannot carry"),
+                "percent-encode them (a space is %20)".to_owned(),
+            ))
+        } else {
+            match (normal(to), normal(&format!("{to}x"))) {
+                (Ok(a), Ok(b)) if a == *to && b == format!("{to}x") => None,
+                (Ok(a), _) => Some((
+                    format!(
+                        "`{to}` is not in normal form (`;` parameters, `%XX` of unreserved characters, `.` and `..` segments or `//`)"
+                    ),
+                    format!("write \"{a}\""),
+                )),
+                (Err(_), _) => Some((
+                    format!("`{to}` climbs above `/` or has `..` after an empty segment"),
+                    "write the prefix without `..` segments".to_owned(),
+                )),
+            }
+        };
+        let problem = problem.or_else(|| {
+            (path_prefix.ends_with('/') && !to.ends_with('/')).then(|| {
+                (
+                    format!("`path_prefix` `{path_prefix}` ends with `/` and `{to}` does not: `{path_prefix}users` would go upstream as `{to}users`"),
+                    format!("write \"{to}/\""),
+                )
+            })
+        });
+        match problem {
+            None => Some(to.clone()),
+            Some((what, help)) => {
+                self.err(Some(raw.span()), field, what, Some(&help));
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use crate::Config;
+
+    const BASE: &str = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\n";
+
+    fn parse(prefix: &str, to: &str) -> Result<Config, String> {
+        Config::parse(
+            Path::new("t.toml"),
+            &format!("{BASE}[[route]]\npath_prefix = \"{prefix}\"\ncluster = \"c\"\nrewrite_prefix = \"{to}\"\n"),
+        )
+        .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_rewrite_prefix_is_kept() {
+        for (prefix, to) in [
+            ("/api/", "/"),
+            ("/api/", "/v2/"),
+            ("/api", "/v2"),
+            ("/api", "/"),
+        ] {
+            let cfg = parse(prefix, to).expect(to);
+            assert_eq!(cfg.routes[0].rewrite_prefix.as_deref(), Some(to));
+        }
+        let cfg = Config::parse(
+            Path::new("t.toml"),
+            &format!("{BASE}[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\n"),
+        )
+        .expect("valid");
+        assert_eq!(cfg.routes[0].rewrite_prefix, None);
+    }
+
+    #[test]
+    fn a_bad_rewrite_prefix_says_what_to_write() {
+        for (prefix, to, says, write) in [
+            ("/api/", "v2/", "does not start with `/`", "write \"/v2/\""),
+            ("/api/", "/v2/?x=1", "query or fragment", "write \"/v2/\""),
+            ("/api/", "/v 2/", "cannot carry", "percent-encode"),
+            ("/api/", "/v2/./", "not in normal form", "write \"/v2/\""),
+            ("/api/", "/a//b/", "not in normal form", "write \"/a/b/\""),
+            ("/api/", "/%7Ev2/", "not in normal form", "write \"/~v2/\""),
+            ("/api/", "/../", "climbs above", "without `..`"),
+            ("/api/", "/v2", "ends with `/`", "write \"/v2/\""),
+        ] {
+            let e = parse(prefix, to).expect_err(to);
+            assert!(
+                e.contains("t.toml:9:18: route[0].rewrite_prefix"),
+                "{to}: {e}"
+            );
+            assert!(e.contains(says), "{to}: {e}");
+            assert!(e.contains(write), "{to}: {e}");
+        }
+    }
+}
