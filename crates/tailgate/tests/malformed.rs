@@ -266,6 +266,43 @@ async fn r_connect_gets_an_answer_and_a_close() {
     assert!(paths.lock().unwrap().is_empty());
 }
 
+/// CONNECT with an origin-form target (`CONNECT /api/x`, not the authority-form RFC 9110
+/// §9.3.6 asks for) matches no route, even one without `methods`: `405` with the route's
+/// `Allow`, and a close; nothing reaches the upstream (which would take a 2xx to it for a
+/// tunnel). `check` refuses CONNECT in a route's `methods`.
+#[tokio::test]
+async fn connect_with_a_path_is_405_and_never_proxied() {
+    let (up, paths) = path_recording_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/api/\"\ncluster = \"up\"\n"
+    ));
+    let (text, closed) = raw(
+        gw.addr,
+        b"CONNECT /api/x HTTP/1.1\r\nHost: a\r\n\r\nGET /api/y HTTP/1.1\r\nHost: a\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(text.starts_with("HTTP/1.1 405"), "{text}");
+    let allow = text
+        .lines()
+        .find(|l| l.to_ascii_lowercase().starts_with("allow:"))
+        .unwrap_or_default();
+    assert!(
+        allow.contains("GET") && !allow.contains("CONNECT"),
+        "{text}"
+    );
+    assert!(closed, "{text}");
+    assert!(paths.lock().unwrap().is_empty());
+    let e = tailgate::Config::parse(
+        std::path::Path::new("t.toml"),
+        &format!("[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\nmethods = [\"GET\", \"connect\"]\ncluster = \"up\"\n"),
+    )
+    .expect_err("CONNECT in methods")
+    .to_string();
+    assert!(e.contains("t.toml:8:19: route[0].methods[1]"), "{e}");
+    assert!(e.contains("not proxied"), "{e}");
+}
+
 /// A head the HTTP parser refuses gets the gateway's JSON error with a request id (the same
 /// as the `x-request-id` header), like every other error the gateway makes; the connection
 /// is closed, and a keep-alive request before it is answered first. The same from both

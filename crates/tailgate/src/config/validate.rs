@@ -1074,6 +1074,14 @@ fn route_methods(c: &mut Checker<'_>, r: &RawRoute, i: usize) -> Vec<http::Metho
     for (j, m) in ms.get_ref().iter().enumerate() {
         let upper = m.get_ref().to_ascii_uppercase();
         match http::Method::from_bytes(upper.as_bytes()) {
+            // A tunnel: its 2xx turns the connection into raw bytes both ways, which a
+            // route's exchange is not (nginx answers CONNECT `405`).
+            Ok(method) if method == http::Method::CONNECT => c.err(
+                Some(m.span()),
+                format!("route[{i}].methods[{j}]"),
+                "CONNECT (a tunnel) is not proxied; requests with it are answered 405".into(),
+                Some("remove it (WebSocket upgrades go through a GET route)"),
+            ),
             Ok(method) if !upper.is_empty() => out.push(method),
             _ => c.err(
                 Some(m.span()),

@@ -32,7 +32,8 @@ pub struct RouteEntry {
     pub rewrite_prefix: Option<String>,
 }
 
-/// What a route without `methods` allows, for the `Allow` of a TRACE it refuses.
+/// What a route without `methods` allows, for the `Allow` of a TRACE or CONNECT it
+/// refuses.
 const ANY_BUT_TRACE: [http::Method; 7] = [
     http::Method::GET,
     http::Method::HEAD,
@@ -71,8 +72,12 @@ impl RouteList {
             if path.starts_with(r.path_prefix.as_str()) {
                 // A route without `methods` takes every method but TRACE, which would echo
                 // the request's credentials and the gateway's headers back (nginx answers
-                // it `405` too); a route that lists TRACE takes it.
-                if r.methods.is_empty() && *method != http::Method::TRACE
+                // it `405` too), and CONNECT, a tunnel request no route serves (`check`
+                // refuses it in `methods`; nginx answers it `405`); a route that lists TRACE
+                // takes it.
+                if r.methods.is_empty()
+                    && *method != http::Method::TRACE
+                    && *method != http::Method::CONNECT
                     || r.methods.contains(method)
                 {
                     return Some(r);
