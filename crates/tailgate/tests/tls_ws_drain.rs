@@ -246,6 +246,25 @@ async fn websocket_upgrade_is_passed_through() {
     assert_frame_echoed(&mut s).await;
 }
 
+/// An `Upgrade` in an HTTP/1.0 request is ignored (RFC 9110 §7.8: a server MUST): it goes
+/// upstream as a plain request without `Upgrade`, and the client gets that answer, not a
+/// `101` with no tunnel behind it.
+#[tokio::test]
+async fn an_upgrade_in_an_http10_request_is_ignored() {
+    let up = ws_or_ok_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let (text, closed) = common::raw(
+        gw.addr,
+        b"GET /ws HTTP/1.0\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(text.starts_with("HTTP/1.0 200"), "{text}");
+    assert!(text.ends_with("\r\n\r\nok"), "{text}");
+    assert!(!text.to_ascii_lowercase().contains("upgrade"), "{text}");
+    assert!(closed, "{text}");
+}
+
 /// A WebSocket handshake that is the last request `max_requests_per_connection` allows is
 /// still a handshake: its `101` keeps `Connection: upgrade`, and the tunnel works.
 #[tokio::test]

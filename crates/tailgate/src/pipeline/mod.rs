@@ -374,7 +374,11 @@ fn forward(
         // Upgrade, Connection and TE are hop-by-hop headers: most requests carry none, which
         // one pass over the names tells, sparing the lookups below.
         let hop = headers::has_hop_by_hop(&parts.headers);
-        let upgrade = hop && headers::wants_upgrade(&parts.headers);
+        // Not in HTTP/1.0, where a server MUST ignore `Upgrade` (RFC 9110 §7.8; hyper
+        // sets no upgrade up for one): it goes as a hop-by-hop header.
+        let upgrade = hop
+            && parts.version == http::Version::HTTP_11
+            && headers::wants_upgrade(&parts.headers);
         let client_upgrade = upgrade.then(|| upgrade_of(&mut parts));
         let total_deadline = route.total_timeout.map(|t| started + t);
 
