@@ -195,6 +195,33 @@ async fn a_host_that_is_not_host_and_port_is_400() {
     }
 }
 
+/// An absolute-form target's authority routes the request and goes upstream as its Host, so
+/// it is held to the Host header's rules: a host:port shape, a host, no `user@`; and an
+/// HTTP/1.1 request needs a Host header all the same (RFC 9112 §3.2), HTTP/1.0 does not.
+#[tokio::test]
+async fn an_absolute_form_authority_is_held_to_the_host_rules() {
+    let gw = gateway().await;
+    for head in [
+        "GET http://acme.test/public/a HTTP/1.1\r\nConnection: close\r\n\r\n",
+        "GET http://x..acme.test/public/a HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        "GET http://:80/public/a HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+        "GET http://u@acme.test/public/a HTTP/1.1\r\nHost: acme.test\r\nConnection: close\r\n\r\n",
+    ] {
+        let (status, _) = ask(&gw, head).await;
+        assert!(status.contains(" 400 "), "{head:?}: {status}");
+    }
+    for head in [
+        "GET http://acme.test/public/a HTTP/1.1\r\nHost: other.test\r\nConnection: close\r\n\r\n",
+        "GET http://ACME.test:8080/public/a HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        "GET http://[::1]:80/public/a HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        "GET http://acme.test/public/a HTTP/1.0\r\n\r\n",
+    ] {
+        let (status, body) = ask(&gw, head).await;
+        assert!(status.contains(" 200 "), "{head:?}: {status}");
+        assert_eq!(body, "public", "{head:?}");
+    }
+}
+
 #[tokio::test]
 async fn http10_without_host_is_routed() {
     let gw = gateway().await;

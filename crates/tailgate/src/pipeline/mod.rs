@@ -260,6 +260,14 @@ pub fn handle(
             Err(route::BadHost::Invalid) => {
                 return fail(&mut rec, ProxyError::BadRequest("invalid Host header"));
             }
+            Err(route::BadHost::InvalidTarget) => {
+                return fail(
+                    &mut rec,
+                    ProxyError::BadRequest(
+                        "invalid host in the request target (it must be host[:port], without user@)",
+                    ),
+                );
+            }
         };
         let lower;
         let host = if upper {

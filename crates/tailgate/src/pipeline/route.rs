@@ -236,8 +236,9 @@ impl RouteTable {
 
 /// The host of a request, without port or trailing dot, and whether it has upper-case
 /// letters (the caller lowers it then): from the URI authority (HTTP/2, absolute-form) or
-/// the Host header. `None` when the request names no host; an empty Host (allowed when the
-/// target has no authority, RFC 9112 §3.2) is `""`.
+/// the Host header. `None` when the request names no host (or is HTTP/1.1 without a Host
+/// header, absolute-form or not); an empty Host (allowed when the target has no authority,
+/// RFC 9112 §3.2) is `""`.
 ///
 /// A Host header must be `host [":" port]` (RFC 9110 §7.2): it is what routes the request
 /// and it is passed upstream as sent, so a value the two sides could read differently
@@ -251,9 +252,20 @@ pub fn request_host(parts: &http::request::Parts) -> Result<Option<(&str, bool)>
         return Err(BadHost::Several);
     }
     let (host, upper) = match (parts.uri.authority(), first) {
+        // An HTTP/1.1 request in absolute-form needs a Host all the same (RFC 9112 §3.2: a
+        // 400 without one), whose value its authority then stands in for.
+        (Some(_), None) if parts.version == http::Version::HTTP_11 => return Ok(None),
+        // The authority routes the request and goes upstream as its Host: held to a Host
+        // header's shape, with a host (RFC 9110 §4.2.1) and no `user@` (§4.2.4).
         (Some(a), _) => {
-            let h = a.host();
-            (h, h.bytes().any(|b| b.is_ascii_uppercase()))
+            let a = a.as_str();
+            if a.contains('@') {
+                return Err(BadHost::InvalidTarget);
+            }
+            match host_part(a.as_bytes()) {
+                Some((end, upper)) if end > 0 => (&a[..end], upper),
+                _ => return Err(BadHost::InvalidTarget),
+            }
         }
         (None, Some(h)) => {
             let h = h.as_bytes();
@@ -275,6 +287,9 @@ pub enum BadHost {
     Several,
     /// A Host header that is not `host [":" port]`.
     Invalid,
+    /// An absolute-form target (or HTTP/2 `:authority`) whose authority is not
+    /// `host [":" port]` with a host, or has a `user@`.
+    InvalidTarget,
 }
 
 /// Checks that `h` is a Host header's `uri-host [":" port]` (RFC 3986 §3.2.2–3): a reg-name
@@ -585,7 +600,12 @@ mod tests {
             Some("acme.test")
         );
         assert_eq!(host("/", Some("[::1]:8080")).as_deref(), Some("[::1]"));
-        assert_eq!(host("http://a.test./x", None).as_deref(), Some("a.test"));
+        assert_eq!(
+            host("http://a.test./x", Some("b.test")).as_deref(),
+            Some("a.test")
+        );
+        // HTTP/1.1 without a Host header, absolute-form or not.
+        assert_eq!(host("http://a.test./x", None), None);
         assert_eq!(host("/", None), None);
     }
 
