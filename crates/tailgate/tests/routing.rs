@@ -333,6 +333,10 @@ path_prefix = "/v1"
 rewrite_prefix = "/api/v1"
 cluster = "api"
 [[route]]
+path_prefix = "/old"
+rewrite_prefix = "/new/"
+cluster = "api"
+[[route]]
 path_prefix = "/"
 cluster = "web"
 "#
@@ -347,12 +351,25 @@ cluster = "web"
         ("/billing/./a;v=2/b%2Fc/../d", "/a/b/d", "billing"),
         ("/v1", "/api/v1", "the-api"),
         ("/v1/users/7", "/api/v1/users/7", "the-api"),
+        ("/old", "/new/", "the-api"),
+        ("/old/x", "/new/x", "the-api"),
         ("/x/./y?q", "/x/./y?q", "web"),
     ] {
         let resp = common::get(gw.addr, target).await;
         assert_eq!(resp.status(), 200, "{target}");
         assert_eq!(resp.body().as_ref(), upstream.as_bytes(), "{target}");
         assert_eq!(resp.headers()["x-target"], to, "{target}");
+    }
+    // `old..` is no dot segment, so `/old../x` matches `/old`; joined to `/new/` it would
+    // climb out of it upstream (`/new/../x`): refused.
+    for target in [
+        "/old../secret",
+        "/old%2E%2E/secret",
+        "/old..;x/secret",
+        "/old.",
+    ] {
+        let resp = common::get(gw.addr, target).await;
+        assert_eq!(resp.status(), 400, "{target}");
     }
     let (mut c, _conn) = h2c_client(gw.addr).await;
     let req = http::Request::get("http://acme.test/billing/h2?z=1")

@@ -515,8 +515,10 @@ const HEX: &[u8; 16] = b"0123456789ABCDEF";
 /// through a `proxy_pass` with a URI: the prefix replaced is the one that was matched
 /// (`/api/./users` and `/api;v=1/users` go up as `/v2/users`, and `%2F` as `/`). A `/` that
 /// ends `to` and starts the rest is written once (`/api` → `/`: `/api/users` is `/users`).
-/// `None` when the path does not match `prefix` (it did when routed) or the result is not
-/// a valid target.
+/// `None` when the path does not match `prefix` (it did when routed), when the joined
+/// path is not in normal form itself, or the result is not a valid target. The joined path
+/// must be: `/api../x` matches a `/api` prefix (`api..` is no dot segment), and through
+/// `/v2/` would go up as `/v2/../x`, which the upstream reads as `/x`.
 pub fn rewrite_target(uri: &http::Uri, prefix: &str, to: &str) -> Option<http::Uri> {
     let path = normal_path(uri.path()).ok()?;
     let rest = path.strip_prefix(prefix)?;
@@ -528,6 +530,9 @@ pub fn rewrite_target(uri: &http::Uri, prefix: &str, to: &str) -> Option<http::U
     let mut out = String::with_capacity(to.len() + rest.len() + query.map_or(0, |q| q.len() + 1));
     out.push_str(to);
     out.push_str(rest);
+    if normal_path(&out).ok()? != out.as_str() {
+        return None;
+    }
     if let Some(q) = query {
         out.push('?');
         out.push_str(q);

@@ -28,10 +28,7 @@ impl Checker<'_> {
                 format!("`{to}` has a query or fragment; the client's query is kept as it is"),
                 format!("write \"{}\"", to.split(['?', '#']).next().unwrap_or("/")),
             ))
-        } else if to
-            .parse::<http::uri::PathAndQuery>()
-            .map_or(true, |pq| pq.path() != to.as_str())
-        {
+        } else if !is_path(to.as_bytes()) {
             Some((
                 format!("`{to}` has bytes a request target cannot carry"),
                 "percent-encode them (a space is %20)".to_owned(),
@@ -67,6 +64,29 @@ impl Checker<'_> {
             }
         }
     }
+}
+
+/// Only what a path may carry as it is (RFC 3986 §3.3: unreserved, sub-delims, `:`, `@`,
+/// `/`) and `%` with two hex digits: the value goes into request lines as written.
+fn is_path(p: &[u8]) -> bool {
+    let mut i = 0;
+    while i < p.len() {
+        match p[i] {
+            b'%' if p.len() > i + 2
+                && p[i + 1].is_ascii_hexdigit()
+                && p[i + 2].is_ascii_hexdigit() =>
+            {
+                i += 3;
+                continue;
+            }
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' => {}
+            b'-' | b'.' | b'_' | b'~' | b'!' | b'$' | b'&' | b'\'' | b'(' | b')' | b'*' | b'+'
+            | b',' | b';' | b'=' | b':' | b'@' | b'/' => {}
+            _ => return false,
+        }
+        i += 1;
+    }
+    true
 }
 
 #[cfg(test)]
@@ -110,6 +130,9 @@ mod tests {
             ("/api/", "v2/", "does not start with `/`", "write \"/v2/\""),
             ("/api/", "/v2/?x=1", "query or fragment", "write \"/v2/\""),
             ("/api/", "/v 2/", "cannot carry", "percent-encode"),
+            ("/api", "/a/%2", "cannot carry", "percent-encode"),
+            ("/api", "/a/\u{e9}", "cannot carry", "percent-encode"),
+            ("/api", "/a/{b}", "cannot carry", "percent-encode"),
             ("/api/", "/v2/./", "not in normal form", "write \"/v2/\""),
             ("/api/", "/a//b/", "not in normal form", "write \"/a/b/\""),
             ("/api/", "/%7Ev2/", "not in normal form", "write \"/~v2/\""),
