@@ -10,13 +10,24 @@ use std::time::Duration;
 
 use common::*;
 
-/// An upstream that answers its own name and the target it got.
+/// An upstream that answers its own name and the target it got (and the
+/// `X-Forwarded-Prefix` values it got, as `x-prefix`, joined by `,`).
 async fn named(name: &'static str) -> SocketAddr {
     upstream(
         move |req: http::Request<hyper::body::Incoming>| async move {
             let mut resp = http::Response::new(full(name));
             resp.headers_mut()
                 .insert("x-target", req.uri().to_string().parse().unwrap());
+            let prefixes: Vec<_> = req
+                .headers()
+                .get_all("x-forwarded-prefix")
+                .iter()
+                .map(|v| v.to_str().unwrap().to_owned())
+                .collect();
+            if !prefixes.is_empty() {
+                resp.headers_mut()
+                    .insert("x-prefix", prefixes.join(",").parse().unwrap());
+            }
             resp
         },
     )
@@ -304,8 +315,8 @@ async fn the_total_timeout_bounds_the_connect() {
 }
 
 /// `rewrite_prefix`: the matched prefix is replaced in the path sent upstream (in normal
-/// form, as it was matched), the query kept as sent; HTTP/1.1 and HTTP/2 alike. A route
-/// without it sends the target as the client did.
+/// form, as it was matched), the query kept as sent, and `X-Forwarded-Prefix` says what it
+/// was; HTTP/1.1 and HTTP/2 alike. A route without it sends the target as the client did.
 #[tokio::test]
 async fn a_rewrite_prefix_replaces_the_matched_prefix() {
     let (billing, api, web) = (
@@ -341,25 +352,52 @@ path_prefix = "/"
 cluster = "web"
 "#
     ));
-    for (target, to, upstream) in [
+    for (target, to, upstream, prefix) in [
         (
             "/billing/invoices?x=1&y=%20",
             "/invoices?x=1&y=%20",
             "billing",
+            Some("/billing"),
         ),
-        ("/billing/", "/", "billing"),
-        ("/billing/./a;v=2/b%2Fc/../d", "/a/b/d", "billing"),
-        ("/v1", "/api/v1", "the-api"),
-        ("/v1/users/7", "/api/v1/users/7", "the-api"),
-        ("/old", "/new/", "the-api"),
-        ("/old/x", "/new/x", "the-api"),
-        ("/x/./y?q", "/x/./y?q", "web"),
+        ("/billing/", "/", "billing", Some("/billing")),
+        (
+            "/billing/./a;v=2/b%2Fc/../d",
+            "/a/b/d",
+            "billing",
+            Some("/billing"),
+        ),
+        ("/v1", "/api/v1", "the-api", Some("/v1")),
+        ("/v1/users/7", "/api/v1/users/7", "the-api", Some("/v1")),
+        ("/old", "/new/", "the-api", Some("/old")),
+        ("/old/x", "/new/x", "the-api", Some("/old")),
+        ("/x/./y?q", "/x/./y?q", "web", None),
     ] {
         let resp = common::get(gw.addr, target).await;
         assert_eq!(resp.status(), 200, "{target}");
         assert_eq!(resp.body().as_ref(), upstream.as_bytes(), "{target}");
         assert_eq!(resp.headers()["x-target"], to, "{target}");
+        assert_eq!(
+            resp.headers().get("x-prefix").map(|v| v.to_str().unwrap()),
+            prefix,
+            "{target}"
+        );
     }
+    // The client's own X-Forwarded-Prefix is replaced where the gateway sets one, and
+    // passed on where it does not.
+    let (text, _) = raw(
+        gw.addr,
+        b"GET /billing/a HTTP/1.1\r\nHost: a\r\nX-Forwarded-Prefix: /evil\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(text.contains("x-prefix: /billing\r\n"), "{text}");
+    let (text, _) = raw(
+        gw.addr,
+        b"GET /web HTTP/1.1\r\nHost: a\r\nX-Forwarded-Prefix: /edge\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(text.contains("x-prefix: /edge\r\n"), "{text}");
     // `old..` is no dot segment, so `/old../x` matches `/old`; joined to `/new/` it would
     // climb out of it upstream (`/new/../x`): refused.
     for target in [
@@ -378,4 +416,5 @@ cluster = "web"
     let resp = c.send_request(req).await.unwrap();
     assert_eq!(resp.version(), http::Version::HTTP_2);
     assert_eq!(resp.headers()["x-target"], "/h2?z=1");
+    assert_eq!(resp.headers()["x-prefix"], "/billing");
 }

@@ -15,6 +15,7 @@ static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+static X_FORWARDED_PREFIX: HeaderName = HeaderName::from_static("x-forwarded-prefix");
 
 /// A header name read off the wire, as [`HeaderName::from_bytes`] gives it, with the names
 /// nearly every API request and response carries found by length and a case-insensitive
@@ -148,7 +149,9 @@ static VIA: HeaderName = header::VIA;
 /// The headers the gateway sets on an upstream request, the way nginx and Envoy do: `Via`
 /// (added beside the client's), `X-Forwarded-For` (the client address, from
 /// [`client_addr_value`], appended to the client's list), `X-Forwarded-Proto`,
-/// `X-Forwarded-Host` and the request id (replacing the client's).
+/// `X-Forwarded-Host` and the request id (replacing the client's); on a route with a
+/// `rewrite_prefix`, `X-Forwarded-Prefix` (the prefix the client's path had, replacing the
+/// client's, as Traefik's and Kong's prefix stripping send it).
 ///
 /// They are kept apart from the request's header map rather than inserted into it: an
 /// HTTP/1.1 upstream gets them written after the client's headers, with the ones they
@@ -159,6 +162,7 @@ pub struct Added<'a> {
     xff: std::borrow::Cow<'a, HeaderValue>,
     proto: HeaderValue,
     host: Option<&'a HeaderValue>,
+    prefix: Option<&'a HeaderValue>,
     request_id: (&'a HeaderName, &'a HeaderValue),
 }
 
@@ -205,8 +209,15 @@ impl<'a> Added<'a> {
             xff,
             proto: if tls { HTTPS } else { HTTP },
             host,
+            prefix: None,
             request_id,
         }
+    }
+
+    /// With `X-Forwarded-Prefix: prefix` (a route with a `rewrite_prefix`).
+    pub fn with_prefix(mut self, prefix: Option<&'a HeaderValue>) -> Added<'a> {
+        self.prefix = prefix;
+        self
     }
 
     /// Is the client's header of this name left out: set by the gateway itself, or
@@ -217,6 +228,7 @@ impl<'a> Added<'a> {
             || *name == X_FORWARDED_PROTO
             || name == self.request_id.0
             || (self.host.is_some() && *name == X_FORWARDED_HOST)
+            || (self.prefix.is_some() && *name == X_FORWARDED_PREFIX)
     }
 
     /// The headers to add, in order.
@@ -228,6 +240,7 @@ impl<'a> Added<'a> {
         ]
         .into_iter()
         .chain(self.host.map(|h| (&X_FORWARDED_HOST, h)))
+        .chain(self.prefix.map(|p| (&X_FORWARDED_PREFIX, p)))
         .chain(std::iter::once(self.request_id))
     }
 
@@ -429,7 +442,15 @@ mod tests {
             Some(&host),
             (&id.0, &id.1),
         );
-        for replaced in ["x-forwarded-for", "x-request-id", "x-forwarded-host"] {
+        assert!(!added.replaces(&HeaderName::from_static("x-forwarded-prefix")));
+        let prefix = HeaderValue::from_static("/billing");
+        let added = added.with_prefix(Some(&prefix));
+        for replaced in [
+            "x-forwarded-for",
+            "x-request-id",
+            "x-forwarded-host",
+            "x-forwarded-prefix",
+        ] {
             assert!(
                 added.replaces(&HeaderName::from_static(replaced)),
                 "{replaced}"
@@ -444,6 +465,7 @@ mod tests {
         assert_eq!(h["x-request-id"], "r1");
         assert_eq!(h["x-forwarded-proto"], "https");
         assert_eq!(h["x-forwarded-host"], "api.test");
+        assert_eq!(h["x-forwarded-prefix"], "/billing");
 
         let v6 = client_addr_value("2001:db8::1".parse().expect("address"));
         assert_eq!(v6, "2001:db8::1");

@@ -422,7 +422,8 @@ fn forward(
             conn.tls,
             host_value.as_ref(),
             (&settings.request_id_header, request_id),
-        );
+        )
+        .with_prefix(route.forwarded_prefix.as_ref());
         if (host_missing || removed)
             && let Some(h) = &host_value
         {

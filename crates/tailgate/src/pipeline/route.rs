@@ -30,6 +30,9 @@ pub struct RouteEntry {
     pub hedge_delay: Option<config::HedgeDelay>,
     /// Sent upstream in place of `path_prefix` (see [`rewrite_target`]).
     pub rewrite_prefix: Option<String>,
+    /// With a `rewrite_prefix`: the `X-Forwarded-Prefix` sent, `path_prefix` without its
+    /// trailing `/` (none for `/`).
+    pub forwarded_prefix: Option<http::HeaderValue>,
 }
 
 /// What a route without `methods` allows, for the `Allow` of a TRACE or CONNECT it
@@ -164,6 +167,12 @@ impl RouteTable {
                 idempotent: r.idempotent,
                 hedge_delay: r.hedge_delay,
                 rewrite_prefix: r.rewrite_prefix.clone(),
+                forwarded_prefix: r.rewrite_prefix.as_ref().and_then(|_| {
+                    let p = r.path_prefix.strip_suffix('/').unwrap_or(&r.path_prefix);
+                    (!p.is_empty())
+                        .then(|| http::HeaderValue::from_str(p).ok())
+                        .flatten()
+                }),
             });
             match (&r.host, r.tenant) {
                 (Some(h), _) => t.by_host.entry(h.clone()).or_default().push(entry),
