@@ -134,6 +134,52 @@ fn answer(bytes: &str, close: bool) -> (Vec<u8>, bool) {
     (bytes.as_bytes().to_vec(), close)
 }
 
+/// Content-Length the upstream repeats (`2, 2`, or two equal fields) reaches the client
+/// once, and none on a 204 (RFC 9110 §8.6): an HTTP/2 client, whose server passes the
+/// header map on as it is, and an HTTP/1.1 one alike.
+#[tokio::test]
+async fn a_repeated_content_length_goes_on_once_and_a_204_has_none() {
+    let up = scripted(
+        |i| {
+            answer(
+                match i % 3 {
+                    0 => "HTTP/1.1 200 OK\r\ncontent-length: 2, 2\r\n\r\nok",
+                    1 => "HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 2\r\n\r\nok",
+                    _ => "HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n",
+                },
+                false,
+            )
+        },
+        false,
+    )
+    .await;
+    let gw = TestGateway::to(up.addr, "");
+    let (mut c, _conn) = h2c_client(gw.addr).await;
+    for i in 0..6 {
+        let req = http::Request::get(format!("http://a.test/{i}"))
+            .body(full(""))
+            .unwrap();
+        let resp = c
+            .send_request(req)
+            .await
+            .unwrap_or_else(|e| panic!("answer {i}: {e}"));
+        let lengths: Vec<_> = resp
+            .headers()
+            .get_all("content-length")
+            .iter()
+            .map(|v| v.to_str().unwrap().to_owned())
+            .collect();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        if i % 3 == 2 {
+            assert!(lengths.is_empty(), "answer {i}: {lengths:?}");
+            assert!(body.is_empty());
+        } else {
+            assert_eq!(lengths, ["2"], "answer {i}");
+            assert_eq!(body.as_ref(), b"ok");
+        }
+    }
+}
+
 #[tokio::test]
 async fn interim_responses_are_skipped_and_the_connection_reused() {
     let up = scripted(

@@ -589,6 +589,9 @@ impl H1Conn {
             // Room for one more: the request id the gateway adds to every response.
             let mut map = crate::pipeline::spare::take_headers(at.len() + 1);
             let mut length: Option<u64> = None;
+            // Content-Length fields, a list (`2, 2`) counting as two: more than one is
+            // written again as one below.
+            let mut length_fields = 0u8;
             // Transfer-Encoding: absent, exactly `chunked`, or something else.
             let mut coding: Option<bool> = None;
             let (mut close_token, mut keep_alive_token) = (false, false);
@@ -604,6 +607,8 @@ impl H1Conn {
                         return Err(H1Error::BadResponse("conflicting Content-Length values"));
                     }
                     length = Some(n);
+                    length_fields = length_fields
+                        .saturating_add(1 + u8::from(value.as_bytes().contains(&b',')));
                 } else if name == header::TRANSFER_ENCODING {
                     // Only `chunked`, once, is understood; a second field or another coding
                     // (gzip, …) would reach the client as if it were the body itself.
@@ -619,6 +624,17 @@ impl H1Conn {
                     keep_alive_token |= token_in(value.as_bytes(), b"keep-alive");
                 }
                 map.append(name, value);
+            }
+            // What goes on to the client says one length, once (RFC 9112 §6.3: repeated equal
+            // values are replaced by one before forwarding), and none on a 204 (RFC 9110
+            // §8.6); an HTTP/2 client's stack refuses either (the inline server's writer
+            // mends them for HTTP/1.1, hyper's server passes them on).
+            if let Some(n) = length {
+                if status == StatusCode::NO_CONTENT {
+                    map.remove(header::CONTENT_LENGTH);
+                } else if length_fields > 1 {
+                    map.insert(header::CONTENT_LENGTH, HeaderValue::from(n));
+                }
             }
             // Any `close` wins; an HTTP/1.0 server keeps the connection only when it says so.
             self.peer_closed = close_token || (version == Version::HTTP_10 && !keep_alive_token);
