@@ -953,6 +953,8 @@ async fn r_early_complete_answer_keeps_the_upload_going() {
                 }
             }
         }
+        // The connection stays open, for a next request.
+        let _ = s.read(&mut chunk).await;
     });
     let gw = TestGateway::to(up, "");
     let mut c = TcpStream::connect(gw.addr).await.unwrap();
@@ -973,6 +975,14 @@ async fn r_early_complete_answer_keeps_the_upload_going() {
     let _ = c.write_all(&[b'x'; 19_000]).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(received.load(Ordering::SeqCst), 20_000, "upload cut short");
+    // Its connection then goes back to the pool, well within the idle timeout (4 s) that
+    // bounds the upload: hyper's server ends such a body only at the client's next head.
+    let pool = gw.gw.as_ref().unwrap().endpoint_pools()[0].clone();
+    let t = std::time::Instant::now();
+    while pool.idle_len() == 0 {
+        assert!(t.elapsed() < Duration::from_secs(2), "never given back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// The response timeout counts from the request body's last progress while it is being
@@ -1010,6 +1020,48 @@ async fn a_slow_upload_is_not_cut_off_and_a_stalled_one_is_the_clients_fault() {
     // The endpoint still serves.
     let mut c = h1_client(gw.addr).await;
     assert_eq!(fetch(&mut c, "GET", "/").await.unwrap().status(), 200);
+}
+
+/// An upload with a Content-Length that streams in and ends, to an upstream that takes it
+/// all and never answers: `504`, the upstream's fault, not the client's `408` (the body's
+/// end is seen from its length, not from a poll for it after the last piece).
+#[tokio::test]
+async fn a_whole_upload_unanswered_is_the_upstreams_timeout() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                if read_request(&mut s, &mut buf, false).await.is_some() {
+                    tokio::time::sleep(Duration::from_secs(60)).await;
+                }
+            });
+        }
+    });
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"300ms\"\n"
+    ));
+    let mut c = TcpStream::connect(gw.addr).await.unwrap();
+    c.write_all(b"POST /in HTTP/1.1\r\nhost: a\r\ncontent-length: 20000\r\n\r\n")
+        .await
+        .unwrap();
+    for _ in 0..4 {
+        c.write_all(&[b'x'; 5000]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut resp = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !resp.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut chunk))
+            .await
+            .expect("an answer")
+            .unwrap();
+        assert!(n > 0);
+        resp.extend_from_slice(&chunk[..n]);
+    }
+    let text = String::from_utf8_lossy(&resp);
+    assert!(text.starts_with("HTTP/1.1 504"), "{text}");
 }
 
 /// An upstream that sends a head and part of its body: all of it at once and then nothing

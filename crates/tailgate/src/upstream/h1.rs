@@ -511,21 +511,34 @@ impl H1Conn {
                     }
                     s.ended = true;
                 }
-                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                    Ok(data) if data.is_empty() => {}
-                    Ok(data) => {
-                        if s.chunked {
-                            s.out
-                                .push_back(Bytes::from(format!("{:x}\r\n", data.len())));
-                            s.out.push_back(data);
-                            s.out.push_back(Bytes::from_static(b"\r\n"));
-                        } else {
-                            s.out.push_back(data);
+                Poll::Ready(Some(Ok(frame))) => {
+                    match frame.into_data() {
+                        Ok(data) if data.is_empty() => {}
+                        Ok(data) => {
+                            if s.chunked {
+                                s.out
+                                    .push_back(Bytes::from(format!("{:x}\r\n", data.len())));
+                                s.out.push_back(data);
+                                s.out.push_back(Bytes::from_static(b"\r\n"));
+                            } else {
+                                s.out.push_back(data);
+                            }
                         }
+                        // Trailers are not forwarded to HTTP/1.1 upstreams.
+                        Err(_) => {}
                     }
-                    // Trailers are not forwarded to HTTP/1.1 upstreams.
-                    Err(_) => {}
-                },
+                    // A body that says it has ended (its Content-Length is in) is not
+                    // polled again, as hyper's own client does: hyper's server ends such a
+                    // body only when it reads the connection's next head once the answer
+                    // went out first (an early answer), so a poll for its end would wait
+                    // for the client's next request.
+                    if s.body.is_end_stream() {
+                        if s.chunked {
+                            s.out.push_back(Bytes::from_static(b"0\r\n\r\n"));
+                        }
+                        s.ended = true;
+                    }
+                }
                 Poll::Ready(Some(Err(e))) => {
                     self.sending = None;
                     self.keep_alive = false;
