@@ -771,6 +771,102 @@ async fn a_full_endpoint_is_passed_over_for_one_with_room() {
     assert_eq!(first.await.unwrap(), 200);
 }
 
+/// A connection handed straight to a queued request is checked as one from the idle list
+/// is: here the server answered an upload early, then wrote a stray response while the
+/// rest of the upload went out. The request queued behind it gets a fresh connection and
+/// its own answer, not the stray one.
+#[tokio::test]
+async fn a_connection_handed_to_a_queued_request_is_checked_first() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    let conns = Arc::new(AtomicUsize::new(0));
+    let c = conns.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            c.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 16384];
+                loop {
+                    let head_end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length: "))
+                        .map_or(0, |v| v.trim().parse().unwrap());
+                    if head.starts_with("post") {
+                        s.write_all(b"HTTP/1.1 202 Accepted\r\ncontent-length: 2\r\n\r\nok")
+                            .await
+                            .unwrap();
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstray")
+                            .await
+                            .unwrap();
+                    }
+                    while buf.len() < head_end + length {
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    buf.drain(..head_end + length);
+                    if !head.starts_with("post")
+                        && s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nfresh")
+                            .await
+                            .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let gw = gateway(
+        up,
+        "max_connections_per_endpoint = 1\nconnect_timeout = \"5s\"",
+    );
+    let mut upload = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    upload
+        .write_all(b"POST /ingest HTTP/1.1\r\nhost: a\r\ncontent-length: 20000\r\n\r\n")
+        .await
+        .unwrap();
+    upload.write_all(&[b'x'; 1000]).await.unwrap();
+    let mut resp = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !String::from_utf8_lossy(&resp).ends_with("ok") {
+        let n = tokio::time::timeout(Duration::from_secs(5), upload.read(&mut chunk))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0);
+        resp.extend_from_slice(&chunk[..n]);
+    }
+    let addr = gw.addr;
+    let next = tokio::spawn(async move { get(addr, "/next").await });
+    wait_for("the next request queued", || {
+        stat(&gw, |s| s.queued.load(Ordering::SeqCst)) == 1
+    })
+    .await;
+    // The stray answer is in the connection's socket by now; the upload ends.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    upload.write_all(&[b'x'; 19_000]).await.unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(5), next)
+        .await
+        .expect("answered")
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.body().as_ref(), b"fresh");
+    assert_eq!(conns.load(Ordering::SeqCst), 2, "a new connection for it");
+}
+
 /// A connection the server closes frees its place for the next request queued, which
 /// opens a new one.
 #[tokio::test]

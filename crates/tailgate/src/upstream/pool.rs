@@ -507,7 +507,17 @@ impl EndpointPool {
                 Turn::Now(p) => Some(p),
                 Turn::Closed => return Err(ProxyError::EndpointRemoved),
                 Turn::Queued(rx) => match self.wait_turn(rx).await? {
-                    Handed::Idle(idle) => return Ok(self.reuse(idle)),
+                    // Handed straight from the request that gave it back, as the idle list
+                    // would give it: unless the server closed it or wrote to it meanwhile
+                    // (while the rest of an early-answered upload went out, say). Then its
+                    // place is taken for a new one.
+                    Handed::Idle(mut idle) => {
+                        if !idle.conn.idle_closed() {
+                            return Ok(self.reuse(idle));
+                        }
+                        self.stats.closed_by_server.fetch_add(1, Ordering::Relaxed);
+                        idle.conn.take_permit()
+                    }
                     // An endpoint that speaks HTTP/2 (`auto`) may have a stream free by
                     // now: taken rather than another connection opened.
                     // (Without waiting for a connect under way: this place would be held
