@@ -180,6 +180,48 @@ async fn a_repeated_content_length_goes_on_once_and_a_204_has_none() {
     }
 }
 
+/// A response head that comes a byte at a time, or a 1xx with part of the final head and
+/// the rest later, is read whole (the head is parsed only when a line of it has ended):
+/// on one connection, each answer in turn.
+#[tokio::test]
+async fn a_head_that_trickles_in_is_read() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut buf = Vec::new();
+        let answer: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nx-a: b\r\ncontent-length: 2\r\n\r\nok";
+        // A byte at a time.
+        if read_request(&mut s, &mut buf, false).await.is_none() {
+            return;
+        }
+        for b in answer {
+            s.write_all(&[*b]).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        // The 1xx and part of the final head, then the rest.
+        if read_request(&mut s, &mut buf, false).await.is_none() {
+            return;
+        }
+        let cut = answer.len() - 25;
+        s.write_all(&answer[..cut]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        s.write_all(&answer[cut..]).await.unwrap();
+        let _ = read_request(&mut s, &mut buf, false).await;
+    });
+    let gw = TestGateway::to(up, "");
+    let mut c = h1_client(gw.addr).await;
+    for i in 0..2 {
+        let r = tokio::time::timeout(Duration::from_secs(5), fetch(&mut c, "GET", "/"))
+            .await
+            .unwrap_or_else(|_| panic!("answer {i} never read"))
+            .unwrap();
+        assert_eq!(r.status(), 200, "answer {i}");
+        assert_eq!(r.headers()["x-a"], "b", "answer {i}");
+        assert_eq!(r.body().as_ref(), b"ok", "answer {i}");
+    }
+}
+
 #[tokio::test]
 async fn interim_responses_are_skipped_and_the_connection_reused() {
     let up = scripted(

@@ -147,6 +147,9 @@ pub struct H1Conn {
     body_write_failed: bool,
     /// Interim responses skipped in this exchange.
     interim: u32,
+    /// Bytes of `rbuf` already looked at for the response head's end (at least 1 once
+    /// looked at; 0: not yet in this exchange).
+    head_scanned: usize,
     /// The response deadline, re-armed for each request: moving a registered timer later
     /// is one atomic update, where a new timer per request costs a registration in the
     /// runtime's timer wheel and a removal (about 1,400 instructions).
@@ -171,6 +174,7 @@ impl H1Conn {
             peer_closed: false,
             body_write_failed: false,
             interim: 0,
+            head_scanned: 0,
             timer: None,
             progress: None,
             permit: None,
@@ -244,6 +248,7 @@ impl H1Conn {
             self.peer_closed = false;
             self.body_write_failed = false;
             self.interim = 0;
+            self.head_scanned = 0;
             self.progress = body.progress();
             let timed = match (deadline, self.timer.as_mut()) {
                 (Some(d), Some(t)) => {
@@ -430,9 +435,19 @@ impl H1Conn {
     ) -> Poll<Result<Response<UpBody>, H1Error>> {
         loop {
             self.drive_sending(cx)?;
-            if let Some(resp) = self.parse_head(head_request)? {
+            // Parsed while nothing (or a byte) was looked at before (a head read whole, the
+            // usual case, is not scanned first), then only once a line of it has ended
+            // since the last look, as the server side's `HeadScan` does: a head an
+            // upstream trickles in a byte at a time is not parsed from its start again for
+            // each byte (64 KiB of them would scan about 2 GB).
+            let fresh = &self.rbuf[self.head_scanned.min(self.rbuf.len())..];
+            if (self.head_scanned <= 1 || fresh.contains(&b'\n'))
+                && let Some(resp) = self.parse_head(head_request)?
+            {
                 return Poll::Ready(Ok(resp));
             }
+            // (After the parse: skipping 1xx answers moves the head's start.)
+            self.head_scanned = self.rbuf.len().max(1);
             if self.rbuf.len() >= MAX_HEAD {
                 return Poll::Ready(Err(H1Error::BadResponse(
                     "response head larger than 64 KiB",
