@@ -435,6 +435,19 @@ impl H1Conn {
     ) -> Poll<Result<Response<UpBody>, H1Error>> {
         loop {
             self.drive_sending(cx)?;
+            // Empty lines before a status line (which the parser skips) are dropped as they
+            // come, so that a run of them is not walked again by each parse below.
+            loop {
+                let blank = if self.rbuf.starts_with(b"\r\n") {
+                    2
+                } else if self.rbuf.first() == Some(&b'\n') {
+                    1
+                } else {
+                    break;
+                };
+                self.rbuf.advance(blank);
+                self.head_scanned = self.head_scanned.saturating_sub(blank);
+            }
             // Parsed while nothing (or a byte) was looked at before (a head read whole, the
             // usual case, is not scanned first), then only once a line of it has ended
             // since the last look, as the server side's `HeadScan` does: a head an
