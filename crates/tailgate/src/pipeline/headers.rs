@@ -162,6 +162,9 @@ pub struct Added<'a> {
     xff: std::borrow::Cow<'a, HeaderValue>,
     proto: HeaderValue,
     host: Option<&'a HeaderValue>,
+    /// The route rewrites the path: the client's `X-Forwarded-Prefix` is dropped, and
+    /// `prefix` (if any: none for a `/` prefix) sent instead.
+    rewrites: bool,
     prefix: Option<&'a HeaderValue>,
     request_id: (&'a HeaderName, &'a HeaderValue),
 }
@@ -209,15 +212,17 @@ impl<'a> Added<'a> {
             xff,
             proto: if tls { HTTPS } else { HTTP },
             host,
+            rewrites: false,
             prefix: None,
             request_id,
         }
     }
 
-    /// With `X-Forwarded-Prefix: prefix` (a route with a `rewrite_prefix`).
-    pub fn with_prefix(mut self, prefix: Option<&'a HeaderValue>) -> Added<'a> {
+    /// For a route with a `rewrite_prefix`: `X-Forwarded-Prefix: prefix`, or none (a `/`
+    /// prefix), in place of the client's.
+    pub fn rewriting(&mut self, prefix: Option<&'a HeaderValue>) {
+        self.rewrites = true;
         self.prefix = prefix;
-        self
     }
 
     /// Is the client's header of this name left out: set by the gateway itself, or
@@ -228,7 +233,7 @@ impl<'a> Added<'a> {
             || *name == X_FORWARDED_PROTO
             || name == self.request_id.0
             || (self.host.is_some() && *name == X_FORWARDED_HOST)
-            || (self.prefix.is_some() && *name == X_FORWARDED_PREFIX)
+            || (self.rewrites && *name == X_FORWARDED_PREFIX)
     }
 
     /// The headers to add, in order.
@@ -247,6 +252,9 @@ impl<'a> Added<'a> {
     /// Puts them into `headers` (an HTTP/2 request's copy of the client's).
     pub fn apply(&self, headers: &mut HeaderMap) {
         headers.remove(header::EXPECT);
+        if self.rewrites {
+            headers.remove(&X_FORWARDED_PREFIX);
+        }
         for (name, value) in self.iter() {
             if *name == VIA {
                 headers.append(name, value.clone());
@@ -444,7 +452,8 @@ mod tests {
         );
         assert!(!added.replaces(&HeaderName::from_static("x-forwarded-prefix")));
         let prefix = HeaderValue::from_static("/billing");
-        let added = added.with_prefix(Some(&prefix));
+        let mut added = added;
+        added.rewriting(Some(&prefix));
         for replaced in [
             "x-forwarded-for",
             "x-request-id",
@@ -466,6 +475,24 @@ mod tests {
         assert_eq!(h["x-forwarded-proto"], "https");
         assert_eq!(h["x-forwarded-host"], "api.test");
         assert_eq!(h["x-forwarded-prefix"], "/billing");
+
+        // A rewrite under a `/` prefix sends none, and drops the client's all the same.
+        let mut h = HeaderMap::new();
+        h.append("x-forwarded-prefix", HeaderValue::from_static("/evil"));
+        let mut added = Added::new(
+            &h,
+            http::Version::HTTP_11,
+            &client,
+            false,
+            None,
+            (&id.0, &id.1),
+        );
+        assert!(!added.replaces(&HeaderName::from_static("x-forwarded-prefix")));
+        added.rewriting(None);
+        assert!(added.replaces(&HeaderName::from_static("x-forwarded-prefix")));
+        assert!(added.iter().all(|(n, _)| n != "x-forwarded-prefix"));
+        added.apply(&mut h);
+        assert!(!h.contains_key("x-forwarded-prefix"));
 
         let v6 = client_addr_value("2001:db8::1".parse().expect("address"));
         assert_eq!(v6, "2001:db8::1");

@@ -415,15 +415,17 @@ fn forward(
         // Via, X-Forwarded-*, the request id; `Expect` is dropped (100-continue is answered to
         // the client here, when the body is first read). Written by the connection, not put in
         // the map (see `Added`).
-        let added = headers::Added::new(
+        let mut added = headers::Added::new(
             &parts.headers,
             parts.version,
             &conn.client_addr,
             conn.tls,
             host_value.as_ref(),
             (&settings.request_id_header, request_id),
-        )
-        .with_prefix(route.forwarded_prefix.as_ref());
+        );
+        if route.rewrite_prefix.is_some() {
+            added.rewriting(route.forwarded_prefix.as_ref());
+        }
         if (host_missing || removed)
             && let Some(h) = &host_value
         {
