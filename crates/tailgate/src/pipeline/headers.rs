@@ -15,7 +15,8 @@ static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
-static X_FORWARDED_PREFIX: HeaderName = HeaderName::from_static("x-forwarded-prefix");
+/// Set on routes with a `rewrite_prefix` ([`super::route::Rewrite`]).
+pub static X_FORWARDED_PREFIX: HeaderName = HeaderName::from_static("x-forwarded-prefix");
 
 /// A header name read off the wire, as [`HeaderName::from_bytes`] gives it, with the names
 /// nearly every API request and response carries found by length and a case-insensitive
@@ -149,9 +150,7 @@ static VIA: HeaderName = header::VIA;
 /// The headers the gateway sets on an upstream request, the way nginx and Envoy do: `Via`
 /// (added beside the client's), `X-Forwarded-For` (the client address, from
 /// [`client_addr_value`], appended to the client's list), `X-Forwarded-Proto`,
-/// `X-Forwarded-Host` and the request id (replacing the client's); on a route with a
-/// `rewrite_prefix`, `X-Forwarded-Prefix` (the prefix the client's path had, replacing the
-/// client's, as Traefik's and Kong's prefix stripping send it).
+/// `X-Forwarded-Host` and the request id (replacing the client's).
 ///
 /// They are kept apart from the request's header map rather than inserted into it: an
 /// HTTP/1.1 upstream gets them written after the client's headers, with the ones they
@@ -162,10 +161,6 @@ pub struct Added<'a> {
     xff: std::borrow::Cow<'a, HeaderValue>,
     proto: HeaderValue,
     host: Option<&'a HeaderValue>,
-    /// The route rewrites the path: the client's `X-Forwarded-Prefix` is dropped, and
-    /// `prefix` (if any: none for a `/` prefix) sent instead.
-    rewrites: bool,
-    prefix: Option<&'a HeaderValue>,
     request_id: (&'a HeaderName, &'a HeaderValue),
 }
 
@@ -212,17 +207,8 @@ impl<'a> Added<'a> {
             xff,
             proto: if tls { HTTPS } else { HTTP },
             host,
-            rewrites: false,
-            prefix: None,
             request_id,
         }
-    }
-
-    /// For a route with a `rewrite_prefix`: `X-Forwarded-Prefix: prefix`, or none (a `/`
-    /// prefix), in place of the client's.
-    pub fn rewriting(&mut self, prefix: Option<&'a HeaderValue>) {
-        self.rewrites = true;
-        self.prefix = prefix;
     }
 
     /// Is the client's header of this name left out: set by the gateway itself, or
@@ -233,7 +219,6 @@ impl<'a> Added<'a> {
             || *name == X_FORWARDED_PROTO
             || name == self.request_id.0
             || (self.host.is_some() && *name == X_FORWARDED_HOST)
-            || (self.rewrites && *name == X_FORWARDED_PREFIX)
     }
 
     /// The headers to add, in order.
@@ -245,16 +230,12 @@ impl<'a> Added<'a> {
         ]
         .into_iter()
         .chain(self.host.map(|h| (&X_FORWARDED_HOST, h)))
-        .chain(self.prefix.map(|p| (&X_FORWARDED_PREFIX, p)))
         .chain(std::iter::once(self.request_id))
     }
 
     /// Puts them into `headers` (an HTTP/2 request's copy of the client's).
     pub fn apply(&self, headers: &mut HeaderMap) {
         headers.remove(header::EXPECT);
-        if self.rewrites {
-            headers.remove(&X_FORWARDED_PREFIX);
-        }
         for (name, value) in self.iter() {
             if *name == VIA {
                 headers.append(name, value.clone());
@@ -450,16 +431,7 @@ mod tests {
             Some(&host),
             (&id.0, &id.1),
         );
-        assert!(!added.replaces(&HeaderName::from_static("x-forwarded-prefix")));
-        let prefix = HeaderValue::from_static("/billing");
-        let mut added = added;
-        added.rewriting(Some(&prefix));
-        for replaced in [
-            "x-forwarded-for",
-            "x-request-id",
-            "x-forwarded-host",
-            "x-forwarded-prefix",
-        ] {
+        for replaced in ["x-forwarded-for", "x-request-id", "x-forwarded-host"] {
             assert!(
                 added.replaces(&HeaderName::from_static(replaced)),
                 "{replaced}"
@@ -474,25 +446,6 @@ mod tests {
         assert_eq!(h["x-request-id"], "r1");
         assert_eq!(h["x-forwarded-proto"], "https");
         assert_eq!(h["x-forwarded-host"], "api.test");
-        assert_eq!(h["x-forwarded-prefix"], "/billing");
-
-        // A rewrite under a `/` prefix sends none, and drops the client's all the same.
-        let mut h = HeaderMap::new();
-        h.append("x-forwarded-prefix", HeaderValue::from_static("/evil"));
-        let mut added = Added::new(
-            &h,
-            http::Version::HTTP_11,
-            &client,
-            false,
-            None,
-            (&id.0, &id.1),
-        );
-        assert!(!added.replaces(&HeaderName::from_static("x-forwarded-prefix")));
-        added.rewriting(None);
-        assert!(added.replaces(&HeaderName::from_static("x-forwarded-prefix")));
-        assert!(added.iter().all(|(n, _)| n != "x-forwarded-prefix"));
-        added.apply(&mut h);
-        assert!(!h.contains_key("x-forwarded-prefix"));
 
         let v6 = client_addr_value("2001:db8::1".parse().expect("address"));
         assert_eq!(v6, "2001:db8::1");

@@ -395,11 +395,8 @@ fn forward(
         // (or HTTP/2's `:authority`) routed the request, so its authority replaces any Host
         // the client sent (RFC 9112 §3.2.2).
         let (host_value, host_missing) = match parts.uri.authority() {
-            // Without any `user@` in it: the Host names a host (RFC 9112 §3.2.2).
-            Some(a) => (
-                HeaderValue::from_str(a.as_str().rsplit('@').next().unwrap_or_default()).ok(),
-                true,
-            ),
+            // (`request_host` refused one with a `user@`.)
+            Some(a) => (HeaderValue::from_str(a.as_str()).ok(), true),
             None => (parts.headers.get(header::HOST).cloned(), false),
         };
         // `TE: trailers` is kept for HTTP/2 upstreams (gRPC servers require it); the
@@ -415,7 +412,7 @@ fn forward(
         // Via, X-Forwarded-*, the request id; `Expect` is dropped (100-continue is answered to
         // the client here, when the body is first read). Written by the connection, not put in
         // the map (see `Added`).
-        let mut added = headers::Added::new(
+        let added = headers::Added::new(
             &parts.headers,
             parts.version,
             &conn.client_addr,
@@ -423,9 +420,6 @@ fn forward(
             host_value.as_ref(),
             (&settings.request_id_header, request_id),
         );
-        if route.rewrite_prefix.is_some() {
-            added.rewriting(route.forwarded_prefix.as_ref());
-        }
         if (host_missing || removed)
             && let Some(h) = &host_value
         {
@@ -436,10 +430,11 @@ fn forward(
         if parts.uri.scheme().is_some() || parts.uri.authority().is_some() {
             parts.uri = origin_form(&parts.uri);
         }
-        if let Some(to) = &route.rewrite_prefix {
-            parts.uri = route::rewrite_target(&parts.uri, &route.path_prefix, to).ok_or(
-                ProxyError::BadRequest("the path cannot be rewritten into a valid target"),
-            )?;
+        if let Some(rw) = &route.rewrite {
+            rw.apply(&mut parts, &route.path_prefix)
+                .ok_or(ProxyError::BadRequest(
+                    "the path cannot be rewritten into a valid target",
+                ))?;
         }
         parts.version = http::Version::HTTP_11;
         // One clock read ends the route stage and starts the upstream one (the endpoint's

@@ -5,7 +5,7 @@
 //! Routes match the path in normal form ([`normal_path`]), as nginx matches its locations:
 //! `/public/../internal/keys` must not reach the route of `/public/`. The request goes
 //! upstream with its target as the client sent it, unless its route has a
-//! `rewrite_prefix` ([`rewrite_target`]).
+//! `rewrite_prefix` ([`Rewrite`]).
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -28,16 +28,44 @@ pub struct RouteEntry {
     /// Requests of every method may be sent twice (see [`config::Route::idempotent`]).
     pub idempotent: bool,
     pub hedge_delay: Option<config::HedgeDelay>,
-    /// Sent upstream in place of `path_prefix` (see [`rewrite_target`]).
-    pub rewrite_prefix: Option<String>,
-    /// With a `rewrite_prefix`: the `X-Forwarded-Prefix` sent, `path_prefix` without its
-    /// trailing `/` (none for `/`).
+    /// A `rewrite_prefix` (boxed: most routes have none, and this entry is read on every
+    /// request).
+    pub rewrite: Option<Box<Rewrite>>,
+}
+
+/// A route's `rewrite_prefix`, as a request is rewritten by it ([`Rewrite::apply`]).
+#[derive(Debug)]
+pub struct Rewrite {
+    /// Sent upstream in place of the route's `path_prefix` (see [`rewrite_target`]).
+    pub to: String,
+    /// The `X-Forwarded-Prefix` sent: the `path_prefix` without its trailing `/` (none for
+    /// `/`).
     pub forwarded_prefix: Option<http::HeaderValue>,
+}
+
+impl Rewrite {
+    /// Rewrites the target of a request `prefix` matched ([`rewrite_target`]), and sets
+    /// `X-Forwarded-Prefix` in place of any the client sent (removing the client's when
+    /// there is none to send), as Traefik's and Kong's prefix stripping do: in the header
+    /// map, as only these routes pay for it. `None`: the target cannot be rewritten.
+    pub fn apply(&self, parts: &mut http::request::Parts, prefix: &str) -> Option<()> {
+        parts.uri = rewrite_target(&parts.uri, prefix, &self.to)?;
+        let name = &super::headers::X_FORWARDED_PREFIX;
+        match &self.forwarded_prefix {
+            Some(p) => {
+                parts.headers.insert(name, p.clone());
+            }
+            None => {
+                parts.headers.remove(name);
+            }
+        }
+        Some(())
+    }
 }
 
 /// What a route without `methods` allows, for the `Allow` of a TRACE or CONNECT it
 /// refuses.
-const ANY_BUT_TRACE: [http::Method; 7] = [
+const DEFAULT_METHODS: [http::Method; 7] = [
     http::Method::GET,
     http::Method::HEAD,
     http::Method::POST,
@@ -86,7 +114,7 @@ impl RouteList {
                     return Some(r);
                 }
                 let methods = if r.methods.is_empty() {
-                    &ANY_BUT_TRACE[..]
+                    &DEFAULT_METHODS[..]
                 } else {
                     &r.methods[..]
                 };
@@ -166,12 +194,14 @@ impl RouteTable {
                 total_timeout: r.total_timeout,
                 idempotent: r.idempotent,
                 hedge_delay: r.hedge_delay,
-                rewrite_prefix: r.rewrite_prefix.clone(),
-                forwarded_prefix: r.rewrite_prefix.as_ref().and_then(|_| {
+                rewrite: r.rewrite_prefix.as_ref().map(|to| {
                     let p = r.path_prefix.strip_suffix('/').unwrap_or(&r.path_prefix);
-                    (!p.is_empty())
-                        .then(|| http::HeaderValue::from_str(p).ok())
-                        .flatten()
+                    Box::new(Rewrite {
+                        to: to.clone(),
+                        forwarded_prefix: (!p.is_empty())
+                            .then(|| http::HeaderValue::from_str(p).ok())
+                            .flatten(),
+                    })
                 }),
             });
             match (&r.host, r.tenant) {
@@ -582,6 +612,37 @@ fn hex_value(c: u8) -> Option<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A rewrite sets `X-Forwarded-Prefix` in place of the client's, and under a `/` prefix
+    /// (nothing to say) drops the client's all the same.
+    #[test]
+    fn a_rewrite_replaces_the_clients_forwarded_prefix() {
+        let request = || {
+            http::Request::get("/billing/a?q=1")
+                .header("x-forwarded-prefix", "/evil")
+                .body(())
+                .expect("request")
+                .into_parts()
+                .0
+        };
+        let billing = Rewrite {
+            to: "/".to_owned(),
+            forwarded_prefix: Some(http::HeaderValue::from_static("/billing")),
+        };
+        let mut parts = request();
+        billing.apply(&mut parts, "/billing/").expect("rewritten");
+        assert_eq!(parts.uri, "/a?q=1");
+        let sent: Vec<_> = parts.headers.get_all("x-forwarded-prefix").iter().collect();
+        assert_eq!(sent, ["/billing"]);
+        let root = Rewrite {
+            to: "/app/".to_owned(),
+            forwarded_prefix: None,
+        };
+        let mut parts = request();
+        root.apply(&mut parts, "/").expect("rewritten");
+        assert_eq!(parts.uri, "/app/billing/a?q=1");
+        assert!(!parts.headers.contains_key("x-forwarded-prefix"));
+    }
     use std::path::Path;
 
     fn table(toml: &str) -> RouteTable {
@@ -834,7 +895,7 @@ endpoints = ["127.0.0.1:1"]
         assert_eq!(r.cluster, 1, "HEAD goes where GET goes");
         match t.lookup("other.test", "/public/a", &http::Method::TRACE, None) {
             Match::WrongMethod(allowed) => {
-                assert_eq!(allowed.len(), ANY_BUT_TRACE.len());
+                assert_eq!(allowed.len(), DEFAULT_METHODS.len());
                 assert!(!allowed.contains(&http::Method::TRACE));
             }
             _ => panic!("TRACE must not match a route without methods"),
