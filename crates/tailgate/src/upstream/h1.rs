@@ -147,8 +147,8 @@ pub struct H1Conn {
     body_write_failed: bool,
     /// Interim responses skipped in this exchange.
     interim: u32,
-    /// Bytes of `rbuf` already looked at for the response head's end (at least 1 once
-    /// looked at; 0: not yet in this exchange).
+    /// Bytes of `rbuf` already looked at for the response head's end; at most 1: the next
+    /// look parses whatever is there (none yet in this exchange, or only empty lines).
     head_scanned: usize,
     /// The response deadline, re-armed for each request: moving a registered timer later
     /// is one atomic update, where a new timer per request costs a registration in the
@@ -436,8 +436,9 @@ impl H1Conn {
         loop {
             self.drive_sending(cx)?;
             // Empty lines before a status line (which the parser skips) are dropped as they
-            // come, so that a run of them is not walked again by each parse below.
-            loop {
+            // come once a look found no head, so that a run of them is not walked again by
+            // each parse below. (Not before the first look: a head read whole pays nothing.)
+            while self.head_scanned > 1 {
                 let blank = if self.rbuf.starts_with(b"\r\n") {
                     2
                 } else if self.rbuf.first() == Some(&b'\n') {
@@ -642,14 +643,13 @@ impl H1Conn {
                 let value = HeaderValue::from_maybe_shared(head.slice(vs..ve))
                     .map_err(|_| H1Error::BadResponse("invalid header value"))?;
                 if name == header::CONTENT_LENGTH {
-                    let n = parse_length(value.as_bytes())
+                    let (n, values) = parse_length(value.as_bytes())
                         .ok_or(H1Error::BadResponse("invalid Content-Length"))?;
                     if length.is_some_and(|l| l != n) {
                         return Err(H1Error::BadResponse("conflicting Content-Length values"));
                     }
                     length = Some(n);
-                    length_fields = length_fields
-                        .saturating_add(1 + u8::from(value.as_bytes().contains(&b',')));
+                    length_fields = length_fields.saturating_add(values);
                 } else if name == header::TRANSFER_ENCODING {
                     // Only `chunked`, once, is understood; a second field or another coding
                     // (gzip, …) would reach the client as if it were the body itself.
@@ -1040,9 +1040,11 @@ impl AsyncWrite for Transport {
 }
 
 /// A Content-Length value: digits only (a list of equal values, as some servers send, is
-/// accepted; differing ones are not).
-fn parse_length(v: &[u8]) -> Option<u64> {
+/// accepted; differing ones are not), and how many values it had (a list is written again
+/// as one).
+fn parse_length(v: &[u8]) -> Option<(u64, u8)> {
     let mut result = None;
+    let mut values = 0u8;
     for part in v.split(|&b| b == b',') {
         let part = part.trim_ascii();
         if part.is_empty() || part.len() > 19 || !part.iter().all(u8::is_ascii_digit) {
@@ -1053,8 +1055,9 @@ fn parse_length(v: &[u8]) -> Option<u64> {
             return None;
         }
         result = Some(n);
+        values = values.saturating_add(1);
     }
-    result
+    result.map(|n| (n, values))
 }
 
 /// A chunk-size line (`1a;ext=1\r\n`): hex digits, then optional extensions.
@@ -1114,9 +1117,9 @@ mod tests {
 
     #[test]
     fn content_length_values() {
-        assert_eq!(parse_length(b"110"), Some(110));
-        assert_eq!(parse_length(b" 7 "), Some(7));
-        assert_eq!(parse_length(b"5, 5"), Some(5));
+        assert_eq!(parse_length(b"110"), Some((110, 1)));
+        assert_eq!(parse_length(b" 7 "), Some((7, 1)));
+        assert_eq!(parse_length(b"5, 5"), Some((5, 2)));
         assert_eq!(parse_length(b"5, 6"), None);
         assert_eq!(parse_length(b"-1"), None);
         assert_eq!(parse_length(b"+5"), None);

@@ -58,7 +58,8 @@ impl Drop for ConnPermit {
 pub(super) enum Turn {
     Now(ConnPermit),
     Queued(oneshot::Receiver<Handed>),
-    /// The endpoint is gone (its pool drained): nothing will be handed here.
+    /// The endpoint is out of its cluster (its pool parked or drained): nothing will be
+    /// handed here.
     Closed,
 }
 

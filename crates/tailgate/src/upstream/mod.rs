@@ -265,7 +265,12 @@ impl ClusterPools {
         i: usize,
         excluded: impl Fn(usize) -> bool,
     ) -> usize {
-        if endpoints.len() < 2 || !endpoints[i].is_full() {
+        // Without the setting (most clusters), one compare on the cluster, not a look at
+        // the endpoint's pool.
+        if self.config.max_connections_per_endpoint == 0
+            || endpoints.len() < 2
+            || !endpoints[i].is_full()
+        {
             return i;
         }
         let j = balance::pick(
@@ -633,19 +638,23 @@ mod tests {
                 .await
                 .map(|r| r.err().map(|e| e.code()))
         };
+        let queued_count = || pool_b.stats.queued.load(Ordering::Relaxed);
         assert!(queued(pool_b.clone()).await.is_err(), "queued while in");
+        assert_eq!(queued_count(), 1);
         c.set_addrs(&[a]);
         assert_eq!(
             queued(pool_b.clone()).await,
             Ok(Some("endpoint_removed")),
             "let go at once while parked"
         );
+        assert_eq!(queued_count(), 1, "not queued while parked");
         c.set_addrs(&[a, b]);
         assert!(Arc::ptr_eq(&c.endpoints.load()[1], &pool_b));
         assert!(
             queued(pool_b.clone()).await.is_err(),
             "queued again once back"
         );
+        assert_eq!(queued_count(), 2);
     }
 
     /// An endpoint at its `max_connections_per_endpoint` with none idle is passed over for

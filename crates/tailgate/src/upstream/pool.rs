@@ -550,7 +550,8 @@ impl EndpointPool {
         let mut waiting = Waiting { rx, pool: self };
         match tokio::time::timeout(self.connect_timeout, &mut waiting.rx).await {
             Ok(Ok(handed)) => Ok(handed),
-            // Let go unsent: the pool was drained (its address left the cluster's answer).
+            // Let go unsent: the address left the cluster's answer (the pool was parked or
+            // drained).
             Ok(Err(_)) => Err(ProxyError::EndpointRemoved),
             Err(_) => {
                 self.stats.queue_timeouts.fetch_add(1, Ordering::Relaxed);
