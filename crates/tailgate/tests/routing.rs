@@ -212,14 +212,28 @@ async fn a_host_that_is_not_host_and_port_is_400() {
 #[tokio::test]
 async fn an_absolute_form_authority_is_held_to_the_host_rules() {
     let gw = gateway().await;
-    for head in [
-        "GET http://acme.test/public/a HTTP/1.1\r\nConnection: close\r\n\r\n",
-        "GET http://x..acme.test/public/a HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-        "GET http://:80/public/a HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
-        "GET http://u@acme.test/public/a HTTP/1.1\r\nHost: acme.test\r\nConnection: close\r\n\r\n",
+    let target = "invalid host in the request target";
+    for (head, says) in [
+        (
+            "GET http://acme.test/public/a HTTP/1.1\r\nConnection: close\r\n\r\n",
+            "no Host header",
+        ),
+        (
+            "GET http://x..acme.test/public/a HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            target,
+        ),
+        (
+            "GET http://:80/public/a HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+            target,
+        ),
+        (
+            "GET http://u@acme.test/public/a HTTP/1.1\r\nHost: acme.test\r\nConnection: close\r\n\r\n",
+            target,
+        ),
     ] {
-        let (status, _) = ask(&gw, head).await;
+        let (status, body) = ask(&gw, head).await;
         assert!(status.contains(" 400 "), "{head:?}: {status}");
+        assert!(body.contains(says), "{head:?}: {body}");
     }
     for head in [
         "GET http://acme.test/public/a HTTP/1.1\r\nHost: other.test\r\nConnection: close\r\n\r\n",

@@ -310,6 +310,7 @@ async fn a_request_queued_for_a_removed_address_goes_to_another() {
         .expect("the queued request was let go when A left the answer")
         .unwrap();
     assert_eq!(status, 200);
+    assert!(!cluster.try_spend_retry(), "the budget was still spent");
     assert_eq!(b_hits.load(Ordering::SeqCst), 1, "B answered it");
     assert_eq!(a_hits.load(Ordering::SeqCst), 1, "A got only the first");
     assert!(!first.is_finished(), "A's connection was still busy");

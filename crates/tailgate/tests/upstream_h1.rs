@@ -135,8 +135,8 @@ fn answer(bytes: &str, close: bool) -> (Vec<u8>, bool) {
 }
 
 /// Content-Length the upstream repeats (`2, 2`, or two equal fields) reaches the client
-/// once, and none on a 204 (RFC 9110 §8.6): an HTTP/2 client, whose server passes the
-/// header map on as it is, and an HTTP/1.1 one alike.
+/// once, and none on a 204 (RFC 9110 §8.6): here an HTTP/2 client, whose server passes the
+/// header map on as it is (the inline HTTP/1.1 server writes its own length).
 #[tokio::test]
 async fn a_repeated_content_length_goes_on_once_and_a_204_has_none() {
     let up = scripted(
@@ -189,6 +189,8 @@ async fn a_head_that_trickles_in_is_read() {
     let up = l.local_addr().unwrap();
     tokio::spawn(async move {
         let (mut s, _) = l.accept().await.unwrap();
+        // Each write its own segment.
+        s.set_nodelay(true).unwrap();
         let mut buf = Vec::new();
         let answer: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nx-a: b\r\ncontent-length: 2\r\n\r\nok";
         // A byte at a time.
@@ -1092,7 +1094,7 @@ async fn a_whole_upload_unanswered_is_the_upstreams_timeout() {
         }
     });
     let gw = TestGateway::start(&format!(
-        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"300ms\"\n"
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"1s\"\n"
     ));
     let mut c = TcpStream::connect(gw.addr).await.unwrap();
     c.write_all(b"POST /in HTTP/1.1\r\nhost: a\r\ncontent-length: 20000\r\n\r\n")

@@ -780,10 +780,12 @@ async fn a_connection_handed_to_a_queued_request_is_checked_first() {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let up = l.local_addr().unwrap();
     let conns = Arc::new(AtomicUsize::new(0));
-    let c = conns.clone();
+    let stray_sent = Arc::new(tokio::sync::Notify::new());
+    let (c, sent) = (conns.clone(), stray_sent.clone());
     tokio::spawn(async move {
         while let Ok((mut s, _)) = l.accept().await {
             c.fetch_add(1, Ordering::SeqCst);
+            let sent = sent.clone();
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 let mut chunk = [0u8; 16384];
@@ -810,6 +812,7 @@ async fn a_connection_handed_to_a_queued_request_is_checked_first() {
                         s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstray")
                             .await
                             .unwrap();
+                        sent.notify_one();
                     }
                     while buf.len() < head_end + length {
                         match s.read(&mut chunk).await {
@@ -855,8 +858,12 @@ async fn a_connection_handed_to_a_queued_request_is_checked_first() {
         stat(&gw, |s| s.queued.load(Ordering::SeqCst)) == 1
     })
     .await;
-    // The stray answer is in the connection's socket by now; the upload ends.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The stray answer is written (over loopback, in the connection's socket at once);
+    // the upload ends.
+    tokio::time::timeout(Duration::from_secs(5), stray_sent.notified())
+        .await
+        .expect("the stray answer was written");
+    tokio::time::sleep(Duration::from_millis(20)).await;
     upload.write_all(&[b'x'; 19_000]).await.unwrap();
     let resp = tokio::time::timeout(Duration::from_secs(5), next)
         .await
