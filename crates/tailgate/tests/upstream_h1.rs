@@ -64,6 +64,15 @@ async fn scripted(script: Script, head_only: bool) -> Scripted {
     }
 }
 
+/// An upstream that answers every request `200 ok`.
+async fn ok_upstream() -> Scripted {
+    scripted(
+        |_| answer("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
+        false,
+    )
+    .await
+}
+
 /// One request off `s` (bytes past it stay in `buf`); `None` at end of stream.
 async fn read_request(s: &mut TcpStream, buf: &mut Vec<u8>, head_only: bool) -> Option<String> {
     let mut chunk = [0u8; 16384];
@@ -450,11 +459,7 @@ async fn an_answer_before_the_body_ends_reaches_the_client() {
 
 #[tokio::test]
 async fn the_request_goes_out_in_origin_form_with_its_framing() {
-    let up = scripted(
-        |_| answer("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
-        false,
-    )
-    .await;
+    let up = ok_upstream().await;
     let gw = TestGateway::to(up.addr, "");
     // A GET with a query, a hop-by-hop header and TE.
     let (text, _) = raw(
@@ -564,11 +569,7 @@ async fn each_request_on_a_reused_connection_gets_its_own_deadline() {
 /// Sends raw `request` through a gateway to an upstream that answers `200 ok`; returns the
 /// request as the upstream received it, lower-cased.
 async fn as_received(request: &[u8]) -> String {
-    let up = scripted(
-        |_| answer("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
-        false,
-    )
-    .await;
+    let up = ok_upstream().await;
     let gw = TestGateway::to(up.addr, "");
     let (text, _) = raw(gw.addr, request, Duration::from_millis(500)).await;
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
@@ -600,11 +601,7 @@ async fn r_absolute_form_without_a_path_goes_upstream_as_slash() {
 /// and nothing reaches the upstream (its Host or X-Forwarded-Host least of all).
 #[tokio::test]
 async fn r_absolute_form_userinfo_is_refused() {
-    let up = scripted(
-        |_| answer("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
-        false,
-    )
-    .await;
+    let up = ok_upstream().await;
     let gw = TestGateway::to(up.addr, "");
     let (text, _) = raw(
         gw.addr,
@@ -800,11 +797,7 @@ async fn r_http10_with_transfer_encoding_does_not_keep_the_connection() {
 /// forwards both, so the upstream may pick the other one.
 #[tokio::test]
 async fn r_two_host_headers_are_refused() {
-    let up = scripted(
-        |_| answer("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
-        false,
-    )
-    .await;
+    let up = ok_upstream().await;
     let gw = TestGateway::to(up.addr, "");
     let (text, _) = raw(
         gw.addr,
@@ -824,11 +817,7 @@ async fn r_two_host_headers_are_refused() {
 /// HTTP/1.1 servers read only the first Cookie line.
 #[tokio::test]
 async fn r_h2_cookie_fields_are_joined_for_http1_upstreams() {
-    let up = scripted(
-        |_| answer("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
-        false,
-    )
-    .await;
+    let up = ok_upstream().await;
     let gw = TestGateway::to(up.addr, "");
     let (mut c, _conn) = h2c_client(gw.addr).await;
     let req = http::Request::get("http://api.test/c")
