@@ -124,6 +124,16 @@ struct Sending {
     ended: bool,
 }
 
+impl Sending {
+    /// The body has ended: its last chunk (when chunked) goes after what is queued.
+    fn end(&mut self) {
+        if self.chunked {
+            self.out.push_back(Bytes::from_static(b"0\r\n\r\n"));
+        }
+        self.ended = true;
+    }
+}
+
 /// An HTTP/1.1 connection to an upstream, used by one exchange at a time.
 pub struct H1Conn {
     io: Transport,
@@ -534,12 +544,7 @@ impl H1Conn {
                     let _ = Pin::new(&mut *io).poll_flush(cx);
                     return Ok(());
                 }
-                Poll::Ready(None) => {
-                    if s.chunked {
-                        s.out.push_back(Bytes::from_static(b"0\r\n\r\n"));
-                    }
-                    s.ended = true;
-                }
+                Poll::Ready(None) => s.end(),
                 Poll::Ready(Some(Ok(frame))) => {
                     match frame.into_data() {
                         Ok(data) if data.is_empty() => {}
@@ -562,10 +567,7 @@ impl H1Conn {
                     // went out first (an early answer), so a poll for its end would wait
                     // for the client's next request.
                     if s.body.is_end_stream() {
-                        if s.chunked {
-                            s.out.push_back(Bytes::from_static(b"0\r\n\r\n"));
-                        }
-                        s.ended = true;
+                        s.end();
                     }
                 }
                 Poll::Ready(Some(Err(e))) => {

@@ -243,28 +243,24 @@ impl ClusterPools {
             }
             return Err(ProxyError::NoEndpoints);
         }
-        let excluded = |i: usize| exclude == Some(endpoints[i].addr);
+        let i = self.choose(&endpoints, |i| exclude == Some(endpoints[i].addr));
+        Ok(endpoints[i].clone())
+    }
+
+    /// The balancer's pick among `endpoints` (never an `excluded` one when there is
+    /// another), unless it is at its `max_connections_per_endpoint` with none idle (a
+    /// request sent there would queue) and another has room: then that one, as HAProxy's
+    /// balancer passes over a server at its `maxconn`. Never an `excluded` one, nor an
+    /// ejected one unless the pick was too. A request queues only where every endpoint is
+    /// full.
+    fn choose(&self, endpoints: &[Arc<EndpointPool>], excluded: impl Fn(usize) -> bool) -> usize {
         let i = balance::pick(
             self.balance,
             endpoints.len(),
             |i| &endpoints[i].load,
             &self.next,
-            excluded,
+            &excluded,
         );
-        Ok(endpoints[self.with_room(&endpoints, i, excluded)].clone())
-    }
-
-    /// `i`, the balancer's pick, unless it is at its `max_connections_per_endpoint` with
-    /// none idle (a request sent there would queue) and another has room: then that one, as
-    /// HAProxy's balancer passes over a server at its `maxconn`. Never an `excluded` one,
-    /// nor an ejected one unless `i` is too. A request queues only where every endpoint is
-    /// full.
-    fn with_room(
-        &self,
-        endpoints: &[Arc<EndpointPool>],
-        i: usize,
-        excluded: impl Fn(usize) -> bool,
-    ) -> usize {
         // Without the setting (most clusters), one compare on the cluster, not a look at
         // the endpoint's pool.
         if self.config.max_connections_per_endpoint == 0
@@ -308,15 +304,7 @@ impl ClusterPools {
         if endpoints.is_empty() {
             return None;
         }
-        let avoided = |i: usize| endpoints[i].addr == avoid;
-        let i = balance::pick(
-            self.balance,
-            endpoints.len(),
-            |i| &endpoints[i].load,
-            &self.next,
-            avoided,
-        );
-        let pool = &endpoints[self.with_room(&endpoints, i, avoided)];
+        let pool = &endpoints[self.choose(&endpoints, |i| endpoints[i].addr == avoid)];
         (pool.addr != avoid && !pool.load.is_ejected()).then(|| pool.clone())
     }
 
