@@ -220,7 +220,8 @@ async fn goaway_moves_requests_to_a_new_connection() {
 }
 
 /// An h2 upstream (the h2 crate, for control over resets) that refuses the first attempt at
-/// any path starting with `/refuse` with REFUSED_STREAM and answers everything else.
+/// any path starting with `/refuse` with REFUSED_STREAM, resets the first at any starting
+/// with `/reset` with INTERNAL_ERROR, and answers everything else.
 async fn refusing_upstream() -> (SocketAddr, Seen) {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
@@ -239,8 +240,17 @@ async fn refusing_upstream() -> (SocketAddr, Seen) {
                 };
                 while let Some(Ok((req, mut respond))) = conn.accept().await {
                     let path = req.uri().path().to_owned();
-                    if path.starts_with("/refuse") && s.refused.lock().unwrap().insert(path) {
-                        respond.send_reset(h2::Reason::REFUSED_STREAM);
+                    let reset = if path.starts_with("/refuse") {
+                        Some(h2::Reason::REFUSED_STREAM)
+                    } else if path.starts_with("/reset") {
+                        Some(h2::Reason::INTERNAL_ERROR)
+                    } else {
+                        None
+                    };
+                    if let Some(reason) = reset
+                        && s.refused.lock().unwrap().insert(path)
+                    {
+                        respond.send_reset(reason);
                         continue;
                     }
                     let te = req
@@ -330,6 +340,51 @@ async fn refused_streams_are_resent_on_a_new_connection() {
         "the POST with a body is processed exactly once"
     );
     assert_eq!(stat(&gw, |s| s.refused_resends.load(Ordering::Relaxed)), 4);
+}
+
+/// A stream the server resets alone (INTERNAL_ERROR, after the request was processed or
+/// not) fails one exchange, not the connection: an idempotent request is retried once (from
+/// the retry budget) on the same connection, and no new connection is opened. A
+/// non-idempotent one is not retried (502), and the connection goes on serving.
+#[tokio::test]
+async fn a_reset_stream_is_retried_on_its_own_connection() {
+    let (up, seen) = refusing_upstream().await;
+    let gw = gateway(up, "");
+    let mut c = h1_client(gw.addr).await;
+    let send = |method: &str, path: &str| {
+        http::Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", "a")
+            .body(full(""))
+            .unwrap()
+    };
+    use http_body_util::BodyExt;
+    for (i, (m, p, status)) in [
+        ("GET", "/warm", 200),
+        ("GET", "/reset-a", 200),
+        ("PUT", "/reset-b", 200),
+        ("POST", "/reset-c", 502),
+        ("GET", "/after", 200),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let resp = c.send_request(send(m, p)).await.unwrap();
+        assert_eq!(resp.status(), *status, "request {i}: {m} {p}");
+        resp.into_body().collect().await.unwrap();
+    }
+    assert_eq!(
+        *seen.processed.lock().unwrap(),
+        ["GET /warm", "GET /reset-a", "PUT /reset-b", "GET /after"],
+    );
+    assert_eq!(stat(&gw, |s| s.retries.load(Ordering::Relaxed)), 2);
+    assert_eq!(stat(&gw, |s| s.refused_resends.load(Ordering::Relaxed)), 0);
+    assert_eq!(
+        seen.conns.load(Ordering::SeqCst),
+        1,
+        "the resets cost no connection"
+    );
 }
 
 /// `TE: trailers` (required by gRPC servers) reaches an HTTP/2 upstream; other TE values

@@ -610,7 +610,7 @@ fn forward(
                     // again on a fresh connection is always safe, whatever the method.
                     SendError::NotSent(NotSentBody(body)) if up.reused => {
                         tracing::debug!(upstream.addr = %pool.addr, "pooled connection closed before the request was sent; resending on a new one");
-                        send_on_new(&mut up, &parts, &added, body, left()).await?
+                        send_on_new(&mut up, &parts, &added, body, left(), false).await?
                     }
                     // Refused unprocessed by an HTTP/2 upstream: sending it again is safe
                     // whatever the method, and costs no retry budget (with its body only when
@@ -620,7 +620,7 @@ fn forward(
                     {
                         tracing::debug!(upstream.addr = %pool.addr, error = %e, "upstream refused the request unprocessed; resending on a new connection");
                         pool.count_refused_resend();
-                        send_on_new(&mut up, &parts, &added, body, left()).await?
+                        send_on_new(&mut up, &parts, &added, body, left(), false).await?
                     }
                     // Written, then the connection failed before a response: replay it once
                     // on a fresh connection (idempotent and bodiless only; never a POST
@@ -635,7 +635,10 @@ fn forward(
                     {
                         tracing::debug!(upstream.addr = %pool.addr, error = %e, "pooled connection failed under a request; retrying it on a new one");
                         pool.count_retry();
-                        send_on_new(&mut up, &parts, &added, body, left()).await?
+                        // A stream the HTTP/2 server reset alone leaves its connection
+                        // in use (the retry may go on it); any other failure retires it.
+                        let keep_h2 = e.stream_reset_only();
+                        send_on_new(&mut up, &parts, &added, body, left(), keep_h2).await?
                     }
                     e => Err(e),
                 };
@@ -769,7 +772,8 @@ fn is_idempotent(m: &http::Method) -> bool {
 type Resent = Result<Result<Response<UpBody>, SendError>, ProxyError>;
 
 /// Sends the request again on `up`'s replacement (see `Conn::replacement`: a fresh
-/// HTTP/1.1 connection, or a shared HTTP/2 one), within `left`.
+/// HTTP/1.1 connection, or a shared HTTP/2 one, `keep_h2` saying whether `up`'s may be
+/// it), within `left`.
 ///
 /// A rare path: its state lives on the heap, so that it does not make every request's
 /// future larger (and every move of it dearer).
@@ -779,10 +783,11 @@ fn send_on_new<'a>(
     added: &'a headers::Added<'a>,
     body: ReqBody,
     left: Duration,
+    keep_h2: bool,
 ) -> std::pin::Pin<Box<impl std::future::Future<Output = Resent> + 'a>> {
     Box::pin(async move {
         let resend = async {
-            *up = up.replacement().await?;
+            *up = up.replacement(keep_h2).await?;
             Ok(up.send(parts, added, body, None).await)
         };
         tokio::time::timeout(left, resend)

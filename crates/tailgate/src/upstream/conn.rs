@@ -129,6 +129,18 @@ impl SendError {
     pub fn refused_before_processing(&self) -> bool {
         matches!(self, SendError::Hyper(e) if refused_before_processing(e))
     }
+
+    /// Did the HTTP/2 server reset this request's stream alone (`RST_STREAM` with a reason
+    /// other than `REFUSED_STREAM`), its connection going on? A stream sent again after
+    /// this may go on the same connection: one failed exchange says nothing against the
+    /// connection (RFC 9113 §5.4.2), as Go's and Envoy's clients treat it too.
+    /// (`REFUSED_STREAM` is left out: a server refuses streams when a connection has
+    /// served its share, and the request goes to a new one.)
+    pub fn stream_reset_only(&self) -> bool {
+        matches!(self, SendError::Hyper(e) if h2_error(e).is_some_and(|h2| {
+            h2.is_reset() && h2.is_remote() && h2.reason() != Some(h2::Reason::REFUSED_STREAM)
+        }))
+    }
 }
 
 /// A connection checked out of the pool for one exchange.
@@ -160,13 +172,19 @@ impl Conn {
     /// keeps the connection looking open until its task runs again, and each request sent
     /// on it meanwhile comes back unsent).
     ///
+    /// With `keep_h2`, the shared HTTP/2 connection is not forgotten (the server reset one
+    /// stream on it, [`SendError::stream_reset_only`]): the request takes a stream wherever
+    /// there is room, this connection included.
+    ///
     /// An HTTP/1.1 replacement takes this connection's place under
     /// `max_connections_per_endpoint`: it does not queue behind others for a place while it
     /// holds one.
-    pub async fn replacement(&mut self) -> Result<Conn, ProxyError> {
+    pub async fn replacement(&mut self, keep_h2: bool) -> Result<Conn, ProxyError> {
         match (&self._slot, &mut self.sender) {
             (Some(slot), _) => {
-                self.pool.forget_h2(slot);
+                if !keep_h2 {
+                    self.pool.forget_h2(slot);
+                }
                 self.pool.checkout().await
             }
             (None, Sender::H1(c)) => {
@@ -353,15 +371,22 @@ fn adapt_h2(mut req: Request<ReqBody>, https: bool, addr: SocketAddr) -> Request
 /// (h2 fails exactly those streams with the peer's GOAWAY) — RFC 9113 §8.7. Such a request
 /// may be sent again whatever its method.
 fn refused_before_processing(e: &hyper::Error) -> bool {
+    h2_error(e).is_some_and(|h2| {
+        h2.reason() == Some(h2::Reason::REFUSED_STREAM) && h2.is_remote()
+            || h2.is_go_away() && h2.is_remote()
+    })
+}
+
+/// The HTTP/2 error behind a hyper error, if any.
+fn h2_error(e: &hyper::Error) -> Option<&h2::Error> {
     let mut source = e.source();
     while let Some(s) = source {
         if let Some(h2) = s.downcast_ref::<h2::Error>() {
-            return h2.reason() == Some(h2::Reason::REFUSED_STREAM) && h2.is_remote()
-                || h2.is_go_away() && h2.is_remote();
+            return Some(h2);
         }
         source = s.source();
     }
-    false
+    None
 }
 
 /// The HTTP/2 handshake (client preface and SETTINGS) over any transport; the connection
