@@ -432,3 +432,126 @@ cluster = "web"
     assert_eq!(resp.headers()["x-target"], "/h2?z=1");
     assert_eq!(resp.headers()["x-prefix"], "/billing");
 }
+
+/// An upstream that answers the Host (HTTP/1.1) or `:authority` (HTTP/2) it got as `x-host`,
+/// its `X-Forwarded-Host` as `x-fwd-host` and its target's path as `x-path`; h2c by prior
+/// knowledge with `h2`.
+async fn host_echo(h2: bool) -> SocketAddr {
+    let answer = |req: http::Request<hyper::body::Incoming>| {
+        let host = req
+            .uri()
+            .authority()
+            .map(|a| a.as_str().to_owned())
+            .or_else(|| {
+                req.headers()
+                    .get("host")
+                    .map(|h| h.to_str().unwrap().to_owned())
+            })
+            .unwrap_or_default();
+        let hosts = req.headers().get_all("host").iter().count();
+        let mut resp = http::Response::new(full(format!("hosts={hosts}")));
+        resp.headers_mut().insert("x-host", host.parse().unwrap());
+        if let Some(f) = req.headers().get("x-forwarded-host") {
+            resp.headers_mut().insert("x-fwd-host", f.clone());
+        }
+        resp.headers_mut()
+            .insert("x-path", req.uri().path().parse().unwrap());
+        resp
+    };
+    if !h2 {
+        return upstream(move |req| async move { answer(req) }).await;
+    }
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            let svc = hyper::service::service_fn(move |req| async move {
+                Ok::<_, std::convert::Infallible>(answer(req))
+            });
+            tokio::spawn(
+                hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .serve_connection(hyper_util::rt::TokioIo::new(tcp), svc),
+            );
+        }
+    });
+    addr
+}
+
+/// `host_rewrite`: the upstream gets that Host (HTTP/2: `:authority`) in place of the
+/// client's, once, and `X-Forwarded-Host` still says what the client asked for; with a
+/// `rewrite_prefix` too, both apply. A route without it sends the client's Host.
+#[tokio::test]
+async fn a_host_rewrite_replaces_the_host_sent_upstream() {
+    let (h1, h2) = (host_echo(false).await, host_echo(true).await);
+    let gw = TestGateway::start(&format!(
+        r#"
+[[cluster]]
+name = "h1"
+endpoints = ["{h1}"]
+[[cluster]]
+name = "h2"
+endpoints = ["{h2}"]
+protocol = "http2"
+[[route]]
+path_prefix = "/svc/"
+host_rewrite = "api.internal:8443"
+cluster = "h1"
+[[route]]
+path_prefix = "/both/"
+rewrite_prefix = "/"
+host_rewrite = "[::1]:9000"
+cluster = "h1"
+[[route]]
+path_prefix = "/two/"
+host_rewrite = "svc.internal"
+cluster = "h2"
+[[route]]
+path_prefix = "/"
+cluster = "h1"
+"#
+    ));
+    for (target, host, path) in [
+        ("/svc/a", "api.internal:8443", "/svc/a"),
+        ("/both/x/y", "[::1]:9000", "/x/y"),
+        ("/two/z", "svc.internal", "/two/z"),
+        ("/plain", "client.example", "/plain"),
+    ] {
+        // The client's Host, sent in capitals and named by a `Connection` header too (so
+        // the gateway puts it back after the hop-by-hop headers go).
+        let req = format!(
+            "GET {target} HTTP/1.1\r\nHost: client.example\r\nConnection: close, host\r\n\r\n"
+        );
+        let (text, _) = raw(gw.addr, req.as_bytes(), Duration::from_secs(5)).await;
+        assert!(text.starts_with("HTTP/1.1 200 "), "{target}: {text}");
+        assert!(
+            text.contains(&format!("x-host: {host}\r\n")),
+            "{target}: {text}"
+        );
+        assert!(
+            text.contains(&format!("x-path: {path}\r\n")),
+            "{target}: {text}"
+        );
+        assert!(
+            text.contains("x-fwd-host: client.example\r\n"),
+            "{target}: {text}"
+        );
+        if !target.starts_with("/two/") {
+            assert!(text.ends_with("hosts=1"), "{target}: {text}");
+        }
+    }
+    // From an HTTP/2 client (its `:authority`, no Host header) to both upstreams.
+    let (mut c, _conn) = h2c_client(gw.addr).await;
+    for (uri, host) in [
+        ("http://acme.test/svc/h2", "api.internal:8443"),
+        ("http://acme.test/two/h2", "svc.internal"),
+        ("http://acme.test/h2", "acme.test"),
+    ] {
+        let resp = c
+            .send_request(http::Request::get(uri).body(full("")).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "{uri}");
+        assert_eq!(resp.headers()["x-host"], host, "{uri}");
+        assert_eq!(resp.headers()["x-fwd-host"], "acme.test", "{uri}");
+    }
+}

@@ -147,4 +147,5 @@ pub struct RawRoute {
     pub idempotent: Option<bool>,
     pub hedge_delay: Option<Spanned<String>>,
     pub rewrite_prefix: Option<Spanned<String>>,
+    pub host_rewrite: Option<Spanned<String>>,
 }

@@ -191,6 +191,9 @@ pub struct Route {
     /// Sent upstream in place of the matched `path_prefix` (Envoy's `prefix_rewrite`,
     /// nginx's `proxy_pass` with a URI): `None` sends the target as the client did.
     pub rewrite_prefix: Option<String>,
+    /// The Host sent upstream in place of the client's (Envoy's `host_rewrite_literal`,
+    /// nginx's `proxy_set_header Host`): `None` sends the client's.
+    pub host_rewrite: Option<String>,
 }
 
 /// When a hedged request's second copy is sent.

@@ -897,6 +897,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             .as_ref()
             .and_then(|v| c.hedge_delay(v, format!("route[{i}].hedge_delay")));
         let rewrite_prefix = c.rewrite_prefix(r, i, &path_prefix);
+        let host_rewrite = c.host_rewrite(r, i);
         if let Some(cluster) = cluster {
             routes.push(Route {
                 name: route_name(c, r, i, &mut route_names),
@@ -910,6 +911,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 idempotent: r.idempotent.unwrap_or(false),
                 hedge_delay,
                 rewrite_prefix,
+                host_rewrite,
             });
         }
     }

@@ -5,7 +5,8 @@
 //! Routes match the path in normal form ([`normal_path`]), as nginx matches its locations:
 //! `/public/../internal/keys` must not reach the route of `/public/`. The request goes
 //! upstream with its target as the client sent it, unless its route has a
-//! `rewrite_prefix` ([`Rewrite`]).
+//! `rewrite_prefix`, and with the client's Host, unless it has a `host_rewrite`
+//! ([`Rewrite`]).
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -28,36 +29,45 @@ pub struct RouteEntry {
     /// Requests of every method may be sent twice (see [`config::Route::idempotent`]).
     pub idempotent: bool,
     pub hedge_delay: Option<config::HedgeDelay>,
-    /// A `rewrite_prefix` (boxed: most routes have none, and this entry is read on every
-    /// request).
+    /// A `rewrite_prefix` or `host_rewrite` (boxed: most routes have neither, and this
+    /// entry is read on every request).
     pub rewrite: Option<Box<Rewrite>>,
 }
 
-/// A route's `rewrite_prefix`, as a request is rewritten by it ([`Rewrite::apply`]).
-#[derive(Debug)]
+/// A route's `rewrite_prefix` and `host_rewrite`, as a request is rewritten by them
+/// ([`Rewrite::apply`]).
+#[derive(Debug, Default)]
 pub struct Rewrite {
     /// Sent upstream in place of the route's `path_prefix` (see [`rewrite_target`]).
-    pub to: String,
-    /// The `X-Forwarded-Prefix` sent: the `path_prefix` without its trailing `/` (none for
-    /// `/`).
+    pub to: Option<String>,
+    /// The `X-Forwarded-Prefix` sent with `to`: the `path_prefix` without its trailing `/`
+    /// (none for `/`).
     pub forwarded_prefix: Option<http::HeaderValue>,
+    /// The Host sent upstream in place of the client's (HTTP/2's `:authority`).
+    pub host: Option<http::HeaderValue>,
 }
 
 impl Rewrite {
     /// Rewrites the target of a request `prefix` matched ([`rewrite_target`]), and sets
     /// `X-Forwarded-Prefix` in place of any the client sent (removing the client's when
-    /// there is none to send), as Traefik's and Kong's prefix stripping do: in the header
-    /// map, as only these routes pay for it. `None`: the target cannot be rewritten.
+    /// there is none to send), as Traefik's and Kong's prefix stripping do; sets the Host.
+    /// In the header map, as only these routes pay for it; after `X-Forwarded-Host` took
+    /// the client's Host. `None`: the target cannot be rewritten.
     pub fn apply(&self, parts: &mut http::request::Parts, prefix: &str) -> Option<()> {
-        parts.uri = rewrite_target(&parts.uri, prefix, &self.to)?;
-        let name = &super::headers::X_FORWARDED_PREFIX;
-        match &self.forwarded_prefix {
-            Some(p) => {
-                parts.headers.insert(name, p.clone());
+        if let Some(to) = &self.to {
+            parts.uri = rewrite_target(&parts.uri, prefix, to)?;
+            let name = &super::headers::X_FORWARDED_PREFIX;
+            match &self.forwarded_prefix {
+                Some(p) => {
+                    parts.headers.insert(name, p.clone());
+                }
+                None => {
+                    parts.headers.remove(name);
+                }
             }
-            None => {
-                parts.headers.remove(name);
-            }
+        }
+        if let Some(h) = &self.host {
+            parts.headers.insert(http::header::HOST, h.clone());
         }
         Some(())
     }
@@ -194,13 +204,18 @@ impl RouteTable {
                 total_timeout: r.total_timeout,
                 idempotent: r.idempotent,
                 hedge_delay: r.hedge_delay,
-                rewrite: r.rewrite_prefix.as_ref().map(|to| {
+                rewrite: (r.rewrite_prefix.is_some() || r.host_rewrite.is_some()).then(|| {
                     let p = r.path_prefix.strip_suffix('/').unwrap_or(&r.path_prefix);
                     Box::new(Rewrite {
-                        to: to.clone(),
-                        forwarded_prefix: (!p.is_empty())
+                        to: r.rewrite_prefix.clone(),
+                        forwarded_prefix: (r.rewrite_prefix.is_some() && !p.is_empty())
                             .then(|| http::HeaderValue::from_str(p).ok())
                             .flatten(),
+                        // (`check` let only a valid Host value through.)
+                        host: r
+                            .host_rewrite
+                            .as_ref()
+                            .and_then(|h| http::HeaderValue::from_str(h).ok()),
                     })
                 }),
             });
@@ -384,6 +399,11 @@ fn host_part(h: &[u8]) -> Option<(usize, bool)> {
         Some(_) => return None,
     }
     Some((end, upper))
+}
+
+/// Is `h` a Host header's `host [":" port]` with a host (see [`host_part`])? For `check`.
+pub fn is_host_value(h: &str) -> bool {
+    matches!(host_part(h.as_bytes()), Some((end, _)) if end > 0)
 }
 
 /// What a byte is in a Host header's reg-name.
@@ -626,8 +646,9 @@ mod tests {
                 .0
         };
         let billing = Rewrite {
-            to: "/".to_owned(),
+            to: Some("/".to_owned()),
             forwarded_prefix: Some(http::HeaderValue::from_static("/billing")),
+            host: None,
         };
         let mut parts = request();
         billing.apply(&mut parts, "/billing/").expect("rewritten");
@@ -635,13 +656,54 @@ mod tests {
         let sent: Vec<_> = parts.headers.get_all("x-forwarded-prefix").iter().collect();
         assert_eq!(sent, ["/billing"]);
         let root = Rewrite {
-            to: "/app/".to_owned(),
-            forwarded_prefix: None,
+            to: Some("/app/".to_owned()),
+            ..Rewrite::default()
         };
         let mut parts = request();
         root.apply(&mut parts, "/").expect("rewritten");
         assert_eq!(parts.uri, "/app/billing/a?q=1");
         assert!(!parts.headers.contains_key("x-forwarded-prefix"));
+    }
+
+    /// A `host_rewrite` alone sets the Host and leaves the target and the client's
+    /// `X-Forwarded-Prefix` as they were.
+    #[test]
+    fn a_host_rewrite_sets_only_the_host() {
+        let mut parts = http::Request::get("/billing/a?q=1")
+            .header("host", "client.example")
+            .header("x-forwarded-prefix", "/p")
+            .body(())
+            .expect("request")
+            .into_parts()
+            .0;
+        let host = Rewrite {
+            host: Some(http::HeaderValue::from_static("api.internal:8443")),
+            ..Rewrite::default()
+        };
+        host.apply(&mut parts, "/billing/").expect("rewritten");
+        assert_eq!(parts.uri, "/billing/a?q=1");
+        let hosts: Vec<_> = parts.headers.get_all("host").iter().collect();
+        assert_eq!(hosts, ["api.internal:8443"]);
+        assert_eq!(parts.headers["x-forwarded-prefix"], "/p");
+    }
+
+    /// What `check` takes as a `host_rewrite`: a Host header's shape, with a host.
+    #[test]
+    fn a_host_value_is_host_and_optional_port() {
+        for ok in [
+            "api.internal",
+            "api.internal:8443",
+            "10.0.0.1:80",
+            "[::1]:8080",
+            "A.b",
+        ] {
+            assert!(is_host_value(ok), "{ok}");
+        }
+        for bad in [
+            "", ":80", "http://a", "a/b", "a b", "u@a", "a..b", "a:port", "a:123456", "[::1",
+        ] {
+            assert!(!is_host_value(bad), "{bad}");
+        }
     }
     use std::path::Path;
 

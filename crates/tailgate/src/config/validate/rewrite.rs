@@ -1,4 +1,4 @@
-//! Checks for a route's `rewrite_prefix`.
+//! Checks for a route's `rewrite_prefix` and `host_rewrite`.
 
 use super::super::file::RawRoute;
 use super::Checker;
@@ -63,6 +63,32 @@ impl Checker<'_> {
                 None
             }
         }
+    }
+}
+
+impl Checker<'_> {
+    /// A route's `host_rewrite`: what a Host header may be, `host[:port]` (a name, an IPv4
+    /// address or a bracketed IPv6 one), as it goes into the request head as written.
+    pub(super) fn host_rewrite(&mut self, r: &RawRoute, i: usize) -> Option<String> {
+        let raw = r.host_rewrite.as_ref()?;
+        let h = raw.get_ref();
+        if crate::pipeline::route::is_host_value(h) {
+            return Some(h.clone());
+        }
+        let help = match h.split_once("://") {
+            Some((_, rest)) => format!(
+                "write \"{}\", without the scheme (or path)",
+                rest.split('/').next().unwrap_or(rest)
+            ),
+            None => "write the name (and port) the upstream expects in its Host, like \"api.internal\" or \"api.internal:8443\"".to_owned(),
+        };
+        self.err(
+            Some(raw.span()),
+            format!("route[{i}].host_rewrite"),
+            format!("`{h}` is not a Host value (`host[:port]`)"),
+            Some(&help),
+        );
+        None
     }
 }
 
@@ -146,6 +172,49 @@ mod tests {
             );
             assert!(e.contains(says), "{to}: {e}");
             assert!(e.contains(write), "{to}: {e}");
+        }
+    }
+
+    fn parse_host(v: &str) -> Result<Config, String> {
+        Config::parse(
+            Path::new("t.toml"),
+            &format!(
+                "{BASE}[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\nhost_rewrite = \"{v}\"\n"
+            ),
+        )
+        .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_host_rewrite_is_kept_as_written() {
+        for v in [
+            "api.internal",
+            "Api.Internal:8443",
+            "10.0.0.5:80",
+            "[::1]:9000",
+        ] {
+            let cfg = parse_host(v).expect(v);
+            assert_eq!(cfg.routes[0].host_rewrite.as_deref(), Some(v));
+        }
+    }
+
+    #[test]
+    fn a_bad_host_rewrite_says_what_to_write() {
+        for (v, write) in [
+            (
+                "https://api.internal/v1",
+                "write \"api.internal\", without the scheme",
+            ),
+            ("api.internal/v1", "like \"api.internal\""),
+            ("", "like \"api.internal\""),
+            ("user@api.internal", "like \"api.internal\""),
+            ("api.internal:http", "like \"api.internal\""),
+            ("a b", "like \"api.internal\""),
+        ] {
+            let e = parse_host(v).expect_err(v);
+            assert!(e.contains("t.toml:9:16: route[0].host_rewrite"), "{v}: {e}");
+            assert!(e.contains("is not a Host value"), "{v}: {e}");
+            assert!(e.contains(write), "{v}: {e}");
         }
     }
 }
