@@ -76,16 +76,7 @@ async fn ok_upstream() -> Scripted {
 /// One request off `s` (bytes past it stay in `buf`); `None` at end of stream.
 async fn read_request(s: &mut TcpStream, buf: &mut Vec<u8>, head_only: bool) -> Option<String> {
     let mut chunk = [0u8; 16384];
-    let head_end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-        let n = s.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
+    let head_end = read_head(s, buf).await?;
     let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
     let body_end = if head_only {
         head_end
@@ -975,13 +966,7 @@ async fn r_early_complete_answer_keeps_the_upload_going() {
         let (mut s, _) = l.accept().await.unwrap();
         let mut buf = Vec::new();
         let mut chunk = [0u8; 16384];
-        let head_end = loop {
-            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                break i + 4;
-            }
-            let n = s.read(&mut chunk).await.unwrap();
-            buf.extend_from_slice(&chunk[..n]);
-        };
+        let head_end = read_head(&mut s, &mut buf).await.unwrap();
         s.write_all(b"HTTP/1.1 202 Accepted\r\ncontent-length: 2\r\n\r\nok")
             .await
             .unwrap();

@@ -55,15 +55,8 @@ async fn raw_upstream(decide: fn(usize, &str) -> Act) -> RawUpstream {
                 let mut index = 0;
                 loop {
                     // Read one head.
-                    let head_end = loop {
-                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                            break i + 4;
-                        }
-                        let mut chunk = [0u8; 4096];
-                        match s.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
+                    let Some(head_end) = read_head(&mut s, &mut buf).await else {
+                        return;
                     };
                     let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
                     let line = head.lines().next().unwrap_or("").to_owned();
@@ -457,13 +450,8 @@ async fn upstream_closing_idle_connections_is_invisible() {
                 return;
             };
             tokio::spawn(async move {
-                let mut buf = [0u8; 4096];
-                let mut got = Vec::new();
-                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => got.extend_from_slice(&buf[..n]),
-                    }
+                if read_head(&mut s, &mut Vec::new()).await.is_none() {
+                    return;
                 }
                 let _ = s
                     .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
@@ -603,13 +591,8 @@ async fn an_idle_connection_the_server_closed_is_closed_while_no_request_comes()
     tokio::spawn(async move {
         while let Ok((mut s, _)) = l.accept().await {
             tokio::spawn(async move {
-                let mut buf = Vec::new();
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    let mut chunk = [0u8; 1024];
-                    match s.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
+                if read_head(&mut s, &mut Vec::new()).await.is_none() {
+                    return;
                 }
                 let _ = s
                     .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
@@ -671,12 +654,8 @@ async fn gated_upstream(close: bool) -> GatedUpstream {
                 let _closed = Closed(now_open);
                 let mut buf = Vec::new();
                 loop {
-                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                        let mut chunk = [0u8; 4096];
-                        match s.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
+                    if read_head(&mut s, &mut buf).await.is_none() {
+                        return;
                     }
                     buf.clear();
                     a.fetch_add(1, Ordering::SeqCst);
@@ -790,14 +769,8 @@ async fn a_connection_handed_to_a_queued_request_is_checked_first() {
                 let mut buf = Vec::new();
                 let mut chunk = [0u8; 16384];
                 loop {
-                    let head_end = loop {
-                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                            break i + 4;
-                        }
-                        match s.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
+                    let Some(head_end) = read_head(&mut s, &mut buf).await else {
+                        return;
                     };
                     let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
                     let length: usize = head

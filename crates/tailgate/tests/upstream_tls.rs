@@ -12,7 +12,7 @@ use common::tls::*;
 use common::*;
 use rustls::HandshakeKind;
 use tailgate::Config;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 
 fn gateway(endpoints: &str, cluster_extra: &str) -> TestGateway {
     TestGateway::start(&format!(
@@ -290,14 +290,9 @@ async fn answer_once_then_drop(
     let mut buf = Vec::new();
     let mut index = 0;
     loop {
-        while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-            let mut chunk = [0u8; 4096];
-            match tls.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
-        }
-        let end = buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+        let Some(end) = read_head(&mut tls, &mut buf).await else {
+            return;
+        };
         buf.drain(..end);
         index += 1;
         seen.requests.fetch_add(1, Ordering::SeqCst);

@@ -271,6 +271,25 @@ pub async fn read_until_close(s: &mut TcpStream, wait: Duration) -> (String, boo
     }
 }
 
+/// Reads off `s` into `buf` until `buf` holds a whole head (through its blank line); returns
+/// where the head ends (bytes past it stay in `buf`), or `None` when the peer closes or the
+/// read fails first. The request reader of the tests' hand-written upstreams.
+pub async fn read_head<S>(s: &mut S, buf: &mut Vec<u8>) -> Option<usize>
+where
+    S: tokio::io::AsyncRead + Unpin,
+{
+    let mut chunk = [0u8; 16384];
+    loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            return Some(i + 4);
+        }
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
 /// A plain hyper HTTP/1.1 client connection.
 pub async fn h1_client(addr: SocketAddr) -> hyper::client::conn::http1::SendRequest<TestBody> {
     let stream = TcpStream::connect(addr).await.unwrap();
