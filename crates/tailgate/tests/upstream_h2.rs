@@ -221,8 +221,15 @@ async fn goaway_moves_requests_to_a_new_connection() {
 
 /// An h2 upstream (the h2 crate, for control over resets) that refuses the first attempt at
 /// any path starting with `/refuse` with REFUSED_STREAM, resets the first at any starting
-/// with `/reset` with INTERNAL_ERROR, and answers everything else.
+/// with `/reset` with INTERNAL_ERROR, and answers everything else. A first request to a path
+/// starting with `/dying` is reset with INTERNAL_ERROR too, and its connection then refuses
+/// every stream (REFUSED_STREAM), as a server going away would.
 async fn refusing_upstream() -> (SocketAddr, Seen) {
+    refusing_upstream_with(None).await
+}
+
+/// [`refusing_upstream`] with its SETTINGS_MAX_CONCURRENT_STREAMS.
+async fn refusing_upstream_with(max_streams: Option<u32>) -> (SocketAddr, Seen) {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let seen = Seen::default();
@@ -235,11 +242,26 @@ async fn refusing_upstream() -> (SocketAddr, Seen) {
             s.conns.fetch_add(1, Ordering::SeqCst);
             let s = s.clone();
             tokio::spawn(async move {
-                let Ok(mut conn) = h2::server::handshake(tcp).await else {
+                let mut builder = h2::server::Builder::new();
+                if let Some(max) = max_streams {
+                    builder.max_concurrent_streams(max);
+                }
+                let Ok(mut conn) = builder.handshake(tcp).await else {
                     return;
                 };
+                let mut dying = false;
                 while let Some(Ok((req, mut respond))) = conn.accept().await {
                     let path = req.uri().path().to_owned();
+                    if dying {
+                        respond.send_reset(h2::Reason::REFUSED_STREAM);
+                        continue;
+                    }
+                    if path.starts_with("/dying") && s.refused.lock().unwrap().insert(path.clone())
+                    {
+                        dying = true;
+                        respond.send_reset(h2::Reason::INTERNAL_ERROR);
+                        continue;
+                    }
                     let reset = if path.starts_with("/refuse") {
                         Some(h2::Reason::REFUSED_STREAM)
                     } else if path.starts_with("/reset") {
@@ -384,6 +406,65 @@ async fn a_reset_stream_is_retried_on_its_own_connection() {
         seen.conns.load(Ordering::SeqCst),
         1,
         "the resets cost no connection"
+    );
+}
+
+/// The reset stream's place on its connection is free for the retry: on a connection whose
+/// server allows one stream at a time, the retry goes on it, rather than on a new one.
+#[tokio::test]
+async fn a_reset_streams_place_is_free_for_its_retry() {
+    let (up, seen) = refusing_upstream_with(Some(1)).await;
+    let gw = gateway(up, "");
+    let mut c = h1_client(gw.addr).await;
+    use http_body_util::BodyExt;
+    for p in ["/warm", "/reset-a"] {
+        let req = http::Request::get(p)
+            .header("host", "a")
+            .body(full(""))
+            .unwrap();
+        let resp = c.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), 200, "{p}");
+        resp.into_body().collect().await.unwrap();
+    }
+    assert_eq!(
+        *seen.processed.lock().unwrap(),
+        ["GET /warm", "GET /reset-a"]
+    );
+    assert_eq!(stat(&gw, |s| s.retries.load(Ordering::Relaxed)), 1);
+    assert_eq!(
+        seen.conns.load(Ordering::SeqCst),
+        1,
+        "the retry on the same connection"
+    );
+}
+
+/// A retry kept on the connection whose stream was reset, but which that connection turns
+/// away (it refuses every stream from then on, as a server going away does), goes once more
+/// on a new connection, and succeeds: keeping the connection costs no request.
+#[tokio::test]
+async fn a_retry_the_kept_connection_turns_away_goes_on_a_new_one() {
+    let (up, seen) = refusing_upstream().await;
+    let gw = gateway(up, "");
+    let mut c = h1_client(gw.addr).await;
+    use http_body_util::BodyExt;
+    for (i, p) in ["/warm", "/dying-a", "/after"].iter().enumerate() {
+        let req = http::Request::get(*p)
+            .header("host", "a")
+            .body(full(""))
+            .unwrap();
+        let resp = c.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), 200, "request {i}: {p}");
+        resp.into_body().collect().await.unwrap();
+    }
+    assert_eq!(
+        *seen.processed.lock().unwrap(),
+        ["GET /warm", "GET /dying-a", "GET /after"],
+    );
+    assert_eq!(stat(&gw, |s| s.retries.load(Ordering::Relaxed)), 1);
+    assert_eq!(
+        seen.conns.load(Ordering::SeqCst),
+        2,
+        "the turned-away retry, and what came after it, on a second connection"
     );
 }
 

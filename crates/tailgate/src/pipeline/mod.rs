@@ -610,7 +610,7 @@ fn forward(
                     // again on a fresh connection is always safe, whatever the method.
                     SendError::NotSent(NotSentBody(body)) if up.reused => {
                         tracing::debug!(upstream.addr = %pool.addr, "pooled connection closed before the request was sent; resending on a new one");
-                        send_on_new(&mut up, &parts, &added, body, left(), false).await?
+                        send_on_new(&mut up, &parts, &added, body, left(), None).await?
                     }
                     // Refused unprocessed by an HTTP/2 upstream: sending it again is safe
                     // whatever the method, and costs no retry budget (with its body only when
@@ -620,7 +620,7 @@ fn forward(
                     {
                         tracing::debug!(upstream.addr = %pool.addr, error = %e, "upstream refused the request unprocessed; resending on a new connection");
                         pool.count_refused_resend();
-                        send_on_new(&mut up, &parts, &added, body, left(), false).await?
+                        send_on_new(&mut up, &parts, &added, body, left(), None).await?
                     }
                     // Written, then the connection failed before a response: replay it once
                     // on a fresh connection (idempotent and bodiless only; never a POST
@@ -633,12 +633,18 @@ fn forward(
                         && let Some(body) = replay_body()
                         && cluster.try_spend_retry() =>
                     {
-                        tracing::debug!(upstream.addr = %pool.addr, error = %e, "pooled connection failed under a request; retrying it on a new one");
-                        pool.count_retry();
                         // A stream the HTTP/2 server reset alone leaves its connection
                         // in use (the retry may go on it); any other failure retires it.
-                        let keep_h2 = e.stream_reset_only();
-                        send_on_new(&mut up, &parts, &added, body, left(), keep_h2).await?
+                        // A second copy of the body goes with it then, in case that
+                        // connection turns the retry away unsent.
+                        let again = if e.stream_reset_only() {
+                            replay_body()
+                        } else {
+                            None
+                        };
+                        tracing::debug!(upstream.addr = %pool.addr, error = %e, same_connection_allowed = again.is_some(), "upstream connection failed under a request; retrying it");
+                        pool.count_retry();
+                        send_on_new(&mut up, &parts, &added, body, left(), again).await?
                     }
                     e => Err(e),
                 };
@@ -772,8 +778,12 @@ fn is_idempotent(m: &http::Method) -> bool {
 type Resent = Result<Result<Response<UpBody>, SendError>, ProxyError>;
 
 /// Sends the request again on `up`'s replacement (see `Conn::replacement`: a fresh
-/// HTTP/1.1 connection, or a shared HTTP/2 one, `keep_h2` saying whether `up`'s may be
-/// it), within `left`.
+/// HTTP/1.1 connection, or a shared HTTP/2 one), within `left`.
+///
+/// With `again` (a second copy of the body), `up`'s HTTP/2 connection may carry it (the
+/// server reset only the request's stream); if that connection turns it away unsent (it
+/// was closing after all: the server reset the stream, then went away) or refuses it
+/// unprocessed, it goes once more, on a connection of its own.
 ///
 /// A rare path: its state lives on the heap, so that it does not make every request's
 /// future larger (and every move of it dearer).
@@ -783,12 +793,22 @@ fn send_on_new<'a>(
     added: &'a headers::Added<'a>,
     body: ReqBody,
     left: Duration,
-    keep_h2: bool,
+    again: Option<ReqBody>,
 ) -> std::pin::Pin<Box<impl std::future::Future<Output = Resent> + 'a>> {
     Box::pin(async move {
         let resend = async {
-            *up = up.replacement(keep_h2).await?;
-            Ok(up.send(parts, added, body, None).await)
+            *up = up.replacement(again.is_some()).await?;
+            let sent = up.send(parts, added, body, None).await;
+            match (sent, again) {
+                (Err(e), Some(body))
+                    if matches!(e, SendError::NotSent(_)) || e.refused_before_processing() =>
+                {
+                    tracing::debug!(upstream.addr = %up.pool.addr, error = %e, "the connection kept after a stream's reset turned the retry away; sending it on another");
+                    *up = up.replacement(false).await?;
+                    Ok(up.send(parts, added, body, None).await)
+                }
+                (sent, _) => Ok(sent),
+            }
         };
         tokio::time::timeout(left, resend)
             .await

@@ -401,9 +401,14 @@ fn host_part(h: &[u8]) -> Option<(usize, bool)> {
     Some((end, upper))
 }
 
-/// Is `h` a Host header's `host [":" port]` with a host (see [`host_part`])? For `check`.
+/// Is `h` a Host header's `host [":" port]` with a host (see [`host_part`]), a port that
+/// fits 16 bits, and an authority HTTP/2's `:authority` can carry (no `%` outside
+/// brackets)? For `check`.
 pub fn is_host_value(h: &str) -> bool {
-    matches!(host_part(h.as_bytes()), Some((end, _)) if end > 0)
+    // (`host_part` left only `""` or `:` and digits after the host.)
+    let port_fits = |p: &str| p.is_empty() || p[1..].parse::<u16>().is_ok();
+    matches!(host_part(h.as_bytes()), Some((end, _)) if end > 0 && port_fits(&h[end..]))
+        && http::uri::Authority::try_from(h).is_ok()
 }
 
 /// What a byte is in a Host header's reg-name.
@@ -700,7 +705,8 @@ mod tests {
             assert!(is_host_value(ok), "{ok}");
         }
         for bad in [
-            "", ":80", "http://a", "a/b", "a b", "u@a", "a..b", "a:port", "a:123456", "[::1",
+            "", ":80", "http://a", "a/b", "a b", "u@a", "a..b", "a:port", "a:123456", "a:99999",
+            "a%41b", "[::1",
         ] {
             assert!(!is_host_value(bad), "{bad}");
         }

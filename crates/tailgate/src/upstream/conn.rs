@@ -135,10 +135,16 @@ impl SendError {
     /// this may go on the same connection: one failed exchange says nothing against the
     /// connection (RFC 9113 §5.4.2), as Go's and Envoy's clients treat it too.
     /// (`REFUSED_STREAM` is left out: a server refuses streams when a connection has
-    /// served its share, and the request goes to a new one.)
+    /// served its share, and the request goes to a new one. So is `ENHANCE_YOUR_CALM`: the
+    /// server asks this connection to back off.)
     pub fn stream_reset_only(&self) -> bool {
         matches!(self, SendError::Hyper(e) if h2_error(e).is_some_and(|h2| {
-            h2.is_reset() && h2.is_remote() && h2.reason() != Some(h2::Reason::REFUSED_STREAM)
+            h2.is_reset()
+                && h2.is_remote()
+                && !matches!(
+                    h2.reason(),
+                    Some(h2::Reason::REFUSED_STREAM | h2::Reason::ENHANCE_YOUR_CALM)
+                )
         }))
     }
 }
@@ -182,7 +188,11 @@ impl Conn {
     pub async fn replacement(&mut self, keep_h2: bool) -> Result<Conn, ProxyError> {
         match (&self._slot, &mut self.sender) {
             (Some(slot), _) => {
-                if !keep_h2 {
+                if keep_h2 {
+                    // The failed stream's place is free: a connection at the server's
+                    // stream limit can take the request again.
+                    self._slot = None;
+                } else {
                     self.pool.forget_h2(slot);
                 }
                 self.pool.checkout().await

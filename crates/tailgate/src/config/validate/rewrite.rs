@@ -76,10 +76,13 @@ impl Checker<'_> {
             return Some(h.clone());
         }
         let help = match h.split_once("://") {
-            Some((_, rest)) => format!(
-                "write \"{}\", without the scheme (or path)",
-                rest.split('/').next().unwrap_or(rest)
-            ),
+            Some((_, rest)) => {
+                let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
+                format!(
+                    "write \"{}\", without the scheme (or path)",
+                    authority.rsplit('@').next().unwrap_or(authority)
+                )
+            }
             None => "write the name (and port) the upstream expects in its Host, like \"api.internal\" or \"api.internal:8443\"".to_owned(),
         };
         self.err(
@@ -205,6 +208,11 @@ mod tests {
                 "https://api.internal/v1",
                 "write \"api.internal\", without the scheme",
             ),
+            (
+                "http://u@api.internal:81?x",
+                "write \"api.internal:81\", without the scheme",
+            ),
+            ("api.internal:99999", "like \"api.internal\""),
             ("api.internal/v1", "like \"api.internal\""),
             ("", "like \"api.internal\""),
             ("user@api.internal", "like \"api.internal\""),
