@@ -239,6 +239,13 @@ impl RouteTable {
             .map(|&(_, t)| t)
     }
 
+    /// The tenant a TLS server name (SNI) belongs to: matched as a Host is, without case
+    /// and without a trailing dot (rustls takes `api.example.com.` as sent).
+    pub fn tenant_of_server_name(&self, name: &str) -> Option<usize> {
+        let name = name.strip_suffix('.').unwrap_or(name);
+        self.tenant_of_host(&name.to_ascii_lowercase())
+    }
+
     /// [`Self::lookup_with`], finding the Host's tenant itself (the pipeline finds it once
     /// for more than the lookup).
     #[cfg(test)]
@@ -824,6 +831,12 @@ endpoints = ["127.0.0.1:1"]
         assert_eq!(t.tenant_of_host("x.eu.acme.test"), Some(1));
         assert_eq!(t.tenant_of_host("x.acme.test"), Some(0));
         assert_eq!(t.tenant_of_host("eu.acme.test"), Some(0));
+        // A TLS server name as rustls hands it over: any case, perhaps a trailing dot.
+        for sni in ["X.EU.acme.test", "x.eu.acme.test.", "X.Eu.Acme.Test."] {
+            assert_eq!(t.tenant_of_server_name(sni), Some(1), "{sni}");
+        }
+        assert_eq!(t.tenant_of_server_name("x.acme.test."), Some(0));
+        assert_eq!(t.tenant_of_server_name("acme.test."), None);
     }
 
     #[test]

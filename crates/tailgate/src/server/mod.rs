@@ -150,12 +150,9 @@ async fn serve_tls(
     let (_, session) = tls.get_ref();
     let h2 = session.alpn_protocol() == Some(b"h2");
     // SNI classifies the connection's tenant when the listener does not.
-    let sni_tenant = session.server_name().and_then(|n| {
-        ctx.worker
-            .shared
-            .routes
-            .tenant_of_host(&n.to_ascii_lowercase())
-    });
+    let sni_tenant = session
+        .server_name()
+        .and_then(|n| ctx.worker.shared.routes.tenant_of_server_name(n));
     if h2 {
         let slot = ctx.slot.take();
         let info = conn_info(&ctx, slot, peer, true, sni_tenant);
