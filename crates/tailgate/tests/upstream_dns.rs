@@ -28,6 +28,10 @@ struct DnsServer {
     a: Arc<Mutex<Ipv4Addr>>,
     ttl: Arc<AtomicU32>,
     answering: Arc<AtomicBool>,
+    /// Reads queries and answers none (a name server that went quiet).
+    silent: Arc<AtomicBool>,
+    /// Queries left unanswered while `silent`.
+    ignored: Arc<AtomicUsize>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
@@ -40,7 +44,10 @@ impl DnsServer {
         let a = Arc::new(Mutex::new(ip));
         let answering = Arc::new(AtomicBool::new(true));
         let ttl = Arc::new(AtomicU32::new(1));
+        let silent = Arc::new(AtomicBool::new(false));
+        let ignored = Arc::new(AtomicUsize::new(0));
         let (a2, on, ttl2) = (a.clone(), answering.clone(), ttl.clone());
+        let (quiet, unanswered) = (silent.clone(), ignored.clone());
         let serve = async move {
             let sock = UdpSocket::from_std(std_sock).unwrap();
             let mut buf = [0u8; 2048];
@@ -55,6 +62,10 @@ impl DnsServer {
                 let Ok(q) = Message::from_vec(&buf[..n]) else {
                     continue;
                 };
+                if quiet.load(Ordering::SeqCst) {
+                    unanswered.fetch_add(1, Ordering::SeqCst);
+                    continue;
+                }
                 let mut resp = Message::response(q.metadata.id, q.metadata.op_code);
                 resp.metadata.authoritative = true;
                 resp.metadata.recursion_desired = q.metadata.recursion_desired;
@@ -91,6 +102,8 @@ impl DnsServer {
             a,
             ttl,
             answering,
+            silent,
+            ignored,
             stop: Some(stop),
         }
     }
@@ -458,4 +471,37 @@ async fn https_host_name_endpoint_is_verified_against_its_name() {
     let hs = seen.handshakes.lock().unwrap().clone();
     assert_eq!(hs.len(), 1);
     assert_eq!(hs[0].sni.as_deref(), Some("svc.test"));
+}
+
+/// A shutdown does not wait for a name server that stopped answering: the refresh under way
+/// (up to `query_timeout`, a minute here) is dropped, and the gateway stops as soon as its
+/// drain is done.
+#[tokio::test]
+async fn shutdown_does_not_wait_for_a_quiet_name_server() {
+    let (port, _a, _b) = twin_upstreams().await;
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    let mut gw = TestGateway::start(&format!(
+        "[dns]\nnameservers = [\"{}\"]\nmin_refresh = \"50ms\"\nmax_refresh = \"1s\"\nquery_timeout = \"60s\"\nstartup_timeout = \"3s\"\n[server]\nshutdown_grace = \"1s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"svc.test:{port}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
+        dns.addr
+    ));
+    assert_eq!(get(gw.addr, "/").await.status(), 200);
+    dns.silent.store(true, Ordering::SeqCst);
+    // Past the record's TTL (1 s): a refresh is waiting on the quiet server.
+    wait_for("a refresh waiting on the quiet server", || {
+        dns.ignored.load(Ordering::SeqCst) > 0
+    })
+    .await;
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        gw.shutdown();
+        let _ = done_tx.send(());
+    });
+    // The drain (nothing in flight) is immediate; a minute's query must not be waited out.
+    assert!(
+        tokio::task::spawn_blocking(move || done_rx.recv_timeout(Duration::from_secs(15)))
+            .await
+            .unwrap()
+            .is_ok(),
+        "the gateway was still stopping 15 s after the shutdown"
+    );
 }

@@ -303,7 +303,11 @@ fn run(
                 }
                 _ = shutdown.wait_for(|stop| *stop) => return,
             }
-            refresh_due(&resolver, &settings, &mut names, &stats, settings.query_timeout).await;
+            // Shutdown does not wait for the name servers (`query_timeout` may be long).
+            tokio::select! {
+                _ = refresh_due(&resolver, &settings, &mut names, &stats, settings.query_timeout) => {}
+                _ = shutdown.wait_for(|stop| *stop) => return,
+            }
             publish(&targets, &names, &stats);
         }
     });
