@@ -403,3 +403,80 @@ async fn a_stream_opened_during_the_idle_close_is_served() {
         }
     }
 }
+
+/// `max_requests_per_connection` over HTTP/2 holds against a client that never answers
+/// the PING of the graceful close (so never gets the final GOAWAY) and goes on opening
+/// streams: past the cap by more than it could have had open when the first GOAWAY
+/// reached it, the connection is dropped, not served for ever.
+#[tokio::test]
+async fn an_h2_client_ignoring_the_goaway_is_not_served_for_ever() {
+    let up = upstream(|_| async { http::Response::new(full("ok")) }).await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nidle_timeout = \"30s\"\nmax_requests_per_connection = 2\n",
+    );
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    let mut hello = PREFACE.to_vec();
+    hello.extend(frame(SETTINGS, 0, 0, &[]));
+    s.write_all(&hello).await.unwrap();
+    // Batches of 20 streams (under the server's concurrent-stream limit), each answered
+    // before the next is sent; the PING and the SETTINGS are never answered.
+    let (batches, per) = (15u32, 20u32);
+    let mut answered = 0u32;
+    let mut closed = false;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 16384];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    'batches: for b in 0..batches {
+        let mut out = Vec::new();
+        for i in 0..per {
+            let stream = 2 * (b * per + i) + 1;
+            out.extend(frame(
+                HEADERS,
+                END_HEADERS | END_STREAM,
+                stream,
+                &request(&[], b"/x"),
+            ));
+        }
+        if s.write_all(&out).await.is_err() {
+            closed = true;
+            break;
+        }
+        let mut got = 0;
+        while got < per {
+            while buf.len() >= 9 {
+                let len = (buf[0] as usize) << 16 | (buf[1] as usize) << 8 | buf[2] as usize;
+                if buf.len() < 9 + len {
+                    break;
+                }
+                if buf[3] == HEADERS {
+                    assert_eq!(status(&buf[9..9 + len]), Some(200));
+                    answered += 1;
+                    got += 1;
+                } else if buf[3] == RST_STREAM {
+                    got += 1;
+                }
+                buf.drain(..9 + len);
+            }
+            if got >= per {
+                break;
+            }
+            match tokio::time::timeout_at(deadline, s.read(&mut chunk)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => {
+                    closed = true;
+                    break 'batches;
+                }
+                Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
+                Err(_) => panic!("no answer or close within 20 s ({answered} answered)"),
+            }
+        }
+    }
+    assert!(
+        closed,
+        "all {answered} streams served; the connection is still open"
+    );
+    assert!(
+        (2..=2 + 200 + per).contains(&answered),
+        "{answered} streams answered"
+    );
+}

@@ -512,10 +512,19 @@ where
                 this.close_for_shutdown();
                 continue;
             }
-            if !this.closing && this.info.requests.load(Ordering::Relaxed) >= this.max_requests {
+            let requests = this.info.requests.load(Ordering::Relaxed);
+            if !this.closing && requests >= this.max_requests {
                 this.close_as_idle();
                 this.side.woken.store(true, Ordering::Release);
                 continue;
+            }
+            // HTTP/2's graceful close sends its final GOAWAY only once the client answers a
+            // PING: a client that never does could go on opening streams, each served. Past
+            // the cap by more than the streams it could have had open before the first
+            // GOAWAY reached it, the connection is dropped.
+            if this.closing && requests > this.max_requests.saturating_add(STREAMS_PAST_CAP) {
+                tracing::debug!(client.addr = %this.info.client, "client went on opening streams past max_requests_per_connection; connection dropped");
+                return Poll::Ready(None);
             }
             if this.closing {
                 if !this.close_deadline {
@@ -628,6 +637,11 @@ where
         (self.graceful)(&mut self.conn);
     }
 }
+
+/// How many requests past `max_requests_per_connection` a connection may still take while
+/// it closes: an HTTP/2 client may have opened up to its concurrent-stream limit (hyper's
+/// default, 200) before it saw the GOAWAY.
+const STREAMS_PAST_CAP: u64 = 200;
 
 /// How long a connection asked to close at shutdown may take to, with no request in flight.
 const SHUTDOWN_CLOSE_WAIT: Duration = Duration::from_secs(1);
