@@ -41,6 +41,16 @@ async fn tls_connect(
     sni: &str,
     alpn: &[&[u8]],
 ) -> tokio_rustls::client::TlsStream<TcpStream> {
+    tls_connect_over(TcpStream::connect(addr).await.unwrap(), cert, sni, alpn).await
+}
+
+/// [`tls_connect`] over a TCP connection already made.
+async fn tls_connect_over(
+    tcp: TcpStream,
+    cert: &TestCert,
+    sni: &str,
+    alpn: &[&[u8]],
+) -> tokio_rustls::client::TlsStream<TcpStream> {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(cert.der.clone()).unwrap();
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
@@ -51,7 +61,6 @@ async fn tls_connect(
         .with_no_client_auth();
     cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     let connector = tokio_rustls::TlsConnector::from(Arc::new(cfg));
-    let tcp = TcpStream::connect(addr).await.unwrap();
     connector
         .connect(
             rustls::pki_types::ServerName::try_from(sni.to_owned()).unwrap(),
@@ -584,6 +593,53 @@ async fn a_tls_connection_queued_at_shutdown_is_answered() {
     drained
         .within(Duration::from_secs(10), "workers exit after the drain")
         .await;
+}
+
+/// A connection the worker had taken when the shutdown came, whose client had not sent its
+/// request yet (nor, over TLS, finished its handshake), is answered when it comes within a
+/// second: a restart refuses no connection, whatever moment it falls on.
+#[tokio::test]
+async fn a_connection_taken_just_before_shutdown_is_answered() {
+    let cert = test_cert(&["acme.test"]);
+    let up = ok_upstream().await;
+    for tls in [false, true] {
+        let mut gw = if tls {
+            tls_gateway(&cert, up)
+        } else {
+            TestGateway::to(up, "")
+        };
+        let tcp = TcpStream::connect(gw.addr).await.unwrap();
+        let state = gw.gw.as_ref().unwrap().admin_state().clone();
+        wait_for("the worker took the connection", || {
+            state.workers[0].shared.connections.open() > 0
+        })
+        .await;
+        let drained = drain(&mut gw);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        if tls {
+            let tls = tls_connect_over(tcp, &cert, "acme.test", &[b"http/1.1"]).await;
+            let (mut c, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+                .await
+                .unwrap();
+            tokio::spawn(conn);
+            let req = http::Request::get("/late")
+                .header("host", "acme.test")
+                .body(full(""))
+                .unwrap();
+            assert_eq!(c.send_request(req).await.unwrap().status(), 200, "tls");
+        } else {
+            let mut tcp = tcp;
+            tcp.write_all(b"GET /late HTTP/1.1\r\nHost: a\r\n\r\n")
+                .await
+                .unwrap();
+            let (text, closed) = read_until_close(&mut tcp, Duration::from_secs(5)).await;
+            assert!(text.starts_with("HTTP/1.1 200"), "{text:?}");
+            assert!(closed, "closed after its answer");
+        }
+        drained
+            .within(Duration::from_secs(10), "workers exit after the drain")
+            .await;
+    }
 }
 
 /// The built-in demo upstream keeps answering while the workers drain: requests in flight

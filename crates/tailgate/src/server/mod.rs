@@ -125,17 +125,14 @@ async fn serve_tls(
 ) {
     let stream = stream.prepare(ctx.worker.shared.settings.idle_timeout);
     let handshake_timeout = ctx.worker.shared.settings.header_read_timeout;
-    // Shutdown does not wait for a handshake in progress (see `first_step`).
-    let Some(accepted) = first_step(
+    // At shutdown, a handshake gets a second at most (see `first_step`).
+    let accepted = first_step(
         &ctx.shutdown,
         handshake_timeout,
         handshake_timeout.min(QUEUED_WAIT),
         acceptor.accept(stream),
     )
-    .await
-    else {
-        return;
-    };
+    .await;
     let tls = match accepted {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
@@ -189,24 +186,30 @@ fn conn_info(
 /// How long a connection accepted at shutdown waits for its first bytes.
 const QUEUED_WAIT: Duration = Duration::from_secs(1);
 
-/// A connection's first step (`step`: its TLS handshake, or its first bytes) within `limit`,
-/// or `None` if shutdown comes first. One taken from the listen queue at shutdown
-/// (`listener::take_queued`) is past that: its client has usually sent its hello or its
-/// request and is waiting, so it gets `queued_limit` for the step, and then its answer.
+/// A connection's first step (`step`: its TLS handshake, or its first bytes) within `limit`.
+/// At shutdown the step gets `queued_limit` at most (counted from the shutdown; never past
+/// `limit`), then the connection its answer: one taken from the listen queue at shutdown
+/// (`listener::take_queued`), or one taken just before whose client was still sending its
+/// hello or its request, has a client waiting for an answer (a restart refuses no
+/// connection); one that stays silent is closed then.
 async fn first_step<F: Future>(
     shutdown: &watch::Receiver<bool>,
     limit: Duration,
     queued_limit: Duration,
     step: F,
-) -> Option<Result<F::Output, tokio::time::error::Elapsed>> {
+) -> Result<F::Output, tokio::time::error::Elapsed> {
     let mut shutdown = shutdown.clone();
     if *shutdown.borrow() {
-        return Some(tokio::time::timeout(queued_limit, step).await);
+        return tokio::time::timeout(queued_limit, step).await;
     }
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut step = std::pin::pin!(step);
     tokio::select! {
-        r = tokio::time::timeout(limit, step) => Some(r),
-        _ = shutdown.wait_for(|stop| *stop) => None,
+        r = tokio::time::timeout_at(deadline, &mut step) => return r,
+        _ = shutdown.wait_for(|stop| *stop) => {}
     }
+    let cut = deadline.min(tokio::time::Instant::now() + queued_limit);
+    tokio::time::timeout_at(cut, step).await
 }
 
 /// No ALPN decision: HTTP/1.1, unless the client opens with the HTTP/2 preface.
@@ -222,18 +225,15 @@ async fn serve_plain<I: Prepare>(
     let tls = ctx.listener.tls.is_some();
     let mut guard = H1Guard::new(io, settings.max_header_bytes, settings.header_read_timeout);
     let info = conn_info(&ctx, slot, peer, tls, sni_tenant);
-    // A client that connects and says nothing is closed after the idle timeout, or at
-    // shutdown (see `first_step`).
-    let Some(sniffed) = first_step(
+    // A client that connects and says nothing is closed after the idle timeout, or a second
+    // into a shutdown (see `first_step`).
+    let sniffed = first_step(
         &ctx.shutdown,
         settings.idle_timeout,
         settings.header_read_timeout.min(QUEUED_WAIT),
         sniff_h2(&mut guard),
     )
-    .await
-    else {
-        return;
-    };
+    .await;
     match sniffed.unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into())) {
         Ok(true) => {
             guard.passthrough();
