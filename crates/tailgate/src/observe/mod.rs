@@ -88,6 +88,12 @@ pub struct ConnActivity {
     waiting_on_client: AtomicUsize,
     /// When the client last took a piece, or one started waiting, in ms from `epoch`.
     last_taken_ms: std::sync::atomic::AtomicU64,
+    /// A write to the client is blocked (its bytes wait for the client to take them), as
+    /// the connection's [`SendTimeout`](crate::server::send_timeout::SendTimeout) saw last.
+    write_blocked: std::sync::atomic::AtomicBool,
+    /// The connection is in its lingering close (its answers are written; what the client
+    /// still sends is read out, so that the close is no reset).
+    lingering: std::sync::atomic::AtomicBool,
 }
 
 impl Default for ConnActivity {
@@ -98,6 +104,8 @@ impl Default for ConnActivity {
             last_active_ms: Default::default(),
             waiting_on_client: AtomicUsize::new(0),
             last_taken_ms: Default::default(),
+            write_blocked: Default::default(),
+            lingering: Default::default(),
         }
     }
 }
@@ -140,6 +148,24 @@ impl ConnActivity {
     /// A body that was waiting for the client to take its piece ended.
     pub fn piece_dropped(&self) {
         self.waiting_on_client.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// A write to the client became blocked (`true`) or went through again (`false`).
+    pub fn set_write_blocked(&self, blocked: bool) {
+        self.write_blocked.store(blocked, Ordering::Relaxed);
+    }
+
+    /// The connection began its lingering close.
+    pub fn set_lingering(&self) {
+        self.lingering.store(true, Ordering::Relaxed);
+    }
+
+    /// Is the connection still handing the client what it was answered (a write blocked
+    /// on it, or a lingering close under way), with no request in flight? Answers whose
+    /// last piece was produced may still be on their way: a close must not cut them.
+    /// (Each is bounded: a write by the send timeout, a lingering close by its own limits.)
+    pub fn still_sending(&self) -> bool {
+        self.write_blocked.load(Ordering::Relaxed) || self.lingering.load(Ordering::Relaxed)
     }
 
     /// When a client that took no response data while some waited for it is cut off:

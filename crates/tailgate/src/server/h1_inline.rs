@@ -247,6 +247,7 @@ where
             // Bytes of the client's still unread (pipelined behind a request that closes
             // the connection): read out, not reset over.
             if !buf.is_empty() {
+                info.activity.set_lingering();
                 Box::pin(super::linger::linger(io)).await;
             }
             return Ended::Closed;
@@ -280,6 +281,7 @@ async fn refuse<I>(
     {
         let _ = io.shutdown().await;
         // On the heap, and only here: the connection's future does not grow by it.
+        info.activity.set_lingering();
         Box::pin(super::linger::linger(io)).await;
     }
 }

@@ -74,7 +74,7 @@ pub fn serve_connection(
     peer: SocketAddr,
 ) -> impl Future<Output = ()> + Send + 'static {
     match ctx.listener.tls.clone() {
-        None => Either::Left(serve_plain(ctx, stream, peer, None)),
+        None => Either::Left(serve_plain(ctx, stream, peer, None, None)),
         Some(acceptor) => Either::Right(serve_tls_boxed(ctx, acceptor, stream, peer)),
     }
 }
@@ -90,10 +90,11 @@ async fn serve_tls_boxed(
     Box::pin(serve_tls(ctx, acceptor, stream, peer)).await;
 }
 
-/// A connection's stream, prepared for serving when its task first runs.
+/// A connection's stream, prepared for serving when its task first runs. `activity` is
+/// the connection's, told when a write to the client is blocked.
 trait Prepare {
     type Io: AsyncRead + AsyncWrite + Unpin + Send + 'static;
-    fn prepare(self, idle_timeout: Duration) -> Self::Io;
+    fn prepare(self, idle_timeout: Duration, activity: &Arc<ConnActivity>) -> Self::Io;
 }
 
 impl Prepare for TcpStream {
@@ -101,9 +102,9 @@ impl Prepare for TcpStream {
 
     /// `TCP_NODELAY`, and under both HTTP versions (and TLS): a client that stops reading
     /// is cut off.
-    fn prepare(self, idle_timeout: Duration) -> Self::Io {
+    fn prepare(self, idle_timeout: Duration, activity: &Arc<ConnActivity>) -> Self::Io {
         let _ = self.set_nodelay(true);
-        SendTimeout::new(self, idle_timeout)
+        SendTimeout::new(self, idle_timeout, activity.clone())
     }
 }
 
@@ -111,7 +112,7 @@ impl Prepare for TcpStream {
 impl Prepare for tokio_rustls::server::TlsStream<SendTimeout<TcpStream>> {
     type Io = Self;
 
-    fn prepare(self, _: Duration) -> Self {
+    fn prepare(self, _: Duration, _: &Arc<ConnActivity>) -> Self {
         self
     }
 }
@@ -123,7 +124,8 @@ async fn serve_tls(
     stream: TcpStream,
     peer: SocketAddr,
 ) {
-    let stream = stream.prepare(ctx.worker.shared.settings.idle_timeout);
+    let activity = Arc::new(ConnActivity::default());
+    let stream = stream.prepare(ctx.worker.shared.settings.idle_timeout, &activity);
     let handshake_timeout = ctx.worker.shared.settings.header_read_timeout;
     // At shutdown, a handshake gets a second at most (see `first_step`).
     let accepted = first_step(
@@ -152,10 +154,10 @@ async fn serve_tls(
         .and_then(|n| ctx.worker.shared.routes.tenant_of_server_name(n));
     if h2 {
         let slot = ctx.slot.take();
-        let info = conn_info(&ctx, slot, peer, true, sni_tenant);
+        let info = conn_info(&ctx, slot, peer, true, sni_tenant, activity);
         serve_h2(ctx, tls, info).await;
     } else {
-        serve_plain(ctx, tls, peer, sni_tenant).await;
+        serve_plain(ctx, tls, peer, sni_tenant, Some(activity)).await;
     }
 }
 
@@ -165,6 +167,7 @@ fn conn_info(
     peer: SocketAddr,
     tls: bool,
     sni_tenant: Option<usize>,
+    activity: Arc<ConnActivity>,
 ) -> Arc<ConnInfo> {
     let tenant = ctx.listener.tenant.or(sni_tenant);
     if let (Some(slot), Some(t)) = (slot.as_mut(), tenant) {
@@ -175,7 +178,7 @@ fn conn_info(
         client_addr: crate::pipeline::headers::client_addr_value(peer.ip()),
         tls,
         tenant,
-        activity: Arc::new(ConnActivity::default()),
+        activity,
         drain: ctx.drain.clone(),
         slot,
         refused: std::sync::OnceLock::new(),
@@ -218,13 +221,16 @@ async fn serve_plain<I: Prepare>(
     io: I,
     peer: SocketAddr,
     sni_tenant: Option<usize>,
+    activity: Option<Arc<ConnActivity>>,
 ) {
     let slot = ctx.slot.take();
     let settings = &ctx.worker.shared.settings;
-    let io = io.prepare(settings.idle_timeout);
+    // (A TLS connection's was made before its handshake, under which it was prepared.)
+    let activity = activity.unwrap_or_default();
+    let io = io.prepare(settings.idle_timeout, &activity);
     let tls = ctx.listener.tls.is_some();
     let mut guard = H1Guard::new(io, settings.max_header_bytes, settings.header_read_timeout);
-    let info = conn_info(&ctx, slot, peer, tls, sni_tenant);
+    let info = conn_info(&ctx, slot, peer, tls, sni_tenant, activity);
     // A client that connects and says nothing is closed after the idle timeout, or a second
     // into a shutdown (see `first_step`).
     let sniffed = first_step(
@@ -541,7 +547,17 @@ where
                     return Poll::Pending;
                 }
                 if this.info.activity.idle_deadline(this.idle).is_some() {
-                    return Poll::Ready(None);
+                    if !this.info.activity.still_sending() {
+                        return Poll::Ready(None);
+                    }
+                    // No request in flight, but answers still on their way to the client
+                    // (a blocked write, which the send timeout bounds, or the lingering
+                    // close): looked at again a moment later, not cut.
+                    this.idle_timer
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + SHUTDOWN_CLOSE_WAIT);
+                    this.side.woken.store(true, Ordering::Release);
+                    continue;
                 }
                 // Requests in flight: served, unless the client stopped taking their
                 // response data (as below), which a connection asked to close (its last
@@ -671,5 +687,51 @@ impl Wake for SideWake {
     fn wake_by_ref(self: &Arc<Self>) {
         self.woken.store(true, Ordering::Release);
         self.task.wake();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info() -> ConnInfo {
+        let peer: SocketAddr = "127.0.0.1:9".parse().expect("address");
+        ConnInfo {
+            client: peer,
+            client_addr: crate::pipeline::headers::client_addr_value(peer.ip()),
+            tls: false,
+            tenant: None,
+            activity: Arc::default(),
+            drain: DrainToken::new().0,
+            slot: None,
+            refused: std::sync::OnceLock::new(),
+            requests: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// At a shutdown, a connection with no request in flight whose last answer is still on
+    /// its way (a write to the client blocked) is not dropped at the close's deadline, which
+    /// would cut the answer; once the write went through, it is.
+    #[tokio::test(start_paused = true)]
+    async fn a_close_waits_for_an_answer_on_its_way() {
+        let cfg = crate::Config::parse(
+            std::path::Path::new("t.toml"),
+            "[[listener]]\naddress = \"127.0.0.1:0\"\n",
+        )
+        .expect("config");
+        let info = info();
+        let (stop, shutdown) = watch::channel(false);
+        let conn = std::future::pending::<()>();
+        let mut d = std::pin::pin!(drive(conn, shutdown, &info, &cfg.server, |_| {}));
+        info.activity.set_write_blocked(true);
+        stop.send_replace(true);
+        let waited = tokio::time::timeout(SHUTDOWN_CLOSE_WAIT * 10, d.as_mut()).await;
+        assert!(waited.is_err(), "dropped with an answer on its way");
+        info.activity.set_write_blocked(false);
+        let ended = tokio::time::timeout(SHUTDOWN_CLOSE_WAIT * 3, d.as_mut()).await;
+        assert!(
+            matches!(ended, Ok(None)),
+            "still open once the answer was out"
+        );
     }
 }

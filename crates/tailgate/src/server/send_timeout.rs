@@ -7,44 +7,56 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
 
+use crate::observe::ConnActivity;
+
 pub struct SendTimeout<T> {
     inner: T,
     timeout: Duration,
     /// Armed at the first write that could not proceed; cleared by any write that does.
     deadline: Option<Pin<Box<Sleep>>>,
+    /// Told whether a write is blocked, so that a close (shutdown, idle) waits for bytes
+    /// on their way to the client ([`ConnActivity::still_sending`]).
+    activity: Arc<ConnActivity>,
 }
 
 impl<T> SendTimeout<T> {
-    pub fn new(inner: T, timeout: Duration) -> Self {
+    pub fn new(inner: T, timeout: Duration, activity: Arc<ConnActivity>) -> Self {
         SendTimeout {
             inner,
             timeout,
             deadline: None,
+            activity,
         }
     }
 
     fn on_write<R>(&mut self, cx: &mut Context<'_>, r: Poll<io::Result<R>>) -> Poll<io::Result<R>> {
         if r.is_ready() {
-            self.deadline = None;
+            if self.deadline.take().is_some() {
+                self.activity.set_write_blocked(false);
+            }
             return r;
         }
         let timeout = self.timeout;
-        let d = self
-            .deadline
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
-        match d.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "client took no bytes in time",
-            ))),
-            Poll::Pending => Poll::Pending,
+        let d = self.deadline.get_or_insert_with(|| {
+            self.activity.set_write_blocked(true);
+            Box::pin(tokio::time::sleep(timeout))
+        });
+        if d.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
         }
+        // The connection fails with this: nothing more is on its way.
+        self.activity.set_write_blocked(false);
+        Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "client took no bytes in time",
+        )))
     }
 }
 
@@ -93,5 +105,46 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for SendTimeout<T> {
 
     fn is_write_vectored(&self) -> bool {
         self.inner.is_write_vectored()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A write the peer does not take marks the connection as still sending; once the
+    /// peer reads and the write goes through, it no longer is.
+    #[tokio::test]
+    async fn a_blocked_write_is_told_to_the_connection() {
+        let (near, mut far) = tokio::io::duplex(64);
+        let activity = Arc::new(ConnActivity::default());
+        let mut io = SendTimeout::new(near, Duration::from_secs(30), activity.clone());
+        io.write_all(&[1; 64]).await.expect("first write");
+        assert!(!activity.still_sending());
+        let writing = tokio::spawn(async move {
+            io.write_all(&[2; 64]).await.expect("second write");
+            io
+        });
+        // The duplex buffer is full: the second write waits.
+        while !activity.still_sending() {
+            tokio::task::yield_now().await;
+        }
+        let mut got = [0u8; 128];
+        far.read_exact(&mut got).await.expect("read");
+        let _io = writing.await.expect("writer");
+        assert!(!activity.still_sending());
+    }
+
+    /// A client that takes nothing for the timeout fails the write, and the connection is
+    /// no longer held as sending.
+    #[tokio::test(start_paused = true)]
+    async fn a_write_that_times_out_is_no_longer_sending() {
+        let (near, _far) = tokio::io::duplex(8);
+        let activity = Arc::new(ConnActivity::default());
+        let mut io = SendTimeout::new(near, Duration::from_secs(1), activity.clone());
+        let e = io.write_all(&[0; 64]).await.expect_err("timed out");
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert!(!activity.still_sending());
     }
 }

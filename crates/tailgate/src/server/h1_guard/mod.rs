@@ -457,6 +457,9 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for H1Guard<T> {
                 return Poll::Ready(Err(e));
             }
             this.linger = Some(Linger::new());
+            if let Some(info) = &this.info {
+                info.activity.set_lingering();
+            }
         }
         if let Some(linger) = &mut this.linger {
             std::task::ready!(linger.poll_drain(&mut this.inner, cx));
