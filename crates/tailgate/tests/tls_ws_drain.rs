@@ -7,6 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use common::*;
 use http_body_util::BodyExt;
 use hyper_util::rt::TokioIo;
@@ -527,6 +528,74 @@ async fn an_h2_client_that_stalls_its_last_stream_is_cut_off() {
         ended.is_ok(),
         "the stalled client's connection was not closed"
     );
+}
+
+/// One HTTP/2 stream whose client stopped taking its data (its window left shut) is reset
+/// after `idle_timeout`, while another stream on the same connection, which the client
+/// keeps reading, goes on to its end: the one read does not hide the one stalled, and the
+/// connection is not dropped for it.
+#[tokio::test]
+async fn an_h2_stream_the_client_stopped_reading_is_reset_alone() {
+    let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
+        if req.uri().path() == "/big" {
+            http::Response::new(full(vec![b'x'; 4 << 20]))
+        } else {
+            http::Response::new(trickle(15, 1024, Duration::from_millis(200), None))
+        }
+    })
+    .await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"1s\"\n");
+    let tcp = TcpStream::connect(gw.addr).await.unwrap();
+    // A connection window wide enough that the stalled stream (64 KiB of stream window)
+    // does not shut the other one out.
+    let (client, conn) = h2::client::Builder::new()
+        .initial_connection_window_size(16 << 20)
+        .handshake::<_, Bytes>(tcp)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let mut client = client.ready().await.unwrap();
+    let get = |path: &str| {
+        http::Request::get(format!("http://a{path}"))
+            .body(())
+            .unwrap()
+    };
+    let (big, _) = client.send_request(get("/big"), true).unwrap();
+    let mut client = client.ready().await.unwrap();
+    let (drip, _) = client.send_request(get("/drip"), true).unwrap();
+    let (big, drip) = (big.await.unwrap(), drip.await.unwrap());
+    assert_eq!((big.status().as_u16(), drip.status().as_u16()), (200, 200));
+    // The stalled stream: its frames read, its window never given back.
+    let stalled = tokio::spawn(async move {
+        let mut body = big.into_body();
+        loop {
+            match body.data().await {
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Some(e),
+                None => return None,
+            }
+        }
+    });
+    // The read one: every piece taken (its window given back) as it comes.
+    let mut body = drip.into_body();
+    let mut got = 0;
+    let mut reset_while_reading = false;
+    while let Some(piece) = body.data().await {
+        let piece = piece.expect("the read stream ends well");
+        got += piece.len();
+        let _ = body.flow_control().release_capacity(piece.len());
+        reset_while_reading |= stalled.is_finished();
+    }
+    assert_eq!(got, 15 * 1024, "the read stream came whole");
+    assert!(
+        reset_while_reading,
+        "the stalled stream was not ended while the other was read"
+    );
+    let e = stalled
+        .await
+        .unwrap()
+        .expect("the stalled stream was reset");
+    assert_eq!(e.reason(), Some(h2::Reason::CANCEL), "{e}");
 }
 
 /// Holds worker 0's thread for `d` (from when this returns), so that connections wait in

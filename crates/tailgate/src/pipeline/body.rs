@@ -478,6 +478,7 @@ impl Body for RespBody {
                     && let Some(a) = up.recorder.activity()
                 {
                     a.piece_taken();
+                    crate::server::stream_stall::taken();
                 }
                 if let Some(d) = up.deadline.as_mut()
                     && d.as_mut().poll(cx).is_ready()
@@ -516,6 +517,7 @@ impl Body for RespBody {
                         } else if let Some(a) = up.recorder.activity() {
                             up.handed = true;
                             a.piece_handed();
+                            crate::server::stream_stall::handed();
                         }
                         Poll::Ready(Some(Ok(frame)))
                     }

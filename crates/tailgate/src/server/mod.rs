@@ -8,6 +8,7 @@ pub mod head;
 mod linger;
 pub mod send_timeout;
 pub mod spawner;
+pub mod stream_stall;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -23,7 +24,7 @@ use http::Request;
 use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -392,7 +393,11 @@ where
 {
     let settings = &ctx.worker.shared.settings;
     let service = pipeline_service(&ctx.worker, &info);
-    let conn = http2::Builder::new(TokioExecutor::new())
+    // Each stream's task is watched for a client that stopped taking its data.
+    let exec = stream_stall::StreamExec {
+        idle: settings.idle_timeout,
+    };
+    let conn = http2::Builder::new(exec)
         .timer(TokioTimer::new())
         .max_header_list_size(settings.max_header_bytes as u32)
         // HTTP/2 Rapid Reset (CVE-2023-44487): more than this many streams the client
