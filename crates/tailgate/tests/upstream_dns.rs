@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::tls;
 use common::*;
+use common::{prom, tls};
 use hickory_proto::op::Message;
 use hickory_proto::rr::rdata::A;
 use hickory_proto::rr::{RData, Record, RecordType};
@@ -504,4 +504,102 @@ async fn shutdown_does_not_wait_for_a_quiet_name_server() {
             .is_ok(),
         "the gateway was still stopping 15 s after the shutdown"
     );
+}
+
+/// A pool's requests, as `/metrics` sums them for the endpoint `ep` (`None`: the
+/// `_removed` series); `None` when there is no such series.
+async fn requests_to(admin: SocketAddr, ep: Option<SocketAddr>) -> Option<f64> {
+    let resp = get(admin, "/metrics").await;
+    let text = std::str::from_utf8(resp.body()).unwrap().to_owned();
+    let ex = prom::parse(&text, false).unwrap();
+    let ep = ep.map_or_else(|| "_removed".to_owned(), |a| a.to_string());
+    let with = [("cluster", "up"), ("endpoint", ep.as_str())];
+    let reuses = ex.find("tailgate_upstream_connection_reuses_total", &with);
+    let connects = ex.find(
+        "tailgate_upstream_connects_total",
+        &[with[0], with[1], ("when", "on_request")],
+    );
+    Some(reuses.first()?.value + connects.first()?.value)
+}
+
+/// An address dropped from the DNS answer: its per-endpoint counters in `/metrics` never
+/// go back while the workers drain its pools, each on its own time (here the second worker
+/// is held while the first drains), and once no worker has it any more its counts go on
+/// under `endpoint="_removed"`.
+#[tokio::test]
+async fn a_removed_address_counters_never_go_back() {
+    let (port, _a, _b) = twin_upstreams().await;
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    let gw = TestGateway::start(&format!(
+        "[server]\nworkers = 2\n[admin]\naddress = \"127.0.0.1:0\"\n[dns]\nnameservers = [\"{}\"]\nmin_refresh = \"50ms\"\nmax_refresh = \"1s\"\nquery_timeout = \"2s\"\nstartup_timeout = \"3s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"svc.test:{port}\"]\nidle_timeout = \"0s\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
+        dns.addr
+    ));
+    let admin = gw.gw.as_ref().unwrap().admin_addr().unwrap();
+    let state = gw.gw.as_ref().unwrap().admin_state().clone();
+    let a: SocketAddr = format!("127.0.0.2:{port}").parse().unwrap();
+    let b: SocketAddr = format!("127.0.0.3:{port}").parse().unwrap();
+    // Requests on new connections until the first worker has sent some to A.
+    let served = |w: usize| -> u64 {
+        state.workers[w].upstreams.clusters[0]
+            .endpoints
+            .load()
+            .iter()
+            .map(|e| {
+                e.stats.reuses.load(Ordering::Relaxed)
+                    + e.stats.connects_on_request.load(Ordering::Relaxed)
+            })
+            .sum()
+    };
+    for _ in 0..200 {
+        assert_eq!(get(gw.addr, "/").await.status(), 200);
+        if served(0) > 0 {
+            break;
+        }
+    }
+    assert!(served(0) > 0, "no request reached the first worker");
+    let before = requests_to(admin, Some(a)).await.unwrap();
+    assert_eq!(before as u64, served(0) + served(1));
+    // The second worker is held: only the first applies the new answer (and drains A's
+    // pool at once, with no idle_timeout to park it for).
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    gw.gw
+        .as_ref()
+        .unwrap()
+        .worker_handle(1)
+        .unwrap()
+        .spawn(async move {
+            let _ = held_tx.send(());
+            let _ = release_rx.recv_timeout(Duration::from_secs(20));
+        });
+    held_rx.recv().unwrap();
+    dns.set(Ipv4Addr::new(127, 0, 0, 3));
+    // B's series appears once the first worker has the new answer.
+    let mut seen_b = false;
+    for _ in 0..400 {
+        if requests_to(admin, Some(b)).await.is_some() {
+            seen_b = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(seen_b, "the first worker did not take the new answer");
+    assert_eq!(
+        requests_to(admin, Some(a)).await,
+        Some(before),
+        "A's counters went back while the second worker still had its pool"
+    );
+    assert_eq!(requests_to(admin, None).await, None);
+    release_tx.send(()).unwrap();
+    // Once the second worker drops A too, its counts are under `_removed`.
+    let mut moved = false;
+    for _ in 0..400 {
+        if requests_to(admin, Some(a)).await.is_none() {
+            moved = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(moved, "the second worker did not drop A");
+    assert_eq!(requests_to(admin, None).await, Some(before));
 }

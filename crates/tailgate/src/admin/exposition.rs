@@ -13,7 +13,7 @@ use crate::observe::metrics::consumers::{Consumers, OVERFLOW};
 use crate::observe::metrics::histogram::Snapshot;
 use crate::observe::metrics::render::{Closed, Kind, TextWriter};
 use crate::observe::metrics::{CLASSES, ERROR_KINDS, METHODS, STAGES, escape_label};
-use crate::upstream::EndpointPool;
+use crate::upstream::{EndpointPool, GoneEndpoint, PoolStats};
 
 use super::AdminState;
 
@@ -405,9 +405,48 @@ struct EndpointSums {
 
 impl EndpointSums {
     fn add(&mut self, e: &EndpointPool) {
-        let s = &e.stats;
-        let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         self.addr = Some(e.addr);
+        self.add_counts(&e.stats);
+        self.learned_limit = self
+            .learned_limit
+            .max(u64::from(e.stats.learned_limit.load(Ordering::Relaxed)));
+        self.ejections += e.load.ejections.load(Ordering::Relaxed);
+        self.ejected |= e.load.is_ejected();
+        self.in_flight += u64::from(e.load.in_flight());
+        if let Some(open) = e.capped_open() {
+            *self.capped_open.get_or_insert(0) += open as u64;
+        }
+    }
+
+    /// The counters of pools drained on a worker.
+    fn add_gone(&mut self, g: &GoneEndpoint) {
+        self.add_counts(&g.stats);
+        self.ejections += g.ejections;
+    }
+
+    /// Another sum's counters (not its gauges).
+    fn add_sums(&mut self, o: &EndpointSums) {
+        self.connects_on_request += o.connects_on_request;
+        self.preconnects += o.preconnects;
+        self.reuses += o.reuses;
+        for (a, b) in self.retired.iter_mut().zip(o.retired) {
+            *a += b;
+        }
+        self.retries += o.retries;
+        self.refused_resends += o.refused_resends;
+        self.connect_failures += o.connect_failures;
+        for (a, b) in self.tls.iter_mut().zip(o.tls) {
+            *a += b;
+        }
+        self.h2_connections += o.h2_connections;
+        self.h2_waits += o.h2_waits;
+        self.ejections += o.ejections;
+        self.queued += o.queued;
+        self.queue_timeouts += o.queue_timeouts;
+    }
+
+    fn add_counts(&mut self, s: &PoolStats) {
+        let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         self.connects_on_request += l(&s.connects_on_request);
         self.preconnects += l(&s.preconnects);
         self.reuses += l(&s.reuses);
@@ -423,17 +462,8 @@ impl EndpointSums {
         self.tls[2] += l(&s.tls_handshake_failures);
         self.h2_connections += l(&s.h2_connections);
         self.h2_waits += l(&s.h2_waits_for_connect);
-        self.learned_limit = self
-            .learned_limit
-            .max(u64::from(s.learned_limit.load(Ordering::Relaxed)));
-        self.ejections += l(&e.load.ejections);
-        self.ejected |= e.load.is_ejected();
-        self.in_flight += u64::from(e.load.in_flight());
         self.queued += l(&s.queued);
         self.queue_timeouts += l(&s.queue_timeouts);
-        if let Some(open) = e.capped_open() {
-            *self.capped_open.get_or_insert(0) += open as u64;
-        }
     }
 }
 
@@ -443,11 +473,15 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
     for (ci, cluster) in state.config.clusters.iter().enumerate() {
         let mut eps: Vec<EndpointSums> = Vec::new();
         let mut exhausted = 0;
+        // The counters of each worker's drained pools, read under the lock their pools
+        // are drained under (see `GonePools`).
+        let mut drained = Vec::new();
         for wk in &state.workers {
             let Some(pools) = wk.upstreams.clusters.get(ci) else {
                 continue;
             };
             exhausted += pools.budget_exhausted.load(Ordering::Relaxed);
+            let gone = pools.gone.lock();
             // Parked pools (addresses out of the latest DNS answer, not drained yet) count
             // too: their counters go on if the address comes back, and their connections
             // are still open.
@@ -462,13 +496,34 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
                     }
                 }
             }
+            let mut sums = EndpointSums::default();
+            for g in gone.iter() {
+                sums.addr = Some(g.addr);
+                sums.add_gone(g);
+                drained.push(std::mem::take(&mut sums));
+            }
         }
+        // A drained pool's counts stay with its address while any worker still has a pool
+        // for it (or it comes back), so that its series never goes back; those of addresses
+        // gone from every worker are summed under `endpoint="_removed"`, so that a name
+        // whose addresses keep changing does not grow the series for ever.
+        let mut removed: Option<EndpointSums> = None;
+        for d in drained {
+            match eps.iter_mut().find(|s| s.addr == d.addr) {
+                Some(s) => s.add_sums(&d),
+                None => removed
+                    .get_or_insert_with(EndpointSums::default)
+                    .add_sums(&d),
+            }
+        }
+        eps.extend(removed);
         clusters.push((escape_label(&cluster.name), eps, exhausted));
     }
     let label = |c: &str, e: &EndpointSums| {
         format!(
             "cluster=\"{c}\",endpoint=\"{}\"",
-            e.addr.map(|a| a.to_string()).unwrap_or_default()
+            e.addr
+                .map_or_else(|| "_removed".to_owned(), |a| a.to_string())
         )
     };
     type Get = fn(&EndpointSums) -> u64;

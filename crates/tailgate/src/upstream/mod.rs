@@ -34,7 +34,7 @@ use arc_swap::ArcSwap;
 
 pub use conn::{Conn, NotSentBody, Protocol, SendError, UpBody};
 pub use h1::{H1Error, Upgraded};
-pub use pool::{EndpointPool, PoolStats};
+pub use pool::{EndpointPool, GoneEndpoint, GonePools, PoolStats};
 pub use tls::UpstreamTls;
 
 use crate::config::{Cluster, Config};
@@ -76,6 +76,8 @@ pub struct ClusterPools {
     /// drains and lets it go after the cluster's `idle_timeout`. Swapped whole by the worker
     /// (the one writer) and read by scrapes without a lock, as `endpoints` is.
     parked: ArcSwap<Vec<(SocketAddr, Weak<EndpointPool>)>>,
+    /// The counters of its drained pools (see [`pool::GonePools`]).
+    pub gone: Arc<pool::GonePools>,
     balance: Balance,
     next: AtomicU64,
     /// Requests sent to this cluster, and retries spent, for the retry budget.
@@ -375,17 +377,20 @@ impl ClusterPools {
                 next.push(p);
                 continue;
             }
-            let p = Arc::new(EndpointPool::new(a, &self.config));
+            let p = Arc::new(EndpointPool::new(a, &self.config, self.gone.clone()));
             tokio::spawn(p.clone().keep_warm());
             next.push(p);
         }
+        // A pool drained here leaves the list a scrape reads under the same lock as its
+        // counters go to `gone` (see `pool::GonePools`).
+        let mut gone = self.gone.lock();
         for p in old.iter().filter(|p| !addrs.contains(&p.addr)) {
             removed += 1;
             if park {
                 p.park();
                 parked.push((p.addr, Arc::downgrade(p)));
             } else {
-                p.retire();
+                p.retire_into(&mut gone);
             }
         }
         self.parked.store(Arc::new(parked));
@@ -475,13 +480,15 @@ impl Upstreams {
                         Some(f) => f.addrs.borrow().to_vec(),
                         None => c.endpoints.clone(),
                     };
+                    let gone = Arc::new(pool::GonePools::default());
                     Arc::new(ClusterPools {
                         endpoints: ArcSwap::from_pointee(
                             addrs
                                 .iter()
-                                .map(|&a| Arc::new(EndpointPool::new(a, c)))
+                                .map(|&a| Arc::new(EndpointPool::new(a, c, gone.clone())))
                                 .collect(),
                         ),
+                        gone,
                         stats: ClusterStats::default(),
                         config: c.clone(),
                         feed,

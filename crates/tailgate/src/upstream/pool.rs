@@ -26,7 +26,7 @@
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use tokio::net::TcpStream;
@@ -102,6 +102,56 @@ pub struct PoolStats {
     pub queue_timeouts: AtomicU64,
 }
 
+impl PoolStats {
+    /// Adds every counter of `other` to these (not `learned_limit`, which is no count).
+    fn add_from(&self, other: &PoolStats) {
+        let add = |to: &AtomicU64, from: &AtomicU64| {
+            to.fetch_add(from.load(Ordering::Relaxed), Ordering::Relaxed);
+        };
+        add(&self.connects_on_request, &other.connects_on_request);
+        add(&self.preconnects, &other.preconnects);
+        add(&self.reuses, &other.reuses);
+        add(&self.retired_max_requests, &other.retired_max_requests);
+        add(&self.retired_lifetime, &other.retired_lifetime);
+        add(&self.retired_idle, &other.retired_idle);
+        add(&self.closed_by_server, &other.closed_by_server);
+        add(&self.retries, &other.retries);
+        add(&self.refused_resends, &other.refused_resends);
+        add(&self.connect_failures, &other.connect_failures);
+        add(&self.tls_full_handshakes, &other.tls_full_handshakes);
+        add(&self.tls_resumed_handshakes, &other.tls_resumed_handshakes);
+        add(&self.tls_handshake_failures, &other.tls_handshake_failures);
+        add(&self.h2_connections, &other.h2_connections);
+        add(&self.h2_waits_for_connect, &other.h2_waits_for_connect);
+        add(&self.queued, &other.queued);
+        add(&self.queue_timeouts, &other.queue_timeouts);
+    }
+}
+
+/// The counters of one address's drained pools on one worker.
+#[derive(Debug)]
+pub struct GoneEndpoint {
+    pub addr: SocketAddr,
+    pub stats: PoolStats,
+    /// Its outlier-detection ejections.
+    pub ejections: u64,
+}
+
+/// The counters of a cluster's drained pools on one worker, by address, so that what
+/// `/metrics` sums per endpoint never goes back when a pool is drained (each worker drains
+/// its own on its own tick), and an address that comes back goes on from its total.
+/// A scrape reads the cluster's pools (live and parked) and these under this lock, and a
+/// worker drains a pool (takes it out of those lists, adds its counters here) under it: a
+/// pool is counted once, as a pool or here. Taken by a worker only when a pool is drained.
+#[derive(Debug, Default)]
+pub struct GonePools(Mutex<Vec<GoneEndpoint>>);
+
+impl GonePools {
+    pub fn lock(&self) -> MutexGuard<'_, Vec<GoneEndpoint>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
 /// The pool of one endpoint on one worker.
 pub struct EndpointPool {
     pub addr: SocketAddr,
@@ -148,11 +198,14 @@ pub struct EndpointPool {
     parked_at_ms: AtomicU64,
     /// `max_connections_per_endpoint` (HTTP/1.1 connections), when set.
     limit: Option<Arc<ConnLimit>>,
+    /// Where its counters go when it is drained (its cluster's, on this worker).
+    gone: Arc<GonePools>,
 }
 
 impl EndpointPool {
-    pub fn new(addr: SocketAddr, cluster: &Cluster) -> EndpointPool {
+    pub fn new(addr: SocketAddr, cluster: &Cluster, gone: Arc<GonePools>) -> EndpointPool {
         EndpointPool {
+            gone,
             addr,
             stats: PoolStats::default(),
             load: super::balance::EndpointLoad::new(
@@ -269,7 +322,30 @@ impl EndpointPool {
     /// serving requests close when they finish, and requests queued for a connection
     /// (`max_connections_per_endpoint`) are let go to try another endpoint.
     pub fn retire(&self) {
-        self.retired.store(true, Ordering::Relaxed);
+        self.retire_into(&mut self.gone.lock());
+    }
+
+    /// [`Self::retire`], its counters added to `gone` (its cluster's, locked by the caller,
+    /// who takes it out of the cluster's lists under the same lock). Once only.
+    pub(super) fn retire_into(&self, gone: &mut Vec<GoneEndpoint>) {
+        if !self.retired.swap(true, Ordering::Relaxed) {
+            let ejections = self.load.ejections.load(Ordering::Relaxed);
+            match gone.iter_mut().find(|g| g.addr == self.addr) {
+                Some(g) => {
+                    g.stats.add_from(&self.stats);
+                    g.ejections += ejections;
+                }
+                None => {
+                    let stats = PoolStats::default();
+                    stats.add_from(&self.stats);
+                    gone.push(GoneEndpoint {
+                        addr: self.addr,
+                        stats,
+                        ejections,
+                    });
+                }
+            }
+        }
         if let Some(limit) = &self.limit {
             limit.close();
         }
@@ -983,7 +1059,7 @@ mod tests {
             "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"https://{addr}\"]\nprotocol = \"http2\"\ntls_ca = \"ca.pem\"\nconnect_timeout = \"10s\"\n"
         );
         let cfg = crate::Config::parse(&dir.join("t.toml"), &text).expect("valid config");
-        let pool = Arc::new(EndpointPool::new(addr, &cfg.clusters[0]));
+        let pool = Arc::new(EndpointPool::new(addr, &cfg.clusters[0], Arc::default()));
         let cancelled = tokio::time::timeout(Duration::from_millis(50), pool.checkout()).await;
         assert!(cancelled.is_err(), "the handshake never completes");
         assert_eq!(pool.h2_connecting.load(Ordering::Relaxed), 0);
