@@ -120,7 +120,10 @@ impl Gateway {
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(StartError::Thread)?;
         // Every listener bound once per worker; the first bind fixes port 0 to a real port.
-        let mut per_worker: Vec<Vec<(std::net::TcpListener, Arc<BoundListener>)>> =
+        // None listens before every one is bound and every certificate loaded: a start that
+        // fails on a later listener must not take (and then reset) connections on an
+        // earlier one, whose address a running gateway may share (SO_REUSEPORT).
+        let mut unlistened: Vec<Vec<(socket2::Socket, Arc<BoundListener>)>> =
             (0..workers).map(|_| Vec::new()).collect();
         let mut listeners = Vec::new();
         for l in &config.listeners {
@@ -145,17 +148,21 @@ impl Gateway {
             }
             let mut sockets = Vec::new();
             for _ in 0..workers {
-                let s = listener::bind_reuseport(addr).map_err(|source| StartError::Bind {
+                let s = listener::bind_unlistened(addr).map_err(|source| StartError::Bind {
                     name: l.name.clone(),
                     addr,
                     source,
                 })?;
                 if addr.port() == 0 {
-                    addr = s.local_addr().map_err(|source| StartError::Bind {
-                        name: l.name.clone(),
-                        addr,
-                        source,
-                    })?;
+                    addr = s
+                        .local_addr()
+                        .ok()
+                        .and_then(|a| a.as_socket())
+                        .ok_or_else(|| StartError::Bind {
+                            name: l.name.clone(),
+                            addr,
+                            source: std::io::Error::other("no local address after bind"),
+                        })?;
                 }
                 sockets.push(s);
             }
@@ -166,10 +173,24 @@ impl Gateway {
                 tls,
             });
             for (w, s) in sockets.into_iter().enumerate() {
-                per_worker[w].push((s, bound.clone()));
+                unlistened[w].push((s, bound.clone()));
             }
             listeners.push((l.name.clone(), addr));
-            tracing::info!(listener.name = %l.name, listener.addr = %addr, tls = l.tls.is_some(), "listening");
+        }
+        let mut per_worker: Vec<Vec<(std::net::TcpListener, Arc<BoundListener>)>> =
+            (0..workers).map(|_| Vec::new()).collect();
+        for (w, sockets) in unlistened.into_iter().enumerate() {
+            for (s, bound) in sockets {
+                let l = listener::listen(s).map_err(|source| StartError::Bind {
+                    name: bound.name.clone(),
+                    addr: bound.addr,
+                    source,
+                })?;
+                per_worker[w].push((l, bound));
+            }
+        }
+        for (_, b) in per_worker.first().into_iter().flatten() {
+            tracing::info!(listener.name = %b.name, listener.addr = %b.addr, tls = b.tls.is_some(), "listening");
         }
 
         let mut observers: Vec<Arc<dyn Observer>> = Vec::new();

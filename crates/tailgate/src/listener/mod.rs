@@ -43,8 +43,17 @@ pub fn taken_by_another(addr: SocketAddr) -> bool {
     matches!(socket.bind(&addr.into()), Err(e) if e.kind() == std::io::ErrorKind::AddrInUse)
 }
 
-/// Binds `addr` with SO_REUSEPORT so that each worker can bind its own socket to it.
+/// Binds `addr` with SO_REUSEPORT so that each worker can bind its own socket to it, and
+/// listens.
 pub fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    listen(bind_unlistened(addr)?)
+}
+
+/// Binds `addr` with SO_REUSEPORT, without listening yet: until it listens, the socket
+/// takes no connection (the kernel leaves it out of the port's SO_REUSEPORT group), so a
+/// start that fails later (another listener's certificate, a port taken) closes it without
+/// resetting any connection, where a gateway it was to replace keeps serving.
+pub fn bind_unlistened(addr: SocketAddr) -> std::io::Result<Socket> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
     socket.set_reuse_address(true)?;
     socket.set_reuse_port(true)?;
@@ -53,6 +62,11 @@ pub fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener
     }
     socket.set_nonblocking(true)?;
     socket.bind(&addr.into())?;
+    Ok(socket)
+}
+
+/// Listens on a socket of [`bind_unlistened`].
+pub fn listen(socket: Socket) -> std::io::Result<std::net::TcpListener> {
     socket.listen(4096)?;
     Ok(socket.into())
 }
@@ -170,5 +184,28 @@ fn take_queued(
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A socket bound but not listening takes no connection: a connect to its address is
+    /// refused (nothing queued, so nothing reset when it closes); once it listens, one is
+    /// taken.
+    #[test]
+    fn a_bound_socket_takes_connections_only_once_it_listens() {
+        let s = bind_unlistened("127.0.0.1:0".parse().expect("address")).expect("bind");
+        let addr = s
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_socket())
+            .expect("bound address");
+        let refused = std::net::TcpStream::connect(addr).expect_err("not listening yet");
+        assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
+        let l = listen(s).expect("listen");
+        let _c = std::net::TcpStream::connect(addr).expect("listening");
+        drop(l);
     }
 }
