@@ -602,4 +602,57 @@ async fn a_removed_address_counters_never_go_back() {
     }
     assert!(moved, "the second worker did not drop A");
     assert_eq!(requests_to(admin, None).await, Some(before));
+    // A comes back: its series starts afresh (a reset, as after a restart), and what was
+    // summed under `_removed` stays there.
+    dns.set(Ipv4Addr::new(127, 0, 0, 2));
+    let mut back = false;
+    for _ in 0..400 {
+        if requests_to(admin, Some(a)).await.is_some() {
+            back = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(back, "A did not come back");
+    assert_eq!(get(gw.addr, "/").await.status(), 200);
+    assert_eq!(requests_to(admin, None).await, Some(before));
+}
+
+/// A parked pool drained on its own tick (the address left out of the answer for the
+/// cluster's `idle_timeout`) hands its counts on too: nothing is lost or counted twice
+/// on the way to `_removed`, on either worker.
+#[tokio::test]
+async fn a_parked_pools_counts_reach_removed_when_it_is_drained() {
+    let (port, _a, _b) = twin_upstreams().await;
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    let gw = TestGateway::start(&format!(
+        "[server]\nworkers = 2\n[admin]\naddress = \"127.0.0.1:0\"\n[dns]\nnameservers = [\"{}\"]\nmin_refresh = \"50ms\"\nmax_refresh = \"1s\"\nquery_timeout = \"2s\"\nstartup_timeout = \"3s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"svc.test:{port}\"]\nidle_timeout = \"200ms\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
+        dns.addr
+    ));
+    let admin = gw.gw.as_ref().unwrap().admin_addr().unwrap();
+    let a: SocketAddr = format!("127.0.0.2:{port}").parse().unwrap();
+    for _ in 0..20 {
+        assert_eq!(get(gw.addr, "/").await.status(), 200);
+    }
+    let before = requests_to(admin, Some(a)).await.unwrap();
+    assert!(before >= 20.0, "{before}");
+    dns.set(Ipv4Addr::new(127, 0, 0, 3));
+    // Scraped all along: A's series never goes below what it had, and once it is gone
+    // `_removed` has exactly that.
+    let mut last = before;
+    for _ in 0..600 {
+        match requests_to(admin, Some(a)).await {
+            Some(now) => {
+                assert!(now >= last, "A went back from {last} to {now}");
+                last = now;
+            }
+            None => break,
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        requests_to(admin, Some(a)).await.is_none(),
+        "A was not drained"
+    );
+    assert_eq!(requests_to(admin, None).await, Some(before));
 }

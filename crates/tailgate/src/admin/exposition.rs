@@ -424,27 +424,6 @@ impl EndpointSums {
         self.ejections += g.ejections;
     }
 
-    /// Another sum's counters (not its gauges).
-    fn add_sums(&mut self, o: &EndpointSums) {
-        self.connects_on_request += o.connects_on_request;
-        self.preconnects += o.preconnects;
-        self.reuses += o.reuses;
-        for (a, b) in self.retired.iter_mut().zip(o.retired) {
-            *a += b;
-        }
-        self.retries += o.retries;
-        self.refused_resends += o.refused_resends;
-        self.connect_failures += o.connect_failures;
-        for (a, b) in self.tls.iter_mut().zip(o.tls) {
-            *a += b;
-        }
-        self.h2_connections += o.h2_connections;
-        self.h2_waits += o.h2_waits;
-        self.ejections += o.ejections;
-        self.queued += o.queued;
-        self.queue_timeouts += o.queue_timeouts;
-    }
-
     fn add_counts(&mut self, s: &PoolStats) {
         let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         self.connects_on_request += l(&s.connects_on_request);
@@ -473,15 +452,19 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
     for (ci, cluster) in state.config.clusters.iter().enumerate() {
         let mut eps: Vec<EndpointSums> = Vec::new();
         let mut exhausted = 0;
-        // The counters of each worker's drained pools, read under the lock their pools
-        // are drained under (see `GonePools`).
-        let mut drained = Vec::new();
+        // The counts of the cluster's drained pools (one for every worker), and every
+        // worker's pools, read under the lock their lists change under (see `GonePools`).
+        let gone = state
+            .workers
+            .first()
+            .and_then(|wk| wk.upstreams.clusters.get(ci))
+            .map(|pools| pools.gone.clone());
+        let gone = gone.as_ref().map(|g| g.lock());
         for wk in &state.workers {
             let Some(pools) = wk.upstreams.clusters.get(ci) else {
                 continue;
             };
             exhausted += pools.budget_exhausted.load(Ordering::Relaxed);
-            let gone = pools.gone.lock();
             // Parked pools (addresses out of the latest DNS answer, not drained yet) count
             // too: their counters go on if the address comes back, and their connections
             // are still open.
@@ -496,27 +479,31 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
                     }
                 }
             }
-            let mut sums = EndpointSums::default();
-            for g in gone.iter() {
-                sums.addr = Some(g.addr);
-                sums.add_gone(g);
-                drained.push(std::mem::take(&mut sums));
-            }
         }
         // A drained pool's counts stay with its address while any worker still has a pool
-        // for it (or it comes back), so that its series never goes back; those of addresses
-        // gone from every worker are summed under `endpoint="_removed"`, so that a name
-        // whose addresses keep changing does not grow the series for ever.
-        let mut removed: Option<EndpointSums> = None;
-        for d in drained {
-            match eps.iter_mut().find(|s| s.addr == d.addr) {
-                Some(s) => s.add_sums(&d),
-                None => removed
-                    .get_or_insert_with(EndpointSums::default)
-                    .add_sums(&d),
+        // for it, so that its series never goes back; those of addresses no worker has
+        // any more are summed under `endpoint="_removed"`, which only grows.
+        if let Some(gone) = &gone {
+            for g in &gone.by_addr {
+                match eps.iter_mut().find(|s| s.addr == Some(g.addr)) {
+                    Some(s) => s.add_gone(g),
+                    None => {
+                        let mut s = EndpointSums {
+                            addr: Some(g.addr),
+                            ..EndpointSums::default()
+                        };
+                        s.add_gone(g);
+                        eps.push(s);
+                    }
+                }
+            }
+            if let Some(r) = &gone.removed {
+                let mut s = EndpointSums::default();
+                s.add_gone(r);
+                eps.push(s);
             }
         }
-        eps.extend(removed);
+        drop(gone);
         clusters.push((escape_label(&cluster.name), eps, exhausted));
     }
     let label = |c: &str, e: &EndpointSums| {

@@ -76,7 +76,8 @@ pub struct ClusterPools {
     /// drains and lets it go after the cluster's `idle_timeout`. Swapped whole by the worker
     /// (the one writer) and read by scrapes without a lock, as `endpoints` is.
     parked: ArcSwap<Vec<(SocketAddr, Weak<EndpointPool>)>>,
-    /// The counters of its drained pools (see [`pool::GonePools`]).
+    /// The counts of its drained pools, shared with the other workers' (see
+    /// [`pool::GonePools`]).
     pub gone: Arc<pool::GonePools>,
     balance: Balance,
     next: AtomicU64,
@@ -107,13 +108,18 @@ pub struct RequestCap {
 }
 
 /// Every cluster's [`RequestCap`] count, made once and shared by the workers' [`Upstreams`].
-pub struct ClusterCaps(Vec<Option<Arc<RequestCap>>>);
+pub struct ClusterCaps {
+    caps: Vec<Option<Arc<RequestCap>>>,
+    /// Each cluster's drained pools' counts, over every worker (see [`pool::GonePools`]).
+    gone: Vec<Arc<pool::GonePools>>,
+}
 
 impl ClusterCaps {
-    /// A count for each cluster with a `max_requests`, indexed like the config's clusters.
+    /// A count for each cluster with a `max_requests`, and each cluster's drained pools'
+    /// counts, indexed like the config's clusters.
     pub fn new(config: &Config) -> ClusterCaps {
-        ClusterCaps(
-            config
+        ClusterCaps {
+            caps: config
                 .clusters
                 .iter()
                 .map(|c| {
@@ -125,7 +131,8 @@ impl ClusterCaps {
                     })
                 })
                 .collect(),
-        )
+            gone: config.clusters.iter().map(|_| Arc::default()).collect(),
+        }
     }
 }
 
@@ -350,6 +357,9 @@ impl ClusterPools {
     /// meanwhile, so does the pool, connections, latency estimate and all. Past that time it
     /// is drained.
     pub fn set_addrs(&self, addrs: &[SocketAddr]) {
+        // Every change to the lists a scrape reads (pools added, parked, brought back,
+        // drained) is made under the lock it reads them under (see `pool::GonePools`).
+        let mut gone = self.gone.lock();
         let old = self.endpoints.load_full();
         let park = !self.config.idle_timeout.is_zero();
         // Those drained meanwhile are gone for good.
@@ -378,12 +388,10 @@ impl ClusterPools {
                 continue;
             }
             let p = Arc::new(EndpointPool::new(a, &self.config, self.gone.clone()));
+            gone.register(a);
             tokio::spawn(p.clone().keep_warm());
             next.push(p);
         }
-        // A pool drained here leaves the list a scrape reads under the same lock as its
-        // counters go to `gone` (see `pool::GonePools`).
-        let mut gone = self.gone.lock();
         for p in old.iter().filter(|p| !addrs.contains(&p.addr)) {
             removed += 1;
             if park {
@@ -480,7 +488,13 @@ impl Upstreams {
                         Some(f) => f.addrs.borrow().to_vec(),
                         None => c.endpoints.clone(),
                     };
-                    let gone = Arc::new(pool::GonePools::default());
+                    let gone = caps.gone[i].clone();
+                    {
+                        let mut g = gone.lock();
+                        for &a in &addrs {
+                            g.register(a);
+                        }
+                    }
                     Arc::new(ClusterPools {
                         endpoints: ArcSwap::from_pointee(
                             addrs
@@ -502,7 +516,7 @@ impl Upstreams {
                         hedge_budget_percent: c.hedge_budget_percent,
                         epoch: Instant::now(),
                         window_start: AtomicU64::new(0),
-                        cap: caps.0.get(i).cloned().flatten(),
+                        cap: caps.caps.get(i).cloned().flatten(),
                         budget_exhausted: AtomicU64::new(0),
                     })
                 })

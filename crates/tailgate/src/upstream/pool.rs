@@ -128,26 +128,80 @@ impl PoolStats {
     }
 }
 
-/// The counters of one address's drained pools on one worker.
+/// The counters of one address's drained pools, over every worker.
 #[derive(Debug)]
 pub struct GoneEndpoint {
     pub addr: SocketAddr,
+    /// Pools of the address not drained yet, over every worker (live or parked, or being
+    /// made).
+    pools: usize,
     pub stats: PoolStats,
     /// Its outlier-detection ejections.
     pub ejections: u64,
 }
 
-/// The counters of a cluster's drained pools on one worker, by address, so that what
-/// `/metrics` sums per endpoint never goes back when a pool is drained (each worker drains
-/// its own on its own tick), and an address that comes back goes on from its total.
-/// A scrape reads the cluster's pools (live and parked) and these under this lock, and a
-/// worker drains a pool (takes it out of those lists, adds its counters here) under it: a
-/// pool is counted once, as a pool or here. Taken by a worker only when a pool is drained.
+/// What a cluster's drained pools counted, over every worker.
 #[derive(Debug, Default)]
-pub struct GonePools(Mutex<Vec<GoneEndpoint>>);
+pub struct Gone {
+    /// Addresses some worker has a pool for: the counts of those of their pools drained.
+    pub by_addr: Vec<GoneEndpoint>,
+    /// The counts of addresses no worker has a pool for any more (`endpoint="_removed"`).
+    pub removed: Option<GoneEndpoint>,
+}
+
+impl Gone {
+    /// A pool of `addr` is made (under the lock of the list it joins).
+    pub(super) fn register(&mut self, addr: SocketAddr) {
+        match self.by_addr.iter_mut().find(|g| g.addr == addr) {
+            Some(g) => g.pools += 1,
+            None => self.by_addr.push(GoneEndpoint {
+                addr,
+                pools: 1,
+                stats: PoolStats::default(),
+                ejections: 0,
+            }),
+        }
+    }
+
+    /// A pool of `addr` is drained with these counts. Once no worker has a pool for the
+    /// address, its counts go to `removed`, for good: an address that comes back starts a
+    /// series of its own from zero (a counter reset, as a restart is), and `removed` never
+    /// goes back.
+    fn drained(&mut self, addr: SocketAddr, stats: &PoolStats, ejections: u64) {
+        let Some(i) = self.by_addr.iter().position(|g| g.addr == addr) else {
+            return;
+        };
+        let g = &mut self.by_addr[i];
+        g.stats.add_from(stats);
+        g.ejections += ejections;
+        g.pools = g.pools.saturating_sub(1);
+        if g.pools > 0 {
+            return;
+        }
+        let g = self.by_addr.swap_remove(i);
+        match &mut self.removed {
+            Some(r) => {
+                r.stats.add_from(&g.stats);
+                r.ejections += g.ejections;
+            }
+            None => self.removed = Some(g),
+        }
+    }
+}
+
+/// The counts of a cluster's drained pools over every worker (one for the cluster, shared
+/// by the workers), so that what `/metrics` sums per endpoint never goes back when a pool
+/// is drained (each worker drains its own on its own tick), and memory stays bounded by the
+/// addresses in use. A scrape reads every worker's pools of the cluster (live and parked)
+/// and these under this lock, and a worker adds, drains, parks or brings back a pool under
+/// it: a pool's counts show once, as a pool's or here, never both and never neither.
+/// Taken by a worker only when the cluster's addresses change or a pool is drained, never
+/// on a request's path.
+#[derive(Debug, Default)]
+pub struct GonePools(Mutex<Gone>);
 
 impl GonePools {
-    pub fn lock(&self) -> MutexGuard<'_, Vec<GoneEndpoint>> {
+    pub fn lock(&self) -> MutexGuard<'_, Gone> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -326,25 +380,12 @@ impl EndpointPool {
     }
 
     /// [`Self::retire`], its counters added to `gone` (its cluster's, locked by the caller,
-    /// who takes it out of the cluster's lists under the same lock). Once only.
-    pub(super) fn retire_into(&self, gone: &mut Vec<GoneEndpoint>) {
+    /// who takes it out of the cluster's lists under the same lock). Counted once: a
+    /// request still in flight on it may count a little more, which is not shown.
+    pub(super) fn retire_into(&self, gone: &mut Gone) {
         if !self.retired.swap(true, Ordering::Relaxed) {
             let ejections = self.load.ejections.load(Ordering::Relaxed);
-            match gone.iter_mut().find(|g| g.addr == self.addr) {
-                Some(g) => {
-                    g.stats.add_from(&self.stats);
-                    g.ejections += ejections;
-                }
-                None => {
-                    let stats = PoolStats::default();
-                    stats.add_from(&self.stats);
-                    gone.push(GoneEndpoint {
-                        addr: self.addr,
-                        stats,
-                        ejections,
-                    });
-                }
-            }
+            gone.drained(self.addr, &self.stats, ejections);
         }
         if let Some(limit) = &self.limit {
             limit.close();
