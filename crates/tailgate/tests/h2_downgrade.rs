@@ -406,8 +406,9 @@ async fn a_stream_opened_during_the_idle_close_is_served() {
 
 /// `max_requests_per_connection` over HTTP/2 holds against a client that never answers
 /// the PING of the graceful close (so never gets the final GOAWAY) and goes on opening
-/// streams: past the cap by more than it could have had open when the first GOAWAY
-/// reached it, the connection is dropped, not served for ever.
+/// streams: past the cap by more than a stream limit's worth, and still opening them two
+/// seconds into the close (a client that answers stops within a round trip), the
+/// connection is dropped, not served for ever.
 #[tokio::test]
 async fn an_h2_client_ignoring_the_goaway_is_not_served_for_ever() {
     let up = upstream(|_| async { http::Response::new(full("ok")) }).await;
@@ -418,16 +419,22 @@ async fn an_h2_client_ignoring_the_goaway_is_not_served_for_ever() {
     let mut s = TcpStream::connect(gw.addr).await.unwrap();
     let mut hello = PREFACE.to_vec();
     hello.extend(frame(SETTINGS, 0, 0, &[]));
+    // A connection window that thousands of answers do not shut (WINDOW_UPDATE, stream 0).
+    hello.extend(frame(0x8, 0, 0, &(i32::MAX as u32 - 65_535).to_be_bytes()));
     s.write_all(&hello).await.unwrap();
     // Batches of 20 streams (under the server's concurrent-stream limit), each answered
     // before the next is sent; the PING and the SETTINGS are never answered.
-    let (batches, per) = (15u32, 20u32);
+    let per = 20u32;
     let mut answered = 0u32;
     let mut closed = false;
     let mut buf = Vec::new();
     let mut chunk = [0u8; 16384];
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    'batches: for b in 0..batches {
+    let started = tokio::time::Instant::now();
+    let deadline = started + Duration::from_secs(20);
+    'batches: for b in 0.. {
+        if tokio::time::Instant::now() >= deadline {
+            break;
+        }
         let mut out = Vec::new();
         for i in 0..per {
             let stream = 2 * (b * per + i) + 1;
@@ -467,16 +474,15 @@ async fn an_h2_client_ignoring_the_goaway_is_not_served_for_ever() {
                     break 'batches;
                 }
                 Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
-                Err(_) => panic!("no answer or close within 20 s ({answered} answered)"),
+                Err(_) => break 'batches,
             }
         }
     }
     assert!(
         closed,
-        "all {answered} streams served; the connection is still open"
+        "{answered} streams served in 20 s; the connection is still open"
     );
-    assert!(
-        (2..=2 + 200 + per).contains(&answered),
-        "{answered} streams answered"
-    );
+    // Not before two seconds of it, nor before 200 streams past the cap.
+    assert!(started.elapsed() >= Duration::from_secs(2));
+    assert!(answered >= 2 + 200, "{answered} streams answered");
 }

@@ -4,7 +4,7 @@
 
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use http::HeaderValue;
@@ -85,16 +85,20 @@ pub struct ConnActivity {
     /// Response bodies that handed the client a piece and have not been asked for the next
     /// since: over HTTP/2, a stream whose client stopped taking data (its flow-control
     /// window shut) is not asked, and no write of the connection blocks to show it.
-    waiting_on_client: AtomicUsize,
+    waiting_on_client: AtomicU32,
     /// When the client last took a piece, or one started waiting, in ms from `epoch`.
     last_taken_ms: std::sync::atomic::AtomicU64,
-    /// A write to the client is blocked (its bytes wait for the client to take them), as
-    /// the connection's [`SendTimeout`](crate::server::send_timeout::SendTimeout) saw last.
-    write_blocked: std::sync::atomic::AtomicBool,
-    /// The connection is in its lingering close (its answers are written; what the client
-    /// still sends is read out, so that the close is no reset).
-    lingering: std::sync::atomic::AtomicBool,
+    /// [`WRITE_BLOCKED`]: a write to the client is blocked (its bytes wait for the client
+    /// to take them), as the connection's
+    /// [`SendTimeout`](crate::server::send_timeout::SendTimeout) saw last. [`LINGERING`]:
+    /// the connection is in its lingering close (its answers are written; what the client
+    /// still sends is read out, so that the close is no reset). One byte beside a 32-bit
+    /// count: the whole, with its `Arc`, stays in one 64-byte line.
+    sending: AtomicU8,
 }
+
+const WRITE_BLOCKED: u8 = 1;
+const LINGERING: u8 = 2;
 
 impl Default for ConnActivity {
     fn default() -> Self {
@@ -102,10 +106,9 @@ impl Default for ConnActivity {
             in_flight: AtomicUsize::new(0),
             epoch: Instant::now(),
             last_active_ms: Default::default(),
-            waiting_on_client: AtomicUsize::new(0),
+            waiting_on_client: AtomicU32::new(0),
             last_taken_ms: Default::default(),
-            write_blocked: Default::default(),
-            lingering: Default::default(),
+            sending: AtomicU8::new(0),
         }
     }
 }
@@ -152,12 +155,16 @@ impl ConnActivity {
 
     /// A write to the client became blocked (`true`) or went through again (`false`).
     pub fn set_write_blocked(&self, blocked: bool) {
-        self.write_blocked.store(blocked, Ordering::Relaxed);
+        if blocked {
+            self.sending.fetch_or(WRITE_BLOCKED, Ordering::Relaxed);
+        } else {
+            self.sending.fetch_and(!WRITE_BLOCKED, Ordering::Relaxed);
+        }
     }
 
     /// The connection began its lingering close.
     pub fn set_lingering(&self) {
-        self.lingering.store(true, Ordering::Relaxed);
+        self.sending.fetch_or(LINGERING, Ordering::Relaxed);
     }
 
     /// Is the connection still handing the client what it was answered (a write blocked
@@ -165,7 +172,7 @@ impl ConnActivity {
     /// last piece was produced may still be on their way: a close must not cut them.
     /// (Each is bounded: a write by the send timeout, a lingering close by its own limits.)
     pub fn still_sending(&self) -> bool {
-        self.write_blocked.load(Ordering::Relaxed) || self.lingering.load(Ordering::Relaxed)
+        self.sending.load(Ordering::Relaxed) != 0
     }
 
     /// When a client that took no response data while some waited for it is cut off:
@@ -278,5 +285,34 @@ impl Drop for ExchangeRecorder {
         if self.ex.is_some() {
             self.fail("client_gone");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connection's activity, read and written on every request, stays with its `Arc`'s
+    /// two counts in one 64-byte line (and one allocation size class).
+    #[test]
+    fn conn_activity_fits_one_line_with_its_arc() {
+        assert!(std::mem::size_of::<ConnActivity>() + 16 <= 64);
+    }
+
+    /// A blocked write and a lingering close each keep the connection sending; the write's
+    /// end clears only its own part.
+    #[test]
+    fn still_sending_follows_writes_and_linger() {
+        let a = ConnActivity::default();
+        assert!(!a.still_sending());
+        a.set_write_blocked(true);
+        assert!(a.still_sending());
+        a.set_lingering();
+        a.set_write_blocked(false);
+        assert!(a.still_sending());
+        let b = ConnActivity::default();
+        b.set_write_blocked(true);
+        b.set_write_blocked(false);
+        assert!(!b.still_sending());
     }
 }

@@ -404,6 +404,7 @@ where
         // resets before they are taken end the connection with GOAWAY ENHANCE_YOUR_CALM.
         // h2's default, set here so that it cannot go with a dependency update.
         .max_pending_accept_reset_streams(20)
+        .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
         .serve_connection(TokioIo::new(io), service);
     let conn = std::pin::pin!(conn);
     let ended = drive(conn, ctx.shutdown, &info, settings, |c| {
@@ -460,6 +461,7 @@ where
         side,
         closing: false,
         close_deadline: false,
+        capped_at: None,
         info,
         idle,
         max_requests: match settings.max_requests_per_connection {
@@ -494,6 +496,8 @@ struct Drive<'a, C, G> {
     /// The connection was asked to close for idleness or a shutdown: from then on the idle
     /// timer runs to when it must have ended (unless a request is in flight then).
     close_deadline: bool,
+    /// When it was asked to close for reaching `max_requests_per_connection`.
+    capped_at: Option<std::time::Instant>,
     info: &'a ConnInfo,
     idle: Duration,
     /// `server.max_requests_per_connection` (`u64::MAX`: no cap). Once the connection has
@@ -526,14 +530,20 @@ where
             let requests = this.info.requests.load(Ordering::Relaxed);
             if !this.closing && requests >= this.max_requests {
                 this.close_as_idle();
+                this.capped_at = Some(std::time::Instant::now());
                 this.side.woken.store(true, Ordering::Release);
                 continue;
             }
             // HTTP/2's graceful close sends its final GOAWAY only once the client answers a
-            // PING: a client that never does could go on opening streams, each served. Past
-            // the cap by more than the streams it could have had open before the first
-            // GOAWAY reached it, the connection is dropped.
-            if this.closing && requests > this.max_requests.saturating_add(STREAMS_PAST_CAP) {
+            // PING: a client that never does could go on opening streams, each served. One
+            // that answers stops within a round trip of it, however fast it sends; past the
+            // cap by more than a stream limit's worth, still opening streams a while after
+            // the close began, it is not answering, and the connection is dropped.
+            if requests > this.max_requests.saturating_add(STREAMS_PAST_CAP)
+                && this
+                    .capped_at
+                    .is_some_and(|at| at.elapsed() >= CAP_CLOSE_PATIENCE)
+            {
                 tracing::debug!(client.addr = %this.info.client, "client went on opening streams past max_requests_per_connection; connection dropped");
                 return Poll::Ready(None);
             }
@@ -659,10 +669,16 @@ where
     }
 }
 
-/// How many requests past `max_requests_per_connection` a connection may still take while
-/// it closes: an HTTP/2 client may have opened up to its concurrent-stream limit (hyper's
-/// default, 200) before it saw the GOAWAY.
-const STREAMS_PAST_CAP: u64 = 200;
+/// How many requests past `max_requests_per_connection` a connection closing for it may
+/// take at any pace ([`MAX_CONCURRENT_STREAMS`]'s worth), and for how long after the close
+/// began it may go on taking more: an HTTP/2 client answers the close's PING within a round
+/// trip, and its final GOAWAY stops it.
+const STREAMS_PAST_CAP: u64 = MAX_CONCURRENT_STREAMS as u64;
+const CAP_CLOSE_PATIENCE: Duration = Duration::from_secs(2);
+
+/// The HTTP/2 server's `SETTINGS_MAX_CONCURRENT_STREAMS` (hyper's default, set here so that
+/// it cannot change with a dependency update).
+const MAX_CONCURRENT_STREAMS: u32 = 200;
 
 /// How long a connection asked to close at shutdown may take to, with no request in flight.
 const SHUTDOWN_CLOSE_WAIT: Duration = Duration::from_secs(1);

@@ -127,9 +127,13 @@ mod tests {
             io
         });
         // The duplex buffer is full: the second write waits.
-        while !activity.still_sending() {
-            tokio::task::yield_now().await;
-        }
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while !activity.still_sending() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the blocked write was not told");
         let mut got = [0u8; 128];
         far.read_exact(&mut got).await.expect("read");
         let _io = writing.await.expect("writer");
