@@ -462,6 +462,11 @@ async fn a_retry_the_kept_connection_turns_away_goes_on_a_new_one() {
     );
     assert_eq!(stat(&gw, |s| s.retries.load(Ordering::Relaxed)), 1);
     assert_eq!(
+        stat(&gw, |s| s.refused_resends.load(Ordering::Relaxed)),
+        1,
+        "the refused retry is counted as one"
+    );
+    assert_eq!(
         seen.conns.load(Ordering::SeqCst),
         2,
         "the turned-away retry, and what came after it, on a second connection"

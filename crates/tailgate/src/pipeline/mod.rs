@@ -635,13 +635,10 @@ fn forward(
                     {
                         // A stream the HTTP/2 server reset alone leaves its connection
                         // in use (the retry may go on it); any other failure retires it.
-                        // A second copy of the body goes with it then, in case that
-                        // connection turns the retry away unsent.
-                        let again = if e.stream_reset_only() {
-                            replay_body()
-                        } else {
-                            None
-                        };
+                        // A second copy of the body can be had then (made only if needed),
+                        // in case that connection turns the retry away unsent.
+                        let again: Option<&(dyn Fn() -> Option<ReqBody> + Sync)> =
+                            e.stream_reset_only().then_some(&replay_body);
                         tracing::debug!(upstream.addr = %pool.addr, error = %e, same_connection_allowed = again.is_some(), "upstream connection failed under a request; retrying it");
                         pool.count_retry();
                         send_on_new(&mut up, &parts, &added, body, left(), again).await?
@@ -793,21 +790,26 @@ fn send_on_new<'a>(
     added: &'a headers::Added<'a>,
     body: ReqBody,
     left: Duration,
-    again: Option<ReqBody>,
+    again: Option<&'a (dyn Fn() -> Option<ReqBody> + Sync)>,
 ) -> std::pin::Pin<Box<impl std::future::Future<Output = Resent> + 'a>> {
     Box::pin(async move {
         let resend = async {
             *up = up.replacement(again.is_some()).await?;
             let sent = up.send(parts, added, body, None).await;
-            match (sent, again) {
-                (Err(e), Some(body))
-                    if matches!(e, SendError::NotSent(_)) || e.refused_before_processing() =>
-                {
+            match sent {
+                Err(e) if matches!(e, SendError::NotSent(_)) || e.refused_before_processing() => {
+                    // (The copy is made only now.)
+                    let Some(body) = again.and_then(|again| again()) else {
+                        return Ok(Err(e));
+                    };
                     tracing::debug!(upstream.addr = %up.pool.addr, error = %e, "the connection kept after a stream's reset turned the retry away; sending it on another");
+                    if e.refused_before_processing() {
+                        up.pool.count_refused_resend();
+                    }
                     *up = up.replacement(false).await?;
                     Ok(up.send(parts, added, body, None).await)
                 }
-                (sent, _) => Ok(sent),
+                sent => Ok(sent),
             }
         };
         tokio::time::timeout(left, resend)
