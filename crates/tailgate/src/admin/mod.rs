@@ -209,7 +209,9 @@ pub struct Admin {
 /// The admin listener and the runtimes of the admin and scrape threads, made before the
 /// data plane starts (see `runtime::build`).
 pub struct Bound {
-    listener: std::net::TcpListener,
+    /// Bound, listening only from [`Admin::start`], the start's last step: a start that
+    /// fails before resets no probe on an address a running gateway shares.
+    listener: socket2::Socket,
     runtime: tokio::runtime::Runtime,
     /// `None` when it could not be built: scrapes render on the admin thread.
     scrape_runtime: Option<tokio::runtime::Runtime>,
@@ -219,7 +221,7 @@ pub struct Bound {
 /// SO_REUSEPORT, as the data listeners are: a second gateway started on a running one's
 /// addresses (a restart that refuses no connection) shares it rather than failing to start.
 pub fn bind(addr: SocketAddr) -> std::io::Result<Bound> {
-    let listener = crate::listener::bind_reuseport(addr)?;
+    let listener = crate::listener::bind_unlistened(addr)?;
     let runtime = crate::runtime::build()?;
     let scrape_runtime = crate::runtime::build()
         .inspect_err(|e| {
@@ -241,6 +243,7 @@ impl Admin {
             runtime,
             scrape_runtime,
         } = bound;
+        let listener = crate::listener::listen(listener)?;
         let addr = listener.local_addr()?;
         let (stop, stop_rx) = watch::channel(false);
         let scrape_stop = stop_rx.clone();

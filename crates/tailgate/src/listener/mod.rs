@@ -43,13 +43,8 @@ pub fn taken_by_another(addr: SocketAddr) -> bool {
     matches!(socket.bind(&addr.into()), Err(e) if e.kind() == std::io::ErrorKind::AddrInUse)
 }
 
-/// Binds `addr` with SO_REUSEPORT so that each worker can bind its own socket to it, and
-/// listens.
-pub fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
-    listen(bind_unlistened(addr)?)
-}
-
-/// Binds `addr` with SO_REUSEPORT, without listening yet: until it listens, the socket
+/// Binds `addr` with SO_REUSEPORT (so that each worker can bind its own socket to it),
+/// without listening yet: until it listens, the socket
 /// takes no connection (the kernel leaves it out of the port's SO_REUSEPORT group), so a
 /// start that fails later (another listener's certificate, a port taken) closes it without
 /// resetting any connection, where a gateway it was to replace keeps serving.

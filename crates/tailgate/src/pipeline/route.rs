@@ -408,7 +408,7 @@ fn host_part(h: &[u8]) -> Option<(usize, bool)> {
     Some((end, upper))
 }
 
-/// Is `h` a Host header's `host [":" port]` with a host (see [`host_part`]), a port that
+/// Is `h` a Host header's `host [":" port]` with a host (as `host_part` reads it), a port that
 /// fits 16 bits, and an authority HTTP/2's `:authority` can carry (no `%` outside
 /// brackets)? For `check`.
 pub fn is_host_value(h: &str) -> bool {

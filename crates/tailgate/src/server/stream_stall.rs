@@ -2,7 +2,7 @@
 //! nginx's `send_timeout` resets an HTTP/2 request: hyper's server waits for the stream's
 //! flow-control window without polling the response body, so neither the body nor any
 //! write of the connection sees the stall. Each stream hyper spawns runs inside
-//! [`Watched`], which learns from the response body ([`handed`], [`taken`]) when a piece is
+//! `Watched`, which learns from the response body ([`handed`], [`taken`]) when a piece is
 //! waiting for the client, and drops the stream (h2 resets it with `CANCEL`, and its
 //! upstream exchange ends) once a piece has waited `idle_timeout`. The connection's other
 //! streams go on: one stream the client keeps reading no longer hides another it stopped
@@ -57,7 +57,7 @@ pub fn taken() {
     let _ = STREAM.try_with(|w| w.since_ms.store(0, Ordering::Relaxed));
 }
 
-/// The executor of hyper's HTTP/2 server: each stream's task runs [`Watched`].
+/// The executor of hyper's HTTP/2 server: each stream's task runs in a `Watched`.
 #[derive(Clone, Copy)]
 pub struct StreamExec {
     /// How long a piece may wait for the client to take it (`server.idle_timeout`).
