@@ -461,7 +461,6 @@ where
         side,
         closing: false,
         close_deadline: false,
-        capped_at: None,
         info,
         idle,
         max_requests: match settings.max_requests_per_connection {
@@ -496,8 +495,6 @@ struct Drive<'a, C, G> {
     /// The connection was asked to close for idleness or a shutdown: from then on the idle
     /// timer runs to when it must have ended (unless a request is in flight then).
     close_deadline: bool,
-    /// When it was asked to close for reaching `max_requests_per_connection`.
-    capped_at: Option<std::time::Instant>,
     info: &'a ConnInfo,
     idle: Duration,
     /// `server.max_requests_per_connection` (`u64::MAX`: no cap). Once the connection has
@@ -530,7 +527,7 @@ where
             let requests = this.info.requests.load(Ordering::Relaxed);
             if !this.closing && requests >= this.max_requests {
                 this.close_as_idle();
-                this.capped_at = Some(std::time::Instant::now());
+                let _ = this.side.capped_at.set(std::time::Instant::now());
                 this.side.woken.store(true, Ordering::Release);
                 continue;
             }
@@ -541,7 +538,9 @@ where
             // the close began, it is not answering, and the connection is dropped.
             if requests > this.max_requests.saturating_add(STREAMS_PAST_CAP)
                 && this
+                    .side
                     .capped_at
+                    .get()
                     .is_some_and(|at| at.elapsed() >= CAP_CLOSE_PATIENCE)
             {
                 tracing::debug!(client.addr = %this.info.client, "client went on opening streams past max_requests_per_connection; connection dropped");
@@ -688,6 +687,9 @@ const SHUTDOWN_CLOSE_WAIT: Duration = Duration::from_secs(1);
 struct SideWake {
     woken: AtomicBool,
     task: AtomicWaker,
+    /// When the connection was asked to close for reaching `max_requests_per_connection`
+    /// (here, on the heap, rather than in the `Drive` every wake-up reads).
+    capped_at: std::sync::OnceLock<std::time::Instant>,
 }
 
 impl Default for SideWake {
@@ -696,6 +698,7 @@ impl Default for SideWake {
         SideWake {
             woken: AtomicBool::new(true),
             task: AtomicWaker::new(),
+            capped_at: std::sync::OnceLock::new(),
         }
     }
 }
