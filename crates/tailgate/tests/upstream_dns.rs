@@ -522,6 +522,18 @@ async fn requests_to(admin: SocketAddr, ep: Option<SocketAddr>) -> Option<f64> {
     Some(reuses.first()?.value + connects.first()?.value)
 }
 
+/// Waits (up to 4 s) until `/metrics` has a series for `ep`, or (`shown` false) has none;
+/// fails with `what` if it does not come to that.
+async fn series_shown(admin: SocketAddr, ep: SocketAddr, shown: bool, what: &str) {
+    for _ in 0..400 {
+        if requests_to(admin, Some(ep)).await.is_some() == shown {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{what}");
+}
+
 /// An address dropped from the DNS answer: its per-endpoint counters in `/metrics` never
 /// go back while the workers drain its pools, each on its own time (here the second worker
 /// is held while the first drains), and once no worker has it any more its counts go on
@@ -575,15 +587,13 @@ async fn a_removed_address_counters_never_go_back() {
     held_rx.recv().unwrap();
     dns.set(Ipv4Addr::new(127, 0, 0, 3));
     // B's series appears once the first worker has the new answer.
-    let mut seen_b = false;
-    for _ in 0..400 {
-        if requests_to(admin, Some(b)).await.is_some() {
-            seen_b = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(seen_b, "the first worker did not take the new answer");
+    series_shown(
+        admin,
+        b,
+        true,
+        "the first worker did not take the new answer",
+    )
+    .await;
     assert_eq!(
         requests_to(admin, Some(a)).await,
         Some(before),
@@ -592,28 +602,12 @@ async fn a_removed_address_counters_never_go_back() {
     assert_eq!(requests_to(admin, None).await, None);
     release_tx.send(()).unwrap();
     // Once the second worker drops A too, its counts are under `_removed`.
-    let mut moved = false;
-    for _ in 0..400 {
-        if requests_to(admin, Some(a)).await.is_none() {
-            moved = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(moved, "the second worker did not drop A");
+    series_shown(admin, a, false, "the second worker did not drop A").await;
     assert_eq!(requests_to(admin, None).await, Some(before));
     // A comes back: its series starts afresh (a reset, as after a restart), and what was
     // summed under `_removed` stays there.
     dns.set(Ipv4Addr::new(127, 0, 0, 2));
-    let mut back = false;
-    for _ in 0..400 {
-        if requests_to(admin, Some(a)).await.is_some() {
-            back = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(back, "A did not come back");
+    series_shown(admin, a, true, "A did not come back").await;
     assert_eq!(get(gw.addr, "/").await.status(), 200);
     assert_eq!(requests_to(admin, None).await, Some(before));
 }
