@@ -598,6 +598,45 @@ async fn an_h2_stream_the_client_stopped_reading_is_reset_alone() {
     assert_eq!(e.reason(), Some(h2::Reason::CANCEL), "{e}");
 }
 
+/// A route's `total_timeout` cuts an HTTP/2 stream whose client keeps its window shut
+/// (hyper does not poll its body then, so the body cannot cut itself off): the stream is
+/// reset at the deadline, well before the connection's `idle_timeout`.
+#[tokio::test]
+async fn an_h2_stream_stalled_past_its_total_timeout_is_reset() {
+    let up = upstream(|_| async { http::Response::new(full(vec![b'x'; 4 << 20])) }).await;
+    let gw = TestGateway::start(&format!(
+        "[server]\nworkers = 1\nidle_timeout = \"30s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\ntotal_timeout = \"1s\"\n"
+    ));
+    let tcp = TcpStream::connect(gw.addr).await.unwrap();
+    let (client, conn) = h2::client::Builder::new()
+        .initial_connection_window_size(16 << 20)
+        .handshake::<_, Bytes>(tcp)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let mut client = client.ready().await.unwrap();
+    let (big, _) = client
+        .send_request(http::Request::get("http://a/big").body(()).unwrap(), true)
+        .unwrap();
+    let big = big.await.unwrap();
+    assert_eq!(big.status().as_u16(), 200);
+    // Its frames read, its window never given back.
+    let mut body = big.into_body();
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match body.data().await {
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Some(e),
+                None => return None,
+            }
+        }
+    })
+    .await
+    .expect("the stalled stream was not cut by its total timeout within 10 s");
+    let e = ended.expect("the stalled stream was reset, not ended");
+    assert_eq!(e.reason(), Some(h2::Reason::CANCEL), "{e}");
+}
+
 /// Holds worker 0's thread for `d` (from when this returns), so that connections wait in
 /// its listen queue.
 fn hold_worker(gw: &TestGateway, d: Duration) {

@@ -517,7 +517,9 @@ impl Body for RespBody {
                         } else if let Some(a) = up.recorder.activity() {
                             up.handed = true;
                             a.piece_handed();
-                            crate::server::stream_stall::handed();
+                            crate::server::stream_stall::handed(
+                                up.deadline.as_ref().map(|d| d.deadline()),
+                            );
                         }
                         Poll::Ready(Some(Ok(frame)))
                     }

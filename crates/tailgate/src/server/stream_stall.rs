@@ -28,27 +28,41 @@ tokio::task_local! {
 }
 
 /// When the stream's response body last handed the client a piece that it has not taken
-/// since: ms from `epoch`, plus 1 (0: none waiting).
+/// since, and the route's total deadline then: ms from `epoch`, plus 1 (0: none).
 struct Waiting {
     epoch: Instant,
     since_ms: AtomicU64,
+    total_ms: AtomicU64,
 }
 
 impl Waiting {
+    fn at(&self, ms: u64) -> Option<Instant> {
+        (ms > 0).then(|| self.epoch + Duration::from_millis(ms - 1))
+    }
+
     fn since(&self) -> Option<Instant> {
-        match self.since_ms.load(Ordering::Relaxed) {
-            0 => None,
-            ms => Some(self.epoch + Duration::from_millis(ms - 1)),
-        }
+        self.at(self.since_ms.load(Ordering::Relaxed))
+    }
+
+    fn total(&self) -> Option<Instant> {
+        self.at(self.total_ms.load(Ordering::Relaxed))
+    }
+
+    fn ms(&self, at: Instant) -> u64 {
+        let ms = at.saturating_duration_since(self.epoch).as_millis();
+        u64::try_from(ms).unwrap_or(u64::MAX - 1) + 1
     }
 }
 
 /// The response body being polled handed the client a piece, and waits to be asked for
-/// the next. Outside an HTTP/2 stream's task (HTTP/1), nothing.
-pub fn handed() {
+/// the next; `total` is the route's total deadline, if any (a stream whose client keeps
+/// its window shut is not polled, so the body cannot cut itself off at it). Outside an
+/// HTTP/2 stream's task (HTTP/1), nothing.
+pub fn handed(total: Option<Instant>) {
     let _ = STREAM.try_with(|w| {
-        let ms = u64::try_from(w.epoch.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
-        w.since_ms.store(ms + 1, Ordering::Relaxed);
+        w.since_ms.store(w.ms(Instant::now()), Ordering::Relaxed);
+        w.total_ms
+            .store(total.map_or(0, |t| w.ms(t)), Ordering::Relaxed);
     });
 }
 
@@ -75,6 +89,7 @@ where
             waiting: Arc::new(Waiting {
                 epoch: Instant::now(),
                 since_ms: AtomicU64::new(0),
+                total_ms: AtomicU64::new(0),
             }),
             idle: self.idle,
             timer: None,
@@ -106,7 +121,11 @@ impl<F: Future> Future for Watched<F> {
         let Some(since) = this.waiting.since() else {
             return Poll::Pending;
         };
-        let due = since + this.idle;
+        // The idle time for the piece, or the route's total deadline if it comes first.
+        let due = match this.waiting.total() {
+            Some(total) => total.min(since + this.idle),
+            None => since + this.idle,
+        };
         let timer = match &mut this.timer {
             Some(t) => {
                 if t.deadline() != due {
@@ -120,7 +139,7 @@ impl<F: Future> Future for Watched<F> {
             return Poll::Pending;
         }
         tracing::debug!(
-            "client took none of a stream's response data for the idle timeout; stream reset"
+            "client took none of a stream's response data for the idle timeout (or until the route's total deadline); stream reset"
         );
         // Dropping the stream's task resets the stream; its upstream exchange ends with it.
         Poll::Ready(())
@@ -135,7 +154,7 @@ mod tests {
     /// took its piece in time runs on; outside a stream's task the calls do nothing.
     #[tokio::test(start_paused = true)]
     async fn a_piece_left_waiting_ends_the_stream_alone() {
-        handed();
+        handed(None);
         taken();
         let exec = StreamExec {
             idle: Duration::from_secs(1),
@@ -144,17 +163,17 @@ mod tests {
         let (kept_tx, kept_rx) = tokio::sync::oneshot::channel::<()>();
         hyper::rt::Executor::execute(&exec, async move {
             let _held = stalled_tx;
-            handed();
+            handed(None);
             std::future::pending::<()>().await;
         });
         hyper::rt::Executor::execute(&exec, async move {
             let _held = kept_tx;
             for _ in 0..10 {
-                handed();
+                handed(None);
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 taken();
             }
-            handed();
+            handed(None);
             std::future::pending::<()>().await;
         });
         // The stalled task ends (its sender dropped) after the idle time.
@@ -171,5 +190,28 @@ mod tests {
         );
         // Left waiting at last, it is ended too.
         assert!(kept_rx.await.is_err());
+    }
+
+    /// A piece waiting past the route's total deadline ends the stream then, before its
+    /// idle time.
+    #[tokio::test(start_paused = true)]
+    async fn a_total_deadline_before_the_idle_time_ends_the_stream_then() {
+        let exec = StreamExec {
+            idle: Duration::from_secs(60),
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let total = Instant::now() + Duration::from_secs(2);
+        hyper::rt::Executor::execute(&exec, async move {
+            let _held = tx;
+            handed(Some(total));
+            std::future::pending::<()>().await;
+        });
+        let t0 = Instant::now();
+        assert!(rx.await.is_err());
+        let took = t0.elapsed();
+        assert!(
+            took >= Duration::from_secs(2) && took < Duration::from_secs(60),
+            "{took:?}"
+        );
     }
 }
