@@ -530,6 +530,20 @@ async fn an_h2_client_that_stalls_its_last_stream_is_cut_off() {
     );
 }
 
+/// An h2c client (the h2 crate, for control over each stream's window) whose connection
+/// window is wide enough that a stalled stream (64 KiB of stream window) does not shut the
+/// others out.
+async fn h2_client_wide_window(addr: std::net::SocketAddr) -> h2::client::SendRequest<Bytes> {
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (client, conn) = h2::client::Builder::new()
+        .initial_connection_window_size(16 << 20)
+        .handshake::<_, Bytes>(tcp)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    client.ready().await.unwrap()
+}
+
 /// One HTTP/2 stream whose client stopped taking its data (its window left shut) is reset
 /// after `idle_timeout`, while another stream on the same connection, which the client
 /// keeps reading, goes on to its end: the one read does not hide the one stalled, and the
@@ -545,16 +559,7 @@ async fn an_h2_stream_the_client_stopped_reading_is_reset_alone() {
     })
     .await;
     let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"1s\"\n");
-    let tcp = TcpStream::connect(gw.addr).await.unwrap();
-    // A connection window wide enough that the stalled stream (64 KiB of stream window)
-    // does not shut the other one out.
-    let (client, conn) = h2::client::Builder::new()
-        .initial_connection_window_size(16 << 20)
-        .handshake::<_, Bytes>(tcp)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let mut client = client.ready().await.unwrap();
+    let mut client = h2_client_wide_window(gw.addr).await;
     let get = |path: &str| {
         http::Request::get(format!("http://a{path}"))
             .body(())
@@ -607,14 +612,7 @@ async fn an_h2_stream_stalled_past_its_total_timeout_is_reset() {
     let gw = TestGateway::start(&format!(
         "[server]\nworkers = 1\nidle_timeout = \"30s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\ntotal_timeout = \"1s\"\n"
     ));
-    let tcp = TcpStream::connect(gw.addr).await.unwrap();
-    let (client, conn) = h2::client::Builder::new()
-        .initial_connection_window_size(16 << 20)
-        .handshake::<_, Bytes>(tcp)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let mut client = client.ready().await.unwrap();
+    let mut client = h2_client_wide_window(gw.addr).await;
     let (big, _) = client
         .send_request(http::Request::get("http://a/big").body(()).unwrap(), true)
         .unwrap();
