@@ -25,7 +25,7 @@ use crate::pipeline::route::RouteTable;
 use crate::pipeline::{Shared, Worker};
 use crate::server::DrainToken;
 use crate::server::spawner::{ConnCount, TenantSpawner};
-use crate::upstream::{ClusterCaps, Upstreams};
+use crate::upstream::{ClusterShared, Upstreams};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -215,10 +215,10 @@ impl Gateway {
 
         let mut workers = Vec::new();
         let mut handles = Vec::new();
-        let caps = ClusterCaps::new(&config);
+        let shared_clusters = ClusterShared::new(&config);
         for (i, (sockets, rt)) in per_worker.into_iter().zip(runtimes).enumerate() {
             let worker = Arc::new(Worker {
-                upstreams: Upstreams::new(&config, &dns, &caps),
+                upstreams: Upstreams::new(&config, &dns, &shared_clusters),
                 shared: shared.clone(),
                 metrics: Arc::new(WorkerMetrics::new(plan.clone())),
             });

@@ -107,18 +107,19 @@ pub struct RequestCap {
     max: usize,
 }
 
-/// Every cluster's [`RequestCap`] count, made once and shared by the workers' [`Upstreams`].
-pub struct ClusterCaps {
+/// What the workers' [`Upstreams`] share per cluster, made once: its [`RequestCap`] count,
+/// and its drained pools' counts.
+pub struct ClusterShared {
     caps: Vec<Option<Arc<RequestCap>>>,
     /// Each cluster's drained pools' counts, over every worker (see [`pool::GonePools`]).
     gone: Vec<Arc<pool::GonePools>>,
 }
 
-impl ClusterCaps {
+impl ClusterShared {
     /// A count for each cluster with a `max_requests`, and each cluster's drained pools'
     /// counts, indexed like the config's clusters.
-    pub fn new(config: &Config) -> ClusterCaps {
-        ClusterCaps {
+    pub fn new(config: &Config) -> ClusterShared {
+        ClusterShared {
             caps: config
                 .clusters
                 .iter()
@@ -387,8 +388,7 @@ impl ClusterPools {
                 next.push(p);
                 continue;
             }
-            let p = Arc::new(EndpointPool::new(a, &self.config, self.gone.clone()));
-            gone.register(a);
+            let p = Arc::new(EndpointPool::new(a, &self.config, &self.gone, &mut gone));
             tokio::spawn(p.clone().keep_warm());
             next.push(p);
         }
@@ -475,8 +475,8 @@ impl Upstreams {
     }
 
     /// Pools for every cluster; host-name clusters start from the resolver's current list,
-    /// and clusters with a `max_requests` share `caps`' counts with the other workers.
-    pub fn new(config: &Config, dns: &dns::Dns, caps: &ClusterCaps) -> Upstreams {
+    /// and each cluster shares with the other workers what `shared` holds for it.
+    pub fn new(config: &Config, dns: &dns::Dns, shared: &ClusterShared) -> Upstreams {
         Upstreams {
             clusters: config
                 .clusters
@@ -488,20 +488,16 @@ impl Upstreams {
                         Some(f) => f.addrs.borrow().to_vec(),
                         None => c.endpoints.clone(),
                     };
-                    let gone = caps.gone[i].clone();
-                    {
-                        let mut g = gone.lock();
-                        for &a in &addrs {
-                            g.register(a);
-                        }
-                    }
+                    let gone = shared.gone[i].clone();
+                    let pools = {
+                        let mut locked = gone.lock();
+                        addrs
+                            .iter()
+                            .map(|&a| Arc::new(EndpointPool::new(a, c, &gone, &mut locked)))
+                            .collect()
+                    };
                     Arc::new(ClusterPools {
-                        endpoints: ArcSwap::from_pointee(
-                            addrs
-                                .iter()
-                                .map(|&a| Arc::new(EndpointPool::new(a, c, gone.clone())))
-                                .collect(),
-                        ),
+                        endpoints: ArcSwap::from_pointee(pools),
                         gone,
                         stats: ClusterStats::default(),
                         config: c.clone(),
@@ -516,7 +512,7 @@ impl Upstreams {
                         hedge_budget_percent: c.hedge_budget_percent,
                         epoch: Instant::now(),
                         window_start: AtomicU64::new(0),
-                        cap: caps.caps.get(i).cloned().flatten(),
+                        cap: shared.caps.get(i).cloned().flatten(),
                         budget_exhausted: AtomicU64::new(0),
                     })
                 })
@@ -549,7 +545,7 @@ mod tests {
             ),
         )
         .expect("valid");
-        Upstreams::new(&cfg, &dns::Dns::none(), &ClusterCaps::new(&cfg))
+        Upstreams::new(&cfg, &dns::Dns::none(), &ClusterShared::new(&cfg))
     }
 
     /// `max_requests` is one count over every worker: one worker may take all the places,
@@ -561,7 +557,7 @@ mod tests {
             "[server]\nworkers = 2\n[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\nmax_requests = 3\n",
         )
         .expect("valid");
-        let caps = ClusterCaps::new(&cfg);
+        let caps = ClusterShared::new(&cfg);
         let dns = dns::Dns::none();
         let (a, b) = (
             Upstreams::new(&cfg, &dns, &caps),

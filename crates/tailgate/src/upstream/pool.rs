@@ -151,7 +151,7 @@ pub struct Gone {
 
 impl Gone {
     /// A pool of `addr` is made (under the lock of the list it joins).
-    pub(super) fn register(&mut self, addr: SocketAddr) {
+    fn register(&mut self, addr: SocketAddr) {
         match self.by_addr.iter_mut().find(|g| g.addr == addr) {
             Some(g) => g.pools += 1,
             None => self.by_addr.push(GoneEndpoint {
@@ -257,9 +257,17 @@ pub struct EndpointPool {
 }
 
 impl EndpointPool {
-    pub fn new(addr: SocketAddr, cluster: &Cluster, gone: Arc<GonePools>) -> EndpointPool {
+    /// A pool of `addr`, counted among the address's pools in `gone` (its cluster's,
+    /// `locked` by the caller, who puts the pool in the cluster's lists under that lock).
+    pub fn new(
+        addr: SocketAddr,
+        cluster: &Cluster,
+        gone: &Arc<GonePools>,
+        locked: &mut Gone,
+    ) -> EndpointPool {
+        locked.register(addr);
         EndpointPool {
-            gone,
+            gone: gone.clone(),
             addr,
             stats: PoolStats::default(),
             load: super::balance::EndpointLoad::new(
@@ -1100,7 +1108,13 @@ mod tests {
             "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"https://{addr}\"]\nprotocol = \"http2\"\ntls_ca = \"ca.pem\"\nconnect_timeout = \"10s\"\n"
         );
         let cfg = crate::Config::parse(&dir.join("t.toml"), &text).expect("valid config");
-        let pool = Arc::new(EndpointPool::new(addr, &cfg.clusters[0], Arc::default()));
+        let gone = Arc::default();
+        let pool = Arc::new(EndpointPool::new(
+            addr,
+            &cfg.clusters[0],
+            &gone,
+            &mut gone.lock(),
+        ));
         let cancelled = tokio::time::timeout(Duration::from_millis(50), pool.checkout()).await;
         assert!(cancelled.is_err(), "the handshake never completes");
         assert_eq!(pool.h2_connecting.load(Ordering::Relaxed), 0);
