@@ -446,6 +446,21 @@ impl EndpointSums {
     }
 }
 
+/// The sums of the endpoint at `addr` in `eps`, added when it is not there yet.
+fn sums_of(eps: &mut Vec<EndpointSums>, addr: SocketAddr) -> &mut EndpointSums {
+    match eps.iter().position(|s| s.addr == Some(addr)) {
+        Some(i) => &mut eps[i],
+        None => {
+            eps.push(EndpointSums {
+                addr: Some(addr),
+                ..EndpointSums::default()
+            });
+            let last = eps.len() - 1;
+            &mut eps[last]
+        }
+    }
+}
+
 async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> {
     // Per cluster: endpoints summed over workers, matched by address.
     let mut clusters: Vec<(String, Vec<EndpointSums>, u64)> = Vec::new();
@@ -470,14 +485,7 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
             // are still open.
             let parked = pools.parked_pools();
             for e in pools.endpoints.load().iter().chain(parked.iter()) {
-                match eps.iter_mut().find(|s| s.addr == Some(e.addr)) {
-                    Some(s) => s.add(e),
-                    None => {
-                        let mut s = EndpointSums::default();
-                        s.add(e);
-                        eps.push(s);
-                    }
-                }
+                sums_of(&mut eps, e.addr).add(e);
             }
         }
         // A drained pool's counts stay with its address while any worker still has a pool
@@ -485,17 +493,7 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
         // any more are summed under `endpoint="_removed"`, which only grows.
         if let Some(gone) = &gone {
             for g in &gone.by_addr {
-                match eps.iter_mut().find(|s| s.addr == Some(g.addr)) {
-                    Some(s) => s.add_gone(g),
-                    None => {
-                        let mut s = EndpointSums {
-                            addr: Some(g.addr),
-                            ..EndpointSums::default()
-                        };
-                        s.add_gone(g);
-                        eps.push(s);
-                    }
-                }
+                sums_of(&mut eps, g.addr).add_gone(g);
             }
             if let Some(r) = &gone.removed {
                 let mut s = EndpointSums::default();

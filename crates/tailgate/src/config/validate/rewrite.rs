@@ -64,9 +64,7 @@ impl Checker<'_> {
             }
         }
     }
-}
 
-impl Checker<'_> {
     /// A route's `host_rewrite`: what a Host header may be, `host[:port]` (a name, an IPv4
     /// address or a bracketed IPv6 one), as it goes into the request head as written.
     pub(super) fn host_rewrite(&mut self, r: &RawRoute, i: usize) -> Option<String> {
