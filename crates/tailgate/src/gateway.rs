@@ -156,12 +156,14 @@ impl Gateway {
                 if addr.port() == 0 {
                     addr = s
                         .local_addr()
-                        .ok()
-                        .and_then(|a| a.as_socket())
-                        .ok_or_else(|| StartError::Bind {
+                        .and_then(|a| {
+                            a.as_socket()
+                                .ok_or_else(|| std::io::Error::other("not an IP address"))
+                        })
+                        .map_err(|source| StartError::Bind {
                             name: l.name.clone(),
                             addr,
-                            source: std::io::Error::other("no local address after bind"),
+                            source,
                         })?;
                 }
                 sockets.push(s);
