@@ -242,21 +242,14 @@ async fn openmetrics_when_asked_and_gzip_when_allowed() {
     assert!(text.contains("tailgate_requests_total{tenant=\"acme\",route=\"acme-api\""));
 }
 
-#[tokio::test]
-async fn consumer_series_reach_100k_without_errors() {
-    let up = ok_upstream().await;
-    let gw = two_tenants(
-        up,
-        "[metrics]\nconsumer_header = \"x-consumer\"\nmax_consumers = 200000\n",
-    );
-    // Each consumer has 1 request-count series, 1 bytes series and a 19-sample histogram.
-    const CONSUMERS: usize = 4800;
-    let addr = gw.addr;
+/// One request to `/api/` on `acme.test` from each of `n` consumers (`x-consumer`), over 8
+/// connections.
+async fn requests_from_consumers(addr: SocketAddr, n: usize) {
     let mut tasks = Vec::new();
     for t in 0..8 {
         tasks.push(tokio::spawn(async move {
             let mut c = h1_client(addr).await;
-            for i in (t..CONSUMERS).step_by(8) {
+            for i in (t..n).step_by(8) {
                 let req = http::Request::get("/api/")
                     .header("host", "acme.test")
                     .header("x-consumer", format!("consumer-{i}\"q\""))
@@ -271,6 +264,18 @@ async fn consumer_series_reach_100k_without_errors() {
     for t in tasks {
         t.await.unwrap();
     }
+}
+
+#[tokio::test]
+async fn consumer_series_reach_100k_without_errors() {
+    let up = ok_upstream().await;
+    let gw = two_tenants(
+        up,
+        "[metrics]\nconsumer_header = \"x-consumer\"\nmax_consumers = 200000\n",
+    );
+    // Each consumer has 1 request-count series, 1 bytes series and a 19-sample histogram.
+    const CONSUMERS: usize = 4800;
+    requests_from_consumers(gw.addr, CONSUMERS).await;
     let ex = scrape(admin_addr(&gw)).await;
     assert!(
         ex.samples.len() >= 100_000,
@@ -560,17 +565,105 @@ async fn stats_and_unknown_paths() {
     assert_eq!(c.send_request(req).await.unwrap().status(), 405);
 }
 
-/// Every admin slot held by clients that connected and sent nothing (or stopped reading):
-/// health probes are still answered, other paths get a clear 503.
+/// Every admin slot held by clients that connected and sent nothing, or that sit idle
+/// between requests: a new connection gets the slot of the one idle the longest, which is
+/// closed, and every endpoint is answered on it.
 #[tokio::test]
-async fn health_probes_are_answered_when_every_admin_slot_is_held() {
+async fn an_idle_admin_connection_gives_its_slot_to_a_new_one() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let up = ok_upstream().await;
     let gw = two_tenants(up, "");
     let admin = admin_addr(&gw);
     let mut held = Vec::new();
     for _ in 0..64 {
         held.push(tokio::net::TcpStream::connect(admin).await.unwrap());
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    // The first one asks for something, so it has been idle for less time than the others.
+    held[0]
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: admin\r\n\r\n")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    read_head(&mut held[0], &mut got).await.unwrap();
+    assert!(got.starts_with(b"HTTP/1.1 200"), "{got:?}");
+    // The rest of its body, then nothing more.
+    let mut buf = [0u8; 1024];
+    while let Ok(n) = tokio::time::timeout(Duration::from_millis(200), held[0].read(&mut buf)).await
+    {
+        assert!(
+            n.unwrap() > 0,
+            "the admin connection closed after one answer"
+        );
+    }
+
+    let r = admin_get(admin, "/metrics", &[]).await;
+    assert_eq!(r.status(), 200, "{:?}", r.body());
+    assert!(std::str::from_utf8(r.body()).unwrap().contains("tailgate_"));
+    // The second one, idle the longest, was closed for it; the others are still open.
+    let n = tokio::time::timeout(Duration::from_secs(5), held[1].read(&mut buf))
+        .await
+        .expect("the idlest admin connection is closed")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "{:?}", String::from_utf8_lossy(&buf[..n]));
+    for (i, c) in held.iter_mut().enumerate().filter(|(i, _)| *i != 1) {
+        let r = tokio::time::timeout(Duration::from_millis(10), c.read(&mut buf)).await;
+        assert!(r.is_err(), "admin connection {i} was closed too: {r:?}");
+    }
+}
+
+/// Admin slots held by `/metrics` responses their clients do not read are never taken back:
+/// a new connection gets the slot of an idle one, and when every slot is busy, health probes
+/// are answered on a probe slot while other paths get a clear 503.
+#[tokio::test]
+async fn health_probes_are_answered_when_every_admin_connection_is_busy() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = ok_upstream().await;
+    let gw = two_tenants(
+        up,
+        "[metrics]\nconsumer_header = \"x-consumer\"\nmax_consumers = 10000\n",
+    );
+    // About 4 MB of exposition: far more than a socket's buffers hold.
+    requests_from_consumers(gw.addr, 2000).await;
+    let admin = admin_addr(&gw);
+    let stuck_scrape = || async {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.set_recv_buffer_size(4096).unwrap();
+        let mut c = sock.connect(admin).await.unwrap();
+        c.write_all(b"GET /metrics HTTP/1.1\r\nHost: admin\r\n\r\n")
+            .await
+            .unwrap();
+        c
+    };
+    let mut held = Vec::new();
+    for _ in 0..63 {
+        held.push(stuck_scrape().await);
+    }
+    // The last slot: a connection idle after one answer, more recently than the busy ones
+    // were opened. It is the one closed for a new connection.
+    let mut idle = tokio::net::TcpStream::connect(admin).await.unwrap();
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: admin\r\n\r\n")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    read_head(&mut idle, &mut got).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = admin_get(admin, "/metrics", &[]).await;
+    assert_eq!(r.status(), 200, "{:?}", r.body());
+    let mut buf = [0u8; 1024];
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(5), idle.read(&mut buf))
+            .await
+            .expect("the idle admin connection is closed")
+            .unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+    }
+
+    // Every slot busy: probes only.
+    held.push(stuck_scrape().await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let r = admin_get(admin, "/healthz", &[]).await;
     assert_eq!(r.status(), 200, "{:?}", r.body());
     assert_eq!(admin_get(admin, "/readyz", &[]).await.status(), 200);
@@ -584,6 +677,12 @@ async fn health_probes_are_answered_when_every_admin_slot_is_held() {
         r.body()
     );
     drop(held);
+    // Their slots come back once they are gone.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while admin_get(admin, "/stats", &[]).await.status() != 200 {
+        assert!(Instant::now() < deadline, "the admin slots never came back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 #[tokio::test]

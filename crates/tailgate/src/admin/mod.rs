@@ -28,7 +28,7 @@ pub mod watchdog;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
@@ -60,6 +60,9 @@ const LIFETIME_DRAIN: Duration = Duration::from_secs(30);
 const PROBE_CONNECTIONS: usize = 8;
 /// The whole life of such a probe connection: one request, then it is closed.
 const PROBE_DEADLINE: Duration = Duration::from_secs(5);
+/// How long a connection taken when every slot is held waits for the slot of the idle
+/// connection it had closed (closing an idle connection takes one turn of the admin thread).
+const EVICT_WAIT: Duration = Duration::from_secs(1);
 
 /// What the admin plane reads: the config, every worker (their metrics and pools), and
 /// whether the gateway is draining. Built once per gateway.
@@ -303,22 +306,29 @@ fn run(
         };
         let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         let probe_permits = Arc::new(tokio::sync::Semaphore::new(PROBE_CONNECTIONS));
+        let open = Arc::new(Open::new());
         loop {
             tokio::select! {
                 accepted = listener.accept() => match accepted {
                     Ok((stream, peer)) => match permits.clone().try_acquire_owned() {
                         Ok(permit) => {
-                            tokio::spawn(serve(stream, state.clone(), permit, Slot::Full));
+                            tokio::spawn(serve(stream, state.clone(), permit, Slot::Full(open.clone())));
                         }
-                        Err(_) => match probe_permits.clone().try_acquire_owned() {
-                            Ok(permit) => {
-                                tracing::warn!(client = %peer, limit = MAX_CONNECTIONS, "admin connections all taken; this one may ask for /healthz or /readyz only");
-                                tokio::spawn(serve(stream, state.clone(), permit, Slot::Probe));
-                            }
-                            Err(_) => {
-                                tracing::warn!(client = %peer, limit = MAX_CONNECTIONS, "admin connection refused: too many open");
-                            }
-                        },
+                        // Every slot is held: an idle keep-alive connection (between
+                        // responses, or one that never sent a request) is closed for this
+                        // one, as nginx reuses idle connections when it runs out of them.
+                        Err(_) if open.close_idlest() => {
+                            tracing::info!(client = %peer, limit = MAX_CONNECTIONS, "admin connections all taken; the longest idle one is closed for this one");
+                            let (permits, probe_permits) = (permits.clone(), probe_permits.clone());
+                            let (state, open) = (state.clone(), open.clone());
+                            tokio::spawn(async move {
+                                match tokio::time::timeout(EVICT_WAIT, permits.acquire_owned()).await {
+                                    Ok(Ok(permit)) => serve(stream, state, permit, Slot::Full(open)).await,
+                                    _ => serve_probe(stream, peer, state, &probe_permits),
+                                }
+                            });
+                        }
+                        Err(_) => serve_probe(stream, peer, state.clone(), &probe_permits),
                     },
                     Err(e) => {
                         tracing::debug!(error = %e, "admin accept failed");
@@ -329,6 +339,131 @@ fn run(
             }
         }
     });
+}
+
+/// Serves `stream` on a probe slot (health probes only, one request), or drops it when
+/// those are all taken too.
+fn serve_probe(
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    state: Arc<AdminState>,
+    probe_permits: &Arc<tokio::sync::Semaphore>,
+) {
+    match probe_permits.clone().try_acquire_owned() {
+        Ok(permit) => {
+            tracing::warn!(client = %peer, limit = MAX_CONNECTIONS, "admin connections all busy; this one may ask for /healthz or /readyz only");
+            tokio::spawn(serve(stream, state, permit, Slot::Probe));
+        }
+        Err(_) => {
+            tracing::warn!(client = %peer, limit = MAX_CONNECTIONS, "admin connection refused: too many open");
+        }
+    }
+}
+
+/// The admin connections on full slots, so that when every slot is held the one idle the
+/// longest can be closed for a new one. At most [`MAX_CONNECTIONS`] entries.
+struct Open {
+    conns: std::sync::Mutex<Vec<Arc<OpenConn>>>,
+    epoch: Instant,
+}
+
+/// One admin connection on a full slot.
+struct OpenConn {
+    /// Responses begun and not yet finished (their bodies not yet dropped).
+    busy: AtomicU32,
+    /// When it last became idle (accepted, or a response finished), in ns since
+    /// [`Open::epoch`].
+    idle_since: AtomicU64,
+    /// Asks the connection to close (it does once idle).
+    close: tokio::sync::Notify,
+}
+
+impl Open {
+    fn new() -> Open {
+        Open {
+            conns: std::sync::Mutex::new(Vec::with_capacity(MAX_CONNECTIONS)),
+            epoch: Instant::now(),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    fn add(&self) -> Arc<OpenConn> {
+        let conn = Arc::new(OpenConn {
+            busy: AtomicU32::new(0),
+            idle_since: AtomicU64::new(self.now()),
+            close: tokio::sync::Notify::new(),
+        });
+        self.lock().push(conn.clone());
+        conn
+    }
+
+    fn remove(&self, conn: &Arc<OpenConn>) {
+        self.lock().retain(|c| !Arc::ptr_eq(c, conn));
+    }
+
+    /// Asks the connection idle the longest to close, and takes it off the list; false when
+    /// every connection is in the middle of a response.
+    fn close_idlest(&self) -> bool {
+        let mut conns = self.lock();
+        let idlest = conns
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.busy.load(Ordering::Relaxed) == 0)
+            .min_by_key(|(_, c)| c.idle_since.load(Ordering::Relaxed))
+            .map(|(i, _)| i);
+        match idlest {
+            Some(i) => {
+                conns.swap_remove(i).close.notify_one();
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Arc<OpenConn>>> {
+        // The list holds no invariant a panic could break half-way.
+        self.conns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Takes a connection off the list of open ones when it ends.
+struct Listed {
+    conn: Arc<OpenConn>,
+    open: Arc<Open>,
+}
+
+impl Drop for Listed {
+    fn drop(&mut self) {
+        self.open.remove(&self.conn);
+    }
+}
+
+/// Held by a response body on a full slot: the connection is busy until it is dropped.
+struct Busy {
+    conn: Arc<OpenConn>,
+    open: Arc<Open>,
+}
+
+impl Busy {
+    fn new(conn: &Arc<OpenConn>, open: &Arc<Open>) -> Busy {
+        conn.busy.fetch_add(1, Ordering::Relaxed);
+        Busy {
+            conn: conn.clone(),
+            open: open.clone(),
+        }
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.conn
+            .idle_since
+            .store(self.open.now(), Ordering::Relaxed);
+        self.conn.busy.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Nice 10 for this thread only (Linux applies `setpriority` to a thread id).
@@ -364,10 +499,10 @@ fn idle_priority() {
 }
 
 /// Which kind of slot an admin connection holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Slot {
-    /// One of [`MAX_CONNECTIONS`]: every endpoint, kept alive up to its lifetime.
-    Full,
+    /// One of [`MAX_CONNECTIONS`]: every endpoint, kept alive up to its lifetime, or until
+    /// a new connection needs its slot while it is idle.
+    Full(Arc<Open>),
     /// One of [`PROBE_CONNECTIONS`]: one health probe within [`PROBE_DEADLINE`].
     Probe,
 }
@@ -379,34 +514,60 @@ async fn serve(
     slot: Slot,
 ) {
     let _ = stream.set_nodelay(true);
+    // On a full slot: this connection in the list of open ones, taken off when it ends.
+    let tracked = match &slot {
+        Slot::Full(open) => Some((open.add(), open.clone())),
+        Slot::Probe => None,
+    };
+    let _listed = tracked.as_ref().map(|(conn, open)| Listed {
+        conn: conn.clone(),
+        open: open.clone(),
+    });
+    let keep_alive = tracked.is_some();
+    let close = tracked.as_ref().map(|(conn, _)| conn.clone());
     let svc = hyper::service::service_fn(move |req| {
         let state = state.clone();
+        let busy = tracked.as_ref().map(|(conn, open)| Busy::new(conn, open));
         async move {
-            let resp = match slot {
-                Slot::Probe if !matches!(req.uri().path(), "/healthz" | "/readyz") => json(
+            let resp = match busy {
+                None if !matches!(req.uri().path(), "/healthz" | "/readyz") => json(
                     StatusCode::SERVICE_UNAVAILABLE,
-                    &serde_json::json!({"error": "too_many_connections", "message": "every admin connection is taken; only /healthz and /readyz are answered"}),
+                    &serde_json::json!({"error": "too_many_connections", "message": "every admin connection is busy; only /healthz and /readyz are answered"}),
                 ),
                 _ => handle(state, req),
             };
-            Ok::<_, Infallible>(resp)
+            Ok::<_, Infallible>(resp.map(|body| Tracked { body, _busy: busy }))
         }
     });
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_secs(10))
-        .keep_alive(slot == Slot::Full)
+        .keep_alive(keep_alive)
         .serve_connection(TokioIo::new(stream), svc);
     let mut conn = std::pin::pin!(conn);
     let (lifetime, drain) = match slot {
-        Slot::Full => (CONNECTION_LIFETIME, LIFETIME_DRAIN),
+        Slot::Full(_) => (CONNECTION_LIFETIME, LIFETIME_DRAIN),
         Slot::Probe => (PROBE_DEADLINE, Duration::ZERO),
     };
-    // Connections are recycled after a while so idle ones cannot hold every slot; the
-    // response in flight may finish first, within `drain`, then the connection is dropped
-    // whatever its state.
+    let closed = async {
+        match &close {
+            Some(c) => c.close.notified().await,
+            None => std::future::pending().await,
+        }
+    };
+    // Connections are recycled after a while so idle ones cannot hold every slot, and an
+    // idle one is closed at once when a new connection needs its slot; the response in
+    // flight may finish first, within `drain`, then the connection is dropped whatever its
+    // state.
     let result = tokio::select! {
         r = conn.as_mut() => r,
+        _ = closed => {
+            conn.as_mut().graceful_shutdown();
+            match tokio::time::timeout(LIFETIME_DRAIN, conn).await {
+                Ok(r) => r,
+                Err(_) => return,
+            }
+        }
         _ = tokio::time::sleep(lifetime) => {
             conn.as_mut().graceful_shutdown();
             match tokio::time::timeout(drain, conn).await {
@@ -680,6 +841,25 @@ fn json(status: StatusCode, v: &serde_json::Value) -> Response<AdminBody> {
 pub enum AdminBody {
     Full(Option<Bytes>),
     Stream(mpsc::Receiver<Bytes>),
+}
+
+/// An admin response body and, on a full slot, what marks its connection busy until the
+/// body is done.
+struct Tracked {
+    body: AdminBody,
+    _busy: Option<Busy>,
+}
+
+impl Body for Tracked {
+    type Data = Bytes;
+    type Error = Truncated;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Truncated>>> {
+        Pin::new(&mut self.get_mut().body).poll_frame(cx)
+    }
 }
 
 /// `/metrics` rendering stopped before the end.
