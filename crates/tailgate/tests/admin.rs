@@ -565,51 +565,46 @@ async fn stats_and_unknown_paths() {
     assert_eq!(c.send_request(req).await.unwrap().status(), 405);
 }
 
-/// Every admin slot held by clients that connected and sent nothing, or that sit idle
-/// between requests: a new connection gets the slot of the one idle the longest, which is
-/// closed, and every endpoint is answered on it.
+/// Every admin slot held by clients idle between requests: a new connection gets the slot
+/// of the one idle the longest, which is closed, and every endpoint is answered on it.
 #[tokio::test]
 async fn an_idle_admin_connection_gives_its_slot_to_a_new_one() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let up = ok_upstream().await;
     let gw = two_tenants(up, "");
     let admin = admin_addr(&gw);
     let mut held = Vec::new();
     for _ in 0..64 {
-        held.push(tokio::net::TcpStream::connect(admin).await.unwrap());
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        held.push(h1_client(admin).await);
     }
-    // The first one asks for something, so it has been idle for less time than the others.
-    held[0]
-        .write_all(b"GET /healthz HTTP/1.1\r\nHost: admin\r\n\r\n")
-        .await
-        .unwrap();
-    let mut got = Vec::new();
-    read_head(&mut held[0], &mut got).await.unwrap();
-    assert!(got.starts_with(b"HTTP/1.1 200"), "{got:?}");
-    // The rest of its body, then nothing more.
-    let mut buf = [0u8; 1024];
-    while let Ok(n) = tokio::time::timeout(Duration::from_millis(200), held[0].read(&mut buf)).await
-    {
-        assert!(
-            n.unwrap() > 0,
-            "the admin connection closed after one answer"
-        );
+    // One answer on each, in turn: the first one has been idle the longest.
+    for c in &mut held {
+        let req = http::Request::get("/healthz")
+            .header("host", "admin")
+            .body(full(""))
+            .unwrap();
+        let resp = c.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let _ = resp.into_body().collect().await.unwrap();
     }
 
     let r = admin_get(admin, "/metrics", &[]).await;
     assert_eq!(r.status(), 200, "{:?}", r.body());
     assert!(std::str::from_utf8(r.body()).unwrap().contains("tailgate_"));
-    // The second one, idle the longest, was closed for it; the others are still open.
-    let n = tokio::time::timeout(Duration::from_secs(5), held[1].read(&mut buf))
-        .await
-        .expect("the idlest admin connection is closed")
-        .unwrap_or(0);
-    assert_eq!(n, 0, "{:?}", String::from_utf8_lossy(&buf[..n]));
-    for (i, c) in held.iter_mut().enumerate().filter(|(i, _)| *i != 1) {
-        let r = tokio::time::timeout(Duration::from_millis(10), c.read(&mut buf)).await;
-        assert!(r.is_err(), "admin connection {i} was closed too: {r:?}");
+    // The first one was closed for it; the others are still open.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !held[0].is_closed() {
+        assert!(
+            Instant::now() < deadline,
+            "the idlest admin connection was never closed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let closed: Vec<usize> = (1..64).filter(|&i| held[i].is_closed()).collect();
+    assert!(
+        closed.is_empty(),
+        "admin connections {closed:?} were closed too"
+    );
 }
 
 /// Admin slots held by `/metrics` responses their clients do not read are never taken back:
@@ -623,8 +618,9 @@ async fn health_probes_are_answered_when_every_admin_connection_is_busy() {
         up,
         "[metrics]\nconsumer_header = \"x-consumer\"\nmax_consumers = 10000\n",
     );
-    // About 4 MB of exposition: far more than a socket's buffers hold.
-    requests_from_consumers(gw.addr, 2000).await;
+    // About 10 MB of exposition: several times what hyper's write buffer, the render
+    // channel and a loopback socket's buffers hold before a scrape stalls.
+    requests_from_consumers(gw.addr, 5000).await;
     let admin = admin_addr(&gw);
     let stuck_scrape = || async {
         let sock = tokio::net::TcpSocket::new_v4().unwrap();

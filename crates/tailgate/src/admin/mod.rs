@@ -317,6 +317,9 @@ fn run(
                         // Every slot is held: an idle keep-alive connection (between
                         // responses, or one that never sent a request) is closed for this
                         // one, as nginx reuses idle connections when it runs out of them.
+                        // One that still holds response bytes it has not written, or part
+                        // of a request head, closes only once those are done; past
+                        // `EVICT_WAIT` the new one gets a probe slot.
                         Err(_) if open.close_idlest() => {
                             tracing::info!(client = %peer, limit = MAX_CONNECTIONS, "admin connections all taken; the longest idle one is closed for this one");
                             let (permits, probe_permits) = (permits.clone(), probe_permits.clone());
@@ -560,6 +563,9 @@ async fn serve(
     // flight may finish first, within `drain`, then the connection is dropped whatever its
     // state.
     let result = tokio::select! {
+        // The connection first: a request already in its socket is read (and marked busy)
+        // before a close asked for meanwhile, which then lets it be answered.
+        biased;
         r = conn.as_mut() => r,
         _ = closed => {
             conn.as_mut().graceful_shutdown();
