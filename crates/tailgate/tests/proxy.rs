@@ -66,6 +66,35 @@ async fn forwards_and_adds_proxy_headers() {
     assert_eq!(id.len(), 24);
 }
 
+/// An HTTP/1.0 request may name no host: the client's `X-Forwarded-Host` is dropped all the
+/// same, never passed on as if the gateway had set it.
+#[tokio::test]
+async fn a_clients_forwarded_host_never_reaches_the_upstream() {
+    let up = echo_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let (resp, _) = raw(
+        gw.addr,
+        b"GET /x HTTP/1.0\r\nX-Forwarded-Host: evil.test\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(resp.starts_with("HTTP/1.0 200") || resp.starts_with("HTTP/1.1 200"), "{resp}");
+    assert!(
+        !resp.to_ascii_lowercase().contains("x-echo-x-forwarded-host"),
+        "{resp}"
+    );
+    // With a host, the gateway's own value replaces the client's.
+    let (resp, _) = raw(
+        gw.addr,
+        b"GET /x HTTP/1.0\r\nHost: api.test\r\nX-Forwarded-Host: evil.test\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    let lower = resp.to_ascii_lowercase();
+    assert!(lower.contains("x-echo-x-forwarded-host: api.test\r\n"), "{resp}");
+    assert!(!lower.contains("evil"), "{resp}");
+}
+
 #[tokio::test]
 async fn keeps_the_clients_request_id() {
     let up = echo_upstream().await;

@@ -212,13 +212,16 @@ impl<'a> Added<'a> {
     }
 
     /// Is the client's header of this name left out: set by the gateway itself, or
-    /// `Expect` (100-continue is answered to the client by the gateway)?
+    /// `Expect` (100-continue is answered to the client by the gateway)? A client's
+    /// `X-Forwarded-Host` is left out even when the request names no host (HTTP/1.0), so
+    /// none is sent then: the upstream must never take a host from the client for one the
+    /// gateway vouches for (links built from it, such as a password reset's).
     pub fn replaces(&self, name: &HeaderName) -> bool {
         *name == header::EXPECT
             || *name == X_FORWARDED_FOR
             || *name == X_FORWARDED_PROTO
+            || *name == X_FORWARDED_HOST
             || name == self.request_id.0
-            || (self.host.is_some() && *name == X_FORWARDED_HOST)
     }
 
     /// The headers to add, in order.
@@ -236,6 +239,9 @@ impl<'a> Added<'a> {
     /// Puts them into `headers` (an HTTP/2 request's copy of the client's).
     pub fn apply(&self, headers: &mut HeaderMap) {
         headers.remove(header::EXPECT);
+        if self.host.is_none() {
+            headers.remove(&X_FORWARDED_HOST);
+        }
         for (name, value) in self.iter() {
             if *name == VIA {
                 headers.append(name, value.clone());
