@@ -322,7 +322,10 @@ async fn parser_refusals_carry_the_json_error() {
         "GET / HTTP/1.1\r\nHost: a\r\nX: {}\r\n\r\n",
         "v".repeat(9000)
     );
-    let cases: [(&[u8], &str, &str); 12] = [
+    // Nothing but empty lines, past the limit.
+    let blank = b"\r\n".repeat(4097);
+    let cases: [(&[u8], &str, &str); 13] = [
+        (&blank, "431", "header_too_large"),
         (b"GET / HTTP/1.1\r\nHost: a\r\nX-Bad: a\x01b\r\n\r\n", "400", "bad_request"),
         (b"GET / HTTP/9.9\r\nHost: a\r\n\r\n", "400", "bad_request"),
         (b"GET /\x7f HTTP/1.1\r\nHost: a\r\n\r\n", "400", "bad_request"),

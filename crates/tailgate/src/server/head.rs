@@ -100,14 +100,15 @@ pub const OVER_LIMIT: HeadFault = HeadFault::TooLarge("larger than max_header_by
 /// What is wrong with a head (`head`, as much of it as came) over `max_head` bytes: its
 /// request line alone is, when that line has not ended within the limit (414, RFC 9112 §3:
 /// a target longer than the server will parse), else its header lines are (431). Empty
-/// lines before the request line are not counted in it.
+/// lines before the request line are not counted in it; a head of nothing but empty lines
+/// is over the limit all the same (431).
 pub fn over_limit(head: &[u8], max_head: usize) -> HeadFault {
     let start = head
         .iter()
         .position(|&b| b != b'\r' && b != b'\n')
         .unwrap_or(head.len());
-    let seen = &head[start..head.len().min(max_head)];
-    if seen.contains(&b'\n') {
+    let seen = &head[start..head.len().min(start.saturating_add(max_head))];
+    if seen.is_empty() || seen.contains(&b'\n') {
         OVER_LIMIT
     } else {
         HeadFault::UriTooLong("request line longer than max_header_bytes")
@@ -284,6 +285,18 @@ mod tests {
         (1..=head.len().div_ceil(step))
             .filter(|i| scan.worth_parsing(&head[..(i * step).min(head.len())], max_head))
             .count()
+    }
+
+    /// Empty lines alone past the limit are over it, however many there are.
+    #[test]
+    fn a_head_of_empty_lines_is_over_the_limit() {
+        for n in [100, 101, 5000] {
+            assert_eq!(over_limit(&b"\r\n".repeat(n), 100), OVER_LIMIT);
+            assert_eq!(over_limit(&b"\n".repeat(n), 100), OVER_LIMIT);
+        }
+        // Not counted before a request line.
+        let head = [b"\r\n".repeat(80), b"GET /".to_vec(), vec![b'a'; 150]].concat();
+        assert!(matches!(over_limit(&head, 100), HeadFault::UriTooLong(_)));
     }
 
     #[test]
