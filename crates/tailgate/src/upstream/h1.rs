@@ -155,6 +155,12 @@ pub struct H1Conn {
     /// Writing this exchange's request body failed part-way: whatever the response head
     /// says, the server may still be waiting for the rest, so the connection is not reused.
     body_write_failed: bool,
+    /// The response ended before the request body was all written: the rest still goes
+    /// out, but the connection is not reused. A server that answered without reading the
+    /// body may take what follows for its next request (a body holding a request of its
+    /// own would then reach it past every route, and its answer would go to the next
+    /// client on the connection), as nginx keeps no such connection either.
+    answered_early: bool,
     /// Interim responses skipped in this exchange.
     interim: u32,
     /// Bytes of `rbuf` already looked at for the response head's end; at most 1: the next
@@ -183,6 +189,7 @@ impl H1Conn {
             keep_alive: true,
             peer_closed: false,
             body_write_failed: false,
+            answered_early: false,
             interim: 0,
             head_scanned: 0,
             timer: None,
@@ -205,6 +212,7 @@ impl H1Conn {
     /// no side asked to close?
     pub fn reusable(&self) -> bool {
         self.keep_alive
+            && !self.answered_early
             && matches!(self.framing, Framing::Done)
             && self.sending.is_none()
             && self.rbuf.is_empty()
@@ -734,11 +742,15 @@ impl H1Conn {
 
     /// The response body has ended. A request body still being written keeps going when
     /// the server did not ask to close (RFC 9110 §9.3.3's early answer: a server reading on,
-    /// as hyper's client did; see [`Self::upload_pending`]); with a close, it is abandoned.
+    /// as hyper's client did; see [`Self::upload_pending`]), and the connection is closed
+    /// after it; with a close, it is abandoned.
     fn body_ended(&mut self) {
         self.framing = Framing::Done;
-        if !self.keep_alive {
-            self.sending = None;
+        if self.sending.is_some() {
+            self.answered_early = true;
+            if !self.keep_alive {
+                self.sending = None;
+            }
         }
     }
 
