@@ -442,6 +442,31 @@ async fn ri_small_body_gets_its_own_timer_after_a_slow_head() {
     assert_eq!(read_responses(&mut s, 1).await[0].body(), "POST /slow xyz");
 }
 
+/// A small body (served inline) that stops coming gets `408 client_body_timeout` once the
+/// socket has been dry for `header_read_timeout`, as a larger one (read by hyper's server)
+/// does, and the connection closes; the upstream never sees it.
+#[tokio::test]
+async fn ri_a_small_body_that_stops_gets_408() {
+    let (up, hits) = path_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"300ms\"\nidle_timeout = \"60s\"\n",
+    );
+    let (text, closed) = raw(
+        gw.addr,
+        b"POST /stalled HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n0123456789",
+        WAIT,
+    )
+    .await;
+    assert!(closed, "{text:?}");
+    let got = responses(text.as_bytes(), &[]);
+    assert_eq!(got.len(), 1, "{text:?}");
+    assert_eq!(got[0].status, 408, "{text:?}");
+    assert!(got[0].body().contains("client_body_timeout"), "{text:?}");
+    assert!(got[0].body().contains("\"request_id\""), "{text:?}");
+    assert_eq!(hits.load(Ordering::SeqCst), 0);
+}
+
 /// A gateway with a 300 ms header timeout (and a 60 s idle timeout), and a connection on
 /// which a chunked request (handing the connection to hyper's server) that the upstream
 /// answers after 900 ms is followed by the start of a pipelined head; returns once that

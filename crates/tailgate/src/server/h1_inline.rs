@@ -186,6 +186,14 @@ where
                         refuse(io, &mut buf, &mut out, worker, info, e, closing).await;
                         return Ended::Closed;
                     }
+                    // A whole head whose small body stopped coming: `408`, as hyper's
+                    // server answers a larger body that stops (never a silent close).
+                    if matches!(waited, Wait::HeadTimeout) && matches!(last, Err(Unserved::Body(_)))
+                    {
+                        let e = ProxyError::ClientBodyTimeout;
+                        refuse(io, &mut buf, &mut out, worker, info, e, closing).await;
+                        return Ended::Closed;
+                    }
                     // A head cut off by the end of the stream: hyper's server says what
                     // it says to that.
                     return match waited {
