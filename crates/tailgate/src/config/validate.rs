@@ -35,6 +35,12 @@ const RESERVED_ID_HEADERS: &[&str] = &[
     "x-forwarded-for",
     "x-forwarded-proto",
     "x-forwarded-host",
+    // Credentials and state, whose values (often with spaces, so not kept as an id) the
+    // id would replace.
+    "cookie",
+    "set-cookie",
+    "authorization",
+    "www-authenticate",
 ];
 
 /// The longest duration a setting takes (longer ones would overflow deadline arithmetic).
@@ -287,6 +293,14 @@ fn toml_hint(message: &str) -> &'static str {
         "add the field to this table"
     } else if message.contains("duplicate key") {
         "keep one of the two"
+    } else if message.contains("invalid type: map, expected a sequence") {
+        "write this table's header with double brackets, as each of its kind is one of a list: [[listener]], [[tenant]], [[cluster]], [[route]]"
+    } else if message.contains("expected a sequence") {
+        "write a list in brackets, e.g. [\"GET\", \"POST\"] or [\"127.0.0.1:9000\"]"
+    } else if message.contains("expected struct") {
+        "write a table here, e.g. tls = { cert = \"cert.pem\", key = \"key.pem\" }; see the README's config reference"
+    } else if message.contains("invalid value: integer `-") {
+        "write a number of 0 or more"
     } else if message.contains("invalid type: string") {
         "write this value without quotes (a number or true/false); see the README's config reference"
     } else if message.contains("expected a string") {
@@ -347,13 +361,14 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             Ok(n)
                 if crate::pipeline::headers::is_hop_by_hop(&n)
                     || RESERVED_ID_HEADERS.contains(&n.as_str())
-                    || n.as_str().starts_with("proxy-") =>
+                    || n.as_str().starts_with("proxy-")
+                    || n.as_str().starts_with("x-forwarded-") =>
             {
                 c.err(
                     Some(h.span()),
                     "server.request_id_header".into(),
                     format!(
-                        "`{}` frames, routes or is removed from every message; it cannot carry the request id",
+                        "`{}` frames, routes or is removed from every message, is set by the gateway, or carries credentials; it cannot carry the request id",
                         h.get_ref()
                     ),
                     Some("write a header of its own, such as \"x-request-id\""),
@@ -473,11 +488,22 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 continue;
             }
             if let Some(other) = host_owner.insert(host.clone(), name.clone()) {
+                let (message, hint) = if other == name {
+                    (
+                        format!("host `{host}` is listed twice"),
+                        "list each host once",
+                    )
+                } else {
+                    (
+                        format!("host `{host}` already belongs to tenant `{other}`"),
+                        "a host belongs to one tenant only",
+                    )
+                };
                 c.err(
                     Some(h.span()),
                     format!("tenant[{i}].hosts[{j}]"),
-                    format!("host `{host}` already belongs to tenant `{other}`"),
-                    Some("a host belongs to one tenant only"),
+                    message,
+                    Some(hint),
                 );
             }
             hosts.push(host);
@@ -591,8 +617,13 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 && !files.key.as_os_str().is_empty()
                 && let Err(e) = crate::listener::tls::acceptor(&files)
             {
+                // At the file the error is about.
+                let span = match e {
+                    crate::listener::tls::TlsError::Key { .. } => t.key.span(),
+                    _ => t.cert.span(),
+                };
                 c.err(
-                    Some(t.cert.span()),
+                    Some(span),
                     format!("listener[{i}].tls"),
                     e.to_string(),
                     Some("write the paths of a PEM certificate chain (`cert`) and of its own private key (`key`)"),
@@ -680,6 +711,17 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         for (j, e) in cl.endpoints.get_ref().iter().enumerate() {
             let (https, e) = upstream_tls::strip_scheme(e);
             match c.endpoint(&e, format!("cluster[{i}].endpoints[{j}]")) {
+                // Twice the same server would be two pools for it: twice its share of the
+                // requests, of `max_connections_per_endpoint` and of warm connections.
+                Some(dns::Endpoint::Addr(a)) if endpoints.contains(&a) => {
+                    c.err(
+                        Some(e.span()),
+                        format!("cluster[{i}].endpoints[{j}]"),
+                        format!("`{a}` is listed twice"),
+                        Some("list each server once"),
+                    );
+                    continue;
+                }
                 Some(dns::Endpoint::Addr(a)) => endpoints.push(a),
                 Some(dns::Endpoint::Name(n)) => hostnames.push(n),
                 None => continue,
@@ -816,6 +858,13 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 format!("`{path_prefix}` does not start with `/`"),
                 Some("write an absolute path prefix such as \"/\" or \"/api/\""),
             );
+        } else if !rewrite::is_path(path_prefix.as_bytes()) {
+            c.err(
+                Some(r.path_prefix.span()),
+                format!("route[{i}].path_prefix"),
+                format!("`{path_prefix}` has characters a request path cannot carry as they are (a space, `?`, `#`, a non-ASCII letter, or `%` not followed by two hex digits), so no request would match it"),
+                Some("percent-encode them, as requests carry them: \"/a%20b\", \"/caf%C3%A9\""),
+            );
         } else {
             // Requests are matched in normal form (`pipeline::route::normal_path`): a prefix
             // that is not would never match anything. Its last segment may be cut short
@@ -867,9 +916,11 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             let overlap = m.is_empty() && (methods.is_empty() || any_but_trace(&methods))
                 || methods.is_empty() && any_but_trace(m)
                 || m.iter().any(|x| methods.contains(x));
-            if *t == tenant && *h == host && *p == path_prefix && overlap {
+            // A route with a host is found by that host whatever its tenant
+            // (`pipeline::route`): there, the tenant tells no two routes apart.
+            if (*t == tenant || host.is_some()) && *h == host && *p == path_prefix && overlap {
                 let (pl, _) = line_col(c.text, prev.start);
-                c.err(Some(span.clone()), format!("route[{i}]"), format!("duplicate route: the same tenant, host, path_prefix `{path_prefix}` and methods as the route at line {pl}"), Some("remove one of them, or make them differ by host, path_prefix or methods"));
+                c.err(Some(span.clone()), format!("route[{i}]"), format!("duplicate route: the same host (or, without one, tenant), path_prefix `{path_prefix}` and methods as the route at line {pl}, which would always be chosen"), Some("remove one of them, or make them differ by host, path_prefix or methods"));
                 break;
             }
         }
@@ -1176,6 +1227,35 @@ mod tests {
 
     const TAIL: &str = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\n";
 
+    /// What the TOML reader refuses gets a hint that, followed, makes valid TOML of the
+    /// right shape.
+    #[test]
+    fn toml_errors_get_a_hint_that_fits_them() {
+        for (text, want) in [
+            (
+                format!(
+                    "{TAIL}[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\nmethods = \"GET\"\n"
+                ),
+                "help: write a list in brackets",
+            ),
+            (
+                "[[listener]]\naddress = \"127.0.0.1:0\"\ntls = \"c.pem\"\n".to_owned(),
+                "help: write a table here",
+            ),
+            (
+                format!("{TAIL}[route]\npath_prefix = \"/\"\ncluster = \"c\"\n"),
+                "help: write this table's header with double brackets",
+            ),
+            (
+                format!("[server]\nmax_body_bytes = -1\n{TAIL}"),
+                "t.toml:2:18: max_body_bytes: invalid value: integer `-1`, expected u64\n  help: write a number of 0 or more",
+            ),
+        ] {
+            let errs = errors_of(&text);
+            assert!(errs.contains(want), "{text}\n{errs}");
+        }
+    }
+
     /// A TRACE-only route beside a route without `methods` (which takes every method but
     /// TRACE) is no duplicate; beside one that lists GET, neither.
     #[test]
@@ -1219,6 +1299,42 @@ mod tests {
             (
                 format!("[server]\nrequest_id_header = \"X-Forwarded-For\"\n{TAIL}"),
                 "server.request_id_header: `X-Forwarded-For` frames",
+            ),
+            (
+                format!("[server]\nrequest_id_header = \"x-forwarded-prefix\"\n{TAIL}"),
+                "server.request_id_header: `x-forwarded-prefix` frames",
+            ),
+            (
+                format!("[server]\nrequest_id_header = \"Cookie\"\n{TAIL}"),
+                "server.request_id_header: `Cookie` frames, routes or is removed from every message, is set by the gateway, or carries credentials",
+            ),
+            (
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:9000\", \"127.0.0.1:9000\"]\n".to_owned(),
+                "t.toml:5:32: cluster[0].endpoints[1]: `127.0.0.1:9000` is listed twice",
+            ),
+            (
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"999.1.1.1:80\"]\n".to_owned(),
+                "cluster[0].endpoints[0]: `999.1.1.1:80` is not an address",
+            ),
+            (
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"1.2.3:80\"]\n".to_owned(),
+                "cluster[0].endpoints[0]: `1.2.3:80` is not an address",
+            ),
+            (
+                format!("[[tenant]]\nname = \"t\"\nhosts = [\"a.com\"]\n{TAIL}[[route]]\ntenant = \"t\"\nhost = \"a.com\"\npath_prefix = \"/\"\ncluster = \"c\"\n[[route]]\nhost = \"a.com\"\npath_prefix = \"/\"\ncluster = \"c\"\n"),
+                "route[1]: duplicate route: the same host (or, without one, tenant), path_prefix `/` and methods as the route at line 12",
+            ),
+            (
+                format!("[[tenant]]\nname = \"t\"\nhosts = [\"a.com\", \"A.com\"]\n{TAIL}"),
+                "tenant[0].hosts[1]: host `a.com` is listed twice",
+            ),
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/a b\"\ncluster = \"c\"\n"),
+                "t.toml:7:15: route[0].path_prefix: `/a b` has characters a request path cannot carry",
+            ),
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/caf\u{e9}?x\"\ncluster = \"c\"\n"),
+                "help: percent-encode them",
             ),
             (
                 "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:0\", \"0.0.0.0:80\", \"224.0.0.1:80\"]\n".to_owned(),
@@ -1453,8 +1569,28 @@ response_timeout = "0s"
         let errs = parse_and_validate(&dir.path().join("t.toml"), text)
             .expect_err("no certificate")
             .to_string();
+        // (An empty file holds no key: that is found first, where the key is written.)
         assert!(
-            errs.contains(":3:16: listener[0].tls: cannot read"),
+            errs.contains(":3:35: listener[0].tls: cannot read the private key"),
+            "{errs}"
+        );
+        // A key that cannot be read is pointed at where the key is written.
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).expect("cert");
+        std::fs::write(dir.path().join("cert.pem"), cert.cert.pem()).expect("write");
+        let text = text.replace("\"empty.pem\"", "\"cert.pem\"");
+        let errs = parse_and_validate(&dir.path().join("t.toml"), &text)
+            .expect_err("no key")
+            .to_string();
+        let col = text
+            .lines()
+            .nth(2)
+            .and_then(|l| l.find("\"cert.pem\" }"))
+            .expect("key")
+            + 1;
+        assert!(
+            errs.contains(&format!(
+                ":3:{col}: listener[0].tls: cannot read the private key"
+            )),
             "{errs}"
         );
     }

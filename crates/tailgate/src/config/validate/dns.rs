@@ -47,9 +47,15 @@ impl Checker<'_> {
             let host = host.to_ascii_lowercase();
             let host = host.strip_suffix('.').unwrap_or(&host).to_owned();
             let port = port.parse::<u16>().ok().filter(|&p| p != 0)?;
-            // A bare IP (no port, or a port that did not parse) is not a host name.
+            // A bare IP (no port, or a port that did not parse) is not a host name; nor is
+            // a mistyped one (`999.1.1.1`, `1.2.3`): no top-level domain is all digits.
+            let numeric = host
+                .rsplit('.')
+                .next()
+                .is_some_and(|l| l.bytes().all(|b| b.is_ascii_digit()));
             (valid_host_pattern(&host)
                 && !host.starts_with("*.")
+                && !numeric
                 && host.parse::<IpAddr>().is_err())
             .then_some(HostPort { host, port })
         });
