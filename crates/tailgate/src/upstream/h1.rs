@@ -110,8 +110,9 @@ enum Chunk {
     Data(u64),
     /// At the CRLF after a chunk's data.
     DataEnd,
-    /// After the last chunk: trailer lines up to an empty one.
-    Trailers,
+    /// After the last chunk: trailer lines up to an empty one; this many bytes of them
+    /// read so far.
+    Trailers(usize),
 }
 
 /// A request body still being written, frame by frame.
@@ -859,7 +860,7 @@ impl H1Conn {
                         .ok_or(H1Error::BadResponse("invalid chunk size"))?;
                     self.rbuf.advance(eol + 1);
                     state = if size == 0 {
-                        Chunk::Trailers
+                        Chunk::Trailers(0)
                     } else {
                         Chunk::Data(size)
                     };
@@ -892,20 +893,27 @@ impl H1Conn {
                     self.rbuf.advance(2);
                     state = Chunk::Size;
                 }
-                Chunk::Trailers => {
+                // Dropped line by line. A line is at most `MAX_CHUNK_LINE` (each read looks
+                // through the line so far again: a longer one trickled in a byte at a time
+                // would cost the worker its square), and all of them `MAX_HEAD`.
+                Chunk::Trailers(seen) => {
                     let Some(eol) = self.rbuf.iter().position(|&b| b == b'\n') else {
-                        if self.rbuf.len() > MAX_HEAD {
+                        if self.rbuf.len() > MAX_CHUNK_LINE || seen + self.rbuf.len() > MAX_HEAD {
                             return Err(H1Error::BadResponse("trailers too large"));
                         }
                         self.framing = Framing::Chunked(state);
                         return Ok(None);
                     };
+                    if eol > MAX_CHUNK_LINE || seen + eol + 1 > MAX_HEAD {
+                        return Err(H1Error::BadResponse("trailers too large"));
+                    }
                     let blank = eol == 0 || (eol == 1 && self.rbuf[0] == b'\r');
                     self.rbuf.advance(eol + 1);
                     if blank {
                         self.body_ended();
                         return Ok(None);
                     }
+                    state = Chunk::Trailers(seen + eol + 1);
                 }
             }
         }
@@ -1097,6 +1105,43 @@ fn parse_chunk_size(line: &[u8]) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+
+    /// Trailers are dropped, within a line length and a total: a line longer than
+    /// `MAX_CHUNK_LINE`, whole or not yet ended, and lines past `MAX_HEAD` in all are a bad
+    /// response.
+    #[tokio::test]
+    async fn trailers_are_bounded_by_line_and_in_all() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let (client, _server) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());
+        let mut conn = H1Conn::new(Transport::Tcp(client.expect("connect")));
+        let mut decode = |input: Vec<u8>| {
+            conn.rbuf.clear();
+            conn.rbuf.extend_from_slice(&input);
+            conn.framing = Framing::Chunked(Chunk::Trailers(0));
+            let r = conn.decode_chunk(Chunk::Trailers(0));
+            (
+                r.map_err(|e| e.to_string()),
+                matches!(conn.framing, Framing::Done),
+            )
+        };
+        let line = |n: usize| [b"x: ".to_vec(), vec![b'v'; n], b"\r\n".to_vec()].concat();
+        // Fine: a few lines, then the end.
+        let (r, done) = decode([line(100), line(3000), b"\r\n".to_vec()].concat());
+        assert!(matches!(r, Ok(None)) && done, "{r:?}");
+        // A whole line too long.
+        let (r, _) = decode([line(MAX_CHUNK_LINE), b"\r\n".to_vec()].concat());
+        assert!(r.is_err_and(|e| e.contains("trailers too large")));
+        // One too long and not ended yet.
+        let (r, _) = decode(vec![b'v'; MAX_CHUNK_LINE + 1]);
+        assert!(r.is_err_and(|e| e.contains("trailers too large")));
+        // Lines of a fair length, too many of them.
+        let many = line(3000).repeat(MAX_HEAD / 3000 + 1);
+        let (r, _) = decode(many);
+        assert!(r.is_err_and(|e| e.contains("trailers too large")));
+    }
 
     /// The response deadline is seen even when the task's cooperative budget ran out (a
     /// steady stream of bytes makes every read end that way): a timer polled inside the
