@@ -445,6 +445,83 @@ async fn a_target_too_long_gets_the_json_414() {
     );
 }
 
+/// With `max_header_bytes` over 64 KiB, a head may hold a header name longer than any the
+/// gateway can carry: the JSON `431`, from both HTTP/1 servers (hyper's server failed the
+/// connection without an answer). A head larger than hyper's default read buffer, within
+/// the limit, is served.
+#[tokio::test]
+async fn a_header_name_too_long_to_carry_gets_the_json_431() {
+    let (up, hits) = counting_upstream().await;
+    let gw = TestGateway::to(up, "[server]\nmax_header_bytes = 1048576\n");
+    let long_name = format!(
+        "GET / HTTP/1.1\r\nHost: a\r\n{}: v\r\n\r\n",
+        "n".repeat(70_000)
+    );
+    let hand_over: &[u8] =
+        b"POST /h HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n";
+    for prefix in [&b""[..], hand_over] {
+        let (text, closed) = raw(
+            gw.addr,
+            &[prefix, long_name.as_bytes()].concat(),
+            Duration::from_secs(5),
+        )
+        .await;
+        assert!(closed, "{text}");
+        let last = &text[text.rfind("HTTP/1.1 ").unwrap()..];
+        assert!(last.starts_with("HTTP/1.1 431 "), "{text}");
+        assert!(last.contains("{\"error\":\"header_too_large\""), "{text}");
+    }
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        1,
+        "only the chunked request went upstream"
+    );
+    drop(gw);
+    // An upstream that takes heads of any size (hyper's server, as the counting one is,
+    // stops at about 408 KiB).
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                while let Some(end) = read_head(&mut s, &mut buf).await {
+                    // (The one chunked request here has an empty body.)
+                    let chunked = buf[..end].windows(7).any(|w| w == b"chunked");
+                    buf.drain(..end);
+                    while chunked && !buf.starts_with(b"0\r\n\r\n") {
+                        let mut more = [0u8; 64];
+                        match s.read(&mut more).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&more[..n]),
+                        }
+                    }
+                    if chunked {
+                        buf.drain(..5);
+                    }
+                    let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    if s.write_all(ok).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let gw = TestGateway::to(up, "[server]\nmax_header_bytes = 1048576\n");
+    // 600 KiB of headers (in fewer than 100 lines), after a chunked request handed the
+    // connection to hyper's server.
+    let mut big = b"GET /big HTTP/1.1\r\nHost: a\r\nConnection: close\r\n".to_vec();
+    for i in 0..90 {
+        big.extend_from_slice(format!("x-{i}: {}\r\n", "v".repeat(7000)).as_bytes());
+    }
+    big.extend_from_slice(b"\r\n");
+    let (text, closed) = raw(gw.addr, &[hand_over, &big].concat(), Duration::from_secs(5)).await;
+    assert!(closed, "{text}");
+    let last = &text[text.rfind("HTTP/1.1 ").unwrap()..];
+    assert!(last.starts_with("HTTP/1.1 200"), "{text}");
+    assert_eq!(text.matches("HTTP/1.1 200").count(), 2, "{text}");
+}
+
 /// The header that marks the stand-in for a refused head means nothing when a client sends
 /// it: the request is proxied, on either server.
 #[tokio::test]

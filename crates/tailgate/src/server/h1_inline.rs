@@ -490,11 +490,18 @@ fn build(
         return Err(Unserved::Refused(head::target_fault(path.1).into()));
     };
     for h in idx {
+        // (httparse took only what a name and a value may hold; a name can still be too
+        // long for `http`.)
         let (Ok(name), Ok(value)) = (
             name_from_wire(&head[h.name.0..h.name.0 + h.name.1]),
             HeaderValue::from_maybe_shared(head.slice(h.value.0..h.value.0 + h.value.1)),
         ) else {
-            return Err(Unserved::Other);
+            let fault = if h.name.1 > head::MAX_NAME_LEN {
+                head::NAME_TOO_LONG
+            } else {
+                head::HeadFault::Bad("invalid header")
+            };
+            return Err(Unserved::Refused(fault.into()));
         };
         headers.append(name, value);
     }

@@ -140,6 +140,14 @@ pub fn target_fault(target_len: usize) -> HeadFault {
     }
 }
 
+/// The longest header name `http` takes; httparse reads longer ones, which hyper's server
+/// could then not hold (it fails the connection without an answer).
+pub const MAX_NAME_LEN: usize = u16::MAX as usize;
+
+/// A header name longer than [`MAX_NAME_LEN`] (possible only with `max_header_bytes` over
+/// 64 KiB).
+pub const NAME_TOO_LONG: HeadFault = HeadFault::TooLarge("header name longer than 65535 bytes");
+
 /// The body framing a head declares, gathered header by header as the caller walks the
 /// head's lines (the inline server walks them once, for everything it needs).
 #[derive(Debug, Clone, Copy)]

@@ -375,6 +375,9 @@ where
         .timer(TokioTimer::new())
         .header_read_timeout(None)
         .max_header_size(settings.max_header_bytes)
+        // Its read buffer must hold a whole head of that size (by default it holds about
+        // 408 KiB: a larger head allowed by the config would get hyper's bare 431).
+        .max_buf_size(settings.max_header_bytes.max(400 * 1024) + 8 * 1024)
         .keep_alive(true)
         .writev(false)
         .serve_connection(TokioIo::new(io), service)

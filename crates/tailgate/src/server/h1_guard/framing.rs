@@ -115,6 +115,10 @@ impl Framing {
         let mut body = BodyHeaders::default();
         let mut upgrade = req.method == Some("CONNECT");
         for h in req.headers.iter() {
+            if h.name.len() > head::MAX_NAME_LEN {
+                self.refuse(Refusal::Head(head::NAME_TOO_LONG));
+                return Some(0);
+            }
             if h.name.eq_ignore_ascii_case("content-length") {
                 body.content_length(h.value);
             } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
