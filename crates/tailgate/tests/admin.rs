@@ -681,6 +681,53 @@ async fn health_probes_are_answered_when_every_admin_connection_is_busy() {
     }
 }
 
+/// A response cut short because the client's own body, still being sent, went over
+/// `max_body_bytes` is counted as the client's error, not as the upstream's body failing.
+#[tokio::test]
+async fn a_response_cut_by_the_clients_body_is_the_clients_error() {
+    use tokio::io::AsyncWriteExt;
+    let up = echo_upstream().await;
+    let gw = two_tenants(up, "[server]\nmax_body_bytes = 1000\n");
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(
+        b"POST /api/echo HTTP/1.1\r\nHost: acme.test\r\nTransfer-Encoding: chunked\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    for _ in 0..5 {
+        let chunk = [b"100\r\n".to_vec(), vec![b'x'; 256], b"\r\n".to_vec()].concat();
+        if s.write_all(&chunk).await.is_err() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (text, closed) = read_until_close(&mut s, Duration::from_secs(5)).await;
+    assert!(closed, "{text}");
+    // The echo's head was already on its way: the answer is cut short, not complete.
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(!text.ends_with("0\r\n\r\n"), "{text}");
+    let sum = |ex: &Exposition, kind: &str| -> f64 {
+        ex.find("tailgate_request_errors_total", &[("kind", kind)])
+            .iter()
+            .map(|s| s.value)
+            .sum()
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let ex = scrape(admin_addr(&gw)).await;
+        if sum(&ex, "body_too_large") + sum(&ex, "upstream_body") > 0.0 {
+            assert_eq!(sum(&ex, "body_too_large"), 1.0);
+            assert_eq!(sum(&ex, "upstream_body"), 0.0);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the cut exchange was never recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test]
 async fn the_watchdog_is_fed_only_while_workers_respond() {
     use std::os::unix::net::UnixDatagram;

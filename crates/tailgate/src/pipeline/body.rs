@@ -525,7 +525,8 @@ impl Body for RespBody {
                     }
                     Some(Err(e)) => {
                         up.conn = None;
-                        up.recorder.fail("upstream_body");
+                        up.recorder
+                            .fail(client_body_fault(&*e).unwrap_or("upstream_body"));
                         Poll::Ready(Some(Err(e)))
                     }
                     None => {
@@ -577,4 +578,28 @@ impl UpstreamBody {
         self.deadline = None;
         self.recorder.finish_at(now);
     }
+}
+
+/// What to record when a response body was cut short by the client's own request body,
+/// still being sent meanwhile (too large, stalled, or ended early; as
+/// `pipeline::classify_send_error` names them before a response), rather than by the
+/// upstream.
+fn client_body_fault(e: &(dyn std::error::Error + Send + Sync + 'static)) -> Option<&'static str> {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        // (`H1Error::Body` is transparent: its source is the body error's source.)
+        let body = match err.downcast_ref::<crate::upstream::H1Error>() {
+            Some(crate::upstream::H1Error::Body(b)) => Some(b),
+            _ => err.downcast_ref::<ReqBodyError>(),
+        };
+        if let Some(b) = body {
+            return Some(match b {
+                ReqBodyError::TooLarge(_) => "body_too_large",
+                ReqBodyError::TimedOut => "client_body_timeout",
+                ReqBodyError::Client(_) => "bad_request",
+            });
+        }
+        cur = err.source();
+    }
+    None
 }
