@@ -331,7 +331,9 @@ impl Conn {
         {
             let limit = pool.idle_timeout();
             tokio::spawn(async move {
-                let uploaded = tokio::time::timeout(
+                // Whether the upload ends, fails or runs out of time, the connection goes
+                // back through the pool, which closes it and owes the warm keeper a new one.
+                let _ = tokio::time::timeout(
                     limit,
                     std::future::poll_fn(|cx| match &mut self.sender {
                         Sender::H1(c) => c.poll_upload(cx),
@@ -339,10 +341,8 @@ impl Conn {
                     }),
                 )
                 .await;
-                if matches!(uploaded, Ok(Ok(()))) {
-                    let pool = self.pool.clone();
-                    pool.give_back(self, Instant::now());
-                }
+                let pool = self.pool.clone();
+                pool.give_back(self, Instant::now());
             });
             return;
         }
