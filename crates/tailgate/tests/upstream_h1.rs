@@ -1021,6 +1021,49 @@ async fn r_early_complete_answer_keeps_the_upload_going_then_closes() {
     assert_eq!(pool.idle_len(), 0);
 }
 
+/// An HTTP/2 client may end its body with an empty end-of-stream frame after the last
+/// data. Sent on with its `Content-Length` to an HTTP/1.1 upstream that answers once it has
+/// every byte, the answer ends before the client's body does: no early answer, and the
+/// connection is pooled once that end comes (one connection for both requests).
+#[tokio::test]
+async fn r_an_answer_after_the_whole_length_keeps_the_connection_for_a_late_end_of_stream() {
+    let up = echo_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let (mut c, _conn) = h2c_client(gw.addr).await;
+    for _ in 0..2 {
+        let pieces = futures_util::stream::unfold(0, |i| async move {
+            match i {
+                0 => Some((
+                    Ok(hyper::body::Frame::data(bytes::Bytes::from_static(
+                        b"hello",
+                    ))),
+                    1,
+                )),
+                // The end, on its own, well after the answer.
+                _ => {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    None
+                }
+            }
+        });
+        let req = http::Request::post("http://a/up")
+            .header("content-length", "5")
+            .body(http_body_util::StreamBody::new(pieces).boxed())
+            .unwrap();
+        let resp = c.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"hello");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let pool = gw.gw.as_ref().unwrap().endpoint_pools()[0].clone();
+    assert_eq!(
+        pool.stats.connects_on_request.load(Ordering::SeqCst),
+        1,
+        "the second request had to connect again"
+    );
+}
+
 /// The response timeout counts from the request body's last progress while it is being
 /// sent: an upload slower than the timeout that keeps moving reaches the upstream whole and
 /// gets its answer (it used to be cut off with a 504 mid-upload). One that stops is a 408,

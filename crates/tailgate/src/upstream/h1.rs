@@ -119,6 +119,8 @@ enum Chunk {
 struct Sending {
     body: ReqBody,
     chunked: bool,
+    /// Sent with a `Content-Length`: the bytes of it not yet taken from the body.
+    left: Option<u64>,
     /// Bytes taken from the body (with their chunk framing) not yet written.
     out: VecDeque<Bytes>,
     /// The body has ended; what is in `out` is the last of it.
@@ -126,6 +128,13 @@ struct Sending {
 }
 
 impl Sending {
+    /// Has the server had the whole body as the head framed it? Its `Content-Length` all
+    /// written can come before the client's body says it has ended (an HTTP/2 client may
+    /// send its end of stream in a frame of its own, after the server's answer).
+    fn framed_whole(&self) -> bool {
+        self.out.is_empty() && (self.ended || self.left == Some(0))
+    }
+
     /// The body has ended: its last chunk (when chunked) goes after what is queued.
     fn end(&mut self) {
         if self.chunked {
@@ -156,8 +165,8 @@ pub struct H1Conn {
     /// Writing this exchange's request body failed part-way: whatever the response head
     /// says, the server may still be waiting for the rest, so the connection is not reused.
     body_write_failed: bool,
-    /// The response ended before the request body was all written: the rest still goes
-    /// out, but the connection is not reused. A server that answered without reading the
+    /// The response ended before the request body was all written (as its head framed it):
+    /// the rest still goes out, but the connection is not reused. A server that answered without reading the
     /// body may take what follows for its next request (a body holding a request of its
     /// own would then reach it past every route, and its answer would go to the next
     /// client on the connection), as nginx keeps no such connection either.
@@ -318,6 +327,7 @@ impl H1Conn {
             }
             if !bodiless {
                 self.sending = Some(Sending {
+                    left: (!chunked).then(|| body.size_hint().exact()).flatten(),
                     body,
                     chunked,
                     out: VecDeque::new(),
@@ -564,6 +574,9 @@ impl H1Conn {
                                 s.out.push_back(data);
                                 s.out.push_back(Bytes::from_static(b"\r\n"));
                             } else {
+                                if let Some(left) = s.left.as_mut() {
+                                    *left = left.saturating_sub(data.len() as u64);
+                                }
                                 s.out.push_back(data);
                             }
                         }
@@ -747,11 +760,11 @@ impl H1Conn {
     /// after it; with a close, it is abandoned.
     fn body_ended(&mut self) {
         self.framing = Framing::Done;
-        if self.sending.is_some() {
+        if self.sending.as_ref().is_some_and(|s| !s.framed_whole()) {
             self.answered_early = true;
-            if !self.keep_alive {
-                self.sending = None;
-            }
+        }
+        if !self.keep_alive {
+            self.sending = None;
         }
     }
 
