@@ -453,28 +453,42 @@ async fn a_target_too_long_gets_the_json_414() {
 async fn a_header_name_too_long_to_carry_gets_the_json_431() {
     let (up, hits) = counting_upstream().await;
     let gw = TestGateway::to(up, "[server]\nmax_header_bytes = 1048576\n");
-    let long_name = format!(
-        "GET / HTTP/1.1\r\nHost: a\r\n{}: v\r\n\r\n",
-        "n".repeat(70_000)
-    );
+    let named = |len: usize, target: &str| {
+        format!(
+            "GET {target} HTTP/1.1\r\nHost: a\r\n{}: v\r\nConnection: close\r\n\r\n",
+            "n".repeat(len)
+        )
+    };
+    let long_target = format!("/{}", "t".repeat(70_000));
     let hand_over: &[u8] =
         b"POST /h HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n";
     for prefix in [&b""[..], hand_over] {
-        let (text, closed) = raw(
-            gw.addr,
-            &[prefix, long_name.as_bytes()].concat(),
-            Duration::from_secs(5),
-        )
-        .await;
-        assert!(closed, "{text}");
-        let last = &text[text.rfind("HTTP/1.1 ").unwrap()..];
-        assert!(last.starts_with("HTTP/1.1 431 "), "{text}");
-        assert!(last.contains("{\"error\":\"header_too_large\""), "{text}");
+        // The longest name is served; one byte more is refused; a target too long as well
+        // is refused for the target first, by both servers.
+        for (head, want) in [
+            (named(65_535, "/"), "HTTP/1.1 200 "),
+            (named(65_536, "/"), "HTTP/1.1 431 "),
+            (named(70_000, "/"), "HTTP/1.1 431 "),
+            (named(70_000, &long_target), "HTTP/1.1 414 "),
+        ] {
+            let (text, closed) = raw(
+                gw.addr,
+                &[prefix, head.as_bytes()].concat(),
+                Duration::from_secs(5),
+            )
+            .await;
+            assert!(closed, "{text}");
+            let last = &text[text.rfind("HTTP/1.1 ").unwrap()..];
+            assert!(last.starts_with(want), "{want}: {text}");
+            if want != "HTTP/1.1 200 " {
+                assert!(last.contains("{\"error\":\""), "{text}");
+            }
+        }
     }
     assert_eq!(
         hits.load(Ordering::SeqCst),
-        1,
-        "only the chunked request went upstream"
+        6,
+        "only the four chunked requests and the two with the longest name went upstream"
     );
     drop(gw);
     // An upstream that takes heads of any size (hyper's server, as the counting one is,

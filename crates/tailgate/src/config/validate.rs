@@ -237,6 +237,14 @@ fn clash(a: Bound, b: Bound) -> bool {
     takes_v4(a, x) || takes_v4(b, y)
 }
 
+/// Can a request's path hold this byte as it is? What the request parsers take in a path
+/// (`http::uri`): not a space or control byte, nor `<`, `>` or `` ` ``, and not `?` or
+/// `#`, which end it. Raw UTF-8 and `"`, `{`, `}`, `|`, `[`, `]`, `^`, `\` pass, as some
+/// clients send them so.
+fn in_request_path(b: u8) -> bool {
+    b > 0x20 && b != 0x7f && !matches!(b, b'<' | b'>' | b'`' | b'?' | b'#')
+}
+
 /// The error for an address a socket bound before it already takes.
 fn taken(a: SocketAddr, b: SocketAddr) -> String {
     if a == b {
@@ -858,12 +866,17 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 format!("`{path_prefix}` does not start with `/`"),
                 Some("write an absolute path prefix such as \"/\" or \"/api/\""),
             );
-        } else if !rewrite::is_path(path_prefix.as_bytes()) {
+        } else if let Some(b) = path_prefix.bytes().find(|&b| !in_request_path(b)) {
             c.err(
                 Some(r.path_prefix.span()),
                 format!("route[{i}].path_prefix"),
-                format!("`{path_prefix}` has characters a request path cannot carry as they are (a space, `?`, `#`, a non-ASCII letter, or `%` not followed by two hex digits), so no request would match it"),
-                Some("percent-encode them, as requests carry them: \"/a%20b\", \"/caf%C3%A9\""),
+                format!("`{path_prefix}` has {}, which no request path holds as it is (a request refuses it, or it ends the path), so no request would match it", match b {
+                    b' ' => "a space".to_owned(),
+                    b'?' | b'#' => format!("`{}`", b as char),
+                    b if b.is_ascii_graphic() => format!("`{}`", b as char),
+                    b => format!("the control byte 0x{b:02x}"),
+                }),
+                Some("percent-encode it, as requests carry it: \"/a%20b\""),
             );
         } else {
             // Requests are matched in normal form (`pipeline::route::normal_path`): a prefix
@@ -1281,6 +1294,12 @@ mod tests {
             "/a.b/",
             "/x%3A",
             "/~u/",
+            // What some clients send as it is, and requests hold so.
+            "/caf\u{e9}/",
+            "/a|b",
+            "/x[1]",
+            "/api/{v}",
+            "/100%",
         ] {
             let text = format!("{TAIL}[[route]]\npath_prefix = \"{prefix}\"\ncluster = \"c\"\n");
             assert_eq!(errors_of(&text), "", "{prefix}");
@@ -1330,11 +1349,15 @@ mod tests {
             ),
             (
                 format!("{TAIL}[[route]]\npath_prefix = \"/a b\"\ncluster = \"c\"\n"),
-                "t.toml:7:15: route[0].path_prefix: `/a b` has characters a request path cannot carry",
+                "t.toml:7:15: route[0].path_prefix: `/a b` has a space, which no request path holds as it is",
             ),
             (
                 format!("{TAIL}[[route]]\npath_prefix = \"/caf\u{e9}?x\"\ncluster = \"c\"\n"),
-                "help: percent-encode them",
+                "has `?`, which no request path holds as it is",
+            ),
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/a<b>\"\ncluster = \"c\"\n"),
+                "help: percent-encode it",
             ),
             (
                 "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:0\", \"0.0.0.0:80\", \"224.0.0.1:80\"]\n".to_owned(),

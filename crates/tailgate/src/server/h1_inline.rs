@@ -393,10 +393,12 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
     // Expect or an upgrade: hyper's server serves it.
     let mut elsewhere = false;
     let (mut close, mut keep_alive) = (false, false);
+    let mut long_name = false;
     idx.clear();
     for h in req.headers.iter() {
         let name = h.name.as_bytes();
         match name.len() {
+            n if n > head::MAX_NAME_LEN => long_name = true,
             14 if name.eq_ignore_ascii_case(b"content-length") => body.content_length(h.value),
             17 if name.eq_ignore_ascii_case(b"transfer-encoding") => {
                 body.transfer_encoding(h.value);
@@ -419,6 +421,10 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
     // them; the rest of the target is parsed in `build`.
     if path.len() > MAX_URI_LEN {
         return Err(Unserved::Refused(head::TARGET_TOO_LONG.into()));
+    }
+    // Then a name too long to carry, as hyper's server would check it next.
+    if long_name {
+        return Err(Unserved::Refused(head::NAME_TOO_LONG.into()));
     }
     if let Err(f) = body.check(http10) {
         return Err(Unserved::Refused(f.into()));
@@ -490,18 +496,15 @@ fn build(
         return Err(Unserved::Refused(head::target_fault(path.1).into()));
     };
     for h in idx {
-        // (httparse took only what a name and a value may hold; a name can still be too
-        // long for `http`.)
+        // (httparse took only what a name and a value may hold, and `parse` refused a name
+        // too long for `http`: never refused here.)
         let (Ok(name), Ok(value)) = (
             name_from_wire(&head[h.name.0..h.name.0 + h.name.1]),
             HeaderValue::from_maybe_shared(head.slice(h.value.0..h.value.0 + h.value.1)),
         ) else {
-            let fault = if h.name.1 > head::MAX_NAME_LEN {
-                head::NAME_TOO_LONG
-            } else {
-                head::HeadFault::Bad("invalid header")
-            };
-            return Err(Unserved::Refused(fault.into()));
+            return Err(Unserved::Refused(
+                head::HeadFault::Bad("invalid header").into(),
+            ));
         };
         headers.append(name, value);
     }

@@ -141,7 +141,7 @@ pub fn target_fault(target_len: usize) -> HeadFault {
 }
 
 /// The longest header name `http` takes; httparse reads longer ones, which hyper's server
-/// could then not hold (it fails the connection without an answer).
+/// answers with a bare `431` (no JSON body).
 pub const MAX_NAME_LEN: usize = u16::MAX as usize;
 
 /// A header name longer than [`MAX_NAME_LEN`] (possible only with `max_header_bytes` over

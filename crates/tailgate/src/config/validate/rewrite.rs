@@ -95,7 +95,7 @@ impl Checker<'_> {
 
 /// Only what a path may carry as it is (RFC 3986 §3.3: unreserved, sub-delims, `:`, `@`,
 /// `/`) and `%` with two hex digits: the value goes into request lines as written.
-pub(super) fn is_path(p: &[u8]) -> bool {
+fn is_path(p: &[u8]) -> bool {
     let mut i = 0;
     while i < p.len() {
         match p[i] {

@@ -114,11 +114,9 @@ impl Framing {
         self.head_scan = head::HeadScan::default();
         let mut body = BodyHeaders::default();
         let mut upgrade = req.method == Some("CONNECT");
+        let mut long_name = false;
         for h in req.headers.iter() {
-            if h.name.len() > head::MAX_NAME_LEN {
-                self.refuse(Refusal::Head(head::NAME_TOO_LONG));
-                return Some(0);
-            }
+            long_name |= h.name.len() > head::MAX_NAME_LEN;
             if h.name.eq_ignore_ascii_case("content-length") {
                 body.content_length(h.value);
             } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
@@ -134,7 +132,15 @@ impl Framing {
             Some(p) if http::Uri::try_from(p).is_err() => Err(head::target_fault(p.len())),
             _ => Ok(()),
         };
-        let checked = target.and(body.check(req.version == Some(0)));
+        // Then a name too long to carry (hyper's server would answer a bare 431).
+        let named = if long_name {
+            Err(head::NAME_TOO_LONG)
+        } else {
+            Ok(())
+        };
+        let checked = target
+            .and(named)
+            .and_then(|()| body.check(req.version == Some(0)));
         if let Err(f) = checked {
             self.refuse(Refusal::Head(f));
             return Some(0);
