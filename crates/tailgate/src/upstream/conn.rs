@@ -323,7 +323,7 @@ impl Conn {
     /// An HTTP/1.1 server that answered before the request body ended, and keeps the
     /// connection, still gets the rest of the body (it may be reading it): a task of its
     /// own writes it, within the pool's idle timeout, then gives the connection back, which
-    /// closes it (see [`H1Conn::reusable`](super::h1::H1Conn::reusable)).
+    /// closes it (an HTTP/1.1 connection answered early is not reusable).
     pub fn release_at(mut self, now: Instant) {
         let pool = self.pool.clone();
         if let Sender::H1(c) = &mut self.sender
