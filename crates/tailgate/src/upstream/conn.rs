@@ -322,8 +322,10 @@ impl Conn {
     ///
     /// An HTTP/1.1 server that answered before the request body ended, and keeps the
     /// connection, still gets the rest of the body (it may be reading it): a task of its
-    /// own writes it, within the pool's idle timeout, then gives the connection back, which
-    /// closes it (an HTTP/1.1 connection answered early is not reusable).
+    /// own writes it, within the pool's idle timeout, then gives the connection back. The
+    /// pool keeps it only when the server had the whole body as framed before it answered
+    /// (a client's end of stream may come later than its last byte); one answered early is
+    /// closed.
     pub fn release_at(mut self, now: Instant) {
         let pool = self.pool.clone();
         if let Sender::H1(c) = &mut self.sender
