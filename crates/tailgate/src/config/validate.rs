@@ -719,17 +719,6 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         for (j, e) in cl.endpoints.get_ref().iter().enumerate() {
             let (https, e) = upstream_tls::strip_scheme(e);
             match c.endpoint(&e, format!("cluster[{i}].endpoints[{j}]")) {
-                // Twice the same server would be two pools for it: twice its share of the
-                // requests, of `max_connections_per_endpoint` and of warm connections.
-                Some(dns::Endpoint::Addr(a)) if endpoints.contains(&a) => {
-                    c.err(
-                        Some(e.span()),
-                        format!("cluster[{i}].endpoints[{j}]"),
-                        format!("`{a}` is listed twice"),
-                        Some("list each server once"),
-                    );
-                    continue;
-                }
                 Some(dns::Endpoint::Addr(a)) => endpoints.push(a),
                 Some(dns::Endpoint::Name(n)) => hostnames.push(n),
                 None => continue,
@@ -1326,10 +1315,6 @@ mod tests {
             (
                 format!("[server]\nrequest_id_header = \"Cookie\"\n{TAIL}"),
                 "server.request_id_header: `Cookie` frames, routes or is removed from every message, is set by the gateway, or carries credentials",
-            ),
-            (
-                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:9000\", \"127.0.0.1:9000\"]\n".to_owned(),
-                "t.toml:5:32: cluster[0].endpoints[1]: `127.0.0.1:9000` is listed twice",
             ),
             (
                 "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"999.1.1.1:80\"]\n".to_owned(),

@@ -525,8 +525,10 @@ impl Body for RespBody {
                     }
                     Some(Err(e)) => {
                         up.conn = None;
-                        up.recorder
-                            .fail(client_body_fault(&*e).unwrap_or("upstream_body"));
+                        match client_body_fault(&*e) {
+                            Some(code) => up.recorder.fail(code),
+                            None => up.recorder.fail("upstream_body"),
+                        }
                         Poll::Ready(Some(Err(e)))
                     }
                     None => {
@@ -580,6 +582,10 @@ impl UpstreamBody {
     }
 }
 
+/// What [`client_body_fault`] records: a body too large, stalled, or ended early.
+pub(crate) const CLIENT_BODY_CODES: [&str; 3] =
+    ["body_too_large", "client_body_timeout", "bad_request"];
+
 /// What to record when a response body was cut short by the client's own request body,
 /// still being sent meanwhile (too large, stalled, or ended early; as
 /// `pipeline::classify_send_error` names them before a response), rather than by the
@@ -593,10 +599,11 @@ fn client_body_fault(e: &(dyn std::error::Error + Send + Sync + 'static)) -> Opt
             _ => err.downcast_ref::<ReqBodyError>(),
         };
         if let Some(b) = body {
+            let [too_large, timed_out, client] = CLIENT_BODY_CODES;
             return Some(match b {
-                ReqBodyError::TooLarge(_) => "body_too_large",
-                ReqBodyError::TimedOut => "client_body_timeout",
-                ReqBodyError::Client(_) => "bad_request",
+                ReqBodyError::TooLarge(_) => too_large,
+                ReqBodyError::TimedOut => timed_out,
+                ReqBodyError::Client(_) => client,
             });
         }
         cur = err.source();

@@ -395,5 +395,9 @@ mod tests {
             }
         }
         assert!(literal >= 4, "the literal codes were found ({literal})");
+        // And those a response cut short by the client's own body is recorded with.
+        for code in crate::pipeline::body::CLIENT_BODY_CODES {
+            assert_ne!(error_index(code), ERROR_KINDS.len() - 1, "{code}");
+        }
     }
 }
