@@ -285,6 +285,56 @@ async fn head_takes_the_route_of_get() {
     assert_eq!(body, "web", "POST falls through to `/`");
 }
 
+/// A route with a host is found by its host whatever its tenant: a route naming HEAD for
+/// that host and prefix takes HEAD from a tenant's GET route there too (it was never
+/// reached).
+#[tokio::test]
+async fn a_head_route_for_a_host_takes_head_from_a_tenants_get_route() {
+    let (get_up, head_up) = (named("get").await, named("head-route").await);
+    let gw = TestGateway::start(&format!(
+        r#"
+[[tenant]]
+name = "t"
+hosts = ["a.test"]
+[[cluster]]
+name = "get"
+endpoints = ["{get_up}"]
+[[cluster]]
+name = "head"
+endpoints = ["{head_up}"]
+[[route]]
+tenant = "t"
+host = "a.test"
+path_prefix = "/"
+methods = ["GET"]
+cluster = "get"
+[[route]]
+host = "a.test"
+path_prefix = "/"
+methods = ["HEAD"]
+cluster = "head"
+"#
+    ));
+    let (text, _) = raw(
+        gw.addr,
+        b"HEAD /x HTTP/1.1\r\nHost: a.test\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    // `head-route`'s length (10), not `get`'s (3).
+    assert!(
+        text.to_ascii_lowercase().contains("content-length: 10\r\n"),
+        "{text}"
+    );
+    let (status, body) = ask(
+        &gw,
+        "GET /x HTTP/1.1\r\nHost: a.test\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(status.contains(" 200 "), "{status}");
+    assert_eq!(body, "get");
+}
+
 #[tokio::test]
 async fn trace_is_405_unless_a_route_lists_it() {
     let gw = gateway().await;

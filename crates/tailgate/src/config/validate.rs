@@ -911,7 +911,9 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         let host = route_host(c, r, i, tenant, &tenants);
         let methods = route_methods(c, r, i);
         let span = r.path_prefix.span();
-        for (t, h, p, m, prev) in &seen_routes {
+        // (A host already refused is no host: no duplicate is looked for then.)
+        let host_refused = r.host.is_some() && host.is_none();
+        for (t, h, p, m, prev) in seen_routes.iter().filter(|_| !host_refused) {
             // A route without `methods` takes every method but TRACE
             // (`pipeline::route`): beside a TRACE-only route it does not overlap.
             let any_but_trace = |ms: &[http::Method]| ms.iter().any(|x| *x != http::Method::TRACE);
@@ -1229,6 +1231,17 @@ mod tests {
 
     const TAIL: &str = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\n";
 
+    /// A route whose host is refused gets that error alone, not also a duplicate's.
+    #[test]
+    fn a_refused_route_host_is_no_duplicate() {
+        let text = format!(
+            "{TAIL}[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\n[[route]]\nhost = \"a b\"\npath_prefix = \"/\"\ncluster = \"c\"\n"
+        );
+        let errs = errors_of(&text);
+        assert!(errs.contains("is not a host name"), "{errs}");
+        assert!(!errs.contains("duplicate"), "{errs}");
+    }
+
     /// What the TOML reader refuses gets a hint that, followed, makes valid TOML of the
     /// right shape.
     #[test]
@@ -1331,6 +1344,10 @@ mod tests {
             (
                 format!("[[tenant]]\nname = \"t\"\nhosts = [\"a.com\", \"A.com\"]\n{TAIL}"),
                 "tenant[0].hosts[1]: host `a.com` is listed twice",
+            ),
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\n[[route]]\nhost = \"a b\"\npath_prefix = \"/\"\ncluster = \"c\"\n"),
+                "route[1].host: `a b` is not a host name",
             ),
             (
                 format!("{TAIL}[[route]]\npath_prefix = \"/a b\"\ncluster = \"c\"\n"),

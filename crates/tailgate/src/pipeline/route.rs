@@ -177,20 +177,31 @@ impl RouteTable {
         // Stable: equally long patterns keep the config's order.
         t.tenant_wildcards
             .sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
+        // A route's scope: its host when it has one (found by the host alone, whatever its
+        // tenant), else its tenant (or none).
+        fn scope(r: &config::Route) -> (Option<usize>, Option<&str>) {
+            match r.host.as_deref() {
+                Some(h) => (None, Some(h)),
+                None => (r.tenant, None),
+            }
+        }
         // The scopes and prefixes with a route that names HEAD.
         let named_head: std::collections::HashSet<(Option<usize>, Option<&str>, &str)> = config
             .routes
             .iter()
             .filter(|r| r.methods.contains(&http::Method::HEAD))
-            .map(|r| (r.tenant, r.host.as_deref(), &*r.path_prefix))
+            .map(|r| {
+                let (tenant, host) = scope(r);
+                (tenant, host, &*r.path_prefix)
+            })
             .collect();
         for (id, r) in config.routes.iter().enumerate() {
             // A route for GET answers HEAD too (RFC 9110 §9.3.2; nginx's `limit_except GET`
             // allows HEAD): health and link checkers send HEAD. Unless another route of the
             // same scope and prefix takes HEAD by name: that one is meant for it.
             let mut methods = r.methods.clone();
-            let head_elsewhere =
-                named_head.contains(&(r.tenant, r.host.as_deref(), &*r.path_prefix));
+            let (tenant, host) = scope(r);
+            let head_elsewhere = named_head.contains(&(tenant, host, &*r.path_prefix));
             if methods.contains(&http::Method::GET) && !head_elsewhere {
                 methods.push(http::Method::HEAD);
             }

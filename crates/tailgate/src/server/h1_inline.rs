@@ -393,12 +393,10 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
     // Expect or an upgrade: hyper's server serves it.
     let mut elsewhere = false;
     let (mut close, mut keep_alive) = (false, false);
-    let mut long_name = false;
     idx.clear();
     for h in req.headers.iter() {
         let name = h.name.as_bytes();
         match name.len() {
-            n if n > head::MAX_NAME_LEN => long_name = true,
             14 if name.eq_ignore_ascii_case(b"content-length") => body.content_length(h.value),
             17 if name.eq_ignore_ascii_case(b"transfer-encoding") => {
                 body.transfer_encoding(h.value);
@@ -422,8 +420,14 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
     if path.len() > MAX_URI_LEN {
         return Err(Unserved::Refused(head::TARGET_TOO_LONG.into()));
     }
-    // Then a name too long to carry, as hyper's server would check it next.
-    if long_name {
+    // Then a name too long to carry, as hyper's server would check it next (looked for
+    // only in a head long enough to hold one: not a cost per header of every request).
+    if head_len > head::MAX_NAME_LEN
+        && req
+            .headers
+            .iter()
+            .any(|h| h.name.len() > head::MAX_NAME_LEN)
+    {
         return Err(Unserved::Refused(head::NAME_TOO_LONG.into()));
     }
     if let Err(f) = body.check(http10) {
