@@ -590,6 +590,8 @@ pub(crate) const CLIENT_BODY_CODES: [&str; 3] =
 /// still being sent meanwhile (too large, stalled, or ended early; as
 /// `pipeline::classify_send_error` names them before a response), rather than by the
 /// upstream.
+#[cold]
+#[inline(never)]
 fn client_body_fault(e: &(dyn std::error::Error + Send + Sync + 'static)) -> Option<&'static str> {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = cur {
