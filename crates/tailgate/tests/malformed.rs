@@ -409,6 +409,19 @@ async fn parser_refusals_carry_the_json_error() {
     }
 }
 
+/// Sends `prefix` then `head` on a new connection, which must be closed after; the last
+/// answer on it.
+async fn last_answer(gw: &TestGateway, prefix: &[u8], head: &str) -> String {
+    let (text, closed) = raw(
+        gw.addr,
+        &[prefix, head.as_bytes()].concat(),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(closed, "{text}");
+    text[text.rfind("HTTP/1.1 ").unwrap()..].to_owned()
+}
+
 /// A target longer than hyper's server takes (65,534 bytes) gets the gateway's JSON `414`
 /// from both HTTP/1 servers, when `max_header_bytes` lets such a head in at all.
 #[tokio::test]
@@ -427,16 +440,9 @@ async fn a_target_too_long_gets_the_json_414() {
         .into_iter()
         .flat_map(|p| [(p, &long), (p, &long_and_bad_length)])
     {
-        let (text, closed) = raw(
-            gw.addr,
-            &[prefix, head.as_bytes()].concat(),
-            Duration::from_secs(5),
-        )
-        .await;
-        assert!(closed, "{text}");
-        let last = &text[text.rfind("HTTP/1.1 ").unwrap()..];
-        assert!(last.starts_with("HTTP/1.1 414 "), "{text}");
-        assert!(last.contains("{\"error\":\"uri_too_long\""), "{text}");
+        let last = last_answer(&gw, prefix, head).await;
+        assert!(last.starts_with("HTTP/1.1 414 "), "{last}");
+        assert!(last.contains("{\"error\":\"uri_too_long\""), "{last}");
     }
     assert_eq!(
         hits.load(Ordering::SeqCst),
@@ -471,17 +477,10 @@ async fn a_header_name_too_long_to_carry_gets_the_json_431() {
             (named(70_000, "/"), "HTTP/1.1 431 "),
             (named(70_000, &long_target), "HTTP/1.1 414 "),
         ] {
-            let (text, closed) = raw(
-                gw.addr,
-                &[prefix, head.as_bytes()].concat(),
-                Duration::from_secs(5),
-            )
-            .await;
-            assert!(closed, "{text}");
-            let last = &text[text.rfind("HTTP/1.1 ").unwrap()..];
-            assert!(last.starts_with(want), "{want}: {text}");
+            let last = last_answer(&gw, prefix, &head).await;
+            assert!(last.starts_with(want), "{want}: {last}");
             if want != "HTTP/1.1 200 " {
-                assert!(last.contains("{\"error\":\""), "{text}");
+                assert!(last.contains("{\"error\":\""), "{last}");
             }
         }
     }

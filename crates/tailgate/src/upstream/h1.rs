@@ -1119,17 +1119,23 @@ fn parse_chunk_size(line: &[u8]) -> Option<u64> {
 #[cfg(test)]
 mod tests {
 
+    /// A connection to a listener of the test's own, and the listener's end of it.
+    async fn connected() -> (H1Conn, tokio::net::TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let (client, server) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());
+        let conn = H1Conn::new(Transport::Tcp(client.expect("connect")));
+        (conn, server.expect("accept").0)
+    }
+
     /// Trailers are dropped, within a line length and a total: a line longer than
     /// `MAX_CHUNK_LINE`, whole or not yet ended, and lines past `MAX_HEAD` in all are a bad
     /// response.
     #[tokio::test]
     async fn trailers_are_bounded_by_line_and_in_all() {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = l.local_addr().expect("addr");
-        let (client, _server) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());
-        let mut conn = H1Conn::new(Transport::Tcp(client.expect("connect")));
+        let (mut conn, _server) = connected().await;
         let mut decode = |input: Vec<u8>| {
             conn.rbuf.clear();
             conn.rbuf.extend_from_slice(&input);
@@ -1162,12 +1168,7 @@ mod tests {
     #[tokio::test]
     async fn the_deadline_is_seen_with_the_budget_spent() {
         use std::time::Duration;
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = l.local_addr().expect("addr");
-        let (client, _server) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());
-        let mut conn = H1Conn::new(Transport::Tcp(client.expect("connect")));
+        let (mut conn, _server) = connected().await;
         conn.timer = Some(Box::pin(tokio::time::sleep(Duration::ZERO)));
         tokio::time::sleep(Duration::from_millis(2)).await;
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
