@@ -928,13 +928,15 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 break;
             }
         }
-        seen_routes.push((
-            tenant,
-            host.clone(),
-            path_prefix.clone(),
-            methods.clone(),
-            span,
-        ));
+        if !host_refused {
+            seen_routes.push((
+                tenant,
+                host.clone(),
+                path_prefix.clone(),
+                methods.clone(),
+                span,
+            ));
+        }
         let response_timeout = c.timeout(
             &r.response_timeout,
             format!("route[{i}].response_timeout"),
@@ -1234,12 +1236,17 @@ mod tests {
     /// A route whose host is refused gets that error alone, not also a duplicate's.
     #[test]
     fn a_refused_route_host_is_no_duplicate() {
-        let text = format!(
-            "{TAIL}[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\n[[route]]\nhost = \"a b\"\npath_prefix = \"/\"\ncluster = \"c\"\n"
-        );
-        let errs = errors_of(&text);
-        assert!(errs.contains("is not a host name"), "{errs}");
-        assert!(!errs.contains("duplicate"), "{errs}");
+        let route = |host: &str| format!("[[route]]\n{host}path_prefix = \"/\"\ncluster = \"c\"\n");
+        let (plain, refused) = (route(""), route("host = \"a b\"\n"));
+        // In either order.
+        for text in [
+            format!("{TAIL}{plain}{refused}"),
+            format!("{TAIL}{refused}{plain}"),
+        ] {
+            let errs = errors_of(&text);
+            assert!(errs.contains("is not a host name"), "{errs}");
+            assert!(!errs.contains("duplicate"), "{errs}");
+        }
     }
 
     /// What the TOML reader refuses gets a hint that, followed, makes valid TOML of the
