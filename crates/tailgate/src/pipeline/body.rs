@@ -582,14 +582,10 @@ impl UpstreamBody {
     }
 }
 
-/// What [`client_body_fault`] records: a body too large, stalled, or ended early.
-pub(crate) const CLIENT_BODY_CODES: [&str; 3] =
-    ["body_too_large", "client_body_timeout", "bad_request"];
-
 /// What to record when a response body was cut short by the client's own request body,
-/// still being sent meanwhile (too large, stalled, or ended early; as
-/// `pipeline::classify_send_error` names them before a response), rather than by the
-/// upstream.
+/// still being sent meanwhile (too large, stalled, or ended early: the code
+/// [`client_body_error`](super::client_body_error) gives it before a response), rather
+/// than by the upstream.
 #[cold]
 #[inline(never)]
 fn client_body_fault(e: &(dyn std::error::Error + Send + Sync + 'static)) -> Option<&'static str> {
@@ -601,12 +597,7 @@ fn client_body_fault(e: &(dyn std::error::Error + Send + Sync + 'static)) -> Opt
             _ => err.downcast_ref::<ReqBodyError>(),
         };
         if let Some(b) = body {
-            let [too_large, timed_out, client] = CLIENT_BODY_CODES;
-            return Some(match b {
-                ReqBodyError::TooLarge(_) => too_large,
-                ReqBodyError::TimedOut => timed_out,
-                ReqBodyError::Client(_) => client,
-            });
+            return Some(super::client_body_error(b).code());
         }
         cur = err.source();
     }

@@ -842,10 +842,18 @@ fn remaining(timeout: Duration, total_deadline: Option<Instant>) -> Duration {
 /// client's doing; anything else is the upstream's.
 fn classify_send_error(e: SendError) -> ProxyError {
     match e.req_body_error() {
-        Some(ReqBodyError::TooLarge(limit)) => ProxyError::BodyTooLarge(*limit),
-        Some(ReqBodyError::Client(_)) => ProxyError::BadRequest("the client's body ended early"),
-        Some(ReqBodyError::TimedOut) => ProxyError::ClientBodyTimeout,
+        Some(b) => client_body_error(b),
         None => ProxyError::UpstreamReset(e.into()),
+    }
+}
+
+/// What reading the client's body failing is: the client's doing (too large, ended early,
+/// stalled), before a response or cutting one short.
+pub(crate) fn client_body_error(b: &ReqBodyError) -> ProxyError {
+    match b {
+        ReqBodyError::TooLarge(limit) => ProxyError::BodyTooLarge(*limit),
+        ReqBodyError::Client(_) => ProxyError::BadRequest("the client's body ended early"),
+        ReqBodyError::TimedOut => ProxyError::ClientBodyTimeout,
     }
 }
 
