@@ -420,15 +420,8 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
     if path.len() > MAX_URI_LEN {
         return Err(Unserved::Refused(head::TARGET_TOO_LONG.into()));
     }
-    // Then a name too long to carry, as hyper's server would check it next (looked for
-    // only in a head long enough to hold one: not a cost per header of every request).
-    if head_len > head::MAX_NAME_LEN
-        && req
-            .headers
-            .iter()
-            .any(|h| h.name.len() > head::MAX_NAME_LEN)
-    {
-        return Err(Unserved::Refused(head::NAME_TOO_LONG.into()));
+    if let Err(f) = head::long_name(head_len, req.headers) {
+        return Err(Unserved::Refused(f.into()));
     }
     if let Err(f) = body.check(http10) {
         return Err(Unserved::Refused(f.into()));

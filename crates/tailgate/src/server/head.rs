@@ -142,11 +142,23 @@ pub fn target_fault(target_len: usize) -> HeadFault {
 
 /// The longest header name `http` takes; httparse reads longer ones, which hyper's server
 /// answers with a bare `431` (no JSON body).
-pub const MAX_NAME_LEN: usize = u16::MAX as usize;
+const MAX_NAME_LEN: usize = u16::MAX as usize;
 
 /// A header name longer than [`MAX_NAME_LEN`] (possible only with `max_header_bytes` over
 /// 64 KiB).
-pub const NAME_TOO_LONG: HeadFault = HeadFault::TooLarge("header name longer than 65535 bytes");
+const NAME_TOO_LONG: HeadFault = HeadFault::TooLarge("header name longer than 65535 bytes");
+
+/// Does a parsed head of `head_len` bytes hold a header name too long to carry? Looked for
+/// only in a head long enough to hold one: no cost per header of every request. Both
+/// HTTP/1 servers check it after the target's length and before the body headers, as
+/// hyper's server orders its checks.
+pub fn long_name(head_len: usize, headers: &[httparse::Header<'_>]) -> Result<(), HeadFault> {
+    if head_len > MAX_NAME_LEN && headers.iter().any(|h| h.name.len() > MAX_NAME_LEN) {
+        Err(NAME_TOO_LONG)
+    } else {
+        Ok(())
+    }
+}
 
 /// The body framing a head declares, gathered header by header as the caller walks the
 /// head's lines (the inline server walks them once, for everything it needs).

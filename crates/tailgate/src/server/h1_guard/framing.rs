@@ -114,9 +114,7 @@ impl Framing {
         self.head_scan = head::HeadScan::default();
         let mut body = BodyHeaders::default();
         let mut upgrade = req.method == Some("CONNECT");
-        let mut long_name = false;
         for h in req.headers.iter() {
-            long_name |= h.name.len() > head::MAX_NAME_LEN;
             if h.name.eq_ignore_ascii_case("content-length") {
                 body.content_length(h.value);
             } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
@@ -133,13 +131,8 @@ impl Framing {
             _ => Ok(()),
         };
         // Then a name too long to carry (hyper's server would answer a bare 431).
-        let named = if long_name {
-            Err(head::NAME_TOO_LONG)
-        } else {
-            Ok(())
-        };
         let checked = target
-            .and(named)
+            .and_then(|()| head::long_name(len, req.headers))
             .and_then(|()| body.check(req.version == Some(0)));
         if let Err(f) = checked {
             self.refuse(Refusal::Head(f));
