@@ -808,7 +808,8 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
 
     // [[route]]
     let mut routes = Vec::new();
-    // (tenant, host, path_prefix, methods, span) of every route so far.
+    // (tenant as the route's scope has it, host, path_prefix, methods, span) of every route so far
+    // (`pipeline::route::scope`).
     type RouteKey = (
         Option<usize>,
         Option<String>,
@@ -913,6 +914,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         let span = r.path_prefix.span();
         // (A host already refused is no host: no duplicate is looked for then.)
         let host_refused = r.host.is_some() && host.is_none();
+        let (scope, _) = crate::pipeline::route::scope(tenant, host.as_deref());
         for (t, h, p, m, prev) in seen_routes.iter().filter(|_| !host_refused) {
             // A route without `methods` takes every method but TRACE
             // (`pipeline::route`): beside a TRACE-only route it does not overlap.
@@ -920,9 +922,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             let overlap = m.is_empty() && (methods.is_empty() || any_but_trace(&methods))
                 || methods.is_empty() && any_but_trace(m)
                 || m.iter().any(|x| methods.contains(x));
-            // A route with a host is found by that host whatever its tenant
-            // (`pipeline::route`): there, the tenant tells no two routes apart.
-            if (*t == tenant || host.is_some()) && *h == host && *p == path_prefix && overlap {
+            if *t == scope && *h == host && *p == path_prefix && overlap {
                 let (pl, _) = line_col(c.text, prev.start);
                 c.err(Some(span.clone()), format!("route[{i}]"), format!("duplicate route: the same host (or, without one, tenant), path_prefix `{path_prefix}` and methods as the route at line {pl}, which would always be chosen"), Some("remove one of them, or make them differ by host, path_prefix or methods"));
                 break;
@@ -930,7 +930,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         }
         if !host_refused {
             seen_routes.push((
-                tenant,
+                scope,
                 host.clone(),
                 path_prefix.clone(),
                 methods.clone(),

@@ -155,6 +155,16 @@ pub struct RouteTable {
     global: RouteList,
 }
 
+/// What tells a route's place apart, beside its prefix and methods: its host when it has
+/// one (a route with a host is found by the host alone, whatever its tenant), else its
+/// tenant (or none). `check` finds duplicates by it too.
+pub fn scope(tenant: Option<usize>, host: Option<&str>) -> (Option<usize>, Option<&str>) {
+    match host {
+        Some(h) => (None, Some(h)),
+        None => (tenant, None),
+    }
+}
+
 impl RouteTable {
     pub fn new(config: &Config) -> RouteTable {
         let mut t = RouteTable {
@@ -177,21 +187,13 @@ impl RouteTable {
         // Stable: equally long patterns keep the config's order.
         t.tenant_wildcards
             .sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
-        // A route's scope: its host when it has one (found by the host alone, whatever its
-        // tenant), else its tenant (or none).
-        fn scope(r: &config::Route) -> (Option<usize>, Option<&str>) {
-            match r.host.as_deref() {
-                Some(h) => (None, Some(h)),
-                None => (r.tenant, None),
-            }
-        }
         // The scopes and prefixes with a route that names HEAD.
         let named_head: std::collections::HashSet<(Option<usize>, Option<&str>, &str)> = config
             .routes
             .iter()
             .filter(|r| r.methods.contains(&http::Method::HEAD))
             .map(|r| {
-                let (tenant, host) = scope(r);
+                let (tenant, host) = scope(r.tenant, r.host.as_deref());
                 (tenant, host, &*r.path_prefix)
             })
             .collect();
@@ -200,7 +202,7 @@ impl RouteTable {
             // allows HEAD): health and link checkers send HEAD. Unless another route of the
             // same scope and prefix takes HEAD by name: that one is meant for it.
             let mut methods = r.methods.clone();
-            let (tenant, host) = scope(r);
+            let (tenant, host) = scope(r.tenant, r.host.as_deref());
             let head_elsewhere = named_head.contains(&(tenant, host, &*r.path_prefix));
             if methods.contains(&http::Method::GET) && !head_elsewhere {
                 methods.push(http::Method::HEAD);
