@@ -364,7 +364,9 @@ fn serve_probe(
 }
 
 /// The admin connections on full slots, so that when every slot is held the one idle the
-/// longest can be closed for a new one. At most [`MAX_CONNECTIONS`] entries.
+/// longest can be closed for a new one. At most [`MAX_CONNECTIONS`] entries. Its lock is
+/// taken on the admin thread only (a connection opens or ends, an accept finds every slot
+/// held), never by a worker: a `Mutex` because its tasks are spawned, which needs `Send`.
 struct Open {
     conns: std::sync::Mutex<Vec<Arc<OpenConn>>>,
     epoch: Instant,
