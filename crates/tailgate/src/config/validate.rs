@@ -270,12 +270,13 @@ pub(super) fn parse_and_validate(path: &Path, text: &str) -> Result<Config, Conf
         Err(e) => {
             let (line, col) = e.span().map_or((0, 0), |s| line_col(text, s.start));
             let message = e.message().trim().to_owned();
+            let field = key_on_line(text, line);
             return Err(ConfigErrors(vec![ConfigError {
                 file: path.to_path_buf(),
                 line,
                 col,
-                field: key_on_line(text, line),
-                hint: Some(toml_hint(&message).to_owned()),
+                hint: Some(toml_hint(&message, &field).to_owned()),
+                field,
                 message,
             }]));
         }
@@ -294,8 +295,12 @@ pub(super) fn parse_and_validate(path: &Path, text: &str) -> Result<Config, Conf
 }
 
 /// What to write instead, for an error the TOML reader found (before any field is checked).
-fn toml_hint(message: &str) -> &'static str {
-    if message.contains("unknown field") {
+fn toml_hint(message: &str, field: &str) -> &'static str {
+    if message.contains("invalid value: integer `-")
+        && let Some(range) = ranged_hint(field)
+    {
+        range
+    } else if message.contains("unknown field") {
         "remove it, or use one of the expected fields listed above"
     } else if message.contains("missing field") {
         "add the field to this table"
@@ -317,6 +322,19 @@ fn toml_hint(message: &str) -> &'static str {
         "write a value of the type the README's config reference gives for this field"
     } else {
         "check this line's TOML: `key = value`, strings in quotes, tables as [name] or [[name]]"
+    }
+}
+
+/// What to write for a negative value of an integer field with a range narrower than "0
+/// or more" (the checks below give the same range once the value is in the type's).
+fn ranged_hint(field: &str) -> Option<&'static str> {
+    match field {
+        "workers" => Some("write a number between 1 and 1024"),
+        "max_header_bytes" => {
+            Some("write a number between 1024 and 1048576; 16384 is a good default")
+        }
+        "retry_budget_percent" | "hedge_budget_percent" => Some("write a number between 0 and 100"),
+        _ => None,
     }
 }
 
@@ -1272,6 +1290,14 @@ mod tests {
                 format!("[server]\nmax_body_bytes = -1\n{TAIL}"),
                 "t.toml:2:18: max_body_bytes: invalid value: integer `-1`, expected u64\n  help: write a number of 0 or more",
             ),
+            (
+                format!("[server]\nmax_header_bytes = -1\n{TAIL}"),
+                "max_header_bytes: invalid value: integer `-1`, expected usize\n  help: write a number between 1024 and 1048576",
+            ),
+            (
+                format!("[server]\nworkers = -2\n{TAIL}"),
+                "help: write a number between 1 and 1024",
+            ),
         ] {
             let errs = errors_of(&text);
             assert!(errs.contains(want), "{text}\n{errs}");
@@ -1379,6 +1405,10 @@ mod tests {
             (
                 "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"224.0.0.1:80\"]\n".to_owned(),
                 "`224.0.0.1:80`: a broadcast or multicast address",
+            ),
+            (
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"[fe80::1]:80\"]\n".to_owned(),
+                "cluster[0].endpoints[0]: `[fe80::1]:80` is link-local, with no interface named\n  help: add the interface's index: \"[fe80::1%2]:80\"",
             ),
             (
                 "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"\"\nendpoints = [\"127.0.0.1:1\"]\n".to_owned(),
@@ -1539,6 +1569,20 @@ response_timeout = "0s"
         }
         // A demo binds dual-stack: an IPv4-mapped address is fine there.
         assert!(!errs.contains("demo[0]"), "{errs}");
+    }
+
+    /// A link-local endpoint with its interface's index is taken as written.
+    #[test]
+    fn a_link_local_endpoint_with_its_zone_is_accepted() {
+        let text = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"[fe80::1%2]:80\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\n";
+        let config = parse_and_validate(Path::new("t.toml"), text)
+            .unwrap_or_else(|e| panic!("refused: {e}"));
+        let want: SocketAddr = "[fe80::1%2]:80".parse().expect("an address");
+        assert_eq!(config.clusters[0].endpoints, [want]);
+        assert_eq!(
+            config.clusters[0].endpoints[0].to_string(),
+            "[fe80::1%2]:80"
+        );
     }
 
     /// The admin socket and demos are dual-stack, listeners bind IPv6 IPv6-only: `[::]:P`
