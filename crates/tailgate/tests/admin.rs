@@ -1245,3 +1245,101 @@ async fn open_connections_are_exported_per_tenant() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Request errors of `kind` counted, in all (no series: none).
+fn errors_of(ex: &Exposition, kind: &str) -> f64 {
+    ex.find("tailgate_request_errors_total", &[("kind", kind)])
+        .iter()
+        .map(|s| s.value)
+        .sum()
+}
+
+/// Waits until `kind` has been counted once among the request errors (nothing left in
+/// flight), and returns the exposition then.
+async fn errors_once(admin: SocketAddr, kind: &str) -> Exposition {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let ex = scrape(admin).await;
+        if ex.value("tailgate_requests_in_flight", &[]) == 0.0 && errors_of(&ex, kind) >= 1.0 {
+            return ex;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no `{kind}` error was counted: {:?}",
+            ex.find("tailgate_request_errors_total", &[])
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// An upstream whose answer is 4 MiB, more than any client's windows and buffers hold.
+async fn big_upstream() -> SocketAddr {
+    upstream(|_| async { http::Response::new(full(vec![b'x'; 4 << 20])) }).await
+}
+
+/// An HTTP/1.1 client that stops reading is cut off by the send timeout, and its exchange
+/// is counted as `send_timeout`: the gateway ended it, the client did not go away.
+#[tokio::test]
+async fn a_client_cut_off_for_not_reading_is_a_send_timeout_not_client_gone() {
+    let up = big_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        &format!("{ADMIN}[server]\nworkers = 1\nidle_timeout = \"400ms\"\n"),
+    );
+    let admin = admin_addr(&gw);
+    // A small receive buffer, so that the 4 MiB cannot all wait in the sockets' buffers.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut s = socket.connect(gw.addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut s, b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    // Never read.
+    let ex = errors_once(admin, "send_timeout").await;
+    assert_eq!(errors_of(&ex, "client_gone"), 0.0);
+    drop(s);
+}
+
+/// The same over HTTP/2, where the client's shut flow-control window, not a blocked write,
+/// shows the stall (hyper's client opens 2 MiB of window per stream, half the answer): the
+/// stream (or the connection) is ended as a `send_timeout`.
+#[tokio::test]
+async fn an_h2_client_cut_off_for_not_reading_is_a_send_timeout() {
+    let up = big_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        &format!("{ADMIN}[server]\nworkers = 1\nidle_timeout = \"400ms\"\n"),
+    );
+    let admin = admin_addr(&gw);
+    let (mut c, _conn) = h2c_client(gw.addr).await;
+    let resp = c
+        .send_request(http::Request::get("http://a/big").body(full("")).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let _unread = resp;
+    let ex = errors_once(admin, "send_timeout").await;
+    assert_eq!(errors_of(&ex, "client_gone"), 0.0);
+}
+
+/// An HTTP/2 stream whose client keeps its window shut past the route's `total_timeout`
+/// is reset at that deadline and counted as `total_timeout`.
+#[tokio::test]
+async fn an_h2_stream_stalled_past_its_total_timeout_is_counted_as_one() {
+    let up = big_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "{ADMIN}[server]\nworkers = 1\nidle_timeout = \"30s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\ntotal_timeout = \"500ms\"\n"
+    ));
+    let admin = admin_addr(&gw);
+    let (mut c, _conn) = h2c_client(gw.addr).await;
+    let resp = c
+        .send_request(http::Request::get("http://a/big").body(full("")).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let _unread = resp;
+    let ex = errors_once(admin, "total_timeout").await;
+    for other in ["client_gone", "send_timeout"] {
+        assert_eq!(errors_of(&ex, other), 0.0, "{other}");
+    }
+}

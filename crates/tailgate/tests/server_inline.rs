@@ -643,7 +643,7 @@ async fn ri_unknown_length_is_chunked_to_11_and_close_delimited_to_10() {
 }
 
 /// An upstream that answers one request on each connection with `head` then `body`, and
-/// closes.
+/// closes. It reads the request's head and the body its `content-length` says first.
 async fn raw_upstream(head: &'static str, body: &'static [u8]) -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
@@ -653,9 +653,18 @@ async fn raw_upstream(head: &'static str, body: &'static [u8]) -> SocketAddr {
                 return;
             };
             tokio::spawn(async move {
-                let mut buf = vec![0u8; 8192];
+                let mut buf = vec![0u8; 1 << 20];
                 let mut have = 0;
-                while !buf[..have].windows(4).any(|w| w == b"\r\n\r\n") {
+                let whole = |b: &[u8]| {
+                    let end = b.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+                    let head = String::from_utf8_lossy(&b[..end]).to_ascii_lowercase();
+                    let len = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map_or(0, |v| v.trim().parse::<usize>().unwrap());
+                    (b.len() >= end + len).then_some(())
+                };
+                while whole(&buf[..have]).is_none() {
                     match c.read(&mut buf[have..]).await {
                         Ok(0) | Err(_) => return,
                         Ok(n) => have += n,
@@ -1453,4 +1462,125 @@ async fn ri_the_last_request_a_connection_may_carry_closes_it() {
     }
     let (text, closed) = read_until_close(&mut s, WAIT).await;
     assert!(closed && text.is_empty(), "{text:?}");
+}
+
+/// Reads `s` to its end: what came, and how it ended (`Ok` for a clean end of stream).
+async fn read_to_end<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> (Vec<u8>, std::io::Result<()>) {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let end = tokio::time::timeout(WAIT, async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) => return Ok(()),
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) => return Err(e),
+            }
+        }
+    })
+    .await
+    .expect("the connection ended");
+    (got, end)
+}
+
+/// An upstream answer cut short, to an HTTP/1.0 client whose body is delimited by the
+/// close: the connection is reset, not closed, so the client cannot take the cut body for
+/// a whole one. The same answer whole ends with a clean close.
+#[tokio::test]
+async fn ri_a_cut_answer_to_http10_ends_in_a_reset_and_a_whole_one_in_a_close() {
+    let cut = raw_upstream(
+        "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"5\r\nhello\r\n3\r\nwo",
+    )
+    .await;
+    let whole = raw_upstream(
+        "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"5\r\nhello\r\n0\r\n\r\n",
+    )
+    .await;
+    // A GET, served inline, and a POST whose body is too large to be read with its head,
+    // served by hyper's server.
+    let post = format!(
+        "POST /a HTTP/1.0\r\nHost: a\r\nContent-Length: 65536\r\n\r\n{}",
+        "b".repeat(65536)
+    );
+    let get = "GET /a HTTP/1.0\r\nHost: a\r\n\r\n".to_owned();
+    for (up, want_reset, req) in [
+        (cut, true, &get),
+        (whole, false, &get),
+        (cut, true, &post),
+        (whole, false, &post),
+    ] {
+        let gw = TestGateway::to(up, "");
+        let mut s = connect(gw.addr).await;
+        s.write_all(req.as_bytes()).await.unwrap();
+        let (got, end) = read_to_end(&mut s).await;
+        let text = String::from_utf8_lossy(&got);
+        if want_reset {
+            let e = end.expect_err("a cut answer ended like a whole one");
+            assert_eq!(
+                e.kind(),
+                std::io::ErrorKind::ConnectionReset,
+                "{e} {text:?}"
+            );
+        } else {
+            assert!(end.is_ok(), "{end:?} {text:?}");
+            let got = responses(&got, &[]);
+            assert_eq!(got[0].body(), "hello", "{text:?}");
+            assert_eq!(got[0].header("content-length"), None, "{text:?}");
+        }
+    }
+}
+
+/// The same over TLS: the cut answer's connection ends without `close_notify`, which the
+/// client's TLS reports as an error; the whole one's with it.
+#[tokio::test]
+async fn ri_a_cut_answer_to_http10_over_tls_ends_without_close_notify() {
+    let cut = raw_upstream(
+        "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"5\r\nhello\r\n3\r\nwo",
+    )
+    .await;
+    let whole = raw_upstream(
+        "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"5\r\nhello\r\n0\r\n\r\n",
+    )
+    .await;
+    let pki = common::tls::Pki::new();
+    let mut roots = rustls::RootCertStore::empty();
+    for c in pki.certs("ca.pem") {
+        roots.add(c).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(cfg));
+    // Inline (a GET) and by hyper's server (a POST whose body comes after its head).
+    let post = format!(
+        "POST /a HTTP/1.0\r\nHost: a\r\nContent-Length: 65536\r\n\r\n{}",
+        "b".repeat(65536)
+    );
+    let get = "GET /a HTTP/1.0\r\nHost: a\r\n\r\n".to_owned();
+    for (up, want_error, req) in [
+        (cut, true, &get),
+        (whole, false, &get),
+        (cut, true, &post),
+        (whole, false, &post),
+    ] {
+        let gw = tls_gateway(&pki, up);
+        let tcp = connect(gw.addr).await;
+        let mut tls = connector
+            .connect(
+                rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap(),
+                tcp,
+            )
+            .await
+            .unwrap();
+        tls.write_all(req.as_bytes()).await.unwrap();
+        let (got, end) = read_to_end(&mut tls).await;
+        let text = String::from_utf8_lossy(&got);
+        assert_eq!(end.is_err(), want_error, "{end:?} {text:?}");
+    }
 }

@@ -92,13 +92,18 @@ pub struct ConnActivity {
     /// to take them), as the connection's
     /// [`SendTimeout`](crate::server::send_timeout::SendTimeout) saw last. [`LINGERING`]:
     /// the connection is in its lingering close (its answers are written; what the client
-    /// still sends is read out, so that the close is no reset). One byte beside a 32-bit
-    /// count: the whole, with its `Arc`, stays in one 64-byte line.
+    /// still sends is read out, so that the close is no reset). [`UNFRAMED`]: an answer
+    /// whose body the connection's close ends is on its way, and a close before its whole
+    /// is written must be a reset. [`SEND_TIMED_OUT`]: the client was cut off for taking no
+    /// bytes. One byte beside a 32-bit count: the whole, with its `Arc`, stays in one
+    /// 64-byte line.
     sending: AtomicU8,
 }
 
 const WRITE_BLOCKED: u8 = 1;
 const LINGERING: u8 = 2;
+const UNFRAMED: u8 = 4;
+const SEND_TIMED_OUT: u8 = 8;
 
 impl Default for ConnActivity {
     fn default() -> Self {
@@ -172,7 +177,37 @@ impl ConnActivity {
     /// last piece was produced may still be on their way: a close must not cut them.
     /// (Each is bounded: a write by the send timeout, a lingering close by its own limits.)
     pub fn still_sending(&self) -> bool {
-        self.sending.load(Ordering::Relaxed) != 0
+        self.sending.load(Ordering::Relaxed) & (WRITE_BLOCKED | LINGERING) != 0
+    }
+
+    /// An answer goes out whose body the connection's close ends (HTTP/1.0, no length):
+    /// until the connection's write side is shut after the whole of it
+    /// ([`framed_by_close`](Self::framed_by_close)), any close is a reset, not a clean close
+    /// that would make a cut body look whole to the client. However it is cut (the upstream
+    /// fails, a timeout, the client stops reading, a shutdown's end).
+    pub fn set_unframed(&self) {
+        self.sending.fetch_or(UNFRAMED, Ordering::Relaxed);
+    }
+
+    /// The connection's write side was shut after its last answer: its close now ends that
+    /// answer's body, whole.
+    pub fn framed_by_close(&self) {
+        self.sending.fetch_and(!UNFRAMED, Ordering::Relaxed);
+    }
+
+    /// Must the connection's close be a reset ([`set_unframed`](Self::set_unframed))?
+    pub fn close_must_reset(&self) -> bool {
+        self.sending.load(Ordering::Relaxed) & UNFRAMED != 0
+    }
+
+    /// The client was cut off for taking no response bytes for the send timeout: an
+    /// exchange it ends is recorded as `send_timeout`, not `client_gone`.
+    pub fn set_send_timed_out(&self) {
+        self.sending.fetch_or(SEND_TIMED_OUT, Ordering::Relaxed);
+    }
+
+    fn send_timed_out(&self) -> bool {
+        self.sending.load(Ordering::Relaxed) & SEND_TIMED_OUT != 0
     }
 
     /// When a client that took no response data while some waited for it is cut off:
@@ -280,10 +315,40 @@ impl ExchangeRecorder {
     }
 }
 
+thread_local! {
+    /// Why the exchanges dropped now end, when the gateway itself ends them (an HTTP/2
+    /// stream reset for its stalled client): see [`ending_as`].
+    static ENDING_AS: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `end` (which drops what holds exchanges' recorders) with the exchanges it ends
+/// recorded as `kind` rather than `client_gone`.
+pub fn ending_as<R>(kind: &'static str, end: impl FnOnce() -> R) -> R {
+    /// Puts the earlier reason back, even if `end` panics (the worker goes on).
+    struct Restore(Option<&'static str>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ENDING_AS.set(self.0);
+        }
+    }
+    let _restore = Restore(ENDING_AS.replace(Some(kind)));
+    end()
+}
+
 impl Drop for ExchangeRecorder {
+    /// An exchange nobody finished: the client went away (`client_gone`), unless the
+    /// gateway cut it off: for taking no response bytes for the send timeout
+    /// (`send_timeout`), or as [`ending_as`] says.
     fn drop(&mut self) {
         if self.ex.is_some() {
-            self.fail("client_gone");
+            let kind = ENDING_AS.get().unwrap_or_else(|| {
+                if self.activity.as_ref().is_some_and(|a| a.send_timed_out()) {
+                    "send_timeout"
+                } else {
+                    "client_gone"
+                }
+            });
+            self.fail(kind);
         }
     }
 }

@@ -483,8 +483,7 @@ impl Body for RespBody {
                 if let Some(d) = up.deadline.as_mut()
                     && d.as_mut().poll(cx).is_ready()
                 {
-                    up.conn = None;
-                    up.recorder.fail("total_timeout");
+                    up.cut("total_timeout");
                     return Poll::Ready(Some(Err(Box::new(TotalTimeout))));
                 }
                 let polled: Poll<Option<Result<Frame<Bytes>, Self::Error>>> = match &mut up.inner {
@@ -500,8 +499,7 @@ impl Body for RespBody {
                 };
                 let Poll::Ready(polled) = polled else {
                     if up.read_wait.expired(cx) {
-                        up.conn = None;
-                        up.recorder.fail("upstream_body_timeout");
+                        up.cut("upstream_body_timeout");
                         return Poll::Ready(Some(Err(Box::new(BodyReadTimeout))));
                     }
                     return Poll::Pending;
@@ -524,10 +522,9 @@ impl Body for RespBody {
                         Poll::Ready(Some(Ok(frame)))
                     }
                     Some(Err(e)) => {
-                        up.conn = None;
                         match client_body_fault(&*e) {
-                            Some(code) => up.recorder.fail(code),
-                            None => up.recorder.fail("upstream_body"),
+                            Some(code) => up.cut(code),
+                            None => up.cut("upstream_body"),
                         }
                         Poll::Ready(Some(Err(e)))
                     }
@@ -551,18 +548,31 @@ impl Body for RespBody {
         match self {
             RespBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
             RespBody::Full(None) => SizeHint::with_exact(0),
-            RespBody::Upstream(up) => match &up.inner {
-                UpBody::Hyper(b) => b.size_hint(),
-                UpBody::H1 => up
-                    .conn
-                    .as_ref()
-                    .map_or_else(SizeHint::default, Conn::body_size_hint),
-            },
+            RespBody::Upstream(up) => up.size_hint(),
         }
     }
 }
 
 impl UpstreamBody {
+    pub fn size_hint(&self) -> SizeHint {
+        match &self.inner {
+            UpBody::Hyper(b) => b.size_hint(),
+            UpBody::H1 => self
+                .conn
+                .as_ref()
+                .map_or_else(SizeHint::default, Conn::body_size_hint),
+        }
+    }
+
+    /// The body is cut short (`code` says why): the upstream connection is closed, and
+    /// the exchange recorded.
+    #[cold]
+    #[inline(never)]
+    fn cut(&mut self, code: &'static str) {
+        self.conn = None;
+        self.recorder.fail(code);
+    }
+
     /// Has the upstream's body ended?
     fn ended(&self) -> bool {
         match &self.inner {

@@ -740,8 +740,11 @@ fn forward(
             return Ok(Response::from_parts(parts, RespBody::full(whole)));
         }
         let deadline = total_deadline.map(|d| Box::pin(tokio::time::sleep_until(d.into())));
+        let http10 = rec
+            .exchange_mut()
+            .is_some_and(|ex| ex.version <= http::Version::HTTP_10);
         let recorder = rec.take();
-        let body = RespBody::Upstream(Box::new(UpstreamBody {
+        let body = Box::new(UpstreamBody {
             inner: body,
             conn: Some(up),
             deadline,
@@ -749,8 +752,13 @@ fn forward(
             recorder,
             handed: false,
             admitted,
-        }));
-        Ok(Response::from_parts(parts, body))
+        });
+        // To an HTTP/1.0 client a body of unknown length is ended by the connection's close
+        // (either HTTP/1 server): a close before the whole of it went out must be a reset.
+        if http10 && body.size_hint().exact().is_none() {
+            conn.activity.set_unframed();
+        }
+        Ok(Response::from_parts(parts, RespBody::Upstream(body)))
     }
 }
 

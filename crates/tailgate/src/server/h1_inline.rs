@@ -727,10 +727,17 @@ where
                 Step::ClientGone => return Ok(false),
                 Step::Frame(Some(Err(e))) => {
                     // The upstream's body failed: what came is sent, and the connection closes
-                    // so the client sees the body cut short.
+                    // so the client sees the body cut short: by its length or its missing
+                    // last chunk; where the close itself would end the body (HTTP/1.0,
+                    // length unknown), the close is a reset (`ConnActivity::set_unframed`),
+                    // and the error skips the shutdown (and TLS's `close_notify`) that would
+                    // make it a clean one.
                     tracing::debug!(error = %e, "response body failed while streaming");
                     io.write_all(out).await?;
                     io.flush().await?;
+                    if framing == Framing::UntilClose {
+                        return Err(std::io::Error::other("response body cut short"));
+                    }
                     return Ok(false);
                 }
                 Step::Frame(None) => {

@@ -640,6 +640,7 @@ where
         match self.info.activity.stalled_deadline(self.idle) {
             Some(at) if at <= std::time::Instant::now() => {
                 tracing::debug!(client.addr = %self.info.client, "client took no response data for the idle timeout; connection dropped");
+                self.info.activity.set_send_timed_out();
                 true
             }
             Some(at) => {

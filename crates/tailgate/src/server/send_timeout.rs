@@ -16,7 +16,7 @@ use tokio::time::Sleep;
 
 use crate::observe::ConnActivity;
 
-pub struct SendTimeout<T> {
+pub struct SendTimeout<T: ResetOnClose> {
     inner: T,
     timeout: Duration,
     /// Armed at the first write that could not proceed; cleared by any write that does.
@@ -26,7 +26,7 @@ pub struct SendTimeout<T> {
     activity: Arc<ConnActivity>,
 }
 
-impl<T> SendTimeout<T> {
+impl<T: ResetOnClose> SendTimeout<T> {
     pub fn new(inner: T, timeout: Duration, activity: Arc<ConnActivity>) -> Self {
         SendTimeout {
             inner,
@@ -51,8 +51,10 @@ impl<T> SendTimeout<T> {
         if d.as_mut().poll(cx).is_pending() {
             return Poll::Pending;
         }
-        // The connection fails with this: nothing more is on its way.
+        // The connection fails with this: nothing more is on its way, and what it had in
+        // flight is recorded as cut off for it.
         self.activity.set_write_blocked(false);
+        self.activity.set_send_timed_out();
         Poll::Ready(Err(io::Error::new(
             io::ErrorKind::TimedOut,
             "client took no bytes in time",
@@ -60,7 +62,7 @@ impl<T> SendTimeout<T> {
     }
 }
 
-impl<T: AsyncRead + Unpin> AsyncRead for SendTimeout<T> {
+impl<T: AsyncRead + ResetOnClose + Unpin> AsyncRead for SendTimeout<T> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -70,7 +72,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for SendTimeout<T> {
     }
 }
 
-impl<T: AsyncWrite + Unpin> AsyncWrite for SendTimeout<T> {
+impl<T: AsyncWrite + ResetOnClose + Unpin> AsyncWrite for SendTimeout<T> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -90,6 +92,10 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for SendTimeout<T> {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
         let r = Pin::new(&mut this.inner).poll_shutdown(cx);
+        if let Poll::Ready(Ok(())) = r {
+            // Shut after the last answer was written whole (over TLS, after `close_notify`).
+            this.activity.framed_by_close();
+        }
         this.on_write(cx, r)
     }
 
@@ -106,6 +112,35 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for SendTimeout<T> {
     fn is_write_vectored(&self) -> bool {
         self.inner.is_write_vectored()
     }
+}
+
+/// A socket whose close can be made a reset.
+pub trait ResetOnClose {
+    /// Makes closing it send `RST` instead of `FIN` (`SO_LINGER` of zero).
+    fn reset_on_close(&self);
+}
+
+impl ResetOnClose for tokio::net::TcpStream {
+    fn reset_on_close(&self) {
+        let _ = socket2::SockRef::from(self).set_linger(Some(Duration::ZERO));
+    }
+}
+
+/// A connection closed in the middle of an answer its close would end
+/// ([`ConnActivity::set_unframed`]) is reset, so that the client does not take the cut body
+/// for a whole one. Here, in the stream every client connection's protocols sit on, so
+/// that it holds whichever server (and TLS or not) was serving, and whatever cut it.
+impl<T: ResetOnClose> Drop for SendTimeout<T> {
+    fn drop(&mut self) {
+        if self.activity.close_must_reset() {
+            self.inner.reset_on_close();
+        }
+    }
+}
+
+#[cfg(test)]
+impl ResetOnClose for tokio::io::DuplexStream {
+    fn reset_on_close(&self) {}
 }
 
 #[cfg(test)]

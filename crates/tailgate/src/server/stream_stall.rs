@@ -86,7 +86,7 @@ where
 {
     fn execute(&self, fut: F) {
         tokio::spawn(Watched {
-            inner: Box::pin(fut),
+            inner: Some(Box::pin(fut)),
             waiting: Arc::new(Waiting {
                 epoch: Instant::now(),
                 since_ms: AtomicU64::new(0),
@@ -101,7 +101,8 @@ where
 /// A stream's task, ended when a piece of its response has waited for the client for
 /// `idle`.
 struct Watched<F: Future> {
-    inner: Pin<Box<F>>,
+    /// The stream's task; `None` once it is ended here.
+    inner: Option<Pin<Box<F>>>,
     waiting: Arc<Waiting>,
     idle: Duration,
     timer: Option<Pin<Box<Sleep>>>,
@@ -112,7 +113,9 @@ impl<F: Future> Future for Watched<F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let this = self.get_mut();
-        let inner = &mut this.inner;
+        let Some(inner) = this.inner.as_mut() else {
+            return Poll::Ready(());
+        };
         if STREAM
             .sync_scope(this.waiting.clone(), || inner.as_mut().poll(cx))
             .is_ready()
@@ -142,7 +145,14 @@ impl<F: Future> Future for Watched<F> {
         tracing::debug!(
             "client took none of a stream's response data for the idle timeout (or until the route's total deadline); stream reset"
         );
-        // Dropping the stream's task resets the stream; its upstream exchange ends with it.
+        // Dropping the stream's task resets the stream; its upstream exchange ends with it,
+        // recorded as the gateway's cut, not as a client that went away.
+        let kind = if this.waiting.total() == Some(due) {
+            "total_timeout"
+        } else {
+            "send_timeout"
+        };
+        crate::observe::ending_as(kind, || drop(this.inner.take()));
         Poll::Ready(())
     }
 }

@@ -34,7 +34,7 @@ pub const METHODS: [&str; 8] = [
 /// Status classes; `none` is an exchange that ended before any status (client gone).
 pub const CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "none"];
 /// Error kinds with their own label value (the codes of `ProxyError` and of the bodies).
-pub const ERROR_KINDS: [&str; 24] = [
+pub const ERROR_KINDS: [&str; 25] = [
     "no_route",
     "method_not_allowed",
     "misdirected_request",
@@ -58,6 +58,7 @@ pub const ERROR_KINDS: [&str; 24] = [
     "upstream_body",
     "upstream_body_timeout",
     "client_gone",
+    "send_timeout",
     "other",
 ];
 /// Stages with their own latency histogram (DESIGN.md rule 5: every stage is timed).
@@ -387,14 +388,22 @@ mod tests {
             include_str!("../mod.rs"),
         ];
         let mut literal = 0;
+        // Codes given to `fail`, and to the response body's `cut`.
         for src in sources {
-            for piece in src.split(".fail(\"").skip(1) {
-                let code = piece.split('"').next().unwrap_or_default();
-                assert_ne!(error_index(code), ERROR_KINDS.len() - 1, "{code}");
-                literal += 1;
+            for call in [".fail(\"", ".cut(\""] {
+                for piece in src.split(call).skip(1) {
+                    let code = piece.split('"').next().unwrap_or_default();
+                    assert_ne!(error_index(code), ERROR_KINDS.len() - 1, "{code}");
+                    literal += 1;
+                }
             }
         }
-        assert!(literal >= 4, "the literal codes were found ({literal})");
+        assert!(literal >= 3, "the literal codes were found ({literal})");
+        // The codes an exchange nobody finished is recorded with (`ExchangeRecorder`'s
+        // drop, `ending_as` in `server::stream_stall`).
+        for code in ["client_gone", "send_timeout", "total_timeout"] {
+            assert_ne!(error_index(code), ERROR_KINDS.len() - 1, "{code}");
+        }
         // And those a response cut short by the client's own body is recorded with.
         use crate::pipeline::body::ReqBodyError;
         for b in [ReqBodyError::TooLarge(1), ReqBodyError::TimedOut] {
