@@ -1343,3 +1343,54 @@ async fn an_h2_stream_stalled_past_its_total_timeout_is_counted_as_one() {
         assert_eq!(errors_of(&ex, other), 0.0, "{other}");
     }
 }
+
+/// A small body (read with its head, by the inline server) that stops coming gets `408`,
+/// recorded with what its head says, as a streamed one is: its route, tenant, method and
+/// the client's request id. One that no route takes gets the routing's answer (`404`), as
+/// it would have before its body was read; neither reaches the upstream.
+#[tokio::test]
+async fn a_stalled_small_body_is_recorded_under_its_route() {
+    let up = echo_upstream().await;
+    let gw = two_tenants(
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"300ms\"\nrequest_id_header = \"x-request-id\"\n",
+    );
+    let stalled = |path: &str| {
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: acme.test\r\nX-Request-Id: stall-1\r\nContent-Length: 100\r\n\r\n0123456789"
+        )
+    };
+    let (text, closed) = raw(
+        gw.addr,
+        stalled("/api/x").as_bytes(),
+        Duration::from_secs(10),
+    )
+    .await;
+    assert!(closed, "{text:?}");
+    assert!(text.starts_with("HTTP/1.1 408 "), "{text:?}");
+    assert!(text.contains("\r\nx-request-id: stall-1\r\n"), "{text:?}");
+    let (text, _) = raw(
+        gw.addr,
+        stalled("/elsewhere").as_bytes(),
+        Duration::from_secs(10),
+    )
+    .await;
+    assert!(text.starts_with("HTTP/1.1 404 "), "{text:?}");
+
+    let ex = scrape(admin_addr(&gw)).await;
+    let acme = [("tenant", "acme"), ("route", "acme-api")];
+    let mut timed_out = acme.to_vec();
+    timed_out.push(("kind", "client_body_timeout"));
+    assert_eq!(ex.value("tailgate_request_errors_total", &timed_out), 1.0);
+    let mut posted = acme.to_vec();
+    posted.extend([("method", "POST"), ("status_class", "4xx")]);
+    assert_eq!(ex.value("tailgate_requests_total", &posted), 1.0);
+    assert_eq!(
+        ex.value(
+            "tailgate_request_errors_total",
+            &[("tenant", "acme"), ("route", ""), ("kind", "no_route")]
+        ),
+        1.0
+    );
+    assert_eq!(errors_of(&ex, "client_body_timeout"), 1.0);
+}

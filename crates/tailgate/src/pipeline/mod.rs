@@ -143,6 +143,141 @@ pub fn refusal_response(worker: &Worker, info: &ConnInfo, e: &ProxyError) -> Res
     Response::from_parts(parts, RespBody::full(body))
 }
 
+/// The answer to a request whose head was read whole, refused with `e` before it is
+/// forwarded (the inline server's small body that stopped coming): recorded with what its
+/// head says (method, target, request id, consumer, route and tenant), as the same
+/// refusal of a body hyper's server streams is. A request that no route takes gets the
+/// routing's answer instead, as it would have before its body was read.
+pub fn refuse_request(
+    worker: &Worker,
+    info: &ConnInfo,
+    parts: Box<Parts>,
+    e: ProxyError,
+) -> Response<RespBody> {
+    let shared = &worker.shared;
+    let settings = &shared.settings;
+    let id = shared
+        .ids
+        .keep_or_new(parts.headers.get(&settings.request_id_header));
+    let (e, route, tenant) = match route_request(shared, info, &parts) {
+        Ok((route, tenant)) => (e, Some(route.id), tenant),
+        Err(NoRoute { error, tenant }) => (error, None, tenant.unwrap_or(info.tenant)),
+    };
+    let mut rec = ExchangeRecorder::new(
+        Exchange {
+            request_id: id.clone(),
+            client: info.client.ip(),
+            tenant,
+            route,
+            method: parts.method.clone(),
+            uri: parts.uri.clone(),
+            version: parts.version,
+            status: e.status().as_u16(),
+            bytes_out: 0,
+            consumer: worker
+                .metrics
+                .plan
+                .consumer_header
+                .as_ref()
+                .and_then(|h| parts.headers.get(h).cloned()),
+            reused_connection: false,
+            error: None,
+            timings: StageTimings::default(),
+        },
+        Instant::now(),
+        shared.observers.clone(),
+        worker.metrics.clone(),
+        info.activity.clone(),
+    );
+    let (resp, body) = e.to_response(&id, &settings.request_id_header).into_parts();
+    if parts.method != http::Method::HEAD {
+        rec.add_bytes_out(body.len() as u64);
+    }
+    rec.fail(e.code());
+    spare::give_head(parts);
+    Response::from_parts(resp, RespBody::full(body))
+}
+
+/// Why a request has no route: the error it is answered with, and the tenant it is
+/// counted against when not the connection's (`Some(None)`: none).
+struct NoRoute {
+    error: ProxyError,
+    tenant: Option<Option<usize>>,
+}
+
+/// The route a request takes, and the tenant it serves: the host decides the tenant, the
+/// path and method the route. (A route without a tenant serves whichever tenant the Host,
+/// or else the connection, names.)
+#[inline(always)]
+fn route_request<'a>(
+    shared: &'a Shared,
+    conn: &ConnInfo,
+    parts: &Parts,
+) -> Result<(&'a Arc<RouteEntry>, Option<usize>), NoRoute> {
+    let refused = |error| NoRoute {
+        error,
+        tenant: None,
+    };
+    let (host, upper) = match route::request_host(parts) {
+        Ok(Some(host)) => host,
+        // HTTP/1.0 did not require a Host (RFC 9112 §3.2 asks a 400 of HTTP/1.1 only):
+        // routed as an empty one is, by the connection's tenant (nginx serves it from
+        // the default server). `HAProxy`'s `option httpchk` sends such requests.
+        Ok(None) if parts.version <= http::Version::HTTP_10 => ("", false),
+        Ok(None) => return Err(refused(ProxyError::BadRequest("no Host header"))),
+        Err(route::BadHost::Several) => {
+            return Err(refused(ProxyError::BadRequest("more than one Host header")));
+        }
+        Err(route::BadHost::Invalid) => {
+            return Err(refused(ProxyError::BadRequest("invalid Host header")));
+        }
+        Err(route::BadHost::InvalidTarget) => {
+            return Err(refused(ProxyError::BadRequest(
+                "invalid host in the request target (it must be host[:port], without user@)",
+            )));
+        }
+    };
+    let lower;
+    let host = if upper {
+        lower = host.to_ascii_lowercase();
+        lower.as_str()
+    } else {
+        host
+    };
+    let path = match route::normal_path(parts.uri.path()) {
+        Ok(path) => path,
+        Err(bad) => return Err(refused(ProxyError::BadRequest(bad.message()))),
+    };
+    let host_tenant = shared.routes.tenant_of_host(host);
+    // A connection classified to a tenant (its listener's, or its TLS SNI's) does not
+    // serve another tenant's Host: that request is misdirected (RFC 9110 §15.5.20), and
+    // a client that coalesced two names on one connection (HTTP/2) retries on a new one.
+    // Routes of no tenant are still served.
+    if let (Some(ct), Some(ht)) = (conn.tenant, host_tenant)
+        && ct != ht
+    {
+        return Err(NoRoute {
+            error: ProxyError::Misdirected,
+            tenant: Some(Some(ct)),
+        });
+    }
+    match shared
+        .routes
+        .lookup_with(host, host_tenant, &path, &parts.method, conn.tenant)
+    {
+        Match::Found(r) => Ok((r, r.tenant.or(host_tenant).or(conn.tenant))),
+        // Counted against the tenant the Host names, when it names one.
+        Match::WrongMethod(allowed) => Err(NoRoute {
+            error: ProxyError::MethodNotAllowed(allowed),
+            tenant: Some(host_tenant.or(conn.tenant)),
+        }),
+        Match::NotFound => Err(NoRoute {
+            error: ProxyError::NoRoute,
+            tenant: Some(host_tenant.or(conn.tenant)),
+        }),
+    }
+}
+
 /// Runs one request through the pipeline. Never fails: every error becomes a response here.
 ///
 /// The body comes as a [`ReqBody`] already limited to `max_body_bytes` by the server that
@@ -244,78 +379,20 @@ pub fn handle(
         }
 
         // 2. Route: the host decides the tenant, the path and method the route.
-        let (host, upper) = match route::request_host(&parts) {
-            Ok(Some(host)) => host,
-            // HTTP/1.0 did not require a Host (RFC 9112 §3.2 asks a 400 of HTTP/1.1 only):
-            // routed as an empty one is, by the connection's tenant (nginx serves it from
-            // the default server). `HAProxy`'s `option httpchk` sends such requests.
-            Ok(None) if parts.version <= http::Version::HTTP_10 => ("", false),
-            Ok(None) => return fail(&mut rec, ProxyError::BadRequest("no Host header")),
-            Err(route::BadHost::Several) => {
-                return fail(
-                    &mut rec,
-                    ProxyError::BadRequest("more than one Host header"),
-                );
-            }
-            Err(route::BadHost::Invalid) => {
-                return fail(&mut rec, ProxyError::BadRequest("invalid Host header"));
-            }
-            Err(route::BadHost::InvalidTarget) => {
-                return fail(
-                    &mut rec,
-                    ProxyError::BadRequest(
-                        "invalid host in the request target (it must be host[:port], without user@)",
-                    ),
-                );
-            }
-        };
-        let lower;
-        let host = if upper {
-            lower = host.to_ascii_lowercase();
-            lower.as_str()
-        } else {
-            host
-        };
-        let path = match route::normal_path(parts.uri.path()) {
-            Ok(path) => path,
-            Err(bad) => return fail(&mut rec, ProxyError::BadRequest(bad.message())),
-        };
-        let host_tenant = shared.routes.tenant_of_host(host);
-        // A connection classified to a tenant (its listener's, or its TLS SNI's) does not
-        // serve another tenant's Host: that request is misdirected (RFC 9110 §15.5.20), and
-        // a client that coalesced two names on one connection (HTTP/2) retries on a new one.
-        // Routes of no tenant are still served.
-        if let (Some(ct), Some(ht)) = (conn.tenant, host_tenant)
-            && ct != ht
-        {
-            if let Some(ex) = rec.exchange_mut() {
-                ex.tenant = Some(ct);
-            }
-            return fail(&mut rec, ProxyError::Misdirected);
-        }
-        let route =
-            match shared
-                .routes
-                .lookup_with(host, host_tenant, &path, &parts.method, conn.tenant)
-            {
-                Match::Found(r) => r.clone(),
-                miss => {
-                    // Counted against the tenant the Host names, when it names one.
-                    if let Some(ex) = rec.exchange_mut() {
-                        ex.tenant = host_tenant.or(conn.tenant);
-                    }
-                    return match miss {
-                        Match::WrongMethod(allowed) => {
-                            fail(&mut rec, ProxyError::MethodNotAllowed(allowed))
-                        }
-                        _ => fail(&mut rec, ProxyError::NoRoute),
-                    };
+        let (route, tenant) = match route_request(shared, &conn, &parts) {
+            Ok((route, tenant)) => (route.clone(), tenant),
+            Err(NoRoute { error, tenant }) => {
+                if let Some(tenant) = tenant
+                    && let Some(ex) = rec.exchange_mut()
+                {
+                    ex.tenant = tenant;
                 }
-            };
+                return fail(&mut rec, error);
+            }
+        };
         if let Some(ex) = rec.exchange_mut() {
             ex.route = Some(route.id);
-            // A route without a tenant serves whichever tenant the Host (or connection) names.
-            ex.tenant = route.tenant.or(host_tenant).or(conn.tenant);
+            ex.tenant = tenant;
         }
 
         // 3. Authenticate and 4. rate limit: not configured in this version.

@@ -113,7 +113,7 @@ where
             mut meta,
         } = loop {
             if !buf.is_empty() && gate.worth_parsing(&buf, limits.max_head) {
-                match parse(&mut buf, limits, &mut idx) {
+                match parse::<false>(&mut buf, limits, &mut idx) {
                     Ok(served) => {
                         gate = ParseGate::default();
                         break served;
@@ -179,7 +179,7 @@ where
                 // head already wrong gets its refusal rather than a silent close or
                 // hyper's plain answer.
                 Wait::End | Wait::HeadTimeout => {
-                    let last = parse(&mut buf.clone(), limits, &mut idx);
+                    let last = parse::<false>(&mut buf.clone(), limits, &mut idx);
                     // A whole head ends with a line, and a line's end is always parsed.
                     debug_assert!(!matches!(last, Ok(_) | Err(Unserved::Other)));
                     if let Err(Unserved::Refused(e)) = last {
@@ -187,11 +187,19 @@ where
                         return Ended::Closed;
                     }
                     // A whole head whose small body stopped coming: `408`, as hyper's
-                    // server answers a larger body that stops (never a silent close).
-                    if matches!(waited, Wait::HeadTimeout) && matches!(last, Err(Unserved::Body(_)))
+                    // server answers a larger body that stops (never a silent close), and
+                    // recorded with what its head says, as that one is.
+                    if matches!(waited, Wait::HeadTimeout)
+                        && matches!(last, Err(Unserved::Body(_)))
+                        && let Ok(stalled) = parse::<true>(&mut buf, limits, &mut idx)
                     {
                         let e = ProxyError::ClientBodyTimeout;
-                        refuse(io, &mut buf, &mut out, worker, info, e, closing).await;
+                        let resp = crate::pipeline::refuse_request(worker, info, stalled.parts, e);
+                        let meta = Meta {
+                            keep_alive: false,
+                            ..stalled.meta
+                        };
+                        answer_and_close(io, &mut buf, &mut out, resp, &meta, info, closing).await;
                         return Ended::Closed;
                     }
                     // A head cut off by the end of the stream: hyper's server says what
@@ -283,7 +291,22 @@ async fn refuse<I>(
         http10: false,
         head: false,
     };
-    if write_response(io, buf, out, resp, &meta, closing)
+    answer_and_close(io, buf, out, resp, &meta, info, closing).await;
+}
+
+/// Writes an answer that ends the connection, then closes it with a lingering close.
+async fn answer_and_close<I>(
+    io: &mut I,
+    buf: &mut BytesMut,
+    out: &mut Vec<u8>,
+    resp: Response<RespBody>,
+    meta: &Meta,
+    info: &ConnInfo,
+    closing: &AtomicBool,
+) where
+    I: AsyncRead + AsyncWrite + Unpin,
+{
+    if write_response(io, buf, out, resp, meta, closing)
         .await
         .is_ok()
     {
@@ -357,7 +380,13 @@ struct HeaderAt {
     value: (usize, usize),
 }
 
-fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed {
+/// Parses the head at the start of `buf`; with `STALLED`, a whole head whose small body
+/// stopped coming is taken with no body, for its refusal to be recorded with what it says.
+fn parse<const STALLED: bool>(
+    buf: &mut BytesMut,
+    limits: &Limits,
+    idx: &mut Vec<HeaderAt>,
+) -> Parsed {
     let mut headers = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut []);
     let head_len = match httparse::ParserConfig::default().parse_request_with_uninit_headers(
@@ -432,7 +461,7 @@ fn parse(buf: &mut BytesMut, limits: &Limits, idx: &mut Vec<HeaderAt>) -> Parsed
     // A small body not all here yet (many clients write the head and the body apart) is
     // waited for like the rest of a head, under the header read timeout (counted again from
     // each piece of it that comes); a larger one is streamed by hyper's server.
-    let body_len = body.length.unwrap_or(0);
+    let body_len = if STALLED { 0 } else { body.length.unwrap_or(0) };
     if ((buf.len() - head_len) as u64) < body_len {
         // One over the limit is refused (413) without waiting for it, by hyper's server.
         let within = limits.max_body == 0 || body_len <= limits.max_body;
@@ -865,7 +894,7 @@ mod tests {
 
     fn parsed(input: &[u8]) -> (Parsed, BytesMut) {
         let mut buf = BytesMut::from(input);
-        let p = parse(&mut buf, &limits(), &mut Vec::new());
+        let p = parse::<false>(&mut buf, &limits(), &mut Vec::new());
         (p, buf)
     }
 
@@ -893,7 +922,7 @@ mod tests {
                 continue;
             }
             parses += 1;
-            match parse(&mut buf, &limits, &mut idx) {
+            match parse::<false>(&mut buf, &limits, &mut idx) {
                 Ok(s) => served = Some(s),
                 Err(Unserved::Partial) => {}
                 Err(Unserved::Body(whole)) => gate.whole = whole,
@@ -1061,7 +1090,7 @@ mod tests {
             ..limits()
         };
         assert!(matches!(
-            parse(&mut buf, &strict, &mut Vec::new()),
+            parse::<false>(&mut buf, &strict, &mut Vec::new()),
             Err(Unserved::Other)
         ));
     }
