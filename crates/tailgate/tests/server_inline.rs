@@ -1581,6 +1581,75 @@ async fn ri_a_cut_answer_to_http10_over_tls_ends_without_close_notify() {
         tls.write_all(req.as_bytes()).await.unwrap();
         let (got, end) = read_to_end(&mut tls).await;
         let text = String::from_utf8_lossy(&got);
-        assert_eq!(end.is_err(), want_error, "{end:?} {text:?}");
+        match end {
+            // Reset, not merely closed without `close_notify` (which hyper's server did
+            // already on a body's error).
+            Err(e) if want_error => {
+                assert_eq!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionReset,
+                    "{e} {text:?}"
+                );
+            }
+            end => assert_eq!(end.is_err(), want_error, "{end:?} {text:?}"),
+        }
     }
+}
+
+/// A client that shuts its sending side while an HTTP/1.0 answer of unknown length is
+/// still coming has its request cancelled, and the cut answer still ends in a reset, as
+/// hyper's server ends it: never in the clean close that would make it look whole.
+#[tokio::test]
+async fn ri_a_close_delimited_answer_cut_by_the_clients_half_close_ends_in_a_reset() {
+    let up = upstream(|_| async {
+        http::Response::new(trickle(100, 16, Duration::from_millis(100), Some(1)))
+    })
+    .await;
+    let gw = TestGateway::to(up, "");
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"GET /a HTTP/1.0\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    // The head and the first piece (the rest never comes).
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") || got.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(WAIT, s.read(&mut buf))
+            .await
+            .expect("the head came")
+            .unwrap();
+        assert!(n > 0, "{:?}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    s.shutdown().await.unwrap();
+    let (rest, end) = read_to_end(&mut s).await;
+    got.extend_from_slice(&rest);
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 200 "), "{text:?}");
+    let e = end.expect_err("the cut answer ended like a whole one");
+    assert_eq!(
+        e.kind(),
+        std::io::ErrorKind::ConnectionReset,
+        "{e} {text:?}"
+    );
+}
+
+/// A small body that stops coming behind a head whose target cannot be read gets that
+/// refusal (`400`), as the same head with its whole body does, never a silent close.
+#[tokio::test]
+async fn ri_a_stalled_body_behind_an_unreadable_target_gets_its_400() {
+    let (up, hits) = path_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"300ms\"\n",
+    );
+    let (text, closed) = raw(
+        gw.addr,
+        b"POST http://[::1/ HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n0123456789",
+        WAIT,
+    )
+    .await;
+    assert!(closed, "{text:?}");
+    assert!(text.starts_with("HTTP/1.1 400 "), "{text:?}");
+    assert_eq!(hits.load(Ordering::SeqCst), 0);
 }

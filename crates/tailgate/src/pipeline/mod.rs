@@ -144,7 +144,8 @@ pub fn refusal_response(worker: &Worker, info: &ConnInfo, e: &ProxyError) -> Res
 }
 
 /// The answer to a request whose head was read whole, refused with `e` before it is
-/// forwarded (the inline server's small body that stopped coming): recorded with what its
+/// forwarded (the inline server's small body that stopped coming), timed from `started`:
+/// recorded with what its
 /// head says (method, target, request id, consumer, route and tenant), as the same
 /// refusal of a body hyper's server streams is. A request that no route takes gets the
 /// routing's answer instead, as it would have before its body was read.
@@ -153,6 +154,7 @@ pub fn refuse_request(
     info: &ConnInfo,
     parts: Box<Parts>,
     e: ProxyError,
+    started: Instant,
 ) -> Response<RespBody> {
     let shared = &worker.shared;
     let settings = &shared.settings;
@@ -184,7 +186,7 @@ pub fn refuse_request(
             error: None,
             timings: StageTimings::default(),
         },
-        Instant::now(),
+        started,
         shared.observers.clone(),
         worker.metrics.clone(),
         info.activity.clone(),
@@ -817,9 +819,12 @@ fn forward(
             return Ok(Response::from_parts(parts, RespBody::full(whole)));
         }
         let deadline = total_deadline.map(|d| Box::pin(tokio::time::sleep_until(d.into())));
-        let http10 = rec
-            .exchange_mut()
-            .is_some_and(|ex| ex.version <= http::Version::HTTP_10);
+        // An answer with a body to an HTTP/1.0 client (none to HEAD, 1xx, 204 or 304).
+        let bodied_http10 = rec.exchange_mut().is_some_and(|ex| {
+            ex.version <= http::Version::HTTP_10 && ex.method != http::Method::HEAD
+        }) && !parts.status.is_informational()
+            && parts.status != StatusCode::NO_CONTENT
+            && parts.status != StatusCode::NOT_MODIFIED;
         let recorder = rec.take();
         let body = Box::new(UpstreamBody {
             inner: body,
@@ -832,7 +837,8 @@ fn forward(
         });
         // To an HTTP/1.0 client a body of unknown length is ended by the connection's close
         // (either HTTP/1 server): a close before the whole of it went out must be a reset.
-        if http10 && body.size_hint().exact().is_none() {
+        // (Exactly when both servers frame it so: never on a connection kept alive after.)
+        if bodied_http10 && body.size_hint().exact().is_none() {
             conn.activity.set_unframed();
         }
         Ok(Response::from_parts(parts, RespBody::Upstream(body)))

@@ -189,17 +189,39 @@ where
                     // A whole head whose small body stopped coming: `408`, as hyper's
                     // server answers a larger body that stops (never a silent close), and
                     // recorded with what its head says, as that one is.
-                    if matches!(waited, Wait::HeadTimeout)
-                        && matches!(last, Err(Unserved::Body(_)))
-                        && let Ok(stalled) = parse::<true>(&mut buf, limits, &mut idx)
+                    if matches!(waited, Wait::HeadTimeout) && matches!(last, Err(Unserved::Body(_)))
                     {
                         let e = ProxyError::ClientBodyTimeout;
-                        let resp = crate::pipeline::refuse_request(worker, info, stalled.parts, e);
-                        let meta = Meta {
-                            keep_alive: false,
-                            ..stalled.meta
-                        };
-                        answer_and_close(io, &mut buf, &mut out, resp, &meta, info, closing).await;
+                        match parse::<true>(&mut buf, limits, &mut idx) {
+                            Ok(stalled) => {
+                                // Timed from when the body was last seen moving: the least
+                                // the request took (when its head came is not kept).
+                                let started = std::time::Instant::now()
+                                    .checked_sub(limits.header_timeout)
+                                    .unwrap_or_else(std::time::Instant::now);
+                                let resp = crate::pipeline::refuse_request(
+                                    worker,
+                                    info,
+                                    stalled.parts,
+                                    e,
+                                    started,
+                                );
+                                let meta = Meta {
+                                    keep_alive: false,
+                                    ..stalled.meta
+                                };
+                                let (b, o) = (&mut buf, &mut out);
+                                answer_and_close(io, b, o, resp, &meta, info, closing).await;
+                            }
+                            // What the head holds beyond the body's wait is refused
+                            // (a target `http` cannot read): that refusal, as with its body.
+                            Err(Unserved::Refused(e)) => {
+                                refuse(io, &mut buf, &mut out, worker, info, e, closing).await;
+                            }
+                            Err(_) => {
+                                refuse(io, &mut buf, &mut out, worker, info, e, closing).await;
+                            }
+                        }
                         return Ended::Closed;
                     }
                     // A head cut off by the end of the stream: hyper's server says what
@@ -752,6 +774,11 @@ where
                     if framing == Framing::Chunked {
                         out.extend_from_slice(b"\r\n");
                     }
+                }
+                // (A body the close would end is cut: the error skips the shutdown, and the
+                // close is a reset, as hyper's server ends it.)
+                Step::ClientGone if framing == Framing::UntilClose => {
+                    return Err(std::io::ErrorKind::ConnectionAborted.into());
                 }
                 Step::ClientGone => return Ok(false),
                 Step::Frame(Some(Err(e))) => {
