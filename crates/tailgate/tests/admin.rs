@@ -1277,6 +1277,18 @@ async fn big_upstream() -> SocketAddr {
     upstream(|_| async { http::Response::new(full(vec![b'x'; 4 << 20])) }).await
 }
 
+/// Asks `addr` over HTTP/2 for the 4 MiB answer and never reads its body (hyper's client
+/// opens 2 MiB of window per stream, half of it); what must stay alive meanwhile.
+async fn h2_big_unread(addr: SocketAddr) -> impl Sized {
+    let (mut c, conn) = h2c_client(addr).await;
+    let resp = c
+        .send_request(http::Request::get("http://a/big").body(full("")).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    (c, conn, resp)
+}
+
 /// An HTTP/1.1 client that stops reading is cut off by the send timeout, and its exchange
 /// is counted as `send_timeout`: the gateway ended it, the client did not go away.
 #[tokio::test]
@@ -1301,8 +1313,7 @@ async fn a_client_cut_off_for_not_reading_is_a_send_timeout_not_client_gone() {
 }
 
 /// The same over HTTP/2, where the client's shut flow-control window, not a blocked write,
-/// shows the stall (hyper's client opens 2 MiB of window per stream, half the answer): the
-/// stream (or the connection) is ended as a `send_timeout`.
+/// shows the stall: the stream (or the connection) is ended as a `send_timeout`.
 #[tokio::test]
 async fn an_h2_client_cut_off_for_not_reading_is_a_send_timeout() {
     let up = big_upstream().await;
@@ -1311,13 +1322,7 @@ async fn an_h2_client_cut_off_for_not_reading_is_a_send_timeout() {
         &format!("{ADMIN}[server]\nworkers = 1\nidle_timeout = \"400ms\"\n"),
     );
     let admin = admin_addr(&gw);
-    let (mut c, _conn) = h2c_client(gw.addr).await;
-    let resp = c
-        .send_request(http::Request::get("http://a/big").body(full("")).unwrap())
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    let _unread = resp;
+    let _unread = h2_big_unread(gw.addr).await;
     let ex = errors_once(admin, "send_timeout").await;
     assert_eq!(errors_of(&ex, "client_gone"), 0.0);
 }
@@ -1331,13 +1336,7 @@ async fn an_h2_stream_stalled_past_its_total_timeout_is_counted_as_one() {
         "{ADMIN}[server]\nworkers = 1\nidle_timeout = \"30s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\ntotal_timeout = \"500ms\"\n"
     ));
     let admin = admin_addr(&gw);
-    let (mut c, _conn) = h2c_client(gw.addr).await;
-    let resp = c
-        .send_request(http::Request::get("http://a/big").body(full("")).unwrap())
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    let _unread = resp;
+    let _unread = h2_big_unread(gw.addr).await;
     let ex = errors_once(admin, "total_timeout").await;
     for other in ["client_gone", "send_timeout"] {
         assert_eq!(errors_of(&ex, other), 0.0, "{other}");

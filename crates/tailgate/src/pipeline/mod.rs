@@ -167,24 +167,10 @@ pub fn refuse_request(
     };
     let mut rec = ExchangeRecorder::new(
         Exchange {
-            request_id: id.clone(),
-            client: info.client.ip(),
             tenant,
             route,
-            method: parts.method.clone(),
-            uri: parts.uri.clone(),
-            version: parts.version,
             status: e.status().as_u16(),
-            bytes_out: 0,
-            consumer: worker
-                .metrics
-                .plan
-                .consumer_header
-                .as_ref()
-                .and_then(|h| parts.headers.get(h).cloned()),
-            reused_connection: false,
-            error: None,
-            timings: StageTimings::default(),
+            ..exchange_of(worker, info, &parts, id.clone())
         },
         started,
         shared.observers.clone(),
@@ -198,6 +184,36 @@ pub fn refuse_request(
     rec.fail(e.code());
     spare::give_head(parts);
     Response::from_parts(resp, RespBody::full(body))
+}
+
+/// The record of the request `parts` on `conn`, before it is routed or answered.
+#[inline(always)]
+fn exchange_of(
+    worker: &Worker,
+    conn: &ConnInfo,
+    parts: &Parts,
+    request_id: HeaderValue,
+) -> Exchange {
+    Exchange {
+        request_id,
+        client: conn.client.ip(),
+        tenant: conn.tenant,
+        route: None,
+        method: parts.method.clone(),
+        uri: parts.uri.clone(),
+        version: parts.version,
+        status: 0,
+        bytes_out: 0,
+        consumer: worker
+            .metrics
+            .plan
+            .consumer_header
+            .as_ref()
+            .and_then(|h| parts.headers.get(h).cloned()),
+        reused_connection: false,
+        error: None,
+        timings: StageTimings::default(),
+    }
 }
 
 /// Why a request has no route: the error it is answered with, and the tenant it is
@@ -320,26 +336,7 @@ pub fn handle(
         let request_id = shared
             .ids
             .keep_or_new(parts.headers.get(&settings.request_id_header));
-        let exchange = Exchange {
-            request_id: request_id.clone(),
-            client: conn.client.ip(),
-            tenant: conn.tenant,
-            route: None,
-            method: parts.method.clone(),
-            uri: parts.uri.clone(),
-            version: parts.version,
-            status: 0,
-            bytes_out: 0,
-            consumer: worker
-                .metrics
-                .plan
-                .consumer_header
-                .as_ref()
-                .and_then(|h| parts.headers.get(h).cloned()),
-            reused_connection: false,
-            error: None,
-            timings: StageTimings::default(),
-        };
+        let exchange = exchange_of(&worker, &conn, &parts, request_id.clone());
         let mut rec = ExchangeRecorder::new(
             exchange,
             started,
