@@ -189,21 +189,31 @@ impl Checker<'_> {
                 format!("`{}` is an IPv4 address written as IPv6", v.get_ref()),
                 format!("write it as IPv4: \"{v4}:{}\"", a.port()),
             )
-        } else if v6.ip().is_unicast_link_local() && v6.scope_id() == 0 {
-            (
-                format!("`{}` is link-local, with no interface named", v.get_ref()),
-                format!(
-                    "add the interface's index: \"[{}%2]:{}\" (`ip link` lists them)",
-                    v6.ip(),
-                    a.port()
-                ),
-            )
+        } else if let Some(refused) = unzoned_link_local(a, v.get_ref()) {
+            refused
         } else {
             return true;
         };
         self.err(Some(v.span()), field, message, Some(&hint));
         false
     }
+}
+
+/// A link-local IPv6 address with no interface named (`written` as the config wrote it),
+/// which the kernel refuses to bind or connect to (`EINVAL`: which link is not said): the
+/// message and the hint, for a listener and an endpoint alike.
+pub(super) fn unzoned_link_local(a: SocketAddr, written: &str) -> Option<(String, String)> {
+    let SocketAddr::V6(v6) = a else { return None };
+    (v6.ip().is_unicast_link_local() && v6.scope_id() == 0).then(|| {
+        (
+            format!("`{written}` is link-local, with no interface named"),
+            format!(
+                "add the interface's index: \"[{}%2]:{}\" (`ip link` lists them)",
+                v6.ip(),
+                a.port()
+            ),
+        )
+    })
 }
 
 /// A socket the gateway binds: its address, and whether it is dual-stack. The admin plane

@@ -123,7 +123,7 @@ pub fn refusal_response(worker: &Worker, info: &ConnInfo, e: &ProxyError) -> Res
             method: http::Method::from_bytes(b"-").unwrap_or_default(),
             uri: http::Uri::from_static("*"),
             version: http::Version::HTTP_11,
-            status: e.status().as_u16(),
+            status: 0,
             bytes_out: 0,
             consumer: None,
             reused_connection: false,
@@ -135,10 +135,26 @@ pub fn refusal_response(worker: &Worker, info: &ConnInfo, e: &ProxyError) -> Res
         worker.metrics.clone(),
         info.activity.clone(),
     );
-    let (parts, body) = e
-        .to_response(&id, &shared.settings.request_id_header)
-        .into_parts();
-    rec.add_bytes_out(body.len() as u64);
+    error_answer(&mut rec, e, &id, &shared.settings.request_id_header, false)
+}
+
+/// The gateway's answer `e` to the exchange `rec` records: its JSON error carrying the
+/// request id `id` (also in `header`), the body counted as bytes out as an upstream's would
+/// be (none to HEAD, `head`), and the exchange ended with the error's code.
+fn error_answer(
+    rec: &mut ExchangeRecorder,
+    e: &ProxyError,
+    id: &HeaderValue,
+    header: &http::HeaderName,
+    head: bool,
+) -> Response<RespBody> {
+    if let Some(ex) = rec.exchange_mut() {
+        ex.status = e.status().as_u16();
+    }
+    let (parts, body) = e.to_response(id, header).into_parts();
+    if !head {
+        rec.add_bytes_out(body.len() as u64);
+    }
     rec.fail(e.code());
     Response::from_parts(parts, RespBody::full(body))
 }
@@ -163,13 +179,12 @@ pub fn refuse_request(
         .keep_or_new(parts.headers.get(&settings.request_id_header));
     let (e, route, tenant) = match route_request(shared, info, &parts) {
         Ok((route, tenant)) => (e, Some(route.id), tenant),
-        Err(NoRoute { error, tenant }) => (error, None, tenant.unwrap_or(info.tenant)),
+        Err(NoRoute { error, tenant }) => (error, None, tenant),
     };
     let mut rec = ExchangeRecorder::new(
         Exchange {
             tenant,
             route,
-            status: e.status().as_u16(),
             ..exchange_of(worker, info, &parts, id.clone())
         },
         started,
@@ -177,13 +192,9 @@ pub fn refuse_request(
         worker.metrics.clone(),
         info.activity.clone(),
     );
-    let (resp, body) = e.to_response(&id, &settings.request_id_header).into_parts();
-    if parts.method != http::Method::HEAD {
-        rec.add_bytes_out(body.len() as u64);
-    }
-    rec.fail(e.code());
+    let head = parts.method == http::Method::HEAD;
     spare::give_head(parts);
-    Response::from_parts(resp, RespBody::full(body))
+    error_answer(&mut rec, &e, &id, &settings.request_id_header, head)
 }
 
 /// The record of the request `parts` on `conn`, before it is routed or answered.
@@ -217,10 +228,10 @@ fn exchange_of(
 }
 
 /// Why a request has no route: the error it is answered with, and the tenant it is
-/// counted against when not the connection's (`Some(None)`: none).
+/// counted against.
 struct NoRoute {
     error: ProxyError,
-    tenant: Option<Option<usize>>,
+    tenant: Option<usize>,
 }
 
 /// The route a request takes, and the tenant it serves: the host decides the tenant, the
@@ -232,9 +243,10 @@ fn route_request<'a>(
     conn: &ConnInfo,
     parts: &Parts,
 ) -> Result<(&'a Arc<RouteEntry>, Option<usize>), NoRoute> {
+    // A head that names no usable host or path counts against the connection's tenant.
     let refused = |error| NoRoute {
         error,
-        tenant: None,
+        tenant: conn.tenant,
     };
     let (host, upper) = match route::request_host(parts) {
         Ok(Some(host)) => host,
@@ -276,7 +288,7 @@ fn route_request<'a>(
     {
         return Err(NoRoute {
             error: ProxyError::Misdirected,
-            tenant: Some(Some(ct)),
+            tenant: Some(ct),
         });
     }
     match shared
@@ -287,11 +299,11 @@ fn route_request<'a>(
         // Counted against the tenant the Host names, when it names one.
         Match::WrongMethod(allowed) => Err(NoRoute {
             error: ProxyError::MethodNotAllowed(allowed),
-            tenant: Some(host_tenant.or(conn.tenant)),
+            tenant: host_tenant.or(conn.tenant),
         }),
         Match::NotFound => Err(NoRoute {
             error: ProxyError::NoRoute,
-            tenant: Some(host_tenant.or(conn.tenant)),
+            tenant: host_tenant.or(conn.tenant),
         }),
     }
 }
@@ -349,24 +361,12 @@ pub fn handle(
         let fail = |rec: &mut ExchangeRecorder,
                     e: ProxyError|
          -> Result<Response<RespBody>, Infallible> {
-            if let Some(ex) = rec.exchange_mut() {
-                ex.status = e.status().as_u16();
-            }
-            let (parts, b) = e
-                .to_response(&request_id, &settings.request_id_header)
-                .into_parts();
-            // The error's body counts as body bytes out, as an upstream's would.
-            if !head_request {
-                rec.add_bytes_out(b.len() as u64);
-            }
-            rec.fail(e.code());
+            let header = &settings.request_id_header;
+            let resp = error_answer(rec, &e, &request_id, header, head_request);
             if e.is_upstream() {
                 tracing::debug!(request.id = request_id.to_str().unwrap_or("-"), error = %e, "upstream error");
             }
-            Ok(close_after_refused_upgrade(
-                Response::from_parts(parts, RespBody::full(b)),
-                sticky,
-            ))
+            Ok(close_after_refused_upgrade(resp, sticky))
         };
 
         // Size limit on the declared body: refuse before reading a byte of it (413).
@@ -381,9 +381,7 @@ pub fn handle(
         let (route, tenant) = match route_request(shared, &conn, &parts) {
             Ok((route, tenant)) => (route.clone(), tenant),
             Err(NoRoute { error, tenant }) => {
-                if let Some(tenant) = tenant
-                    && let Some(ex) = rec.exchange_mut()
-                {
+                if let Some(ex) = rec.exchange_mut() {
                     ex.tenant = tenant;
                 }
                 return fail(&mut rec, error);

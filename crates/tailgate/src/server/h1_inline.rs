@@ -191,37 +191,13 @@ where
                     // recorded with what its head says, as that one is.
                     if matches!(waited, Wait::HeadTimeout) && matches!(last, Err(Unserved::Body(_)))
                     {
-                        let e = ProxyError::ClientBodyTimeout;
-                        match parse::<true>(&mut buf, limits, &mut idx) {
-                            Ok(stalled) => {
-                                // Timed from when the body was last seen moving: the least
-                                // the request took (when its head came is not kept).
-                                let started = std::time::Instant::now()
-                                    .checked_sub(limits.header_timeout)
-                                    .unwrap_or_else(std::time::Instant::now);
-                                let resp = crate::pipeline::refuse_request(
-                                    worker,
-                                    info,
-                                    stalled.parts,
-                                    e,
-                                    started,
-                                );
-                                let meta = Meta {
-                                    keep_alive: false,
-                                    ..stalled.meta
-                                };
-                                let (b, o) = (&mut buf, &mut out);
-                                answer_and_close(io, b, o, resp, &meta, info, closing).await;
-                            }
-                            // What the head holds beyond the body's wait is refused
-                            // (a target `http` cannot read): that refusal, as with its body.
-                            Err(Unserved::Refused(e)) => {
-                                refuse(io, &mut buf, &mut out, worker, info, e, closing).await;
-                            }
-                            Err(_) => {
-                                refuse(io, &mut buf, &mut out, worker, info, e, closing).await;
-                            }
-                        }
+                        let stalled = Stalled {
+                            limits,
+                            idx: &mut idx,
+                        };
+                        stalled
+                            .refuse(io, &mut buf, &mut out, worker, info, closing)
+                            .await;
                         return Ended::Closed;
                     }
                     // A head cut off by the end of the stream: hyper's server says what
@@ -314,6 +290,49 @@ async fn refuse<I>(
         head: false,
     };
     answer_and_close(io, buf, out, resp, &meta, info, closing).await;
+}
+
+/// A whole head whose small body stopped coming, still in the read buffer.
+struct Stalled<'a> {
+    limits: &'a Limits,
+    idx: &'a mut Vec<HeaderAt>,
+}
+
+impl Stalled<'_> {
+    /// Answers `408` and closes: recorded with what the head says
+    /// ([`crate::pipeline::refuse_request`]), timed from when the body was last seen moving
+    /// (the least the request took; when its head came is not kept). A head refused for
+    /// more than its body's wait (a target `http` cannot read) gets that refusal, as with
+    /// its body.
+    async fn refuse<I>(
+        self,
+        io: &mut I,
+        buf: &mut BytesMut,
+        out: &mut Vec<u8>,
+        worker: &Arc<Worker>,
+        info: &ConnInfo,
+        closing: &AtomicBool,
+    ) where
+        I: AsyncRead + AsyncWrite + Unpin,
+    {
+        let e = ProxyError::ClientBodyTimeout;
+        let stalled = match parse::<true>(buf, self.limits, self.idx) {
+            Ok(stalled) => stalled,
+            Err(Unserved::Refused(e)) => {
+                return refuse(io, buf, out, worker, info, e, closing).await;
+            }
+            Err(_) => return refuse(io, buf, out, worker, info, e, closing).await,
+        };
+        let started = std::time::Instant::now()
+            .checked_sub(self.limits.header_timeout)
+            .unwrap_or_else(std::time::Instant::now);
+        let resp = crate::pipeline::refuse_request(worker, info, stalled.parts, e, started);
+        let meta = Meta {
+            keep_alive: false,
+            ..stalled.meta
+        };
+        answer_and_close(io, buf, out, resp, &meta, info, closing).await;
+    }
 }
 
 /// Writes an answer that ends the connection, then closes it with a lingering close.

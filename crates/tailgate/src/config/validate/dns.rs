@@ -29,22 +29,8 @@ impl Checker<'_> {
                 Some("an unspecified address (0.0.0.0, ::) is for listening, not connecting")
             } else if ip.is_multicast() || ip == IpAddr::from([255, 255, 255, 255]) {
                 Some("a broadcast or multicast address is not one server")
-            } else if let SocketAddr::V6(v6) = a
-                && v6.ip().is_unicast_link_local()
-                && v6.scope_id() == 0
-            {
-                // The kernel refuses to connect to one (EINVAL): which link is not said. (As
-                // a listener's address is checked.)
-                self.err(
-                    Some(v.span()),
-                    field,
-                    format!("`{text}` is link-local, with no interface named"),
-                    Some(&format!(
-                        "add the interface's index: \"[{}%2]:{}\" (`ip link` lists them)",
-                        v6.ip(),
-                        a.port()
-                    )),
-                );
+            } else if let Some((message, hint)) = super::unzoned_link_local(a, text) {
+                self.err(Some(v.span()), field, message, Some(&hint));
                 return None;
             } else {
                 None
