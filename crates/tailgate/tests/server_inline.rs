@@ -1531,6 +1531,44 @@ async fn ri_a_cut_answer_to_http10_ends_in_a_reset_and_a_whole_one_in_a_close() 
     }
 }
 
+/// An answer with no body to an HTTP/1.0 client that asked to keep its connection (to
+/// HEAD, a 204, a 304) keeps it, however the upstream framed the answer (chunked, which an
+/// HTTP/1.0 client cannot take, says nothing here); its close, later, is a clean one.
+#[tokio::test]
+async fn ri_a_bodiless_answer_to_http10_leaves_a_clean_close() {
+    let chunked = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n";
+    for (head, req) in [
+        (
+            chunked,
+            "HEAD /a HTTP/1.0\r\nHost: a\r\nConnection: keep-alive\r\n\r\n",
+        ),
+        (
+            "HTTP/1.1 204 No Content\r\n\r\n",
+            "GET /a HTTP/1.0\r\nHost: a\r\nConnection: keep-alive\r\n\r\n",
+        ),
+        (
+            "HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "GET /a HTTP/1.0\r\nHost: a\r\nConnection: keep-alive\r\n\r\n",
+        ),
+    ] {
+        let up = raw_upstream(head, b"").await;
+        let gw = TestGateway::to(up, "");
+        let mut s = connect(gw.addr).await;
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut raw = Vec::new();
+        let n = tokio::time::timeout(WAIT, common::read_head(&mut s, &mut raw))
+            .await
+            .expect("an answer in time")
+            .expect("an answer's head");
+        let text = String::from_utf8_lossy(&raw[..n]).to_ascii_lowercase();
+        assert!(text.contains("connection: keep-alive"), "{req:?}: {text:?}");
+        s.shutdown().await.unwrap();
+        let (rest, end) = read_to_end(&mut s).await;
+        assert!(end.is_ok(), "{req:?}: {end:?} {text:?}");
+        assert!(rest.is_empty() && raw.len() == n, "{req:?}: {rest:?}");
+    }
+}
+
 /// The same over TLS: the cut answer's connection ends without `close_notify`, which the
 /// client's TLS reports as an error; the whole one's with it.
 #[tokio::test]

@@ -380,4 +380,25 @@ mod tests {
         b.set_write_blocked(false);
         assert!(!b.still_sending());
     }
+
+    /// `ending_as` names the ending only while its closure runs: a nested one gives the
+    /// outer name back, and a closure that panics leaves no name behind, so a later
+    /// client's leaving is not recorded as a timeout on a worker that went on.
+    #[test]
+    fn ending_as_restores_the_earlier_reason_even_on_panic() {
+        assert_eq!(ENDING_AS.get(), None);
+        ending_as("total_timeout", || {
+            assert_eq!(ENDING_AS.get(), Some("total_timeout"));
+            ending_as("send_timeout", || {
+                assert_eq!(ENDING_AS.get(), Some("send_timeout"));
+            });
+            assert_eq!(ENDING_AS.get(), Some("total_timeout"));
+        });
+        assert_eq!(ENDING_AS.get(), None);
+        let panicked = std::panic::catch_unwind(|| {
+            ending_as("send_timeout", || panic!("a drop that panics"));
+        });
+        assert!(panicked.is_err());
+        assert_eq!(ENDING_AS.get(), None);
+    }
 }
