@@ -157,9 +157,13 @@ impl Checker<'_> {
     }
 
     pub(super) fn address(&mut self, v: &Spanned<String>, field: String) -> Option<SocketAddr> {
-        match v.get_ref().parse::<SocketAddr>() {
+        match socket_addr(v.get_ref()) {
             Ok(a) => Some(a),
-            Err(_) => {
+            Err(NotAddr::NoInterface(message)) => {
+                self.err(Some(v.span()), field, message, Some(NO_INTERFACE_HINT));
+                None
+            }
+            Err(NotAddr::Other) => {
                 self.err(
                     Some(v.span()),
                     field,
@@ -199,6 +203,58 @@ impl Checker<'_> {
     }
 }
 
+/// Why a text is not a socket address.
+pub(super) enum NotAddr {
+    /// A zone names an interface this machine does not have (the message).
+    NoInterface(String),
+    /// Not an IP literal with a port.
+    Other,
+}
+
+pub(super) const NO_INTERFACE_HINT: &str =
+    "name an interface this machine has, or its index (`ip link` lists both)";
+
+/// `text` as a socket address: what `std` parses (an IPv6 zone only as an index,
+/// `[fe80::1%2]:80`), and an IPv6 zone that names its interface (`[fe80::1%eth0]:80`, as
+/// `ping` and `ip` take it), which becomes that interface's index here and now, at load
+/// (an interface made again later, with a new index, needs a reload).
+pub(super) fn socket_addr(text: &str) -> Result<SocketAddr, NotAddr> {
+    if let Ok(a) = text.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    let named = text
+        .strip_prefix('[')
+        .and_then(|t| t.split_once("]:"))
+        .and_then(|(host, port)| Some((host.split_once('%')?, port)));
+    let Some(((ip, zone), port)) = named else {
+        return Err(NotAddr::Other);
+    };
+    let (Ok(ip), Ok(port)) = (ip.parse::<std::net::Ipv6Addr>(), port.parse::<u16>()) else {
+        return Err(NotAddr::Other);
+    };
+    // An interface's name as the kernel takes it (at most 15 bytes, no `/`, not `.`/`..`),
+    // before it becomes part of a path.
+    let plausible = !zone.is_empty()
+        && zone.len() < 16
+        && zone != "."
+        && zone != ".."
+        && zone
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && b != b'/' && b != b'%');
+    if !plausible {
+        return Err(NotAddr::Other);
+    }
+    let index = std::fs::read_to_string(format!("/sys/class/net/{zone}/ifindex"))
+        .ok()
+        .and_then(|i| i.trim().parse::<u32>().ok());
+    match index {
+        Some(i) => Ok(SocketAddr::V6(std::net::SocketAddrV6::new(ip, port, 0, i))),
+        None => Err(NotAddr::NoInterface(format!(
+            "`{text}`: this machine has no interface `{zone}`"
+        ))),
+    }
+}
+
 /// A link-local IPv6 address with no interface named (`written` as the config wrote it),
 /// which the kernel refuses to bind or connect to (`EINVAL`: which link is not said): the
 /// message and the hint, for a listener and an endpoint alike.
@@ -208,7 +264,7 @@ pub(super) fn unzoned_link_local(a: SocketAddr, written: &str) -> Option<(String
         (
             format!("`{written}` is link-local, with no interface named"),
             format!(
-                "add the interface's index: \"[{}%2]:{}\" (`ip link` lists them)",
+                "add its interface, by name or index: \"[{}%eth0]:{}\" (`ip link` lists them)",
                 v6.ip(),
                 a.port()
             ),
@@ -1418,7 +1474,7 @@ mod tests {
             ),
             (
                 "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"[fe80::1]:80\"]\n".to_owned(),
-                "cluster[0].endpoints[0]: `[fe80::1]:80` is link-local, with no interface named\n  help: add the interface's index: \"[fe80::1%2]:80\"",
+                "cluster[0].endpoints[0]: `[fe80::1]:80` is link-local, with no interface named\n  help: add its interface, by name or index: \"[fe80::1%eth0]:80\"",
             ),
             (
                 "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"\"\nendpoints = [\"127.0.0.1:1\"]\n".to_owned(),
@@ -1593,6 +1649,52 @@ response_timeout = "0s"
             config.clusters[0].endpoints[0].to_string(),
             "[fe80::1%2]:80"
         );
+    }
+
+    /// A link-local address's zone may name its interface, as `ping` and `ip` take it: the
+    /// interface's index is looked up at load, for an endpoint and a listener alike. An
+    /// interface this machine lacks is an error at the zone's line, not a failed bind or
+    /// connect later.
+    #[test]
+    fn a_link_local_zone_names_its_interface() {
+        let lo: u32 = std::fs::read_to_string("/sys/class/net/lo/ifindex")
+            .expect("the loopback interface's index")
+            .trim()
+            .parse()
+            .expect("an index");
+        let text = "[[listener]]\naddress = \"[fe80::1%lo]:8080\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"[fe80::2%lo]:80\"]\n[[cluster]]\nname = \"t\"\nendpoints = [\"https://[fe80::3%lo]:443\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\n";
+        let config = parse_and_validate(Path::new("t.toml"), text)
+            .unwrap_or_else(|e| panic!("refused: {e}"));
+        let v6 = |a: &SocketAddr| match a {
+            SocketAddr::V6(v6) => (v6.ip().to_string(), v6.port(), v6.scope_id()),
+            SocketAddr::V4(_) => panic!("{a} is IPv4"),
+        };
+        assert_eq!(
+            v6(&config.listeners[0].address),
+            ("fe80::1".into(), 8080, lo)
+        );
+        assert_eq!(
+            v6(&config.clusters[0].endpoints[0]),
+            ("fe80::2".into(), 80, lo)
+        );
+        assert_eq!(
+            v6(&config.clusters[1].endpoints[0]),
+            ("fe80::3".into(), 443, lo)
+        );
+
+        let errs = parse_and_validate(
+            Path::new("t.toml"),
+            "[[listener]]\naddress = \"[fe80::1%nosuch9]:8080\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"[fe80::2%nosuch9]:80\", \"[fe80::2%../lo]:80\"]\n",
+        )
+        .expect_err("no such interface")
+        .to_string();
+        for want in [
+            "t.toml:2:11: listener[0].address: `[fe80::1%nosuch9]:8080`: this machine has no interface `nosuch9`\n  help: name an interface this machine has, or its index",
+            "t.toml:5:14: cluster[0].endpoints[0]: `[fe80::2%nosuch9]:80`: this machine has no interface `nosuch9`",
+            "cluster[0].endpoints[1]: `[fe80::2%../lo]:80` is not an address",
+        ] {
+            assert!(errs.contains(want), "missing {want:?} in:\n{errs}");
+        }
     }
 
     /// The admin socket and demos are dual-stack, listeners bind IPv6 IPv6-only: `[::]:P`

@@ -19,7 +19,19 @@ impl Checker<'_> {
     /// `"10.0.0.1:80"`, `"[::1]:80"` or `"api.internal:8080"`; anything else is an error.
     pub(super) fn endpoint(&mut self, v: &Spanned<String>, field: String) -> Option<Endpoint> {
         let text = v.get_ref();
-        if let Ok(a) = text.parse::<SocketAddr>() {
+        let parsed = match super::socket_addr(text) {
+            Err(super::NotAddr::NoInterface(message)) => {
+                self.err(
+                    Some(v.span()),
+                    field,
+                    message,
+                    Some(super::NO_INTERFACE_HINT),
+                );
+                return None;
+            }
+            parsed => parsed.ok(),
+        };
+        if let Some(a) = parsed {
             // Addresses nothing can be connected to (a listener's wildcard, broadcast,
             // multicast) or that name no port.
             let ip = a.ip();
