@@ -32,6 +32,8 @@ struct DnsServer {
     silent: Arc<AtomicBool>,
     /// Queries left unanswered while `silent`.
     ignored: Arc<AtomicUsize>,
+    /// `svc.test.`'s AAAA records (none unless set), answered whatever `answering` says.
+    aaaa: Arc<Mutex<Vec<std::net::Ipv6Addr>>>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
@@ -48,6 +50,8 @@ impl DnsServer {
         let ignored = Arc::new(AtomicUsize::new(0));
         let (a2, on, ttl2) = (a.clone(), answering.clone(), ttl.clone());
         let (quiet, unanswered) = (silent.clone(), ignored.clone());
+        let aaaa = Arc::new(Mutex::new(Vec::new()));
+        let aaaa2 = aaaa.clone();
         let serve = async move {
             let sock = UdpSocket::from_std(std_sock).unwrap();
             let mut buf = [0u8; 2048];
@@ -84,6 +88,15 @@ impl DnsServer {
                             RData::A(A(ip)),
                         ));
                     }
+                    if query.query_type() == RecordType::AAAA && name == "svc.test." {
+                        for &ip in aaaa2.lock().unwrap().iter() {
+                            resp.add_answer(Record::from_rdata(
+                                query.name().clone(),
+                                ttl2.load(Ordering::SeqCst),
+                                RData::AAAA(hickory_proto::rr::rdata::AAAA(ip)),
+                            ));
+                        }
+                    }
                 }
                 if let Ok(bytes) = resp.to_vec() {
                     let _ = sock.send_to(&bytes, peer).await;
@@ -104,6 +117,7 @@ impl DnsServer {
             answering,
             silent,
             ignored,
+            aaaa,
             stop: Some(stop),
         }
     }
@@ -390,6 +404,42 @@ async fn unresolved_name_at_start_is_502_until_it_resolves() {
     wait_for("the name to resolve", || g.endpoint_pools().len() == 1).await;
     assert_eq!(get(gw.addr, "/").await.status(), 200);
     assert_eq!(a_hits.load(Ordering::SeqCst), 1);
+}
+
+/// A link-local IPv6 address in an answer names no interface, so no connect could use it:
+/// it is left out (counted, logged), never made an endpoint whose every connect fails; an
+/// answer of nothing else is a failed lookup (502 `no_endpoints` until a usable one comes).
+#[tokio::test]
+async fn a_link_local_address_in_an_answer_is_left_out() {
+    let (port, a_hits, _) = twin_upstreams().await;
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    dns.answering.store(false, Ordering::SeqCst);
+    *dns.aaaa.lock().unwrap() = vec!["fe80::1".parse().unwrap()];
+    let gw = gateway(dns.addr, port, "[admin]\naddress = \"127.0.0.1:0\"");
+    let g = gw.gw.as_ref().unwrap();
+    let resp = get(gw.addr, "/").await;
+    assert_eq!(resp.status(), 502);
+    assert!(
+        String::from_utf8_lossy(resp.body()).contains("no_endpoints"),
+        "{:?}",
+        resp.body()
+    );
+    assert!(g.dns_stats().failures.load(Ordering::Relaxed) >= 1);
+    assert!(g.dns_stats().unusable.load(Ordering::Relaxed) >= 1);
+    assert!(g.endpoint_pools().is_empty());
+    dns.answering.store(true, Ordering::SeqCst);
+    wait_for("the name to resolve", || g.endpoint_pools().len() == 1).await;
+    for _ in 0..5 {
+        assert_eq!(get(gw.addr, "/").await.status(), 200);
+    }
+    assert_eq!(a_hits.load(Ordering::SeqCst), 5);
+    assert_eq!(g.endpoint_pools().len(), 1, "only the IPv4 address");
+    let admin = g.admin_addr().unwrap();
+    let text = String::from_utf8(get(admin, "/metrics").await.body().to_vec()).unwrap();
+    let left_out = prom::parse(&text, false)
+        .unwrap()
+        .value("tailgate_dns_unusable_addresses_total", &[]);
+    assert!(left_out >= 2.0, "{left_out}");
 }
 
 /// Requests that find no address ask for a lookup at most once per `min_refresh`, however

@@ -722,7 +722,7 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
         }
     }
     let d = &state.dns;
-    let dns: [(&str, &str, u64); 4] = [
+    let dns: [(&str, &str, u64); 5] = [
         (
             "tailgate_dns_lookups",
             "Host-name lookups that returned addresses.",
@@ -742,6 +742,11 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
             "tailgate_dns_early_refreshes",
             "Re-resolutions asked for by connect failures.",
             d.early_refreshes.load(Ordering::Relaxed),
+        ),
+        (
+            "tailgate_dns_unusable_addresses",
+            "Addresses in answers left out: link-local IPv6, which names no interface.",
+            d.unusable.load(Ordering::Relaxed),
         ),
     ];
     for (name, help, v) in dns {

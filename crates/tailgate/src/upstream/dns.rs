@@ -43,6 +43,9 @@ pub struct DnsStats {
     pub changes: AtomicU64,
     /// Re-resolutions asked for by connect failures.
     pub early_refreshes: AtomicU64,
+    /// Addresses in answers that were left out: link-local IPv6 ones, which name no
+    /// interface to connect through (the kernel refuses the connect).
+    pub unusable: AtomicU64,
 }
 
 /// Early re-resolution requests, by cluster index.
@@ -190,6 +193,8 @@ struct Target {
 /// One name's resolution state.
 struct NameState {
     addrs: Vec<IpAddr>,
+    /// What the last answer had that no connect can use ([`unusable`]).
+    unusable: Vec<IpAddr>,
     resolved: bool,
     due: Instant,
     last: Option<Instant>,
@@ -252,6 +257,7 @@ fn run(
             for (host, _) in &t.names {
                 names.entry(host.clone()).or_insert(NameState {
                     addrs: Vec::new(),
+                    unusable: Vec::new(),
                     resolved: false,
                     due: now,
                     last: None,
@@ -330,13 +336,23 @@ async fn refresh_due(
     let lookups = due.iter().map(|host| async move {
         let r = match tokio::time::timeout(timeout, resolver.lookup_ip(host.as_str())).await {
             Ok(Ok(l)) => {
-                let mut ips: Vec<IpAddr> = l.iter().collect();
+                let (mut unusable, mut ips): (Vec<IpAddr>, Vec<IpAddr>) =
+                    l.iter().partition(|ip| unusable(ip));
                 ips.sort();
                 ips.dedup();
-                if ips.is_empty() {
+                unusable.sort();
+                unusable.dedup();
+                stats
+                    .unusable
+                    .fetch_add(unusable.len() as u64, Ordering::Relaxed);
+                if ips.is_empty() && !unusable.is_empty() {
+                    Err(format!(
+                        "the answer has only link-local addresses ({unusable:?}), which name no interface to connect through"
+                    ))
+                } else if ips.is_empty() {
                     Err("no addresses in the answer".to_owned())
                 } else {
-                    Ok((ips, Instant::from_std(l.valid_until())))
+                    Ok((ips, Instant::from_std(l.valid_until()), unusable))
                 }
             }
             Ok(Err(e)) => Err(e.to_string()),
@@ -352,8 +368,13 @@ async fn refresh_due(
         };
         n.last = Some(now);
         match r {
-            Ok((ips, valid_until)) => {
+            Ok((ips, valid_until, unusable)) => {
                 stats.lookups.fetch_add(1, Ordering::Relaxed);
+                // Once per change, not at every refresh.
+                if !unusable.is_empty() && unusable != n.unusable {
+                    tracing::warn!(dns.name = %host, left_out = ?unusable, "link-local addresses in a DNS answer name no interface; left out");
+                }
+                n.unusable = unusable;
                 let ttl = valid_until.saturating_duration_since(now);
                 n.due = now + ttl.clamp(s.min_refresh, s.max_refresh);
                 n.addrs = ips;
@@ -376,6 +397,12 @@ async fn refresh_due(
             }
         }
     }
+}
+
+/// An address no connect can use: link-local IPv6 from DNS has no zone (an interface), and
+/// without one the kernel refuses the connect (`EINVAL`); a config's literal names it.
+fn unusable(ip: &IpAddr) -> bool {
+    matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local())
 }
 
 /// Sends each cluster's address list to the workers when it changed.
