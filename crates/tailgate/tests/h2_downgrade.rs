@@ -96,6 +96,11 @@ async fn exchange(gw: std::net::SocketAddr, frames: &[Vec<u8>]) -> Outcome {
         out.extend_from_slice(f);
     }
     s.write_all(&out).await.unwrap();
+    outcome(&mut s).await
+}
+
+/// Reads until stream 1 is answered, reset, or the connection ends (10 s at most).
+async fn outcome(s: &mut TcpStream) -> Outcome {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let mut buf = Vec::new();
     loop {
@@ -360,6 +365,98 @@ async fn an_idle_h2_client_that_never_answers_is_dropped() {
     })
     .await;
     assert!(closed.is_ok(), "the connection is still open after 5 s");
+}
+
+/// HTTP/2 heads are timed as HTTP/1 ones are (`header_read_timeout`, here 300 ms, with
+/// an idle timeout of 30 s): a client that stops part-way into a header block, or trickles
+/// it in CONTINUATION frames, is cut off at the head's timeout, not held until the idle
+/// one; a client that is quiet between whole heads is not.
+#[tokio::test]
+async fn an_h2_head_that_does_not_come_whole_is_cut_off_at_the_header_read_timeout() {
+    let up = upstream(|_| async { http::Response::new(full("ok")) }).await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nidle_timeout = \"30s\"\nheader_read_timeout = \"300ms\"\n",
+    );
+    let mut hello = PREFACE.to_vec();
+    hello.extend(frame(SETTINGS, 0, 0, &[]));
+    let pad = vec![b'p'; 400];
+    let head = request(&[(b"x-pad", &pad)], b"/slow");
+
+    // Stops after a HEADERS frame without END_HEADERS.
+    let stops = async {
+        let mut s = TcpStream::connect(gw.addr).await.unwrap();
+        let mut out = hello.clone();
+        out.extend(frame(HEADERS, END_STREAM, 1, &head[..20]));
+        s.write_all(&out).await.unwrap();
+        let started = tokio::time::Instant::now();
+        let mut chunk = [0u8; 4096];
+        let closed = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                match s.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        assert!(
+            closed.is_ok(),
+            "a head left part-way held its connection 5 s"
+        );
+        started.elapsed()
+    };
+    // Sends the rest of the block in CONTINUATION frames of 10 bytes, one every 100 ms
+    // (4 s in all), while reading what comes until the connection ends.
+    let trickles = async {
+        let s = TcpStream::connect(gw.addr).await.unwrap();
+        let (mut rd, mut wr) = s.into_split();
+        let mut out = hello.clone();
+        out.extend(frame(HEADERS, END_STREAM, 1, &head[..10]));
+        wr.write_all(&out).await.unwrap();
+        let chunks: Vec<&[u8]> = head[10..].chunks(10).collect();
+        let last = chunks.len() - 1;
+        let write = async {
+            for (i, c) in chunks.iter().enumerate() {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let flags = if i == last { END_HEADERS } else { 0 };
+                if wr.write_all(&frame(0x9, flags, 1, c)).await.is_err() {
+                    return i;
+                }
+            }
+            chunks.len()
+        };
+        let mut chunk = [0u8; 4096];
+        let read = async {
+            loop {
+                match rd.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        };
+        tokio::select! {
+            sent = write => panic!("all {sent} CONTINUATION frames went out: the trickle was not cut off"),
+            _ = read => {}
+        }
+        assert!(
+            last > 30,
+            "the trickle outlasts the timeout many times over"
+        );
+    };
+    // Quiet for a second between its SETTINGS and a whole head: answered.
+    let quiet = async {
+        let mut s = TcpStream::connect(gw.addr).await.unwrap();
+        s.write_all(&hello).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        s.write_all(&frame(HEADERS, END_HEADERS | END_STREAM, 1, &head))
+            .await
+            .unwrap();
+        outcome(&mut s).await
+    };
+    let (took, (), answered) = tokio::join!(stops, trickles, quiet);
+    assert!(took >= Duration::from_millis(250), "cut off after {took:?}");
+    assert_eq!(answered, Outcome::Answered(Some(200)));
 }
 
 /// A stream the client opens after the idle close began (before it saw the GOAWAY) is

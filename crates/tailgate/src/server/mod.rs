@@ -4,6 +4,7 @@
 
 pub mod h1_guard;
 pub mod h1_inline;
+mod h2_head;
 pub mod head;
 mod linger;
 pub mod send_timeout;
@@ -408,7 +409,10 @@ where
         // h2's default, set here so that it cannot go with a dependency update.
         .max_pending_accept_reset_streams(20)
         .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
-        .serve_connection(TokioIo::new(io), service);
+        .serve_connection(
+            TokioIo::new(h2_head::H2HeadTimer::new(io, settings.header_read_timeout)),
+            service,
+        );
     let conn = std::pin::pin!(conn);
     let ended = drive(conn, ctx.shutdown, &info, settings, |c| {
         c.as_mut().graceful_shutdown()

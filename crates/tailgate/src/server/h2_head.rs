@@ -1,0 +1,293 @@
+//! The header read timeout over HTTP/2 (slowloris): a request head, or any frame but DATA,
+//! that has begun must be whole within `header_read_timeout`.
+//!
+//! hyper's HTTP/2 server keeps no such timer, and h2 buffers a header block (HEADERS and
+//! its CONTINUATIONs) until it ends, unseen: a client that sent part of a head, or trickled
+//! CONTINUATION frames, held its connection until the idle timeout (and as long again if it
+//! ignored the close's PING). So this reader, between the connection and hyper, follows
+//! the framing of what the client sends (RFC 9113 §4.1: the preface, then 9-byte frame
+//! headers and their payloads; no crate exposes that outside h2's own decoder). It reads
+//! only the frame headers, never copies, and needs a clock reading only when a head
+//! begins.
+//!
+//! Timed, from its first byte: the connection preface, a frame header, the payload of any
+//! frame but DATA, and a header block from its HEADERS to the frame that carries
+//! END_HEADERS, however many bytes come meanwhile (trickling does not move the deadline,
+//! as it does not for an HTTP/1 head). A DATA frame's payload is a body's, not a head's:
+//! a slow upload is not cut here (the body's own timeouts apply), and a header block never
+//! has DATA inside it (a protocol error h2 answers). Time with nothing begun (between
+//! requests) is the idle timeout's business. When the time is up, reading fails with
+//! `TimedOut`, and hyper's server ends the connection.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::Sleep;
+
+/// The client connection preface's length (RFC 9113 §3.4).
+const PREFACE_LEN: u32 = 24;
+const FRAME_HEADER_LEN: usize = 9;
+const DATA: u8 = 0x0;
+const HEADERS: u8 = 0x1;
+const CONTINUATION: u8 = 0x9;
+const END_HEADERS: u8 = 0x4;
+
+/// Where the client's bytes are in HTTP/2's framing.
+#[derive(Debug, Default)]
+struct Framing {
+    /// Bytes of the preface still to come.
+    preface_left: u32,
+    /// The frame header read so far.
+    header: [u8; FRAME_HEADER_LEN],
+    header_have: usize,
+    /// Bytes of the current frame's payload still to come, and whether it is DATA's.
+    payload_left: u32,
+    payload_is_data: bool,
+    /// A HEADERS frame came without END_HEADERS: its CONTINUATIONs are still to come.
+    block_open: bool,
+}
+
+impl Framing {
+    fn new() -> Self {
+        Framing {
+            preface_left: PREFACE_LEN,
+            ..Framing::default()
+        }
+    }
+
+    /// Follows `bytes`, the next the client sent.
+    fn advance(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            if self.preface_left > 0 {
+                let n = bytes.len().min(self.preface_left as usize);
+                self.preface_left -= n as u32;
+                bytes = &bytes[n..];
+            } else if self.payload_left > 0 {
+                let n = bytes.len().min(self.payload_left as usize);
+                self.payload_left -= n as u32;
+                bytes = &bytes[n..];
+            } else {
+                let n = bytes.len().min(FRAME_HEADER_LEN - self.header_have);
+                self.header[self.header_have..self.header_have + n].copy_from_slice(&bytes[..n]);
+                self.header_have += n;
+                bytes = &bytes[n..];
+                if self.header_have == FRAME_HEADER_LEN {
+                    self.header_have = 0;
+                    let h = &self.header;
+                    let (kind, flags) = (h[3], h[4]);
+                    self.payload_left = u32::from_be_bytes([0, h[0], h[1], h[2]]);
+                    self.payload_is_data = kind == DATA;
+                    if kind == HEADERS || kind == CONTINUATION {
+                        self.block_open = flags & END_HEADERS == 0;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Is a head (or a frame other than DATA) part-way in?
+    fn mid_head(&self) -> bool {
+        self.preface_left > 0
+            || self.header_have > 0
+            || self.block_open
+            || (self.payload_left > 0 && !self.payload_is_data)
+    }
+}
+
+/// The client's side of an HTTP/2 connection, with its heads timed (see the module).
+pub struct H2HeadTimer<T> {
+    inner: T,
+    framing: Framing,
+    timeout: Duration,
+    /// Armed while a head is part-way in (`None` until the first one begins).
+    deadline: Option<Pin<Box<Sleep>>>,
+    armed: bool,
+}
+
+impl<T> H2HeadTimer<T> {
+    pub fn new(inner: T, timeout: Duration) -> Self {
+        H2HeadTimer {
+            inner,
+            framing: Framing::new(),
+            timeout,
+            deadline: None,
+            armed: false,
+        }
+    }
+
+    /// After new bytes: the deadline runs from where a head began, and stops when none is
+    /// part-way in.
+    fn follow(&mut self, bytes: &[u8]) {
+        let was = self.framing.mid_head();
+        self.framing.advance(bytes);
+        let now_mid = self.framing.mid_head();
+        if now_mid && !(was && self.armed) {
+            let at = tokio::time::Instant::now() + self.timeout;
+            match self.deadline.as_mut() {
+                Some(d) => d.as_mut().reset(at),
+                None => self.deadline = Some(Box::pin(tokio::time::sleep_until(at))),
+            }
+            self.armed = true;
+        } else if !now_mid {
+            self.armed = false;
+        }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for H2HeadTimer<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        // The preface is due from the start: a connection that sends part of it and stops
+        // is a head begun.
+        if !this.armed && this.deadline.is_none() {
+            this.follow(&[]);
+        }
+        let before = buf.filled().len();
+        match Pin::new(&mut this.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                let filled = buf.filled();
+                if filled.len() > before {
+                    // (Split borrows: the bytes are the caller's buffer's.)
+                    let new = &filled[before..];
+                    this.follow(new);
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending => {
+                if this.armed
+                    && let Some(d) = this.deadline.as_mut()
+                    && d.as_mut().poll(cx).is_ready()
+                {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "HTTP/2 request head not received in time",
+                    )));
+                }
+                Poll::Pending
+            }
+            r => r,
+        }
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for H2HeadTimer<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(kind: u8, flags: u8, len: u32) -> Vec<u8> {
+        let l = len.to_be_bytes();
+        let mut f = vec![l[1], l[2], l[3], kind, flags, 0, 0, 0, 1];
+        f.resize(FRAME_HEADER_LEN + len as usize, 0);
+        f
+    }
+
+    /// The framing is followed a byte at a time as well as whole: a head is part-way in
+    /// from its first byte to the end of the frame with END_HEADERS; a DATA payload is not
+    /// a head.
+    #[test]
+    fn heads_are_followed_through_continuations_and_split_reads() {
+        let mut stream = vec![b'P'; PREFACE_LEN as usize];
+        let mut marks = Vec::new();
+        marks.push((stream.len(), false));
+        stream.extend(frame(0x4, 0, 6)); // SETTINGS
+        marks.push((stream.len(), false));
+        stream.extend(frame(HEADERS, 0, 10));
+        marks.push((stream.len(), true));
+        stream.extend(frame(CONTINUATION, 0, 3));
+        marks.push((stream.len(), true));
+        stream.extend(frame(CONTINUATION, END_HEADERS, 2));
+        marks.push((stream.len(), false));
+        let data_start = stream.len() + FRAME_HEADER_LEN;
+        stream.extend(frame(DATA, 0, 100));
+        marks.push((stream.len(), false));
+        stream.extend(frame(HEADERS, END_HEADERS, 4));
+        marks.push((stream.len(), false));
+
+        let mut whole = Framing::new();
+        let mut last = 0;
+        for &(at, mid) in &marks {
+            whole.advance(&stream[last..at]);
+            assert_eq!(whole.mid_head(), mid, "at {at}");
+            last = at;
+        }
+        let mut bytewise = Framing::new();
+        for (i, b) in stream.iter().enumerate() {
+            if let Some(&(_, mid)) = marks.iter().find(|(at, _)| *at == i) {
+                assert_eq!(bytewise.mid_head(), mid, "at {i}");
+            }
+            if i > data_start && i < data_start + 100 {
+                assert!(!bytewise.mid_head(), "inside DATA at {i}");
+            }
+            bytewise.advance(std::slice::from_ref(b));
+        }
+        assert!(!bytewise.mid_head());
+        assert!(Framing::new().mid_head(), "the preface is due");
+    }
+
+    /// A head begun and left part-way fails the read once the timeout is up; a connection
+    /// whose heads came whole waits for more as long as it likes.
+    #[tokio::test(start_paused = true)]
+    async fn a_head_left_part_way_times_out_and_a_quiet_connection_does_not() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (near, mut far) = tokio::io::duplex(1 << 16);
+        let mut io = H2HeadTimer::new(near, Duration::from_secs(1));
+        let mut hello = vec![b'P'; PREFACE_LEN as usize];
+        hello.extend(frame(HEADERS, END_HEADERS, 5));
+        far.write_all(&hello).await.unwrap();
+        let mut got = vec![0u8; hello.len()];
+        io.read_exact(&mut got).await.unwrap();
+        // Nothing begun: a minute of silence is no timeout.
+        let mut one = [0u8; 1];
+        assert!(
+            tokio::time::timeout(Duration::from_secs(60), io.read(&mut one))
+                .await
+                .is_err()
+        );
+        // Half a frame header, then nothing.
+        far.write_all(&[0, 0]).await.unwrap();
+        let mut two = [0u8; 2];
+        io.read_exact(&mut two).await.unwrap();
+        let e = tokio::time::timeout(Duration::from_secs(2), io.read(&mut one))
+            .await
+            .expect("the head's time ran out")
+            .expect_err("a timeout");
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+    }
+}
