@@ -2,22 +2,25 @@
 //! that has begun must be whole within `header_read_timeout`.
 //!
 //! hyper's HTTP/2 server keeps no such timer, and h2 buffers a header block (HEADERS and
-//! its CONTINUATIONs) until it ends, unseen: a client that sent part of a head, or trickled
-//! CONTINUATION frames, held its connection until the idle timeout (and as long again if it
-//! ignored the close's PING). So this reader, between the connection and hyper, follows
-//! the framing of what the client sends (RFC 9113 §4.1: the preface, then 9-byte frame
-//! headers and their payloads; no crate exposes that outside h2's own decoder). It reads
-//! only the frame headers, never copies, and needs a clock reading only when a head
-//! begins.
+//! its CONTINUATIONs) until it ends, unseen: a client that sent part of a head and stopped,
+//! or trickled a head's bytes (h2 takes at most a few CONTINUATION frames per block), held
+//! its connection until the idle timeout, and as long again if it ignored the close's
+//! PING. So this reader, between the connection and hyper, follows the framing of what the
+//! client sends (RFC 9113 §4.1: the preface, then 9-byte frame headers and their payloads;
+//! no crate exposes that outside h2's own decoder). It reads only the frame headers, never
+//! copies, reads the clock only when a read ends part-way into a head, and makes its timer
+//! only when a read waits then.
 //!
 //! Timed, from its first byte: the connection preface, a frame header, the payload of any
 //! frame but DATA, and a header block from its HEADERS to the frame that carries
 //! END_HEADERS, however many bytes come meanwhile (trickling does not move the deadline,
 //! as it does not for an HTTP/1 head). A DATA frame's payload is a body's, not a head's:
 //! a slow upload is not cut here (the body's own timeouts apply), and a header block never
-//! has DATA inside it (a protocol error h2 answers). Time with nothing begun (between
-//! requests) is the idle timeout's business. When the time is up, reading fails with
-//! `TimedOut`, and hyper's server ends the connection.
+//! has DATA inside it (a protocol error h2 answers). Time with nothing begun (before the
+//! preface, between requests) is the idle timeout's business. When the time is up, a read
+//! fails with `TimedOut`, and hyper's server ends the connection. (h2 reads only while it
+//! can write: with the client taking no answers, the send timeout bounds the connection
+//! instead.)
 
 use std::io;
 use std::pin::Pin;
@@ -58,8 +61,10 @@ impl Framing {
         }
     }
 
-    /// Follows `bytes`, the next the client sent.
-    fn advance(&mut self, mut bytes: &[u8]) {
+    /// Follows `bytes`, the next the client sent; true if no head was part-way in at some
+    /// point in them (before, between or after their frames).
+    fn advance(&mut self, mut bytes: &[u8]) -> bool {
+        let mut clear = !self.mid_head();
         while !bytes.is_empty() {
             if self.preface_left > 0 {
                 let n = bytes.len().min(self.preface_left as usize);
@@ -85,12 +90,15 @@ impl Framing {
                     }
                 }
             }
+            clear |= !self.mid_head();
         }
+        clear
     }
 
-    /// Is a head (or a frame other than DATA) part-way in?
+    /// Is a head (or a frame other than DATA) part-way in? (Not before the preface's first
+    /// byte.)
     fn mid_head(&self) -> bool {
-        self.preface_left > 0
+        (self.preface_left > 0 && self.preface_left < PREFACE_LEN)
             || self.header_have > 0
             || self.block_open
             || (self.payload_left > 0 && !self.payload_is_data)
@@ -102,9 +110,10 @@ pub struct H2HeadTimer<T> {
     inner: T,
     framing: Framing,
     timeout: Duration,
-    /// Armed while a head is part-way in (`None` until the first one begins).
-    deadline: Option<Pin<Box<Sleep>>>,
-    armed: bool,
+    /// When the head part-way in must be whole (`None`: none is).
+    due: Option<tokio::time::Instant>,
+    /// The timer for `due`, made when a read first waits with a head part-way in.
+    timer: Option<Pin<Box<Sleep>>>,
 }
 
 impl<T> H2HeadTimer<T> {
@@ -113,26 +122,19 @@ impl<T> H2HeadTimer<T> {
             inner,
             framing: Framing::new(),
             timeout,
-            deadline: None,
-            armed: false,
+            due: None,
+            timer: None,
         }
     }
 
-    /// After new bytes: the deadline runs from where a head began, and stops when none is
-    /// part-way in.
+    /// After new bytes: a head part-way in at their end is due `timeout` after its first
+    /// byte; one that began within them, after the bytes came.
     fn follow(&mut self, bytes: &[u8]) {
-        let was = self.framing.mid_head();
-        self.framing.advance(bytes);
-        let now_mid = self.framing.mid_head();
-        if now_mid && !(was && self.armed) {
-            let at = tokio::time::Instant::now() + self.timeout;
-            match self.deadline.as_mut() {
-                Some(d) => d.as_mut().reset(at),
-                None => self.deadline = Some(Box::pin(tokio::time::sleep_until(at))),
-            }
-            self.armed = true;
-        } else if !now_mid {
-            self.armed = false;
+        let cleared = self.framing.advance(bytes);
+        if !self.framing.mid_head() {
+            self.due = None;
+        } else if cleared || self.due.is_none() {
+            self.due = Some(tokio::time::Instant::now() + self.timeout);
         }
     }
 }
@@ -144,31 +146,29 @@ impl<T: AsyncRead + Unpin> AsyncRead for H2HeadTimer<T> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        // The preface is due from the start: a connection that sends part of it and stops
-        // is a head begun.
-        if !this.armed && this.deadline.is_none() {
-            this.follow(&[]);
-        }
         let before = buf.filled().len();
         match Pin::new(&mut this.inner).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
                 let filled = buf.filled();
                 if filled.len() > before {
-                    // (Split borrows: the bytes are the caller's buffer's.)
-                    let new = &filled[before..];
-                    this.follow(new);
+                    this.follow(&filled[before..]);
                 }
                 Poll::Ready(Ok(()))
             }
             Poll::Pending => {
-                if this.armed
-                    && let Some(d) = this.deadline.as_mut()
-                    && d.as_mut().poll(cx).is_ready()
-                {
-                    return Poll::Ready(Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        "HTTP/2 request head not received in time",
-                    )));
+                if let Some(due) = this.due {
+                    let timer = this
+                        .timer
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(due)));
+                    if timer.deadline() != due {
+                        timer.as_mut().reset(due);
+                    }
+                    if timer.as_mut().poll(cx).is_ready() {
+                        return Poll::Ready(Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "HTTP/2 request head not received in time",
+                        )));
+                    }
                 }
                 Poll::Pending
             }
@@ -258,7 +258,13 @@ mod tests {
             bytewise.advance(std::slice::from_ref(b));
         }
         assert!(!bytewise.mid_head());
-        assert!(Framing::new().mid_head(), "the preface is due");
+        assert!(
+            !Framing::new().mid_head(),
+            "nothing begun before the preface"
+        );
+        let mut part = Framing::new();
+        part.advance(b"PRI");
+        assert!(part.mid_head(), "a preface part-way in");
     }
 
     /// A head begun and left part-way fails the read once the timeout is up; a connection
@@ -287,6 +293,41 @@ mod tests {
         let e = tokio::time::timeout(Duration::from_secs(2), io.read(&mut one))
             .await
             .expect("the head's time ran out")
+            .expect_err("a timeout");
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+    }
+
+    /// A read that ends one head and begins the next times the next from its own start,
+    /// not from the first one's.
+    #[tokio::test(start_paused = true)]
+    async fn the_next_head_in_the_same_read_gets_its_own_time() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (near, mut far) = tokio::io::duplex(1 << 16);
+        let mut io = H2HeadTimer::new(near, Duration::from_secs(1));
+        let first = frame(HEADERS, END_HEADERS, 5);
+        let mut sent = vec![b'P'; PREFACE_LEN as usize];
+        sent.extend_from_slice(&first[..4]);
+        far.write_all(&sent).await.unwrap();
+        let mut got = vec![0u8; sent.len()];
+        io.read_exact(&mut got).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        // The rest of the first head, and half of the next frame's header.
+        let mut rest = first[4..].to_vec();
+        rest.extend_from_slice(&[0, 0, 5]);
+        far.write_all(&rest).await.unwrap();
+        let mut got = vec![0u8; rest.len()];
+        io.read_exact(&mut got).await.unwrap();
+        let mut one = [0u8; 1];
+        // Past the first head's deadline (1 s from its first byte), within the next one's.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(700), io.read(&mut one))
+                .await
+                .is_err(),
+            "the next head was timed from the first one's start"
+        );
+        let e = tokio::time::timeout(Duration::from_millis(600), io.read(&mut one))
+            .await
+            .expect("the next head's time ran out")
             .expect_err("a timeout");
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
     }
