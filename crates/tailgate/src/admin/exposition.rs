@@ -745,7 +745,7 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
         ),
         (
             "tailgate_dns_unusable_addresses",
-            "Addresses in answers left out: link-local IPv6, which names no interface.",
+            "Addresses in answers left out at each lookup: link-local IPv6 (no interface), unspecified, multicast or broadcast.",
             d.unusable.load(Ordering::Relaxed),
         ),
     ];

@@ -217,7 +217,9 @@ pub(super) const NO_INTERFACE_HINT: &str =
 /// `text` as a socket address: what `std` parses (an IPv6 zone only as an index,
 /// `[fe80::1%2]:80`), and an IPv6 zone that names its interface (`[fe80::1%eth0]:80`, as
 /// `ping` and `ip` take it), which becomes that interface's index here and now, at load
-/// (an interface made again later, with a new index, needs a reload).
+/// (an interface made again later, with a new index, needs a reload). The index is asked
+/// of the kernel as `if_nametoindex(3)` asks it (`SIOCGIFINDEX` on a socket), in this
+/// process's network namespace.
 pub(super) fn socket_addr(text: &str) -> Result<SocketAddr, NotAddr> {
     if let Ok(a) = text.parse::<SocketAddr>() {
         return Ok(a);
@@ -232,8 +234,7 @@ pub(super) fn socket_addr(text: &str) -> Result<SocketAddr, NotAddr> {
     let (Ok(ip), Ok(port)) = (ip.parse::<std::net::Ipv6Addr>(), port.parse::<u16>()) else {
         return Err(NotAddr::Other);
     };
-    // An interface's name as the kernel takes it (at most 15 bytes, no `/`, not `.`/`..`),
-    // before it becomes part of a path.
+    // An interface's name as the kernel takes it (at most 15 bytes, no `/`, not `.`/`..`).
     let plausible = !zone.is_empty()
         && zone.len() < 16
         && zone != "."
@@ -244,13 +245,13 @@ pub(super) fn socket_addr(text: &str) -> Result<SocketAddr, NotAddr> {
     if !plausible {
         return Err(NotAddr::Other);
     }
-    let index = std::fs::read_to_string(format!("/sys/class/net/{zone}/ifindex"))
-        .ok()
-        .and_then(|i| i.trim().parse::<u32>().ok());
+    let index = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None)
+        .map_err(|e| e.to_string())
+        .and_then(|s| rustix::net::netdevice::name_to_index(&s, zone).map_err(|e| e.to_string()));
     match index {
-        Some(i) => Ok(SocketAddr::V6(std::net::SocketAddrV6::new(ip, port, 0, i))),
-        None => Err(NotAddr::NoInterface(format!(
-            "`{text}`: this machine has no interface `{zone}`"
+        Ok(i) => Ok(SocketAddr::V6(std::net::SocketAddrV6::new(ip, port, 0, i))),
+        Err(e) => Err(NotAddr::NoInterface(format!(
+            "`{text}`: this machine has no interface `{zone}` ({e})"
         ))),
     }
 }
@@ -1662,6 +1663,7 @@ response_timeout = "0s"
             .trim()
             .parse()
             .expect("an index");
+        // (`ip` reads the same index from sysfs.)
         let text = "[[listener]]\naddress = \"[fe80::1%lo]:8080\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"[fe80::2%lo]:80\"]\n[[cluster]]\nname = \"t\"\nendpoints = [\"https://[fe80::3%lo]:443\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\n";
         let config = parse_and_validate(Path::new("t.toml"), text)
             .unwrap_or_else(|e| panic!("refused: {e}"));
@@ -1689,7 +1691,8 @@ response_timeout = "0s"
         .expect_err("no such interface")
         .to_string();
         for want in [
-            "t.toml:2:11: listener[0].address: `[fe80::1%nosuch9]:8080`: this machine has no interface `nosuch9`\n  help: name an interface this machine has, or its index",
+            "t.toml:2:11: listener[0].address: `[fe80::1%nosuch9]:8080`: this machine has no interface `nosuch9` (",
+            "\n  help: name an interface this machine has, or its index",
             "t.toml:5:14: cluster[0].endpoints[0]: `[fe80::2%nosuch9]:80`: this machine has no interface `nosuch9`",
             "cluster[0].endpoints[1]: `[fe80::2%../lo]:80` is not an address",
         ] {

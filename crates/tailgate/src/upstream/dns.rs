@@ -43,8 +43,8 @@ pub struct DnsStats {
     pub changes: AtomicU64,
     /// Re-resolutions asked for by connect failures.
     pub early_refreshes: AtomicU64,
-    /// Addresses in answers that were left out: link-local IPv6 ones, which name no
-    /// interface to connect through (the kernel refuses the connect).
+    /// Addresses in answers that were left out, counted at each lookup: ones no connect
+    /// can use ([`unusable`]).
     pub unusable: AtomicU64,
 }
 
@@ -347,7 +347,7 @@ async fn refresh_due(
                     .fetch_add(unusable.len() as u64, Ordering::Relaxed);
                 if ips.is_empty() && !unusable.is_empty() {
                     Err(format!(
-                        "the answer has only link-local addresses ({unusable:?}), which name no interface to connect through"
+                        "the answer has only addresses no connect can use ({unusable:?}: link-local with no interface, unspecified, multicast or broadcast)"
                     ))
                 } else if ips.is_empty() {
                     Err("no addresses in the answer".to_owned())
@@ -372,7 +372,7 @@ async fn refresh_due(
                 stats.lookups.fetch_add(1, Ordering::Relaxed);
                 // Once per change, not at every refresh.
                 if !unusable.is_empty() && unusable != n.unusable {
-                    tracing::warn!(dns.name = %host, left_out = ?unusable, "link-local addresses in a DNS answer name no interface; left out");
+                    tracing::warn!(dns.name = %host, left_out = ?unusable, "addresses in a DNS answer no connect can use (link-local with no interface, unspecified, multicast or broadcast); left out");
                 }
                 n.unusable = unusable;
                 let ttl = valid_until.saturating_duration_since(now);
@@ -399,10 +399,15 @@ async fn refresh_due(
     }
 }
 
-/// An address no connect can use: link-local IPv6 from DNS has no zone (an interface), and
-/// without one the kernel refuses the connect (`EINVAL`); a config's literal names it.
+/// An address no connect can use, which the config refuses as a literal too: link-local
+/// IPv6 from DNS has no zone (an interface), and without one the kernel refuses the
+/// connect (`EINVAL`); an unspecified address (`0.0.0.0`, `::`) is for listening (a
+/// connect to it reaches this host); a multicast or broadcast one is not one server.
 fn unusable(ip: &IpAddr) -> bool {
-    matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local())
+    ip.is_unspecified()
+        || ip.is_multicast()
+        || *ip == IpAddr::from([255, 255, 255, 255])
+        || matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local())
 }
 
 /// Sends each cluster's address list to the workers when it changed.
