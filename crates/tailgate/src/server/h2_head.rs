@@ -276,9 +276,9 @@ mod tests {
         let mut io = H2HeadTimer::new(near, Duration::from_secs(1));
         let mut hello = vec![b'P'; PREFACE_LEN as usize];
         hello.extend(frame(HEADERS, END_HEADERS, 5));
-        far.write_all(&hello).await.unwrap();
+        far.write_all(&hello).await.expect("write");
         let mut got = vec![0u8; hello.len()];
-        io.read_exact(&mut got).await.unwrap();
+        io.read_exact(&mut got).await.expect("read");
         // Nothing begun: a minute of silence is no timeout.
         let mut one = [0u8; 1];
         assert!(
@@ -287,9 +287,9 @@ mod tests {
                 .is_err()
         );
         // Half a frame header, then nothing.
-        far.write_all(&[0, 0]).await.unwrap();
+        far.write_all(&[0, 0]).await.expect("write");
         let mut two = [0u8; 2];
-        io.read_exact(&mut two).await.unwrap();
+        io.read_exact(&mut two).await.expect("read");
         let e = tokio::time::timeout(Duration::from_secs(2), io.read(&mut one))
             .await
             .expect("the head's time ran out")
@@ -307,16 +307,16 @@ mod tests {
         let first = frame(HEADERS, END_HEADERS, 5);
         let mut sent = vec![b'P'; PREFACE_LEN as usize];
         sent.extend_from_slice(&first[..4]);
-        far.write_all(&sent).await.unwrap();
+        far.write_all(&sent).await.expect("write");
         let mut got = vec![0u8; sent.len()];
-        io.read_exact(&mut got).await.unwrap();
+        io.read_exact(&mut got).await.expect("read");
         tokio::time::sleep(Duration::from_millis(800)).await;
         // The rest of the first head, and half of the next frame's header.
         let mut rest = first[4..].to_vec();
         rest.extend_from_slice(&[0, 0, 5]);
-        far.write_all(&rest).await.unwrap();
+        far.write_all(&rest).await.expect("write");
         let mut got = vec![0u8; rest.len()];
-        io.read_exact(&mut got).await.unwrap();
+        io.read_exact(&mut got).await.expect("read");
         let mut one = [0u8; 1];
         // Past the first head's deadline (1 s from its first byte), within the next one's.
         assert!(

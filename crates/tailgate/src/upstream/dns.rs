@@ -337,7 +337,7 @@ async fn refresh_due(
         let r = match tokio::time::timeout(timeout, resolver.lookup_ip(host.as_str())).await {
             Ok(Ok(l)) => {
                 let (mut unusable, mut ips): (Vec<IpAddr>, Vec<IpAddr>) =
-                    l.iter().partition(|ip| unusable(ip));
+                    l.iter().partition(unusable);
                 ips.sort();
                 ips.dedup();
                 unusable.sort();
