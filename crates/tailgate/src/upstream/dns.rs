@@ -44,7 +44,7 @@ pub struct DnsStats {
     /// Re-resolutions asked for by connect failures.
     pub early_refreshes: AtomicU64,
     /// Addresses in answers that were left out, counted at each lookup: ones no connect
-    /// can use ([`unusable`]).
+    /// can use (link-local IPv6 from DNS, unspecified, multicast, broadcast).
     pub unusable: AtomicU64,
 }
 
