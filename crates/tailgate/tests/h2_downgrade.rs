@@ -389,8 +389,9 @@ async fn an_h2_head_that_does_not_come_whole_is_cut_off_at_the_header_read_timeo
         let mut s = TcpStream::connect(gw.addr).await.unwrap();
         let mut out = hello.clone();
         out.extend(frame(HEADERS, END_STREAM, 1, &head[..20]));
-        s.write_all(&out).await.unwrap();
+        // (Before the write: the gateway's clock cannot start before it.)
         let started = tokio::time::Instant::now();
+        s.write_all(&out).await.unwrap();
         let mut chunk = [0u8; 4096];
         let closed = tokio::time::timeout(Duration::from_secs(5), async {
             loop {

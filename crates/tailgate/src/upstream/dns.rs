@@ -404,6 +404,9 @@ async fn refresh_due(
 /// connect (`EINVAL`); an unspecified address (`0.0.0.0`, `::`) is for listening (a
 /// connect to it reaches this host); a multicast or broadcast one is not one server.
 fn unusable(ip: &IpAddr) -> bool {
+    // An IPv4-mapped address is its IPv4 one to a dual-stack connect: `::ffff:0.0.0.0`
+    // reaches this host too.
+    let ip = &ip.to_canonical();
     ip.is_unspecified()
         || ip.is_multicast()
         || *ip == IpAddr::from([255, 255, 255, 255])

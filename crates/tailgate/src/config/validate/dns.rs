@@ -29,12 +29,17 @@ impl Checker<'_> {
                 );
                 return None;
             }
+            Err(super::NotAddr::Lookup(message)) => {
+                self.err(Some(v.span()), field, message, None);
+                return None;
+            }
             parsed => parsed.ok(),
         };
         if let Some(a) = parsed {
             // Addresses nothing can be connected to (a listener's wildcard, broadcast,
-            // multicast) or that name no port.
-            let ip = a.ip();
+            // multicast) or that name no port; an IPv4-mapped one as its IPv4 address (a
+            // dual-stack connect to `::ffff:0.0.0.0` reaches this host).
+            let ip = a.ip().to_canonical();
             let why = if a.port() == 0 {
                 Some("port 0 names no port to connect to")
             } else if ip.is_unspecified() {
