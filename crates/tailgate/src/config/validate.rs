@@ -50,6 +50,10 @@ pub(super) struct Checker<'a> {
     path: &'a Path,
     text: &'a str,
     errors: Vec<ConfigError>,
+    /// Where each line of `text` starts, made at the first error: each error's position is
+    /// then a binary search, not a scan from the start (a config with thousands of errors
+    /// is reported at once, not in time quadratic in its size).
+    line_starts: Vec<usize>,
 }
 
 impl Checker<'_> {
@@ -60,7 +64,7 @@ impl Checker<'_> {
         message: String,
         hint: Option<&str>,
     ) {
-        let (line, col) = span.map_or((0, 0), |s| line_col(self.text, s.start));
+        let (line, col) = span.map_or((0, 0), |s| self.line_col(s.start));
         self.errors.push(ConfigError {
             file: self.path.to_path_buf(),
             line,
@@ -69,6 +73,25 @@ impl Checker<'_> {
             message,
             hint: hint.map(str::to_owned),
         });
+    }
+
+    /// [`line_col`] of `offset` in the config's text, by the line index.
+    fn line_col(&mut self, offset: usize) -> (usize, usize) {
+        if self.line_starts.is_empty() {
+            self.line_starts = std::iter::once(0)
+                .chain(self.text.match_indices('\n').map(|(i, _)| i + 1))
+                .collect();
+        }
+        let offset = offset.min(self.text.len());
+        // The last line starting at or before `offset` (the first starts at 0).
+        let line = self.line_starts.partition_point(|&start| start <= offset);
+        let start = self.line_starts[line - 1];
+        let col = self
+            .text
+            .get(start..offset)
+            .map_or(0, |t| t.chars().count())
+            + 1;
+        (line, col)
     }
 
     pub(super) fn duration(
@@ -372,6 +395,7 @@ pub(super) fn parse_and_validate(path: &Path, text: &str) -> Result<Config, Conf
         path,
         text,
         errors: Vec::new(),
+        line_starts: Vec::new(),
     };
     let config = check(&mut c, raw);
     if c.errors.is_empty() {
@@ -1028,7 +1052,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 || methods.is_empty() && any_but_trace(m)
                 || m.iter().any(|x| methods.contains(x));
             if *t == scope && *h == host && *p == path_prefix && overlap {
-                let (pl, _) = line_col(c.text, prev.start);
+                let (pl, _) = c.line_col(prev.start);
                 c.err(Some(span.clone()), format!("route[{i}]"), format!("duplicate route: the same host (or, without one, tenant), path_prefix `{path_prefix}` and methods as the route at line {pl}, which would always be chosen"), Some("remove one of them, or make them differ by host, path_prefix or methods"));
                 break;
             }
@@ -1327,6 +1351,20 @@ mod tests {
         assert_eq!(line_col(t, 0), (1, 1));
         assert_eq!(line_col(t, 6), (2, 1));
         assert_eq!(line_col(t, 9), (2, 4));
+        // The checker's index gives the same, at every offset (past the end: the end).
+        for t in [t, "a = \"é\"\n\nbb = 2\nc", ""] {
+            let mut c = Checker {
+                path: Path::new("t.toml"),
+                text: t,
+                errors: Vec::new(),
+                line_starts: Vec::new(),
+            };
+            for offset in 0..=t.len() + 2 {
+                if t.is_char_boundary(offset.min(t.len())) {
+                    assert_eq!(c.line_col(offset), line_col(t, offset), "{t:?} at {offset}");
+                }
+            }
+        }
     }
 
     fn errors_of(text: &str) -> String {
