@@ -377,6 +377,16 @@ async fn resolver_failure_serves_the_last_addresses() {
     assert_eq!(g.endpoint_pools().len(), 1, "the stale address is kept");
 }
 
+/// A 502 for want of an address (`no_endpoints`).
+fn assert_no_endpoints(resp: http::Response<bytes::Bytes>) {
+    assert_eq!(resp.status(), 502);
+    assert!(
+        String::from_utf8_lossy(resp.body()).contains("no_endpoints"),
+        "{:?}",
+        resp.body()
+    );
+}
+
 /// A name that does not resolve at start: the gateway starts, the cluster answers 502
 /// (no endpoints) without crashing, asks the resolver to look again at once, and serves
 /// once the name resolves.
@@ -387,13 +397,7 @@ async fn unresolved_name_at_start_is_502_until_it_resolves() {
     dns.answering.store(false, Ordering::SeqCst);
     let gw = gateway(dns.addr, port, "");
     let g = gw.gw.as_ref().unwrap();
-    let resp = get(gw.addr, "/").await;
-    assert_eq!(resp.status(), 502);
-    assert!(
-        String::from_utf8_lossy(resp.body()).contains("no_endpoints"),
-        "{:?}",
-        resp.body()
-    );
+    assert_no_endpoints(get(gw.addr, "/").await);
     assert!(g.dns_stats().failures.load(Ordering::Relaxed) >= 1);
     // A request that found no address asks for a lookup now, not after the backoff.
     wait_for("an early refresh", || {
@@ -421,13 +425,7 @@ async fn addresses_no_connect_can_use_are_left_out_of_an_answer() {
         .collect();
     let gw = gateway(dns.addr, port, "[admin]\naddress = \"127.0.0.1:0\"");
     let g = gw.gw.as_ref().unwrap();
-    let resp = get(gw.addr, "/").await;
-    assert_eq!(resp.status(), 502);
-    assert!(
-        String::from_utf8_lossy(resp.body()).contains("no_endpoints"),
-        "{:?}",
-        resp.body()
-    );
+    assert_no_endpoints(get(gw.addr, "/").await);
     assert!(g.dns_stats().failures.load(Ordering::Relaxed) >= 1);
     assert!(g.dns_stats().unusable.load(Ordering::Relaxed) >= 4);
     assert!(g.endpoint_pools().is_empty());
