@@ -937,16 +937,12 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
 
     // [[route]]
     let mut routes = Vec::new();
-    // (tenant as the route's scope has it, host, path_prefix, methods, span) of every route so far
-    // (`pipeline::route::scope`).
-    type RouteKey = (
-        Option<usize>,
-        Option<String>,
-        String,
-        Vec<http::Method>,
-        Range<usize>,
-    );
-    let mut seen_routes: Vec<RouteKey> = Vec::new();
+    // Every route so far, by (tenant as the route's scope has it, host, path_prefix)
+    // (`pipeline::route::scope`): its methods and span, in order. Only routes of one key can
+    // be duplicates, so a config of many routes is checked in linear time.
+    type RouteKey = (Option<usize>, Option<String>, String);
+    type SeenRoute = (Vec<http::Method>, Range<usize>);
+    let mut seen_routes: HashMap<RouteKey, Vec<SeenRoute>> = HashMap::new();
     // Unnamed routes are labelled `route<index>`: those names are taken too.
     let mut route_names: HashSet<String> = raw
         .route
@@ -1044,27 +1040,26 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         // (A host already refused is no host: no duplicate is looked for then.)
         let host_refused = r.host.is_some() && host.is_none();
         let (scope, _) = crate::pipeline::route::scope(tenant, host.as_deref());
-        for (t, h, p, m, prev) in seen_routes.iter().filter(|_| !host_refused) {
+        let key = (scope, host.clone(), path_prefix.clone());
+        let same_key = seen_routes.get(&key).filter(|_| !host_refused);
+        for (m, prev) in same_key.into_iter().flatten() {
             // A route without `methods` takes every method but TRACE
             // (`pipeline::route`): beside a TRACE-only route it does not overlap.
             let any_but_trace = |ms: &[http::Method]| ms.iter().any(|x| *x != http::Method::TRACE);
             let overlap = m.is_empty() && (methods.is_empty() || any_but_trace(&methods))
                 || methods.is_empty() && any_but_trace(m)
                 || m.iter().any(|x| methods.contains(x));
-            if *t == scope && *h == host && *p == path_prefix && overlap {
+            if overlap {
                 let (pl, _) = c.line_col(prev.start);
                 c.err(Some(span.clone()), format!("route[{i}]"), format!("duplicate route: the same host (or, without one, tenant), path_prefix `{path_prefix}` and methods as the route at line {pl}, which would always be chosen"), Some("remove one of them, or make them differ by host, path_prefix or methods"));
                 break;
             }
         }
         if !host_refused {
-            seen_routes.push((
-                scope,
-                host.clone(),
-                path_prefix.clone(),
-                methods.clone(),
-                span,
-            ));
+            seen_routes
+                .entry(key)
+                .or_default()
+                .push((methods.clone(), span));
         }
         let response_timeout = c.timeout(
             &r.response_timeout,
@@ -1441,6 +1436,27 @@ mod tests {
             "{TAIL}[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\n[[route]]\npath_prefix = \"/\"\nmethods = [\"GET\"]\ncluster = \"c\"\n"
         );
         assert!(errors_of(&text).contains("duplicate route"));
+    }
+
+    /// Routes alike but for their host are no duplicates; a third like the first is, and
+    /// names the first's line, past the second.
+    #[test]
+    fn routes_are_duplicates_only_of_their_own_host() {
+        let route = |host: &str| {
+            format!("[[route]]\nhost = \"{host}\"\npath_prefix = \"/\"\ncluster = \"c\"\n")
+        };
+        let two = format!("{TAIL}{}{}", route("a.test"), route("b.test"));
+        assert_eq!(errors_of(&two), "");
+        // (The line of the first route's `path_prefix`.)
+        let first_line = TAIL.lines().count() + 3;
+        let three = format!("{two}{}", route("a.test"));
+        let errs = errors_of(&three);
+        assert!(
+            errs.contains(&format!(
+                "route[2]: duplicate route: the same host (or, without one, tenant), path_prefix `/` and methods as the route at line {first_line},"
+            )),
+            "{errs}"
+        );
     }
 
     /// Prefixes in normal form, the last segment possibly cut short, are accepted.
