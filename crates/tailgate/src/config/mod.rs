@@ -10,7 +10,7 @@ mod upstream_tls;
 mod validate;
 
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -277,3 +277,19 @@ impl fmt::Display for ConfigErrors {
 }
 
 impl std::error::Error for ConfigErrors {}
+
+/// Why no connect reaches one server at `ip`, if none does: an unspecified address is for
+/// listening (a connect to it reaches this host), and a multicast or broadcast one is not
+/// one server. An IPv4-mapped address is judged as its IPv4 one, as a dual-stack connect
+/// takes it (`::ffff:0.0.0.0` reaches this host too). A config's endpoint is refused for
+/// it, and a DNS answer's address is left out for it (`upstream::dns`).
+pub fn unconnectable(ip: IpAddr) -> Option<&'static str> {
+    let ip = ip.to_canonical();
+    if ip.is_unspecified() {
+        Some("an unspecified address (0.0.0.0, ::) is for listening, not connecting")
+    } else if ip.is_multicast() || ip == IpAddr::from([255, 255, 255, 255]) {
+        Some("a broadcast or multicast address is not one server")
+    } else {
+        None
+    }
+}

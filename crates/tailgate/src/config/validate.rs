@@ -182,12 +182,8 @@ impl Checker<'_> {
     pub(super) fn address(&mut self, v: &Spanned<String>, field: String) -> Option<SocketAddr> {
         match socket_addr(v.get_ref()) {
             Ok(a) => Some(a),
-            Err(NotAddr::NoInterface(message)) => {
-                self.err(Some(v.span()), field, message, Some(NO_INTERFACE_HINT));
-                None
-            }
-            Err(NotAddr::Lookup(message)) => {
-                self.err(Some(v.span()), field, message, None);
+            Err(NotAddr::Zone { message, hint }) => {
+                self.err(Some(v.span()), field, message, hint);
                 None
             }
             Err(NotAddr::Other) => {
@@ -232,16 +228,15 @@ impl Checker<'_> {
 
 /// Why a text is not a socket address.
 pub(super) enum NotAddr {
-    /// A zone names an interface this machine does not have (the message).
-    NoInterface(String),
-    /// A zone's interface could not be looked up (the message).
-    Lookup(String),
+    /// Its zone names an interface this machine does not have (the message, with a hint),
+    /// or one that could not be looked up (the message, no hint).
+    Zone {
+        message: String,
+        hint: Option<&'static str>,
+    },
     /// Not an IP literal with a port.
     Other,
 }
-
-pub(super) const NO_INTERFACE_HINT: &str =
-    "name an interface this machine has, or its index (`ip link` lists both)";
 
 /// `text` as a socket address: what `std` parses (an IPv6 zone only as an index,
 /// `[fe80::1%2]:80`), and an IPv6 zone that names its interface (`[fe80::1%eth0]:80`, as
@@ -276,12 +271,18 @@ pub(super) fn socket_addr(text: &str) -> Result<SocketAddr, NotAddr> {
     }
     match interface_index(zone) {
         Ok(i) => Ok(SocketAddr::V6(std::net::SocketAddrV6::new(ip, port, 0, i))),
-        Err(e) if e.raw_os_error() == Some(rustix::io::Errno::NODEV.raw_os_error()) => Err(
-            NotAddr::NoInterface(format!("`{text}`: this machine has no interface `{zone}`")),
-        ),
-        Err(e) => Err(NotAddr::Lookup(format!(
-            "`{text}`: could not look up the interface `{zone}`: {e}"
-        ))),
+        Err(e) if e.raw_os_error() == Some(rustix::io::Errno::NODEV.raw_os_error()) => {
+            Err(NotAddr::Zone {
+                message: format!("`{text}`: this machine has no interface `{zone}`"),
+                hint: Some(
+                    "name an interface this machine has, or its index (`ip link` lists both)",
+                ),
+            })
+        }
+        Err(e) => Err(NotAddr::Zone {
+            message: format!("`{text}`: could not look up the interface `{zone}`: {e}"),
+            hint: None,
+        }),
     }
 }
 

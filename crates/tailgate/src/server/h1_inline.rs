@@ -318,10 +318,13 @@ impl Stalled<'_> {
         let e = ProxyError::ClientBodyTimeout;
         let stalled = match parse::<true>(buf, self.limits, self.idx) {
             Ok(stalled) => stalled,
-            Err(Unserved::Refused(e)) => {
+            Err(unserved) => {
+                let e = match unserved {
+                    Unserved::Refused(refused) => refused,
+                    _ => e,
+                };
                 return refuse(io, buf, out, worker, info, e, closing).await;
             }
-            Err(_) => return refuse(io, buf, out, worker, info, e, closing).await,
         };
         let started = std::time::Instant::now()
             .checked_sub(self.limits.header_timeout)

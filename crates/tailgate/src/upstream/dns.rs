@@ -399,17 +399,11 @@ async fn refresh_due(
     }
 }
 
-/// An address no connect can use, which the config refuses as a literal too: link-local
-/// IPv6 from DNS has no zone (an interface), and without one the kernel refuses the
-/// connect (`EINVAL`); an unspecified address (`0.0.0.0`, `::`) is for listening (a
-/// connect to it reaches this host); a multicast or broadcast one is not one server.
+/// An address no connect can use: one the config refuses as a literal too
+/// ([`crate::config::unconnectable`]), and any link-local IPv6 one, which from DNS has no
+/// zone (an interface): without one the kernel refuses the connect (`EINVAL`).
 fn unusable(ip: &IpAddr) -> bool {
-    // An IPv4-mapped address is its IPv4 one to a dual-stack connect: `::ffff:0.0.0.0`
-    // reaches this host too.
-    let ip = &ip.to_canonical();
-    ip.is_unspecified()
-        || ip.is_multicast()
-        || *ip == IpAddr::from([255, 255, 255, 255])
+    crate::config::unconnectable(*ip).is_some()
         || matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local())
 }
 

@@ -20,37 +20,18 @@ impl Checker<'_> {
     pub(super) fn endpoint(&mut self, v: &Spanned<String>, field: String) -> Option<Endpoint> {
         let text = v.get_ref();
         let parsed = match super::socket_addr(text) {
-            Err(super::NotAddr::NoInterface(message)) => {
-                self.err(
-                    Some(v.span()),
-                    field,
-                    message,
-                    Some(super::NO_INTERFACE_HINT),
-                );
-                return None;
-            }
-            Err(super::NotAddr::Lookup(message)) => {
-                self.err(Some(v.span()), field, message, None);
+            Err(super::NotAddr::Zone { message, hint }) => {
+                self.err(Some(v.span()), field, message, hint);
                 return None;
             }
             parsed => parsed.ok(),
         };
         if let Some(a) = parsed {
-            // Addresses nothing can be connected to (a listener's wildcard, broadcast,
-            // multicast) or that name no port; an IPv4-mapped one as its IPv4 address (a
-            // dual-stack connect to `::ffff:0.0.0.0` reaches this host).
-            let ip = a.ip().to_canonical();
+            // Addresses nothing can be connected to, or that name no port.
             let why = if a.port() == 0 {
                 Some("port 0 names no port to connect to")
-            } else if ip.is_unspecified() {
-                Some("an unspecified address (0.0.0.0, ::) is for listening, not connecting")
-            } else if ip.is_multicast() || ip == IpAddr::from([255, 255, 255, 255]) {
-                Some("a broadcast or multicast address is not one server")
-            } else if let Some((message, hint)) = super::unzoned_link_local(a, text) {
-                self.err(Some(v.span()), field, message, Some(&hint));
-                return None;
             } else {
-                None
+                crate::config::unconnectable(a.ip())
             };
             if let Some(why) = why {
                 self.err(
@@ -59,6 +40,10 @@ impl Checker<'_> {
                     format!("`{text}`: {why}"),
                     Some("write the address and port an upstream server listens on, e.g. \"127.0.0.1:8080\""),
                 );
+                return None;
+            }
+            if let Some((message, hint)) = super::unzoned_link_local(a, text) {
+                self.err(Some(v.span()), field, message, Some(&hint));
                 return None;
             }
             return Some(Endpoint::Addr(a));
