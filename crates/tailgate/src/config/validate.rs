@@ -1030,8 +1030,14 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 Err(BadPath::DotsAfterEmpty) => c.err(
                     Some(r.path_prefix.span()),
                     format!("route[{i}].path_prefix"),
-                    format!("`{path_prefix}` has `..` right after an empty segment; such paths are refused with 400"),
+                    format!("`{path_prefix}` has a `..` that takes off an empty segment; such paths are refused with 400"),
                     Some("write the prefix without `//` or `..` segments"),
+                ),
+                Err(BadPath::DotsWithParams) => c.err(
+                    Some(r.path_prefix.span()),
+                    format!("route[{i}].path_prefix"),
+                    format!("`{path_prefix}` has a `.` or `..` segment with `;` parameters; such paths are refused with 400"),
+                    Some("write the prefix without `.` or `..` segments"),
                 ),
             }
         }
@@ -1594,7 +1600,11 @@ mod tests {
             ),
             (
                 format!("{TAIL}[[route]]\npath_prefix = \"/a//../b\"\ncluster = \"c\"\n"),
-                "`/a//../b` has `..` right after an empty segment",
+                "`/a//../b` has a `..` that takes off an empty segment",
+            ),
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/a/..;v=1/b\"\ncluster = \"c\"\n"),
+                "`/a/..;v=1/b` has a `.` or `..` segment with `;` parameters",
             ),
             (
                 format!("[[tenant]]\nname = \"t\"\nhosts = [\"api.test.\"]\n{TAIL}"),
