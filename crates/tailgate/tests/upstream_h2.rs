@@ -262,6 +262,20 @@ async fn refusing_upstream_with(max_streams: Option<u32>) -> (SocketAddr, Seen) 
                         respond.send_reset(h2::Reason::INTERNAL_ERROR);
                         continue;
                     }
+                    // Reset once after the whole body came: the request was processed,
+                    // as far as the gateway can tell.
+                    if path.starts_with("/readreset")
+                        && s.refused.lock().unwrap().insert(path.clone())
+                    {
+                        tokio::spawn(async move {
+                            let mut body = req.into_body();
+                            while let Some(Ok(d)) = body.data().await {
+                                let _ = body.flow_control().release_capacity(d.len());
+                            }
+                            respond.send_reset(h2::Reason::INTERNAL_ERROR);
+                        });
+                        continue;
+                    }
                     let reset = if path.starts_with("/refuse") {
                         Some(h2::Reason::REFUSED_STREAM)
                     } else if path.starts_with("/reset") {
@@ -894,6 +908,96 @@ async fn h2_slow_upload_is_not_cut_off_and_a_stalled_one_is_the_clients_fault() 
     let r = post(&mut h1_client(gw.addr).await, stalled).await.unwrap();
     assert_eq!(r.status(), 408, "{:?}", r.body());
     assert!(String::from_utf8_lossy(r.body()).contains("client_body_timeout"));
+    let pools = gw.gw.as_ref().unwrap().endpoint_pools();
+    assert_eq!(pools[0].load.ejections.load(Ordering::Relaxed), 0);
+}
+
+/// A request body that fails on its way to an HTTP/2 upstream (over `max_body_bytes`, or
+/// its chunked framing broken) is the client's fault, as it is to an HTTP/1.1 one: `413`
+/// and `400`, not a `502 upstream_reset`, and no failure counted against the endpoint.
+/// hyper's connection task polls the body and only resets the stream when it fails, so the
+/// send failed with that reset, and five such requests ejected a healthy endpoint.
+#[tokio::test]
+async fn h2_a_body_over_the_limit_or_broken_is_the_clients_fault() {
+    let up = h2c_body_counting_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "[server]\nworkers = 1\nmax_body_bytes = 1024\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nprotocol = \"http2\"\neject_after_failures = 1\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let over = format!(
+        "POST /over HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n800\r\n{}\r\n0\r\n\r\n",
+        "x".repeat(0x800)
+    );
+    let broken = "POST /broken HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n";
+    for _ in 0..3 {
+        for (req, status, error) in [
+            (over.as_str(), " 413 ", "body_too_large"),
+            (broken, " 400 ", "bad_request"),
+        ] {
+            let (text, _) = raw(gw.addr, req.as_bytes(), Duration::from_secs(5)).await;
+            let line = text.lines().next().unwrap_or_default();
+            assert!(line.contains(status), "{line}: {text}");
+            assert!(text.contains(error), "{text}");
+        }
+    }
+    let pools = gw.gw.as_ref().unwrap().endpoint_pools();
+    assert_eq!(pools[0].load.ejections.load(Ordering::Relaxed), 0);
+    // The endpoint still answers.
+    let r = post(&mut h1_client(gw.addr).await, full("abc"))
+        .await
+        .unwrap();
+    assert_eq!((r.status().as_u16(), &r.body()[..]), (200, &b"got 3"[..]));
+}
+
+/// A request with a body, on a reused HTTP/2 connection that fails after the body was
+/// sent, is sent again only on a route marked `idempotent`, as over HTTP/1.1 (a `PUT`
+/// included, whose method is idempotent): every HTTP/2 request keeps a copy of its body
+/// for a stream refused unprocessed, and that copy was replayed for any idempotent method.
+#[tokio::test]
+async fn a_body_is_replayed_after_a_reset_only_on_an_idempotent_route() {
+    let (up, seen) = refusing_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nprotocol = \"http2\"\nretry_budget_percent = 100\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n[[route]]\npath_prefix = \"/readreset-idem\"\ncluster = \"up\"\nidempotent = true\n"
+    ));
+    let mut c = h1_client(gw.addr).await;
+    for (m, p, status) in [
+        ("GET", "/warm", 200),
+        ("PUT", "/readreset-put", 502),
+        ("POST", "/readreset-idem-post", 200),
+    ] {
+        let body = if m == "GET" { "" } else { "0123456789" };
+        let r = send(&mut c, m, p, full(body)).await.unwrap();
+        assert_eq!(r.status(), status, "{m} {p}: {:?}", r.body());
+        if status == 502 {
+            c = h1_client(gw.addr).await;
+        }
+    }
+    assert_eq!(
+        *seen.processed.lock().unwrap(),
+        ["GET /warm", "POST /readreset-idem-post"],
+        "the PUT was sent once, the POST on the idempotent route twice"
+    );
+}
+
+/// A stream refused unprocessed while its body still streams from the client (past what a
+/// copy can send again) is answered `502`, but not counted against the endpoint: a server
+/// refuses streams when it is busy or closing, not broken. Three such refusals ejected an
+/// endpoint that fails after one.
+#[tokio::test]
+async fn a_refused_stream_that_cannot_be_resent_is_not_the_endpoints_failure() {
+    use tokio::io::AsyncWriteExt;
+    let (up, seen) = refusing_upstream().await;
+    let gw = gateway(up, "eject_after_failures = 1\n");
+    for i in 0..3 {
+        let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+        let head = format!("POST /refuse-{i} HTTP/1.1\r\nHost: a\r\nContent-Length: 20000\r\n\r\n");
+        s.write_all(head.as_bytes()).await.unwrap();
+        s.write_all(&[b'x'; 1000]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let _ = s.write_all(&[b'x'; 19000]).await;
+        let (text, _) = read_until_close(&mut s, Duration::from_secs(5)).await;
+        assert!(text.starts_with("HTTP/1.1 502 "), "{text}");
+    }
+    assert!(seen.processed.lock().unwrap().is_empty());
     let pools = gw.gw.as_ref().unwrap().endpoint_pools();
     assert_eq!(pools[0].load.ejections.load(Ordering::Relaxed), 0);
 }

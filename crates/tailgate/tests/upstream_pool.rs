@@ -29,6 +29,8 @@ enum Act {
     AnswerAndClose,
     FailAndClose,
     Drop,
+    /// Read, never answered (the connection held a minute).
+    Hold,
 }
 
 struct RawUpstream {
@@ -97,6 +99,10 @@ async fn raw_upstream(decide: fn(usize, &str) -> Act) -> RawUpstream {
                             return;
                         }
                         Act::Drop => return,
+                        Act::Hold => {
+                            tokio::time::sleep(Duration::from_secs(60)).await;
+                            return;
+                        }
                     }
                 }
             });
@@ -987,4 +993,33 @@ async fn a_retry_on_a_fresh_connection_takes_the_failed_ones_place() {
 
 fn json(resp: &http::Response<bytes::Bytes>) -> serde_json::Value {
     serde_json::from_slice(resp.body()).unwrap()
+}
+
+/// A resend that gets no answer either (the pooled connection dropped a GET, and the fresh
+/// one it was sent again on never answers) counts against the endpoint, as the same
+/// timeout on a first try does. The resend's failure went uncounted: an endpoint that
+/// accepts and never answers was never ejected while its pooled connections kept closing
+/// under requests.
+#[tokio::test]
+async fn a_resend_that_gets_no_answer_counts_against_the_endpoint() {
+    let up = raw_upstream(|i, line| match (i, line.contains("/then")) {
+        (_, false) => Act::Answer,
+        (2, true) => Act::Drop,
+        (_, true) => Act::Hold,
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{}\"]\neject_after_failures = 1\nretry_budget_percent = 100\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"300ms\"\n",
+        up.addr
+    ));
+    let g = gw.gw.as_ref().unwrap();
+    let mut c = h1_client(gw.addr).await;
+    let r = send(&mut c, "GET", "/warm", full("")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let r = send(&mut c, "GET", "/then", full("")).await.unwrap();
+    assert_eq!(r.status(), 504, "{:?}", r.body());
+    assert_eq!(g.pool_stat(|s| s.retries.load(Ordering::Relaxed)), 1);
+    assert_eq!(up.conns.load(Ordering::SeqCst), 2);
+    let pools = g.endpoint_pools();
+    assert_eq!(pools[0].load.ejections.load(Ordering::Relaxed), 1);
 }

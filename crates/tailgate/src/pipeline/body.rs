@@ -6,7 +6,7 @@
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
@@ -20,12 +20,14 @@ use crate::observe::metrics::WorkerMetrics;
 use crate::upstream::{Conn, UpBody};
 
 /// Why a request body could not be read to the end.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ReqBodyError {
     #[error("request body exceeds the limit of {0} bytes")]
     TooLarge(u64),
+    /// (Shared: the error is kept for the answer as well as given to the connection that
+    /// polled the body, [`BodyProgress::failure`].)
     #[error("reading the client's body failed: {0}")]
-    Client(#[from] hyper::Error),
+    Client(#[source] Arc<hyper::Error>),
     /// The client sent no more of its body for the response timeout, while the upstream
     /// waited for it.
     #[error("the client's body stalled")]
@@ -49,9 +51,25 @@ pub struct BodyProgress {
     /// The last poll of the client's body found nothing (the client is the one waited on).
     on_client: AtomicBool,
     ended: AtomicBool,
+    /// The error reading the client's body failed with, kept for [`failure`](Self::failure).
+    failed: OnceLock<ReqBodyError>,
+}
+
+impl From<hyper::Error> for ReqBodyError {
+    fn from(e: hyper::Error) -> ReqBodyError {
+        ReqBodyError::Client(Arc::new(e))
+    }
 }
 
 impl BodyProgress {
+    /// Why reading the client's body failed, if it did. Over HTTP/2, hyper's connection
+    /// task polls the body and, when it fails, only resets the stream: the send then fails
+    /// with the reset, which would read as the upstream's fault (a `502`, counted against
+    /// the endpoint) where the client's body was the cause (`413`, `400`).
+    pub fn failure(&self) -> Option<&ReqBodyError> {
+        self.failed.get()
+    }
+
     /// The response deadline as the body's progress has moved it, if that is still ahead
     /// (checked when the timer set for an earlier one fires).
     pub fn later(&self) -> Option<Instant> {
@@ -228,6 +246,7 @@ impl ReqBody {
             last: AtomicU64::new(0),
             on_client: AtomicBool::new(false),
             ended: AtomicBool::new(false),
+            failed: OnceLock::new(),
         }));
         self
     }
@@ -289,7 +308,9 @@ impl Body for ReqBody {
                     p.moved();
                     p.ended.store(true, Ordering::Relaxed);
                 }
-                Poll::Ready(Some(Err(_))) => {}
+                Poll::Ready(Some(Err(e))) => {
+                    let _ = p.failed.set(e.clone());
+                }
             }
         }
         polled

@@ -679,12 +679,12 @@ fn forward(
                 // A resend (connect included) gets what is left of this request's response
                 // deadline, which the total deadline already cut short when it comes first.
                 let left = || deadline.saturating_duration_since(Instant::now());
-                let resent = match e {
+                let resent: Resent = match e {
                     // The connection closed before the request was written: sending it
                     // again on a fresh connection is always safe, whatever the method.
                     SendError::NotSent(NotSentBody(body)) if up.reused => {
                         tracing::debug!(upstream.addr = %pool.addr, "pooled connection closed before the request was sent; resending on a new one");
-                        send_on_new(&mut up, &parts, &added, body, left(), None).await?
+                        send_on_new(&mut up, &parts, &added, body, left(), None).await
                     }
                     // Refused unprocessed by an HTTP/2 upstream: sending it again is safe
                     // whatever the method, and costs no retry budget (with its body only when
@@ -694,16 +694,19 @@ fn forward(
                     {
                         tracing::debug!(upstream.addr = %pool.addr, error = %e, "upstream refused the request unprocessed; resending on a new connection");
                         pool.count_refused_resend();
-                        send_on_new(&mut up, &parts, &added, body, left(), None).await?
+                        send_on_new(&mut up, &parts, &added, body, left(), None).await
                     }
                     // Written, then the connection failed before a response: replay it once
                     // on a fresh connection (idempotent and bodiless only; never a POST
                     // unless the route says its requests are idempotent, then with its body
                     // if it was read whole within the copy's limit). A malformed answer is an
                     // answer: the server had the request.
+                    // (An HTTP/2 request keeps a copy of its body whatever its route, for
+                    // a refused stream above; that copy is not for this.)
                     e if may_replay
                         && e.req_body_error().is_none()
                         && !e.malformed_response()
+                        && (bodiless || route.idempotent)
                         && let Some(body) = replay_body()
                         && cluster.try_spend_retry() =>
                     {
@@ -715,14 +718,34 @@ fn forward(
                             e.stream_reset_only().then_some(&replay_body);
                         tracing::debug!(upstream.addr = %pool.addr, error = %e, same_connection_allowed = again.is_some(), "upstream connection failed under a request; retrying it");
                         pool.count_retry();
-                        send_on_new(&mut up, &parts, &added, body, left(), again).await?
+                        send_on_new(&mut up, &parts, &added, body, left(), again).await
                     }
-                    e => Err(e),
+                    e => Ok(Err(e)),
                 };
+                // No answer from the resend either: its connect failed, or its time ran
+                // out. That counts against the endpoint, as on a first try (the first
+                // failure, on a connection the server may just have closed, does not).
+                let resent = match resent {
+                    Ok(resent) => resent,
+                    Err(e) => {
+                        if matches!(e, ProxyError::UpstreamTimeout) {
+                            in_flight.failed();
+                        } else {
+                            in_flight.ended_by(&e);
+                        }
+                        return Err(e);
+                    }
+                };
+                // A stream refused unprocessed that could not be sent again (its body
+                // streamed past what a copy holds) says the server is busy or closing, not
+                // broken: not counted against the endpoint.
+                let refused = matches!(&resent, Err(e) if e.refused_before_processing());
                 match resent.map_err(classify_send_error) {
                     Ok(resp) => resp,
                     Err(e) => {
-                        if e.is_upstream() {
+                        if refused {
+                            in_flight.abandoned();
+                        } else if e.is_upstream() {
                             in_flight.failed();
                         }
                         return Err(e);

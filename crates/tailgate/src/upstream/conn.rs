@@ -263,7 +263,13 @@ impl Conn {
                         Ok(resp) => Ok(resp.map(UpBody::Hyper)),
                         Err(mut e) => match e.take_message() {
                             Some(req) => Err(SendError::NotSent(NotSentBody(req.into_body()))),
-                            None => Err(SendError::Hyper(e.into_error())),
+                            // hyper resets the stream when the client's body fails, and the
+                            // send fails with that reset: the body's own error says whose
+                            // doing it was.
+                            None => match progress.as_ref().and_then(|p| p.failure()) {
+                                Some(b) => Err(SendError::ClientBody(b.clone())),
+                                None => Err(SendError::Hyper(e.into_error())),
+                            },
                         },
                     }
                 }
