@@ -1691,3 +1691,106 @@ async fn ri_a_stalled_body_behind_an_unreadable_target_gets_its_400() {
     assert!(text.starts_with("HTTP/1.1 400 "), "{text:?}");
     assert_eq!(hits.load(Ordering::SeqCst), 0);
 }
+
+/// A small body that keeps coming for longer than `idle_timeout` (each piece within the
+/// header timeout) is served: the connection is not idle while a request's bytes come. It
+/// was taken for idle, since no exchange had begun, and dropped with no answer after twice
+/// the idle timeout.
+#[tokio::test]
+async fn ri_a_small_body_trickling_past_the_idle_timeout_is_served() {
+    let (up, _) = path_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"300ms\"\nidle_timeout = \"400ms\"\n",
+    );
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"POST /trickle HTTP/1.1\r\nHost: a\r\nContent-Length: 30\r\n\r\n")
+        .await
+        .unwrap();
+    // 30 pieces 50 ms apart: 1.5 s, more than twice the idle timeout.
+    for _ in 0..30 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        s.write_all(b"x").await.unwrap();
+    }
+    let got = read_responses(&mut s, 1).await;
+    assert_eq!(got.len(), 1, "no answer");
+    assert_eq!(got[0].body(), format!("POST /trickle {}", "x".repeat(30)));
+}
+
+/// An empty line after a request (RFC 9112 §2.2: ignored before the next request line)
+/// leaves the connection idle: the idle timeout closes it on time. The CRLF used to be
+/// kept as the start of a head, which held the close off until the connection was dropped
+/// at twice the idle timeout.
+#[tokio::test]
+async fn ri_a_crlf_after_a_request_leaves_the_connection_idle() {
+    let (up, _) = path_upstream().await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"1s\"\n");
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"POST /a HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi")
+        .await
+        .unwrap();
+    assert_eq!(read_responses(&mut s, 1).await[0].body(), "POST /a hi");
+    s.write_all(b"\r\n").await.unwrap();
+    let since = std::time::Instant::now();
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed && text.is_empty(), "{text:?}");
+    // Closed at the idle timeout (1 s after the answer), not at twice it.
+    assert!(
+        since.elapsed() < Duration::from_millis(1700),
+        "closed after {:?}",
+        since.elapsed()
+    );
+    // And a request after empty lines is served as usual.
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"\r\n\r\n").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.write_all(get_req("/after").as_bytes()).await.unwrap();
+    assert_eq!(read_responses(&mut s, 1).await[0].body(), "GET /after");
+}
+
+/// A request pipelined behind the last one `max_requests_per_connection` allows, sent
+/// after the gateway has written that one's answer (with `Connection: close`) but before
+/// the client has read it all, is read out, not reset over: the whole answer arrives, then
+/// a clean end of stream. The client did not ask for the close and may well have sent
+/// more; the socket was closed at once, so the next request's arrival at it was answered
+/// with a reset, which threw away the part of the answer not yet read.
+#[tokio::test]
+async fn ri_a_request_behind_the_last_one_allowed_does_not_cut_its_answer() {
+    const BIG: usize = 1 << 20;
+    let up = upstream(|_| async { http::Response::new(full(vec![b'x'; BIG])) }).await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nmax_requests_per_connection = 1\n",
+    );
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    let mut s = sock.connect(gw.addr).await.unwrap();
+    s.write_all(get_req("/big").as_bytes()).await.unwrap();
+    // The gateway has written the whole answer into its socket by now; the client has
+    // read none of it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    s.write_all(get_req("/next").as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 1 << 16];
+    let ended = loop {
+        match tokio::time::timeout(WAIT, s.read(&mut buf)).await {
+            Ok(Ok(0)) => break "clean end of stream".to_owned(),
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+            Ok(Err(e)) => break format!("{e}"),
+            Err(_) => break "no end of stream".to_owned(),
+        }
+    };
+    let head_end = got
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a head")
+        + 4;
+    let head = String::from_utf8_lossy(&got[..head_end]).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("connection: close"), "{head}");
+    assert_eq!(
+        (got.len() - head_end, ended.as_str()),
+        (BIG, "clean end of stream"),
+        "the answer was cut"
+    );
+}

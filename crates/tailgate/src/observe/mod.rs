@@ -136,6 +136,12 @@ impl ConnActivity {
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 
+    /// Bytes of a request came, before any exchange began (a head or small body read in
+    /// pieces): the idle timeout counts from now.
+    pub fn touch(&self) {
+        self.last_active_ms.store(self.ms_now(), Ordering::Relaxed);
+    }
+
     fn ms_now(&self) -> u64 {
         u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
     }

@@ -151,9 +151,18 @@ where
                         // A head in pieces: the header read timeout runs from when the
                         // socket first ran dry in the middle of it (as in the guard). Empty
                         // lines before a request line are ignored (RFC 9112 §2.2): a CRLF
-                        // left after a body does not start it, and the connection stays
-                        // under the idle timeout.
-                        if buf.iter().any(|&b| b != b'\r' && b != b'\n') {
+                        // left after a body does not start it, and is let go, so that the
+                        // connection is idle (the idle timeout, a shutdown close it; its
+                        // read buffer goes back to the worker) and a client sending nothing
+                        // but CRLFs never has them looked at twice. Every byte in `buf` was
+                        // looked at by the gate before this read came back empty.
+                        if !gate.head.started() {
+                            if !buf.is_empty() {
+                                buf.clear();
+                                gate = ParseGate::default();
+                                spare::give_read(&mut buf);
+                            }
+                        } else {
                             let d = head_deadline.get_or_insert_with(|| {
                                 Box::pin(tokio::time::sleep(limits.header_timeout))
                             });
@@ -169,8 +178,15 @@ where
             match waited {
                 // A body still coming is not cut off: the timeout starts again from the
                 // next time the socket runs dry (hyper's server streamed such a body with
-                // no time limit).
-                Wait::More if body_on_its_way => head_deadline = None,
+                // no time limit). Nor is the connection idle while a request's bytes come:
+                // no exchange is in flight yet, so the idle timeout counts from the last
+                // of them (a body trickling in over longer than `idle_timeout` is served,
+                // as hyper's server serves a larger one).
+                Wait::More if body_on_its_way => {
+                    head_deadline = None;
+                    info.activity.touch();
+                }
+                Wait::More if gate.head.started() => info.activity.touch(),
                 Wait::More => {}
                 Wait::Close => return Ended::Closed,
                 Wait::End if buf.is_empty() => return Ended::Closed,
@@ -214,6 +230,7 @@ where
         // `Connection: close`, and the connection closed after it.
         if info.count_request(limits.max_requests) {
             meta.keep_alive = false;
+            meta.capped = true;
         }
 
         // 2. The pipeline, while the client is watched for its end. Its state (about 3 KB)
@@ -259,8 +276,14 @@ where
         if !keep {
             let _ = io.shutdown().await;
             // Bytes of the client's still unread (pipelined behind a request that closes
-            // the connection): read out, not reset over.
-            if !buf.is_empty() {
+            // the connection): read out, not reset over. Those already read are in `buf`.
+            // A client that did not ask for the close (its last request under
+            // `max_requests_per_connection`, a shutdown, an answer that cannot be framed
+            // otherwise) may be sending more: a close with them unread in the socket, or
+            // their coming to a closed socket, would be a reset, which throws away what of
+            // the answer the client has not yet read. nginx lingers on a close past
+            // `keepalive_requests` for the same reason.
+            if !buf.is_empty() || meta.keep_alive || meta.capped {
                 info.activity.set_lingering();
                 Box::pin(super::linger::linger(io)).await;
             }
@@ -288,6 +311,7 @@ async fn refuse<I>(
         keep_alive: false,
         http10: false,
         head: false,
+        capped: false,
     };
     answer_and_close(io, buf, out, resp, &meta, info, closing).await;
 }
@@ -374,6 +398,9 @@ struct Meta {
     keep_alive: bool,
     http10: bool,
     head: bool,
+    /// The last request `max_requests_per_connection` allows (`keep_alive` was cleared
+    /// for it, not by the client).
+    capped: bool,
 }
 
 /// A request served here: its head, its body, and what it asks of the connection.
@@ -549,6 +576,7 @@ fn parse<const STALLED: bool>(
             keep_alive: !close && (!http10 || keep_alive),
             http10,
             head: head_request,
+            capped: false,
         },
     };
     Ok(served)

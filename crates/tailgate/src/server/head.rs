@@ -83,6 +83,13 @@ impl HeadScan {
         new.contains(&b'\n')
     }
 
+    /// Has the request line begun (a byte other than CR and LF among those looked at)?
+    /// Empty lines before it are ignored (RFC 9112 §2.2): they start no head timer and
+    /// leave the connection idle.
+    pub fn started(&self) -> bool {
+        self.started
+    }
+
     /// Makes the next look parse: the head is about to be given up on.
     pub fn force(&mut self) {
         self.forced = true;

@@ -222,13 +222,15 @@ impl<T> H1Guard<T> {
 
     /// A head is incomplete and the socket ran dry: starts its timer. Empty lines before a
     /// request line do not start one (RFC 9112 §2.2 has them ignored): a CRLF left after a
-    /// body keeps the connection under the idle timeout, as the inline server does.
+    /// body keeps the connection under the idle timeout, as the inline server does. (What
+    /// the framing's scan of the head saw, not a scan of the bytes held back at each
+    /// wake-up: a client sending nothing but CRLFs, a few at a time, would make that
+    /// quadratic in the head limit.)
     fn arm_head_timer(&mut self) {
         if self.framing.state == State::Head
             && self.deadline.is_none()
-            && self.buf[self.release..self.end]
-                .iter()
-                .any(|&b| b != b'\r' && b != b'\n')
+            && self.release < self.end
+            && self.framing.head_scan.started()
         {
             self.deadline = Some(Box::pin(tokio::time::sleep(self.header_timeout)));
         }
