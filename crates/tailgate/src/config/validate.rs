@@ -779,10 +779,14 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                         "must not be empty".into(),
                         Some("write a name such as \"public\", or remove it for `listener<index>`"),
                     );
-                } else if let Some(j) = raw.listener[..i]
-                    .iter()
-                    .position(|o| o.name.as_ref().is_some_and(|o| *o.get_ref() == name))
-                {
+                } else if let Some(j) = raw.listener.iter().enumerate().position(|(j, o)| {
+                    // An earlier listener's name, or the default (`listener<index>`) of any
+                    // unnamed one.
+                    match &o.name {
+                        Some(o) => j < i && *o.get_ref() == name,
+                        None => name == format!("listener{j}"),
+                    }
+                }) {
                     c.err(
                         Some(n.span()),
                         format!("listener[{i}].name"),
@@ -954,6 +958,8 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         .collect();
     for (i, r) in raw.route.iter().enumerate() {
         let tenant = tenant_ref(c, &r.tenant, format!("route[{i}].tenant"));
+        // (A tenant not found is no scope: no duplicate is looked for then.)
+        let tenant_refused = r.tenant.is_some() && tenant.is_none();
         let cluster = match cluster_index.get(r.cluster.get_ref()) {
             Some(&ci) => Some(ci),
             None => {
@@ -1045,7 +1051,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         let methods = route_methods(c, r, i);
         let span = r.path_prefix.span();
         // (A host already refused is no host: no duplicate is looked for then.)
-        let host_refused = r.host.is_some() && host.is_none();
+        let host_refused = r.host.is_some() && host.is_none() || tenant_refused;
         let (scope, _) = crate::pipeline::route::scope(tenant, host.as_deref());
         let key = (scope, host.clone(), path_prefix.clone());
         let same_key = seen_routes.get(&key).filter(|_| !host_refused);
@@ -1248,12 +1254,50 @@ fn route_host(
         );
         return None;
     }
-    if let Some(t) = tenant.and_then(|t| tenants.get(t))
-        && !t.hosts.iter().any(|p| host_matches(p, &host))
+    if let Some(ti) = tenant
+        && let Some(t) = tenants.get(ti)
     {
-        c.err(Some(h.span()), format!("route[{i}].host"), format!("host `{host}` does not belong to tenant `{}`", t.name), Some("add the host to the tenant's hosts, or remove `host` to match all of the tenant's hosts"));
+        match host_owner(tenants, &host) {
+            Some(owner) if owner == ti => {}
+            // One of the tenant's patterns takes the host, but another tenant's takes it
+            // first: requests for it are that tenant's, and the route would answer none.
+            Some(owner) if t.hosts.iter().any(|p| host_matches(p, &host)) => c.err(
+                Some(h.span()),
+                format!("route[{i}].host"),
+                format!(
+                    "host `{host}` belongs to tenant `{}`, not `{}`: an exact host comes before a wildcard, and a longer wildcard before a shorter one",
+                    tenants[owner].name, t.name
+                ),
+                Some(&format!(
+                    "put the route under tenant `{}`, or add \"{host}\" to the hosts of tenant `{}`",
+                    tenants[owner].name, t.name
+                )),
+            ),
+            _ => c.err(Some(h.span()), format!("route[{i}].host"), format!("host `{host}` does not belong to tenant `{}`", t.name), Some("add the host to the tenant's hosts, or remove `host` to match all of the tenant's hosts")),
+        }
     }
     Some(host)
+}
+
+/// The tenant whose hosts take `host` (lower case), as requests are given to tenants
+/// (`RouteTable::tenant_of_host`): an exact host first, else the longest matching
+/// wildcard, the first in the config among equally long ones.
+fn host_owner(tenants: &[Tenant], host: &str) -> Option<usize> {
+    if let Some(t) = tenants
+        .iter()
+        .position(|t| t.hosts.iter().any(|p| p == host))
+    {
+        return Some(t);
+    }
+    let mut best: Option<(usize, usize)> = None;
+    for (i, t) in tenants.iter().enumerate() {
+        for p in t.hosts.iter().filter(|p| p.starts_with("*.")) {
+            if host_matches(p, host) && best.is_none_or(|(len, _)| p.len() > len) {
+                best = Some((p.len(), i));
+            }
+        }
+    }
+    best.map(|(_, i)| i)
 }
 
 fn route_methods(c: &mut Checker<'_>, r: &RawRoute, i: usize) -> Vec<http::Method> {
@@ -1844,9 +1888,10 @@ response_timeout = "0s"
         let errs = parse_and_validate(&dir.path().join("t.toml"), text)
             .expect_err("no certificate")
             .to_string();
-        // (An empty file holds no key: that is found first, where the key is written.)
+        // (An empty file holds no certificate: found first, where the certificate is
+        // written.)
         assert!(
-            errs.contains(":3:35: listener[0].tls: cannot read the private key"),
+            errs.contains(":3:16: listener[0].tls: no certificate in "),
             "{errs}"
         );
         // A key that cannot be read is pointed at where the key is written.
@@ -1880,6 +1925,64 @@ response_timeout = "0s"
             errs.contains("t.toml:7:8: route[0].name: route name `route1` is used twice"),
             "{errs}"
         );
+    }
+
+    /// A route's host is its tenant's only if that tenant takes it as requests are given
+    /// to tenants: an exact host first, else the longest wildcard. A route under a tenant
+    /// whose wildcard another tenant's host outranks would answer every request `421`.
+    #[test]
+    fn a_route_host_is_its_tenants_only_if_no_other_tenant_takes_it_first() {
+        let cfg = |tenant: &str, host: &str| {
+            format!(
+                "[[tenant]]\nname = \"acme\"\nhosts = [\"*.example.com\"]\n[[tenant]]\nname = \"eu\"\nhosts = [\"*.eu.example.com\", \"shop.example.com\"]\n{TAIL}[[route]]\ntenant = \"{tenant}\"\nhost = \"{host}\"\npath_prefix = \"/\"\ncluster = \"c\"\n"
+            )
+        };
+        for (tenant, host) in [
+            ("acme", "www.example.com"),
+            ("eu", "api.eu.example.com"),
+            ("eu", "shop.example.com"),
+        ] {
+            let errs = errors_of(&cfg(tenant, host));
+            assert!(errs.is_empty(), "{tenant} {host}: {errs}");
+        }
+        for host in ["api.eu.example.com", "shop.example.com"] {
+            let errs = errors_of(&cfg("acme", host));
+            assert!(
+                errs.contains(&format!(
+                    "route[0].host: host `{host}` belongs to tenant `eu`, not `acme`"
+                )),
+                "{errs}"
+            );
+            assert!(
+                errs.contains("help: put the route under tenant `eu`"),
+                "{errs}"
+            );
+        }
+        let errs = errors_of(&cfg("eu", "www.example.com"));
+        assert!(
+            errs.contains("host `www.example.com` does not belong to tenant `eu`"),
+            "{errs}"
+        );
+    }
+
+    /// A listener's name may not be another's default (`listener<index>`), nor a route
+    /// with an unknown tenant be called a duplicate too.
+    #[test]
+    fn names_and_tenants_refused_once() {
+        let errs = errors_of(
+            "[[listener]]\naddress = \"127.0.0.1:0\"\n[[listener]]\nname = \"listener0\"\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\n",
+        );
+        assert!(
+            errs.contains(
+                "listener[1].name: listener `listener0` is defined twice (also listener[0])"
+            ),
+            "{errs}"
+        );
+        let errs = errors_of(&format!(
+            "{TAIL}[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\n[[route]]\ntenant = \"nosuch\"\npath_prefix = \"/\"\ncluster = \"c\"\n"
+        ));
+        assert!(errs.contains("no tenant named `nosuch`"), "{errs}");
+        assert!(!errs.contains("duplicate"), "{errs}");
     }
 
     #[test]
