@@ -148,11 +148,12 @@ impl Gateway {
             }
             let mut sockets = Vec::new();
             for _ in 0..workers {
-                let s = listener::bind_unlistened(addr).map_err(|source| StartError::Bind {
-                    name: l.name.clone(),
-                    addr,
-                    source,
-                })?;
+                let s =
+                    listener::bind_unlistened(addr, false).map_err(|source| StartError::Bind {
+                        name: l.name.clone(),
+                        addr,
+                        source,
+                    })?;
                 if addr.port() == 0 {
                     addr = s
                         .local_addr()
@@ -373,6 +374,7 @@ fn run_worker(
 ) {
     let grace = worker.shared.settings.shutdown_grace;
     let spawner = Arc::new(TenantSpawner::new(config.tenants.len()));
+    let metrics = worker.metrics.clone();
     rt.block_on(async move {
         let (drain, mut drained) = DrainToken::new();
         worker.upstreams.start_background();
@@ -395,4 +397,7 @@ fn run_worker(
             tracing::warn!(grace = ?grace, "shutdown grace passed with requests still in flight; closing them");
         }
     });
+    metrics
+        .exited
+        .store(true, std::sync::atomic::Ordering::Relaxed);
 }

@@ -1393,3 +1393,48 @@ async fn a_stalled_small_body_is_recorded_under_its_route() {
     );
     assert_eq!(errors_of(&ex, "client_body_timeout"), 1.0);
 }
+
+/// The admin socket is dual-stack, as `check` takes it (README): an IPv4-mapped address
+/// binds, and answers on its IPv4 form. It was bound IPv6-only, so `check` passed a config
+/// that `serve` then failed to start with (`Invalid argument`).
+#[tokio::test]
+async fn the_admin_socket_is_dual_stack() {
+    let gw = TestGateway::start(
+        "[admin]\naddress = \"[::ffff:127.0.0.1]:0\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"127.0.0.1:1\"]\n",
+    );
+    let addr = admin_addr(&gw);
+    let v4 = SocketAddr::from(([127, 0, 0, 1], addr.port()));
+    let r = admin_get(v4, "/healthz", &[]).await;
+    assert_eq!(r.status(), 200);
+}
+
+/// During a drain, a worker that has finished its own (no connection left) and stopped is
+/// not stalled: `/healthz` stays 200 while another worker still serves a slow request. Its
+/// lag probe stops with it, and it was reported stalled once the stall threshold passed,
+/// which could get a gateway killed in the middle of a normal drain.
+#[tokio::test]
+async fn a_worker_done_draining_is_not_stalled() {
+    let up = upstream(|_| async {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        http::Response::new(full("slow"))
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[server]\nworkers = 2\nshutdown_grace = \"10s\"\n{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let admin = admin_addr(&gw);
+    let addr = gw.addr;
+    let slow = tokio::spawn(async move { send(addr, "GET", "/slow", "a", "").await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    gw.gw.as_ref().unwrap().shutdown();
+    // Past the stall threshold (300 ms): the idle worker has long stopped.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let health = admin_get(admin, "/healthz", &[]).await;
+    assert_eq!(
+        health.status(),
+        200,
+        "{}",
+        String::from_utf8_lossy(health.body())
+    );
+    assert_eq!(slow.await.unwrap(), 200, "the slow request is served");
+}

@@ -129,13 +129,17 @@ impl AdminState {
             .collect()
     }
 
-    /// Workers that have not run their lag probe within the stall threshold.
+    /// Workers that have not run their lag probe within the stall threshold (one that has
+    /// finished its drain and stopped, while others still drain, is not stalled).
     pub fn stalled_workers(&self) -> Vec<usize> {
         let limit = self.stall_threshold.as_millis() as u64;
         self.tick_ages()
             .iter()
             .enumerate()
-            .filter(|(_, age)| age.is_none_or(|a| a > limit))
+            .filter(|&(i, age)| {
+                age.is_none_or(|a| a > limit)
+                    && !self.workers[i].metrics.exited.load(Ordering::Relaxed)
+            })
             .map(|(i, _)| i)
             .collect()
     }
@@ -224,7 +228,8 @@ pub struct Bound {
 /// SO_REUSEPORT, as the data listeners are: a second gateway started on a running one's
 /// addresses (a restart that refuses no connection) shares it rather than failing to start.
 pub fn bind(addr: SocketAddr) -> std::io::Result<Bound> {
-    let listener = crate::listener::bind_unlistened(addr)?;
+    // Dual-stack, as the config's checks take it (README): `[::]` is every address.
+    let listener = crate::listener::bind_unlistened(addr, true)?;
     let runtime = crate::runtime::build()?;
     let scrape_runtime = crate::runtime::build()
         .inspect_err(|e| {

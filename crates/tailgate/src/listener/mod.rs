@@ -48,12 +48,15 @@ pub fn taken_by_another(addr: SocketAddr) -> bool {
 /// takes no connection (the kernel leaves it out of the port's SO_REUSEPORT group), so a
 /// start that fails later (another listener's certificate, a port taken) closes it without
 /// resetting any connection, where a gateway it was to replace keeps serving.
-pub fn bind_unlistened(addr: SocketAddr) -> std::io::Result<Socket> {
+///
+/// An IPv6 address is bound IPv6-only, as listeners are, unless `dual_stack` (the admin
+/// socket: `[::]` takes IPv4 too, and an IPv4-mapped address binds).
+pub fn bind_unlistened(addr: SocketAddr, dual_stack: bool) -> std::io::Result<Socket> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
     socket.set_reuse_address(true)?;
     socket.set_reuse_port(true)?;
     if addr.is_ipv6() {
-        socket.set_only_v6(true)?;
+        socket.set_only_v6(!dual_stack)?;
     }
     socket.set_nonblocking(true)?;
     socket.bind(&addr.into())?;
@@ -191,7 +194,7 @@ mod tests {
     /// taken.
     #[test]
     fn a_bound_socket_takes_connections_only_once_it_listens() {
-        let s = bind_unlistened("127.0.0.1:0".parse().expect("address")).expect("bind");
+        let s = bind_unlistened("127.0.0.1:0".parse().expect("address"), false).expect("bind");
         let addr = s
             .local_addr()
             .ok()

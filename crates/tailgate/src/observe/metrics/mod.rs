@@ -227,6 +227,8 @@ pub struct WorkerMetrics {
     pub lag: Histogram,
     /// When the lag probe last ran ([`MetricsPlan::now_ms`]); 0 before the first tick.
     pub last_tick_ms: AtomicU64,
+    /// The worker's drain is over and it has stopped (its lag probe with it): not stalled.
+    pub exited: std::sync::atomic::AtomicBool,
 }
 
 impl WorkerMetrics {
@@ -245,6 +247,7 @@ impl WorkerMetrics {
             consumers,
             lag: Histogram::default(),
             last_tick_ms: AtomicU64::new(0),
+            exited: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
