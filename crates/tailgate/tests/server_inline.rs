@@ -1794,3 +1794,28 @@ async fn ri_a_request_behind_the_last_one_allowed_does_not_cut_its_answer() {
         "the answer was cut"
     );
 }
+
+/// A head that begins with `P` (the connection is first looked at for HTTP/2's preface) is
+/// timed from its first byte, as any head is. The look's timer was dropped when it ended,
+/// and the inline server started another: such a head had up to twice the header timeout.
+#[tokio::test]
+async fn ri_a_head_that_starts_like_the_h2_preface_is_timed_from_its_first_byte() {
+    let (up, hits) = path_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"2s\"\nidle_timeout = \"60s\"\n",
+    );
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"P").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    s.write_all(b"OST /p HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // 2.4 s after the head's first byte: too late.
+    let _ = s.write_all(b"\r\n").await;
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed, "{text:?}");
+    assert!(!text.contains(" 200 "), "served after its time: {text:?}");
+    assert_eq!(hits.load(Ordering::SeqCst), 0);
+}

@@ -159,6 +159,63 @@ async fn tls_http1_by_alpn() {
     assert_eq!(resp.headers()["x-echo-x-forwarded-proto"], "https");
 }
 
+/// A client that offers only `http/1.0` by ALPN is served (as nginx serves it); it failed
+/// the handshake, the server's list (`h2`, `http/1.1`) sharing nothing with it.
+#[tokio::test]
+async fn tls_http10_by_alpn() {
+    let cert = test_cert(&["acme.test"]);
+    let up = echo_upstream().await;
+    let gw = tls_gateway(&cert, up);
+    let mut tls = tls_connect(gw.addr, &cert, "acme.test", &[b"http/1.0"]).await;
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"http/1.0"[..]));
+    tls.write_all(b"GET /x HTTP/1.0\r\nHost: acme.test\r\n\r\n")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut got)).await;
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 200 "), "{text}");
+}
+
+/// A connection that agreed on `http/1.1` by ALPN speaks HTTP/1 only (RFC 9113 §3.3): the
+/// HTTP/2 preface on it is a malformed HTTP/1.1 request (`400`), not HTTP/2. It was
+/// answered with HTTP/2's SETTINGS.
+#[tokio::test]
+async fn no_http2_after_alpn_agreed_on_http1() {
+    let cert = test_cert(&["acme.test"]);
+    let up = echo_upstream().await;
+    let gw = tls_gateway(&cert, up);
+    let mut tls = tls_connect(gw.addr, &cert, "acme.test", &[b"http/1.1"]).await;
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
+    // The preface and an empty SETTINGS frame.
+    tls.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut got)).await;
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 4"), "{text:?}");
+}
+
+/// A certificate file with no certificate in it is named as such (rustls says "peer sent
+/// no certificates" of an empty chain).
+#[test]
+fn a_certificate_file_without_a_certificate_is_named() {
+    let cert = test_cert(&["acme.test"]);
+    let der = cert.dir.path().join("cert.der");
+    std::fs::write(&der, cert.der.as_ref()).unwrap();
+    let text = format!(
+        "[[listener]]\naddress = \"127.0.0.1:0\"\n[listener.tls]\ncert = \"{}\"\nkey = \"{}/key.pem\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\n",
+        der.display(),
+        cert.dir.path().display()
+    );
+    let err = tailgate::config::Config::parse(std::path::Path::new("t.toml"), &text)
+        .expect_err("no certificate")
+        .to_string();
+    assert!(err.contains("no certificate in "), "{err}");
+    assert!(err.contains("t.toml:4:"), "{err}");
+}
+
 /// The SNI names the tenant even when the Host header names no tenant.
 #[tokio::test]
 async fn sni_classifies_the_tenant() {
@@ -832,4 +889,52 @@ impl Drained {
             .expect(what)
             .unwrap();
     }
+}
+
+/// An HTTP/2 connection already closing when the shutdown comes (here for
+/// `max_requests_per_connection`; an idle one is the same), whose client answers nothing
+/// (not the close's PING either: a phone gone from the network), is dropped a second into
+/// the drain, as one asked to close by the shutdown itself is. Its close kept the
+/// deadline it began with (`idle_timeout`), and held the drain for the whole grace period.
+#[tokio::test]
+async fn a_shutdown_cuts_short_an_h2_close_its_client_does_not_answer() {
+    let up = ok_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nidle_timeout = \"60s\"\nmax_requests_per_connection = 1\nshutdown_grace = \"20s\"\n",
+    );
+    // By hand, so that nothing answers the server's PING: the preface, an empty SETTINGS,
+    // and `GET http://a/` (HPACK: `:method GET`, `:scheme http`, `:path /` from the static
+    // table, `:authority a` literal) on stream 1, ending it.
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+    out.extend_from_slice(&[0, 0, 6, 1, 5, 0, 0, 0, 1, 0x82, 0x86, 0x84, 0x41, 1, b'a']);
+    s.write_all(&out).await.unwrap();
+    // The answer (and the server's SETTINGS, GOAWAY and PING) come; none is answered.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(500), s.read(&mut buf)).await {
+        if n == 0 {
+            panic!("the connection closed: {got:?}");
+        }
+        got.extend_from_slice(&buf[..n]);
+    }
+    // A HEADERS frame (type 1) on stream 1 came back.
+    assert!(
+        got.windows(5)
+            .any(|w| w == [1, 4, 0, 0, 0] || w == [1, 5, 0, 0, 0]),
+        "no answer: {got:?}"
+    );
+    let mut gw = gw;
+    let started = std::time::Instant::now();
+    tokio::task::spawn_blocking(move || gw.shutdown())
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "the drain took {:?}",
+        started.elapsed()
+    );
+    drop(s);
 }

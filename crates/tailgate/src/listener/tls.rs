@@ -22,6 +22,8 @@ pub enum TlsError {
         path: String,
         source: rustls_pki_types::pem::Error,
     },
+    #[error("no certificate in {path} (a PEM file with a `BEGIN CERTIFICATE` block)")]
+    NoCert { path: String },
     #[error("invalid certificate or key: {0}")]
     Rustls(#[from] rustls::Error),
 }
@@ -33,6 +35,12 @@ pub fn acceptor(files: &TlsFiles) -> Result<TlsAcceptor, TlsError> {
             path: files.cert.display().to_string(),
             source,
         })?;
+    // (rustls would call an empty chain "peer sent no certificates".)
+    if certs.is_empty() {
+        return Err(TlsError::NoCert {
+            path: files.cert.display().to_string(),
+        });
+    }
     let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|source| TlsError::Key {
         path: files.key.display().to_string(),
         source,
@@ -42,6 +50,8 @@ pub fn acceptor(files: &TlsFiles) -> Result<TlsAcceptor, TlsError> {
         .with_safe_default_protocol_versions()?
         .with_no_client_auth()
         .with_single_cert(certs, key)?;
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    // HTTP/1.0 too (as nginx offers it): a client that offers only `http/1.0` (`curl
+    // --http1.0` in some versions) would otherwise fail the handshake.
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec(), b"http/1.0".to_vec()];
     Ok(TlsAcceptor::from(Arc::new(config)))
 }

@@ -85,11 +85,14 @@ const WRITE_GATHER: usize = 64 * 1024;
 const OUT_KEEP: usize = 4 * 1024;
 
 /// Serves requests on `io` until the connection ends, or a request comes that is not served
-/// here. `buf` holds bytes already read. `closing` is set to end the connection at the next
-/// point where no request is in flight (shutdown, idle).
+/// here. `buf` holds bytes already read, and `head_deadline` the header read timer started
+/// at the first of them (while the connection was looked at for HTTP/2's preface), which
+/// the head they begin keeps. `closing` is set to end the connection at the next point
+/// where no request is in flight (shutdown, idle).
 pub async fn serve<I>(
     io: &mut I,
     mut buf: BytesMut,
+    mut head_deadline: Option<Pin<Box<Sleep>>>,
     worker: &Arc<Worker>,
     info: &Arc<ConnInfo>,
     limits: &Limits,
@@ -102,7 +105,6 @@ where
     // requests (`spare`).
     let mut out = Vec::new();
     let mut idx = Vec::with_capacity(16);
-    let mut head_deadline: Option<Pin<Box<Sleep>>> = None;
     let mut gate = ParseGate::default();
     loop {
         // 1. A whole head, or the reason there is none.
@@ -162,6 +164,9 @@ where
                                 gate = ParseGate::default();
                                 spare::give_read(&mut buf);
                             }
+                            // No head has begun: nothing to time (the sniff's timer
+                            // started at a CRLF).
+                            head_deadline = None;
                         } else {
                             let d = head_deadline.get_or_insert_with(|| {
                                 Box::pin(tokio::time::sleep(limits.header_timeout))

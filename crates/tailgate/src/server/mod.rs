@@ -76,7 +76,7 @@ pub fn serve_connection(
     peer: SocketAddr,
 ) -> impl Future<Output = ()> + Send + 'static {
     match ctx.listener.tls.clone() {
-        None => Either::Left(serve_plain(ctx, stream, peer, None, None)),
+        None => Either::Left(serve_plain(ctx, stream, peer, None, None, true)),
         Some(acceptor) => Either::Right(serve_tls_boxed(ctx, acceptor, stream, peer)),
     }
 }
@@ -149,7 +149,10 @@ async fn serve_tls(
         }
     };
     let (_, session) = tls.get_ref();
-    let h2 = session.alpn_protocol() == Some(b"h2");
+    let alpn = session.alpn_protocol();
+    let h2 = alpn == Some(b"h2");
+    // Agreed on HTTP/1 by ALPN: HTTP/2 is not spoken, preface or not (RFC 9113 §3.3).
+    let prior_knowledge = alpn.is_none();
     // SNI classifies the connection's tenant when the listener does not.
     let sni_tenant = session
         .server_name()
@@ -159,7 +162,7 @@ async fn serve_tls(
         let info = conn_info(&ctx, slot, peer, true, sni_tenant, activity);
         serve_h2(ctx, tls, info).await;
     } else {
-        serve_plain(ctx, tls, peer, sni_tenant, Some(activity)).await;
+        serve_plain(ctx, tls, peer, sni_tenant, Some(activity), prior_knowledge).await;
     }
 }
 
@@ -217,13 +220,15 @@ async fn first_step<F: Future>(
     tokio::time::timeout_at(cut, step).await
 }
 
-/// No ALPN decision: HTTP/1.1, unless the client opens with the HTTP/2 preface.
+/// No ALPN decision for HTTP/2: HTTP/1.1, unless `prior_knowledge` allows it and the
+/// client opens with the HTTP/2 preface.
 async fn serve_plain<I: Prepare>(
     mut ctx: ConnCtx,
     io: I,
     peer: SocketAddr,
     sni_tenant: Option<usize>,
     activity: Option<Arc<ConnActivity>>,
+    prior_knowledge: bool,
 ) {
     let slot = ctx.slot.take();
     let settings = &ctx.worker.shared.settings;
@@ -239,7 +244,7 @@ async fn serve_plain<I: Prepare>(
         &ctx.shutdown,
         settings.idle_timeout,
         settings.header_read_timeout.min(QUEUED_WAIT),
-        sniff_h2(&mut guard),
+        sniff_h2(&mut guard, prior_knowledge),
     )
     .await;
     match sniffed.unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into())) {
@@ -250,7 +255,7 @@ async fn serve_plain<I: Prepare>(
         Ok(false) => {
             // The usual requests are served inline; the first that is not, and all after
             // it, by hyper's server behind the guard.
-            let (mut io, sniffed) = guard.into_parts();
+            let (mut io, sniffed, head_timer) = guard.into_parts();
             let limits = h1_inline::Limits {
                 max_head: settings.max_header_bytes,
                 max_body: settings.max_body_bytes,
@@ -264,6 +269,7 @@ async fn serve_plain<I: Prepare>(
                 let inline = std::pin::pin!(h1_inline::serve(
                     &mut io,
                     bytes::BytesMut::from(&sniffed[..]),
+                    head_timer,
                     &ctx.worker,
                     &info,
                     &limits,
@@ -289,10 +295,17 @@ async fn serve_plain<I: Prepare>(
     }
 }
 
-/// Reads until the first bytes either are or cannot be the HTTP/2 preface. Everything read
-/// stays in the guard's buffer for whichever server comes next.
-async fn sniff_h2<I: AsyncRead + Unpin>(guard: &mut H1Guard<I>) -> std::io::Result<bool> {
+/// Reads until the first bytes either are or cannot be the HTTP/2 preface (with
+/// `prior_knowledge`; without, only the first bytes). Everything read stays in the guard's
+/// buffer for whichever server comes next.
+async fn sniff_h2<I: AsyncRead + Unpin>(
+    guard: &mut H1Guard<I>,
+    prior_knowledge: bool,
+) -> std::io::Result<bool> {
     let mut have = guard.fill_at_least(1).await?;
+    if !prior_knowledge {
+        return Ok(false);
+    }
     loop {
         let b = guard.buffered();
         let k = b.len().min(H2_PREFACE.len());
@@ -468,6 +481,7 @@ where
         side,
         closing: false,
         close_deadline: false,
+        shut: false,
         info,
         idle,
         max_requests: match settings.max_requests_per_connection {
@@ -502,6 +516,8 @@ struct Drive<'a, C, G> {
     /// The connection was asked to close for idleness or a shutdown: from then on the idle
     /// timer runs to when it must have ended (unless a request is in flight then).
     close_deadline: bool,
+    /// The shutdown was seen (`stop` is not polled again).
+    shut: bool,
     info: &'a ConnInfo,
     idle: Duration,
     /// `server.max_requests_per_connection` (`u64::MAX`: no cap). Once the connection has
@@ -564,6 +580,17 @@ where
                     return Poll::Pending;
                 }
                 let mut side_cx = Context::from_waker(&this.side_waker);
+                // A shutdown while a close for idleness or the request cap runs (its
+                // deadline `idle` away): the close has what a shutdown's has, at most. An
+                // HTTP/2 client that never answers the close's PING held the drain for the
+                // whole grace period.
+                if !this.shut && this.stop.as_mut().poll(&mut side_cx).is_ready() {
+                    this.shut = true;
+                    let cut = tokio::time::Instant::now() + SHUTDOWN_CLOSE_WAIT;
+                    if this.idle_timer.deadline() > cut {
+                        this.idle_timer.as_mut().reset(cut);
+                    }
+                }
                 if this.idle_timer.as_mut().poll(&mut side_cx).is_pending() {
                     return Poll::Pending;
                 }
@@ -666,6 +693,7 @@ where
     /// FIN) would otherwise hold the worker's drain for the whole grace period, as nginx
     /// does not (it closes idle HTTP/2 connections at once).
     fn close_for_shutdown(&mut self) {
+        self.shut = true;
         self.closing = true;
         self.close_deadline = true;
         self.idle_timer

@@ -117,12 +117,14 @@ impl<T> H1Guard<T> {
         g
     }
 
-    /// The connection and the bytes read but not handed on, before any was inspected.
-    pub fn into_parts(self) -> (T, Vec<u8>) {
+    /// The connection, the bytes read but not handed on, before any was inspected, and the
+    /// header read timer that [`fill_at_least`](Self::fill_at_least) started at their first
+    /// byte: a head that began then is timed from then by whichever server comes next.
+    pub fn into_parts(self) -> (T, Vec<u8>, Option<Pin<Box<Sleep>>>) {
         let mut buf = self.buf;
         buf.truncate(self.end);
         buf.drain(..self.start);
-        (self.inner, buf)
+        (self.inner, buf, self.deadline)
     }
 
     /// Stop inspecting (the connection speaks HTTP/2).
