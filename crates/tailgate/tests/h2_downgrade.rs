@@ -569,3 +569,64 @@ async fn an_h2_client_ignoring_the_goaway_is_not_served_for_ever() {
     assert!(started.elapsed() >= Duration::from_secs(2));
     assert!(answered >= 2 + 200, "{answered} streams answered");
 }
+
+/// Rapid reset (CVE-2023-44487): a client that opens streams and resets each at once,
+/// before its answer, has its connection dropped once it has opened 100 and given up on
+/// most of them. Each reset stream was a request routed and sent upstream, and freed its
+/// place under the stream limit at once: the upstream got a request per 40 bytes the
+/// client sent, for as long as it liked.
+#[tokio::test]
+async fn a_client_that_resets_most_of_its_streams_at_once_is_dropped() {
+    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let s = seen.clone();
+    let up = upstream(move |_| {
+        s.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            http::Response::new(full("ok"))
+        }
+    })
+    .await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\n");
+    // Bodiless requests (HEADERS with END_STREAM), and ones whose body is still to come.
+    for ended in [true, false] {
+        seen.store(0, std::sync::atomic::Ordering::SeqCst);
+        let tcp = TcpStream::connect(gw.addr).await.unwrap();
+        let (mut client, conn) = h2::client::handshake(tcp).await.unwrap();
+        let conn = tokio::spawn(conn);
+        // In rounds of 50: opened, taken by the gateway (their requests on their way
+        // upstream), then reset. (Reset before the server takes them, h2 itself refuses
+        // more than a few.)
+        let mut sent = 0;
+        'rounds: for _ in 0..40 {
+            let mut streams = Vec::new();
+            for _ in 0..50 {
+                match client.clone().ready().await {
+                    Ok(c) => client = c,
+                    Err(_) => break 'rounds,
+                }
+                let req = http::Request::get("http://a/x").body(()).unwrap();
+                let Ok((resp, stream)) = client.send_request(req, ended) else {
+                    break 'rounds;
+                };
+                streams.push((resp, stream));
+            }
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            for (_, mut stream) in streams {
+                stream.send_reset(h2::Reason::CANCEL);
+                sent += 1;
+            }
+        }
+        let closed = tokio::time::timeout(Duration::from_secs(10), conn).await;
+        assert!(
+            closed.is_ok(),
+            "end_of_stream {ended}: the connection was not dropped ({sent} streams reset)"
+        );
+        assert!(sent < 2000, "end_of_stream {ended}: every stream was taken");
+        let seen = seen.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(
+            seen < 500,
+            "end_of_stream {ended}: the upstream got {seen} requests"
+        );
+    }
+}

@@ -4,7 +4,7 @@
 
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use http::HeaderValue;
@@ -79,7 +79,10 @@ impl Observers {
 /// timeout never cuts an active exchange) and when the connection was last active.
 #[derive(Debug)]
 pub struct ConnActivity {
-    in_flight: AtomicUsize,
+    in_flight: AtomicU32,
+    /// Exchanges the client gave up on before their response head (an HTTP/2 stream it
+    /// reset): the measure of a rapid-reset attack ([`cancelled_early`](Self::cancelled_early)).
+    cancelled_early: AtomicU32,
     epoch: Instant,
     last_active_ms: std::sync::atomic::AtomicU64,
     /// Response bodies that handed the client a piece and have not been asked for the next
@@ -108,7 +111,8 @@ const SEND_TIMED_OUT: u8 = 8;
 impl Default for ConnActivity {
     fn default() -> Self {
         ConnActivity {
-            in_flight: AtomicUsize::new(0),
+            in_flight: AtomicU32::new(0),
+            cancelled_early: AtomicU32::new(0),
             epoch: Instant::now(),
             last_active_ms: Default::default(),
             waiting_on_client: AtomicU32::new(0),
@@ -140,6 +144,11 @@ impl ConnActivity {
     /// pieces): the idle timeout counts from now.
     pub fn touch(&self) {
         self.last_active_ms.store(self.ms_now(), Ordering::Relaxed);
+    }
+
+    /// How many exchanges the client gave up on before their response head.
+    pub fn cancelled_early(&self) -> u32 {
+        self.cancelled_early.load(Ordering::Relaxed)
     }
 
     fn ms_now(&self) -> u64 {
@@ -275,6 +284,14 @@ impl ExchangeRecorder {
         }
     }
 
+    /// The client gave the exchange up before its answer (an HTTP/2 stream it reset):
+    /// counted on its connection ([`ConnActivity::cancelled_early`]).
+    pub fn client_gave_up(&self) {
+        if let Some(a) = &self.activity {
+            a.cancelled_early.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// When the exchange started.
     pub fn started(&self) -> Instant {
         self.started
@@ -354,6 +371,9 @@ impl Drop for ExchangeRecorder {
                     "client_gone"
                 }
             });
+            if kind == "client_gone" && self.ex.as_ref().is_some_and(|ex| ex.status == 0) {
+                self.client_gave_up();
+            }
             self.fail(kind);
         }
     }

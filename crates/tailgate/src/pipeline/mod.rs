@@ -99,6 +99,17 @@ impl ConnInfo {
         n >= max
     }
 
+    /// [`count_request`](Self::count_request), counted whatever the cap: on hyper's
+    /// servers (HTTP/2 above all), where the count also measures the share of a
+    /// connection's requests its client gave up on before their answer (rapid reset, see
+    /// `server::Drive`).
+    #[inline]
+    pub fn count_any_request(&self, max: u64) -> bool {
+        let n = self.requests.load(std::sync::atomic::Ordering::Relaxed) + 1;
+        self.requests.store(n, std::sync::atomic::Ordering::Relaxed);
+        max != 0 && n >= max
+    }
+
     /// The refusal this request stands in for, when it is the stand-in for a refused head.
     pub fn refused_head<B>(&self, req: &Request<B>) -> Option<&ProxyError> {
         let refused = self.refused.get()?;
@@ -362,6 +373,11 @@ pub fn handle(
                     e: ProxyError|
          -> Result<Response<RespBody>, Infallible> {
             let header = &settings.request_id_header;
+            // A body the client stopped sending (an HTTP/2 stream it reset) before any
+            // answer: given up on, as a request dropped before its answer is.
+            if matches!(e, ProxyError::BadRequest(m) if m == CLIENT_BODY_ENDED) {
+                rec.client_gave_up();
+            }
             let resp = error_answer(rec, &e, &request_id, header, head_request);
             if e.is_upstream() {
                 tracing::debug!(request.id = request_id.to_str().unwrap_or("-"), error = %e, "upstream error");
@@ -956,12 +972,15 @@ fn classify_send_error(e: SendError) -> ProxyError {
     }
 }
 
+/// The `400` of a client's body that ended before its length (or its stream was reset).
+const CLIENT_BODY_ENDED: &str = "the client's body ended early";
+
 /// What reading the client's body failing is: the client's doing (too large, ended early,
 /// stalled), before a response or cutting one short.
 pub(crate) fn client_body_error(b: &ReqBodyError) -> ProxyError {
     match b {
         ReqBodyError::TooLarge(limit) => ProxyError::BodyTooLarge(*limit),
-        ReqBodyError::Client(_) => ProxyError::BadRequest("the client's body ended early"),
+        ReqBodyError::Client(_) => ProxyError::BadRequest(CLIENT_BODY_ENDED),
         ReqBodyError::TimedOut => ProxyError::ClientBodyTimeout,
     }
 }

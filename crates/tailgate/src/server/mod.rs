@@ -341,7 +341,7 @@ fn pipeline_service(
     service_fn(move |req: Request<Incoming>| {
         // Called from the connection's task as each request is taken; past the cap,
         // [`Drive`] asks the connection to close once this poll of it is over.
-        let last = info.count_request(max_requests);
+        let last = info.count_any_request(max_requests);
         // The stand-in for a head the smuggling guard refused: its JSON error.
         if let Some(e) = info.refused_head(&req) {
             let resp = crate::pipeline::refusal_response(&worker, &info, e);
@@ -548,6 +548,17 @@ where
                 continue;
             }
             let requests = this.info.requests.load(Ordering::Relaxed);
+            // Rapid reset (CVE-2023-44487): a client that opens streams and resets them at
+            // once makes each one a request routed and sent upstream, and frees its place
+            // under the stream limit as it goes. Past `CANCELLED_EARLY_MIN` streams, most of
+            // them given up on before their answer, it is no client: dropped (Envoy closes
+            // such a connection too).
+            if requests >= CANCELLED_EARLY_MIN
+                && u64::from(this.info.activity.cancelled_early()) * 2 > requests
+            {
+                tracing::warn!(client.addr = %this.info.client, requests, cancelled = this.info.activity.cancelled_early(), "client gave up on most of its requests before their answers (rapid reset); connection dropped");
+                return Poll::Ready(None);
+            }
             if !this.closing && requests >= this.max_requests {
                 this.close_as_idle();
                 let _ = this.side.capped_at.set(std::time::Instant::now());
@@ -710,6 +721,10 @@ where
 /// trip, and its final GOAWAY stops it.
 const STREAMS_PAST_CAP: u64 = MAX_CONCURRENT_STREAMS as u64;
 const CAP_CLOSE_PATIENCE: Duration = Duration::from_secs(2);
+
+/// How many requests a connection must have carried before the share of them its client
+/// gave up on before their answer may end it.
+const CANCELLED_EARLY_MIN: u64 = 100;
 
 /// The HTTP/2 server's `SETTINGS_MAX_CONCURRENT_STREAMS` (hyper's default, set here so that
 /// it cannot change with a dependency update).
