@@ -446,6 +446,7 @@ fn ranged_hint(field: &str) -> Option<&'static str> {
             Some("write a number between 1024 and 1048576; 16384 is a good default")
         }
         "retry_budget_percent" | "hedge_budget_percent" => Some("write a number between 0 and 100"),
+        "max_consumers" => Some("write a number between 1 and 1000000"),
         _ => None,
     }
 }
@@ -1561,6 +1562,26 @@ mod tests {
             (
                 "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"1.2.3:80\"]\n".to_owned(),
                 "cluster[0].endpoints[0]: `1.2.3:80` is not an address",
+            ),
+            (
+                format!("[dns]\nnameservers = [\"10.0.0.2:0\"]\n{TAIL}"),
+                "t.toml:2:16: dns.nameservers[0]: port 0 is no name server's",
+            ),
+            (
+                format!("[dns]\nnameservers = [\"224.0.0.1\"]\n{TAIL}"),
+                "dns.nameservers[0]: `224.0.0.1` is not one server: a broadcast or multicast",
+            ),
+            (
+                format!("[dns]\nnameservers = [\"0.0.0.0\"]\n{TAIL}"),
+                "dns.nameservers[0]: `0.0.0.0` is not one server: an unspecified address",
+            ),
+            (
+                format!("[dns]\nnameservers = [\"[fe80::1]:53\"]\n{TAIL}"),
+                "dns.nameservers[0]: `[fe80::1]:53` is link-local, with no interface named",
+            ),
+            (
+                format!("[metrics]\nmax_consumers = -1\n{TAIL}"),
+                "help: write a number between 1 and 1000000",
             ),
             (
                 format!("[[tenant]]\nname = \"t\"\nhosts = [\"a.com\"]\n{TAIL}[[route]]\ntenant = \"t\"\nhost = \"a.com\"\npath_prefix = \"/\"\ncluster = \"c\"\n[[route]]\nhost = \"a.com\"\npath_prefix = \"/\"\ncluster = \"c\"\n"),

@@ -517,7 +517,8 @@ impl EndpointPool {
             let _ = self
                 .owed
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                    (n < self.max_idle as u32).then_some(n + 1)
+                    // (Compared as `usize`: a cap past `u32::MAX` cut to `u32` could be 0.)
+                    ((n as usize) < self.max_idle).then_some(n + 1)
                 });
         }
         self.refill.notify_one();

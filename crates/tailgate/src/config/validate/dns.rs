@@ -85,7 +85,29 @@ impl Checker<'_> {
             let parsed = text
                 .parse::<SocketAddr>()
                 .or_else(|_| text.parse::<IpAddr>().map(|ip| SocketAddr::new(ip, 53)));
+            // What no query could reach: the rules an endpoint's address has.
+            let unusable = parsed.as_ref().ok().and_then(|&a| {
+                if a.port() == 0 {
+                    return Some((
+                        "port 0 is no name server's".to_owned(),
+                        "write the server's port, or none for 53".to_owned(),
+                    ));
+                }
+                if let Some(why) = super::super::unconnectable(a.ip()) {
+                    return Some((
+                        format!("`{text}` is not one server: {why}"),
+                        "write the IP address of a name server".to_owned(),
+                    ));
+                }
+                super::unzoned_link_local(a, text)
+            });
             match parsed {
+                Ok(_) if let Some((message, hint)) = unusable => self.err(
+                    Some(ns.span()),
+                    format!("dns.nameservers[{i}]"),
+                    message,
+                    Some(&hint),
+                ),
                 Ok(a) => nameservers.push(a),
                 Err(_) => self.err(
                     Some(ns.span()),
