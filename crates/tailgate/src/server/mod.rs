@@ -419,9 +419,14 @@ where
         .max_header_list_size(settings.max_header_bytes as u32)
         // HTTP/2 Rapid Reset (CVE-2023-44487): more than this many streams the client
         // resets before they are taken end the connection with GOAWAY ENHANCE_YOUR_CALM.
-        // h2's default, set here so that it cannot go with a dependency update.
+        // h2's default, set here so that it cannot go with a dependency update. (Streams
+        // reset once taken are counted by `Drive`.)
         .max_pending_accept_reset_streams(20)
         .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
+        // What each stream may hold of its answer that the client's socket has not taken:
+        // hyper's 400 KiB made 80 MiB per connection, held by a client that opens every
+        // stream it may with the largest windows and reads nothing.
+        .max_send_buf_size(H2_SEND_BUF)
         .serve_connection(
             TokioIo::new(h2_head::H2HeadTimer::new(io, settings.header_read_timeout)),
             service,
@@ -721,6 +726,12 @@ where
 /// trip, and its final GOAWAY stops it.
 const STREAMS_PAST_CAP: u64 = MAX_CONCURRENT_STREAMS as u64;
 const CAP_CLOSE_PATIENCE: Duration = Duration::from_secs(2);
+
+/// The most of a stream's answer an HTTP/2 connection holds for a client that has not
+/// taken it: 64 KiB, h2's default window, so that a client reading at the pace its window
+/// allows never waits on it; times [`MAX_CONCURRENT_STREAMS`], 12.5 MiB per connection at
+/// most.
+const H2_SEND_BUF: usize = 64 * 1024;
 
 /// How many requests a connection must have carried before the share of them its client
 /// gave up on before their answer may end it.
