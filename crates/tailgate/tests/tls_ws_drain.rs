@@ -216,6 +216,60 @@ fn a_certificate_file_without_a_certificate_is_named() {
     assert!(err.contains("t.toml:4:"), "{err}");
 }
 
+/// A returning client resumes its TLS session (no full handshake) however many clients
+/// came between: sessions are stateless tickets. With rustls's default cache of 256
+/// sessions, 2 stored per handshake, a client was forgotten after about 128 others.
+#[tokio::test]
+async fn a_returning_client_resumes_after_many_others() {
+    let cert = test_cert(&["acme.test"]);
+    let up = echo_upstream().await;
+    let gw = tls_gateway(&cert, up);
+    let config = |cert: &TestCert| {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(cert.der.clone()).unwrap();
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+        tokio_rustls::TlsConnector::from(Arc::new(cfg))
+    };
+    // One request per connection: the tickets come after the handshake, and are read
+    // with the answer.
+    let visit = |connector: tokio_rustls::TlsConnector| async move {
+        let tcp = TcpStream::connect(gw.addr).await.unwrap();
+        let name = rustls::pki_types::ServerName::try_from("acme.test").unwrap();
+        let mut tls = connector.connect(name, tcp).await.unwrap();
+        let kind = tls.get_ref().1.handshake_kind();
+        tls.write_all(b"GET /x HTTP/1.1\r\nHost: acme.test\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut got)).await;
+        assert!(
+            got.starts_with(b"HTTP/1.1 200 "),
+            "{:?}",
+            String::from_utf8_lossy(&got)
+        );
+        kind
+    };
+    let first = config(&cert);
+    assert_eq!(
+        visit(first.clone()).await,
+        Some(rustls::HandshakeKind::Full)
+    );
+    for _ in 0..300 {
+        visit(config(&cert)).await;
+    }
+    assert_eq!(
+        visit(first).await,
+        Some(rustls::HandshakeKind::Resumed),
+        "the first client had to make a full handshake again"
+    );
+}
+
 /// The SNI names the tenant even when the Host header names no tenant.
 #[tokio::test]
 async fn sni_classifies_the_tenant() {
