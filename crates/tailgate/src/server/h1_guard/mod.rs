@@ -228,22 +228,13 @@ impl<T> H1Guard<T> {
     /// the framing's scan of the head saw, not a scan of the bytes held back at each
     /// wake-up: a client sending nothing but CRLFs, a few at a time, would make that
     /// quadratic in the head limit.)
-    ///
-    /// Such a head's bytes are also the connection's activity: hyper's server, which sees
-    /// none of them until the head is whole, would be idle meanwhile, and the idle
-    /// timeout's close would cut the head off (nginx stops its keep-alive timer once a
-    /// request's bytes come; the inline server counts them too).
     fn arm_head_timer(&mut self) {
         if self.framing.state == State::Head
+            && self.deadline.is_none()
             && self.release < self.end
             && self.framing.head_scan.started()
         {
-            if let Some(info) = &self.info {
-                info.activity.touch();
-            }
-            if self.deadline.is_none() {
-                self.deadline = Some(Box::pin(tokio::time::sleep(self.header_timeout)));
-            }
+            self.deadline = Some(Box::pin(tokio::time::sleep(self.header_timeout)));
         }
     }
 
