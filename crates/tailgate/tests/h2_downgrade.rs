@@ -630,3 +630,43 @@ async fn a_client_that_resets_most_of_its_streams_at_once_is_dropped() {
         );
     }
 }
+
+/// A client whose deadline passes while a slow upstream works (a gRPC client with a short
+/// deadline, say) gives up on its requests before their answers, but not within a second
+/// of their start: it is no rapid reset, and its connection is kept.
+#[tokio::test]
+async fn a_client_giving_up_on_slow_requests_is_not_taken_for_rapid_reset() {
+    let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
+        if req.uri().path() == "/slow" {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+        }
+        http::Response::new(full("ok"))
+    })
+    .await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\n");
+    let tcp = TcpStream::connect(gw.addr).await.unwrap();
+    let (mut client, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(conn);
+    let mut streams = Vec::new();
+    for _ in 0..150 {
+        client = client.ready().await.unwrap();
+        let req = http::Request::get("http://a/slow").body(()).unwrap();
+        streams.push(client.send_request(req, true).unwrap());
+    }
+    // Given up on after 1.2 s.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    for (_, mut stream) in streams {
+        stream.send_reset(h2::Reason::CANCEL);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    client = client.ready().await.expect("the connection is kept");
+    let req = http::Request::get("http://a/q").body(()).unwrap();
+    let (resp, _) = client
+        .send_request(req, true)
+        .expect("the connection is kept");
+    let resp = tokio::time::timeout(Duration::from_secs(5), resp)
+        .await
+        .expect("an answer in time")
+        .expect("an answer");
+    assert_eq!(resp.status(), 200);
+}

@@ -80,8 +80,9 @@ impl Observers {
 #[derive(Debug)]
 pub struct ConnActivity {
     in_flight: AtomicU32,
-    /// Exchanges the client gave up on before their response head (an HTTP/2 stream it
-    /// reset): the measure of a rapid-reset attack ([`cancelled_early`](Self::cancelled_early)).
+    /// Exchanges the client gave up on within a second of their start, before their
+    /// response head (an HTTP/2 stream it reset): the measure of a rapid-reset attack
+    /// ([`cancelled_early`](Self::cancelled_early)).
     cancelled_early: AtomicU32,
     epoch: Instant,
     last_active_ms: std::sync::atomic::AtomicU64,
@@ -243,6 +244,11 @@ impl ConnActivity {
     }
 }
 
+/// How soon after its start an exchange the client gives up on counts as given up on early
+/// ([`ExchangeRecorder::client_gave_up`]): Envoy's `premature_reset_min_stream_lifetime`
+/// default.
+const EARLY: Duration = Duration::from_secs(1);
+
 /// Builds the [`Exchange`] while the request runs; emits it exactly once, at `finish`,
 /// `fail`, or drop (a client that went away mid-response).
 pub struct ExchangeRecorder {
@@ -285,9 +291,13 @@ impl ExchangeRecorder {
     }
 
     /// The client gave the exchange up before its answer (an HTTP/2 stream it reset):
-    /// counted on its connection ([`ConnActivity::cancelled_early`]).
+    /// counted on its connection ([`ConnActivity::cancelled_early`]) when that came within
+    /// [`EARLY`] of its start. One given up on later (a client's deadline passing while a
+    /// slow upstream works) is a client's right, not an attack's mark.
     pub fn client_gave_up(&self) {
-        if let Some(a) = &self.activity {
+        if let Some(a) = &self.activity
+            && self.started.elapsed() < EARLY
+        {
             a.cancelled_early.fetch_add(1, Ordering::Relaxed);
         }
     }

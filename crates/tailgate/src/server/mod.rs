@@ -555,9 +555,12 @@ where
             let requests = this.info.requests.load(Ordering::Relaxed);
             // Rapid reset (CVE-2023-44487): a client that opens streams and resets them at
             // once makes each one a request routed and sent upstream, and frees its place
-            // under the stream limit as it goes. Past `CANCELLED_EARLY_MIN` streams, most of
-            // them given up on before their answer, it is no client: dropped (Envoy closes
-            // such a connection too).
+            // under the stream limit as it goes. Past `CANCELLED_EARLY_MIN` streams, more
+            // than half of them given up on within a second and before their answer, it is
+            // no client: dropped (Envoy's premature-reset rule is alike). A client that
+            // mixes in as many requests answered at once (a `404`) stays under the share,
+            // and reaches the upstream with half its streams: a limit of this rule, as of
+            // Envoy's.
             if requests >= CANCELLED_EARLY_MIN
                 && u64::from(this.info.activity.cancelled_early()) * 2 > requests
             {
