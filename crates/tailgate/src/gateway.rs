@@ -103,7 +103,7 @@ impl Gateway {
         let admin_bound = match &config.admin {
             Some(settings) => {
                 let addr = settings.address;
-                if listener::taken_by_another(addr) {
+                if listener::taken_by_another(addr, true) {
                     tracing::warn!(admin.addr = %addr, "another process already listens on the admin address: scrapes and probes are shared with it (SO_REUSEPORT) until it stops; stop it, unless this gateway is starting to replace it");
                 }
                 let bound = crate::admin::bind(addr)
@@ -139,7 +139,7 @@ impl Gateway {
                 None => None,
             };
             let mut addr = l.address;
-            if listener::taken_by_another(addr) {
+            if listener::taken_by_another(addr, false) {
                 tracing::warn!(
                     listener.name = %l.name,
                     listener.addr = %addr,

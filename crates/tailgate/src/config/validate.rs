@@ -957,6 +957,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         .filter(|(_, r)| r.name.is_none())
         .map(|(j, _)| format!("route{j}"))
         .collect();
+    let owners = HostOwners::new(&tenants);
     for (i, r) in raw.route.iter().enumerate() {
         let tenant = tenant_ref(c, &r.tenant, format!("route[{i}].tenant"));
         // (A tenant not found is no scope: no duplicate is looked for then.)
@@ -1048,7 +1049,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 ),
             }
         }
-        let host = route_host(c, r, i, tenant, &tenants);
+        let host = route_host(c, r, i, tenant, &tenants, &owners);
         let methods = route_methods(c, r, i);
         let span = r.path_prefix.span();
         // (A host already refused is no host: no duplicate is looked for then.)
@@ -1243,6 +1244,7 @@ fn route_host(
     i: usize,
     tenant: Option<usize>,
     tenants: &[Tenant],
+    owners: &HostOwners<'_>,
 ) -> Option<String> {
     let h = r.host.as_ref()?;
     let host = h.get_ref().to_ascii_lowercase();
@@ -1258,7 +1260,7 @@ fn route_host(
     if let Some(ti) = tenant
         && let Some(t) = tenants.get(ti)
     {
-        match host_owner(tenants, &host) {
+        match owners.owner(&host) {
             Some(owner) if owner == ti => {}
             // One of the tenant's patterns takes the host, but another tenant's takes it
             // first: requests for it are that tenant's, and the route would answer none.
@@ -1280,25 +1282,42 @@ fn route_host(
     Some(host)
 }
 
-/// The tenant whose hosts take `host` (lower case), as requests are given to tenants
+/// The tenant whose hosts take a host (lower case), as requests are given to tenants
 /// (`RouteTable::tenant_of_host`): an exact host first, else the longest matching
-/// wildcard, the first in the config among equally long ones.
-fn host_owner(tenants: &[Tenant], host: &str) -> Option<usize> {
-    if let Some(t) = tenants
-        .iter()
-        .position(|t| t.hosts.iter().any(|p| p == host))
-    {
-        return Some(t);
-    }
-    let mut best: Option<(usize, usize)> = None;
-    for (i, t) in tenants.iter().enumerate() {
-        for p in t.hosts.iter().filter(|p| p.starts_with("*.")) {
-            if host_matches(p, host) && best.is_none_or(|(len, _)| p.len() > len) {
-                best = Some((p.len(), i));
+/// wildcard, the first in the config among equally long ones. Built once for every
+/// route's host (looked up per route, a config's check stays linear in its exact hosts).
+struct HostOwners<'a> {
+    exact: HashMap<&'a str, usize>,
+    /// Longest first; equally long ones in the config's order.
+    wildcards: Vec<(&'a str, usize)>,
+}
+
+impl<'a> HostOwners<'a> {
+    fn new(tenants: &'a [Tenant]) -> Self {
+        let mut exact = HashMap::new();
+        let mut wildcards = Vec::new();
+        for (i, t) in tenants.iter().enumerate() {
+            for h in &t.hosts {
+                if h.starts_with("*.") {
+                    wildcards.push((h.as_str(), i));
+                } else {
+                    exact.entry(h.as_str()).or_insert(i);
+                }
             }
         }
+        wildcards.sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
+        HostOwners { exact, wildcards }
     }
-    best.map(|(_, i)| i)
+
+    fn owner(&self, host: &str) -> Option<usize> {
+        if let Some(&t) = self.exact.get(host) {
+            return Some(t);
+        }
+        self.wildcards
+            .iter()
+            .find(|(p, _)| host_matches(p, host))
+            .map(|&(_, t)| t)
+    }
 }
 
 fn route_methods(c: &mut Checker<'_>, r: &RawRoute, i: usize) -> Vec<http::Method> {
@@ -1847,6 +1866,16 @@ response_timeout = "0s"
         ] {
             assert!(errs.contains(want), "missing {want:?} in:\n{errs}");
         }
+        // A link-local name server names its interface as an endpoint does.
+        let cfg = parse_and_validate(
+            Path::new("t.toml"),
+            &format!("[dns]\nnameservers = [\"[fe80::1%lo]:53\"]\n{TAIL}"),
+        )
+        .expect("a zoned name server");
+        assert_eq!(
+            cfg.dns.nameservers,
+            ["[fe80::1%1]:53".parse::<SocketAddr>().expect("address")]
+        );
     }
 
     /// The admin socket and demos are dual-stack, listeners bind IPv6 IPv6-only: `[::]:P`

@@ -27,7 +27,10 @@ pub struct BoundListener {
 /// already listen on `addr`? Bound with SO_REUSEPORT, this gateway would share its new
 /// connections with it, which is what a restart that starts the new gateway before it
 /// stops the old one wants, and what a forgotten old instance must not do unseen.
-pub fn taken_by_another(addr: SocketAddr) -> bool {
+///
+/// `dual_stack` as the socket will be bound ([`bind_unlistened`]): a dual-stack `[::]:P`
+/// is taken by an IPv4 holder of P too, and an IPv4-mapped address binds only so.
+pub fn taken_by_another(addr: SocketAddr, dual_stack: bool) -> bool {
     if addr.port() == 0 {
         return false;
     }
@@ -38,7 +41,7 @@ pub fn taken_by_another(addr: SocketAddr) -> bool {
     // SO_REUSEADDR but not SO_REUSEPORT: the bind fails only if something listens there.
     let _ = socket.set_reuse_address(true);
     if addr.is_ipv6() {
-        let _ = socket.set_only_v6(true);
+        let _ = socket.set_only_v6(!dual_stack);
     }
     matches!(socket.bind(&addr.into()), Err(e) if e.kind() == std::io::ErrorKind::AddrInUse)
 }

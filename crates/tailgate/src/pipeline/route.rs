@@ -485,7 +485,7 @@ const HOST_BYTES: [HostByte; 256] = {
 /// The path as routes match it, as nginx reads a path before it matches a location:
 /// each segment's `;` parameters dropped first, from the raw bytes, up to the next `/`
 /// (`/admin;jsessionid=1/x` is `/admin/x`, and `/admin;%2F..%2Fx/y` is `/admin/y`, as
-/// Tomcat and Jetty read them; `..;x` is `..`); then percent-encoded unreserved bytes
+/// Tomcat and Jetty read them); then percent-encoded unreserved bytes
 /// decoded (`%2e` is `.`, `%41` is `A`), an encoded slash or backslash (`%2F`, `%5C`) and a
 /// backslash read as `/`, other escapes kept (their hex in upper case); `.` and `..`
 /// segments resolved (RFC 3986 §5.2.4), and repeated slashes merged. Whatever an upstream
@@ -497,10 +497,12 @@ const HOST_BYTES: [HostByte; 256] = {
 /// (nearly every request) or its normal form is the same.
 ///
 /// [`BadPath::AboveRoot`] for a `..` that would climb above `/` (nginx answers it `400`),
-/// [`BadPath::DotsAfterEmpty`] for a `..` right after an empty segment (`/a//../b`), which
-/// servers resolve differently (`/b` once slashes are merged, `/a/b` in Jetty, which
-/// refuses it since version 10). A target that is not a path (`*` of `OPTIONS *`) is
-/// returned as it is.
+/// [`BadPath::DotsAfterEmpty`] for a `..` that takes off an empty segment (`/a//../b`,
+/// `/a//x/../../b`), which servers resolve differently (`/b` once slashes are merged, `/a/b`
+/// by RFC 3986 and in Jetty, which refuses it since version 10),
+/// [`BadPath::DotsWithParams`] for a `.` or `..` segment with `;` parameters (`..;x` is
+/// `..` to Tomcat, a segment of its own to nginx). A target that is not a path (`*` of
+/// `OPTIONS *`) is returned as it is.
 pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
     let b = path.as_bytes();
     if b.first() != Some(&b'/') {

@@ -168,7 +168,10 @@ where
                             // started at a CRLF).
                             head_deadline = None;
                         } else {
+                            // A head's bytes are activity: the idle timeout counts from
+                            // when it first ran dry (once per head, with its timer).
                             let d = head_deadline.get_or_insert_with(|| {
+                                info.activity.touch();
                                 Box::pin(tokio::time::sleep(limits.header_timeout))
                             });
                             if d.as_mut().poll(cx).is_ready() {
@@ -184,14 +187,11 @@ where
                 // A body still coming is not cut off: the timeout starts again from the
                 // next time the socket runs dry (hyper's server streamed such a body with
                 // no time limit). Nor is the connection idle while a request's bytes come:
-                // no exchange is in flight yet, so the idle timeout counts from the last
-                // of them (a body trickling in over longer than `idle_timeout` is served,
-                // as hyper's server serves a larger one).
-                Wait::More if body_on_its_way => {
-                    head_deadline = None;
-                    info.activity.touch();
-                }
-                Wait::More if gate.head.started() => info.activity.touch(),
+                // no exchange is in flight yet, so the idle timeout counts from each time
+                // the socket runs dry part-way into it, when its timer starts again (a
+                // body trickling in over longer than `idle_timeout` is served, as hyper's
+                // server serves a larger one).
+                Wait::More if body_on_its_way => head_deadline = None,
                 Wait::More => {}
                 Wait::Close => return Ended::Closed,
                 Wait::End if buf.is_empty() => return Ended::Closed,

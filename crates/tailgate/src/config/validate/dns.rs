@@ -82,8 +82,11 @@ impl Checker<'_> {
         let mut nameservers = Vec::new();
         for (i, ns) in raw.nameservers.iter().enumerate() {
             let text = ns.get_ref();
-            let parsed = text
-                .parse::<SocketAddr>()
+            // As an endpoint's address (a link-local one names its interface, by name or
+            // index: `[fe80::1%eth0]:53`), or an IP literal alone (port 53).
+            let parsed = super::socket_addr(text)
+                .ok()
+                .ok_or(())
                 .or_else(|_| text.parse::<IpAddr>().map(|ip| SocketAddr::new(ip, 53)));
             // What no query could reach: the rules an endpoint's address has.
             let unusable = parsed.as_ref().ok().and_then(|&a| {
