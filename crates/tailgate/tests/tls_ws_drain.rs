@@ -45,13 +45,8 @@ async fn tls_connect(
     tls_connect_over(TcpStream::connect(addr).await.unwrap(), cert, sni, alpn).await
 }
 
-/// [`tls_connect`] over a TCP connection already made.
-async fn tls_connect_over(
-    tcp: TcpStream,
-    cert: &TestCert,
-    sni: &str,
-    alpn: &[&[u8]],
-) -> tokio_rustls::client::TlsStream<TcpStream> {
+/// A client that trusts `cert` and offers `alpn`; each has its own session store.
+fn connector(cert: &TestCert, alpn: &[&[u8]]) -> tokio_rustls::TlsConnector {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(cert.der.clone()).unwrap();
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
@@ -61,8 +56,29 @@ async fn tls_connect_over(
         .with_root_certificates(roots)
         .with_no_client_auth();
     cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(cfg));
-    connector
+    tokio_rustls::TlsConnector::from(Arc::new(cfg))
+}
+
+/// Writes `bytes` on `tls` and reads what comes back until the end of the stream (5 s at
+/// most).
+async fn tls_exchange(
+    tls: &mut tokio_rustls::client::TlsStream<TcpStream>,
+    bytes: &[u8],
+) -> String {
+    tls.write_all(bytes).await.unwrap();
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut got)).await;
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// [`tls_connect`] over a TCP connection already made.
+async fn tls_connect_over(
+    tcp: TcpStream,
+    cert: &TestCert,
+    sni: &str,
+    alpn: &[&[u8]],
+) -> tokio_rustls::client::TlsStream<TcpStream> {
+    connector(cert, alpn)
         .connect(
             rustls::pki_types::ServerName::try_from(sni.to_owned()).unwrap(),
             tcp,
@@ -168,12 +184,7 @@ async fn tls_http10_by_alpn() {
     let gw = tls_gateway(&cert, up);
     let mut tls = tls_connect(gw.addr, &cert, "acme.test", &[b"http/1.0"]).await;
     assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"http/1.0"[..]));
-    tls.write_all(b"GET /x HTTP/1.0\r\nHost: acme.test\r\n\r\n")
-        .await
-        .unwrap();
-    let mut got = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut got)).await;
-    let text = String::from_utf8_lossy(&got);
+    let text = tls_exchange(&mut tls, b"GET /x HTTP/1.0\r\nHost: acme.test\r\n\r\n").await;
     assert!(text.starts_with("HTTP/1.1 200 "), "{text}");
 }
 
@@ -188,12 +199,11 @@ async fn no_http2_after_alpn_agreed_on_http1() {
     let mut tls = tls_connect(gw.addr, &cert, "acme.test", &[b"http/1.1"]).await;
     assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
     // The preface and an empty SETTINGS frame.
-    tls.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
-        .await
-        .unwrap();
-    let mut got = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut got)).await;
-    let text = String::from_utf8_lossy(&got);
+    let text = tls_exchange(
+        &mut tls,
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0",
+    )
+    .await;
     assert!(text.starts_with("HTTP/1.1 4"), "{text:?}");
 }
 
@@ -224,18 +234,7 @@ async fn a_returning_client_resumes_after_many_others() {
     let cert = test_cert(&["acme.test"]);
     let up = echo_upstream().await;
     let gw = tls_gateway(&cert, up);
-    let config = |cert: &TestCert| {
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(cert.der.clone()).unwrap();
-        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-        let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-        tokio_rustls::TlsConnector::from(Arc::new(cfg))
-    };
+    let config = |cert: &TestCert| connector(cert, &[b"http/1.1"]);
     // One request per connection: the tickets come after the handshake, and are read
     // with the answer.
     let visit = |connector: tokio_rustls::TlsConnector| async move {
@@ -243,16 +242,12 @@ async fn a_returning_client_resumes_after_many_others() {
         let name = rustls::pki_types::ServerName::try_from("acme.test").unwrap();
         let mut tls = connector.connect(name, tcp).await.unwrap();
         let kind = tls.get_ref().1.handshake_kind();
-        tls.write_all(b"GET /x HTTP/1.1\r\nHost: acme.test\r\nConnection: close\r\n\r\n")
-            .await
-            .unwrap();
-        let mut got = Vec::new();
-        let _ = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut got)).await;
-        assert!(
-            got.starts_with(b"HTTP/1.1 200 "),
-            "{:?}",
-            String::from_utf8_lossy(&got)
-        );
+        let text = tls_exchange(
+            &mut tls,
+            b"GET /x HTTP/1.1\r\nHost: acme.test\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(text.starts_with("HTTP/1.1 200 "), "{text}");
         kind
     };
     let first = config(&cert);
