@@ -292,8 +292,8 @@ impl ExchangeRecorder {
 
     /// The client gave the exchange up before its answer (an HTTP/2 stream it reset):
     /// counted on its connection ([`ConnActivity::cancelled_early`]) when that came within
-    /// [`EARLY`] of its start. One given up on later (a client's deadline passing while a
-    /// slow upstream works) is a client's right, not an attack's mark.
+    /// a second of its start (`EARLY`). One given up on later (a client's deadline passing
+    /// while a slow upstream works) is a client's right, not an attack's mark.
     pub fn client_gave_up(&self) {
         if let Some(a) = &self.activity
             && self.started.elapsed() < EARLY
