@@ -381,7 +381,7 @@ pub(super) fn parse_and_validate(path: &Path, text: &str) -> Result<Config, Conf
         Err(e) => {
             let (line, col) = e.span().map_or((0, 0), |s| line_col(text, s.start));
             let message = e.message().trim().to_owned();
-            let field = key_on_line(text, line);
+            let field = key_at(text, line, col);
             return Err(ConfigErrors(vec![ConfigError {
                 file: path.to_path_buf(),
                 line,
@@ -408,10 +408,15 @@ pub(super) fn parse_and_validate(path: &Path, text: &str) -> Result<Config, Conf
 
 /// What to write instead, for an error the TOML reader found (before any field is checked).
 fn toml_hint(message: &str, field: &str) -> &'static str {
-    if message.contains("invalid value: integer `-")
+    if message.contains("invalid value: integer")
         && let Some(range) = ranged_hint(field)
     {
         range
+    } else if message.contains("invalid value: integer") && !message.contains("integer `-")
+        || message.contains(" as i128, expected u")
+    {
+        // Past the type's largest (a u32 or usize field given more, or any past u64).
+        "write a smaller number; the README's config reference gives this field's range"
     } else if message.contains("unknown field") {
         "remove it, or use one of the expected fields listed above"
     } else if message.contains("missing field") {
@@ -451,14 +456,52 @@ fn ranged_hint(field: &str) -> Option<&'static str> {
     }
 }
 
-/// The key written on line `line` (1-based) of `text`, if the line is `key = value`: what an
-/// error the TOML reader found is about.
-fn key_on_line(text: &str, line: usize) -> String {
-    text.lines()
-        .nth(line.saturating_sub(1))
-        .and_then(|l| l.split_once('='))
+/// The key an error the TOML reader found at `line` and `col` (1-based) of `text` is about:
+/// the last `key =` before it on its line (within an inline table, `tls = { cert = "a",
+/// key = 5 }` gives `tls.key`), else, for a value on a line of its own (an element of a
+/// list written over several lines), the key of the nearest line above that has one.
+fn key_at(text: &str, line: usize, col: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    let Some(this) = lines.get(line.saturating_sub(1)) else {
+        return String::new();
+    };
+    let before: String = this.chars().take(col.saturating_sub(1)).collect();
+    if before.contains('=') {
+        // The last `key =` before the column, under the keys of the inline tables it is in.
+        let (mut tables, mut key, mut word, mut quoted) =
+            (Vec::new(), String::new(), String::new(), false);
+        for ch in before.chars() {
+            match ch {
+                '"' => quoted = !quoted,
+                _ if quoted => {}
+                '=' => key = std::mem::take(&mut word).trim().to_owned(),
+                '{' => {
+                    tables.push(key.clone());
+                    word.clear();
+                }
+                '}' => {
+                    tables.pop();
+                    word.clear();
+                }
+                ',' | '[' => word.clear(),
+                c => word.push(c),
+            }
+        }
+        tables.push(key);
+        let key = tables.join(".");
+        return if key.is_empty() || key.starts_with('[') {
+            String::new()
+        } else {
+            key
+        };
+    }
+    lines[..line.saturating_sub(1)]
+        .iter()
+        .rev()
+        .take_while(|l| !l.trim_start().starts_with('['))
+        .find_map(|l| l.split_once('='))
         .map(|(k, _)| k.trim().to_owned())
-        .filter(|k| !k.is_empty() && !k.starts_with('['))
+        .filter(|k| !k.is_empty())
         .unwrap_or_default()
 }
 
@@ -608,7 +651,9 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 Some(t.name.span()),
                 format!("tenant[{i}].name"),
                 "must not be empty".into(),
-                None,
+                Some(
+                    "write a name such as \"acme\": metrics, logs and routes name the tenant by it",
+                ),
             );
         }
         if tenant_index.insert(name.clone(), i).is_some() {
@@ -1488,6 +1533,26 @@ mod tests {
             (
                 format!("[server]\nworkers = -2\n{TAIL}"),
                 "help: write a number between 1 and 1024",
+            ),
+            (
+                format!("[[cluster]]\nname = \"d\"\nendpoints = [\"127.0.0.1:1\"]\nretry_budget_percent = 4294967296\n{TAIL}"),
+                "retry_budget_percent: invalid value: integer `4294967296`, expected u32\n  help: write a number between 0 and 100",
+            ),
+            (
+                format!("[server]\nmax_body_bytes = 18446744073709551616\n{TAIL}"),
+                "help: write a smaller number",
+            ),
+            (
+                "[[listener]]\naddress = \"127.0.0.1:0\"\ntls = { cert = \"a.pem\", key = 5 }\n".to_owned(),
+                "t.toml:3:31: tls.key: invalid type: integer `5`, expected a string",
+            ),
+            (
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\n  \"127.0.0.1:1\",\n  8080,\n]\n".to_owned(),
+                "t.toml:7:3: endpoints: invalid type: integer `8080`, expected a string",
+            ),
+            (
+                format!("[[tenant]]\nname = \"\"\nhosts = []\n{TAIL}"),
+                "tenant[0].name: must not be empty\n  help: write a name such as",
             ),
         ] {
             let errs = errors_of(&text);
