@@ -702,3 +702,48 @@ async fn a_parked_pools_counts_reach_removed_when_it_is_drained() {
     );
     assert_eq!(requests_to(admin, None).await, Some(before));
 }
+
+/// A cluster warm once stays warm for readiness: a DNS answer that moves it to an address
+/// where nothing answers (a new pool, its counts at zero) leaves `/readyz` at 200. It went
+/// back to 503, for good while the new address stayed dead: every replica would leave
+/// rotation together at the same DNS change.
+#[tokio::test]
+async fn readiness_stays_once_a_cluster_was_warm() {
+    let Some((up, _)) = counting_on(Ipv4Addr::new(127, 0, 0, 2), 0).await else {
+        panic!("no port on 127.0.0.2");
+    };
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    let gw = gateway(
+        dns.addr,
+        up.port(),
+        "[server]\nworkers = 1\nwarm_wait = \"30days\"\n[admin]\naddress = \"127.0.0.1:0\"\n",
+    );
+    let admin = gw.gw.as_ref().unwrap().admin_addr().expect("admin");
+    let readyz = || async move {
+        let mut c = h1_client(admin).await;
+        get_on(&mut c, "/readyz").await
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while readyz().await != 200 {
+        assert!(std::time::Instant::now() < deadline, "never ready");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Nothing listens on 127.0.0.9 at that port: once the cluster has moved there, its
+    // requests fail.
+    dns.set(Ipv4Addr::new(127, 0, 0, 9));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut c = h1_client(gw.addr).await;
+        if get_on(&mut c, "/").await == 502 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the cluster never moved");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        readyz().await,
+        200,
+        "readiness went back once the cluster moved"
+    );
+}

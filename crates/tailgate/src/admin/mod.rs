@@ -80,6 +80,8 @@ pub struct AdminState {
     pub started: Instant,
     /// Set once the warning that readiness came without some warm clusters is logged.
     warned_cold: AtomicBool,
+    /// Per cluster: it has been warm on every worker once ([`cold_clusters`](Self::cold_clusters)).
+    warmed: Box<[AtomicBool]>,
     /// Per-consumer series merged over the workers (only scrapes take this lock).
     consumers: tokio::sync::Mutex<exposition::ConsumerMerge>,
     pub last_render_ns: AtomicU64,
@@ -100,6 +102,11 @@ impl AdminState {
             .admin
             .as_ref()
             .map_or(Duration::from_secs(2), |a| a.stall_threshold);
+        let warmed: Box<[AtomicBool]> = config
+            .clusters
+            .iter()
+            .map(|_| AtomicBool::new(false))
+            .collect();
         AdminState {
             config,
             plan,
@@ -109,6 +116,7 @@ impl AdminState {
             stall_threshold,
             started: Instant::now(),
             warned_cold: AtomicBool::new(false),
+            warmed,
             consumers: Default::default(),
             last_render_ns: AtomicU64::new(0),
             last_samples: AtomicU64::new(0),
@@ -182,11 +190,19 @@ impl AdminState {
     }
 
     /// Clusters with `min_warm_connections` that some worker has not warmed yet (no
-    /// endpoint of it has opened its warm spares there). A cluster warm once stays warm.
+    /// endpoint of it has opened its warm spares there). A cluster warm once stays warm:
+    /// readiness gates the start only, and a DNS answer that moves a cluster to new
+    /// addresses (new pools, their counts at zero) must not take every replica out of
+    /// rotation at once.
     pub fn cold_clusters(&self) -> Vec<&str> {
         let mut cold = Vec::new();
         for (ci, cluster) in self.config.clusters.iter().enumerate() {
-            if cluster.min_warm_connections == 0 {
+            if cluster.min_warm_connections == 0
+                || self
+                    .warmed
+                    .get(ci)
+                    .is_some_and(|w| w.load(Ordering::Relaxed))
+            {
                 continue;
             }
             let is_cold = self.workers.iter().any(|w| {
@@ -199,6 +215,8 @@ impl AdminState {
             });
             if is_cold {
                 cold.push(cluster.name.as_str());
+            } else if let Some(w) = self.warmed.get(ci) {
+                w.store(true, Ordering::Relaxed);
             }
         }
         cold
