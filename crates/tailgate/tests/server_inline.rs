@@ -1820,3 +1820,31 @@ async fn ri_a_head_that_starts_like_the_h2_preface_is_timed_from_its_first_byte(
     assert!(!text.contains(" 200 "), "served after its time: {text:?}");
     assert_eq!(hits.load(Ordering::SeqCst), 0);
 }
+
+/// On a connection hyper's server took, a head that starts just before the idle timeout
+/// and ends after it is served: the connection is not idle while a head comes. hyper's server,
+/// which sees none of them until the head is whole, was idle meanwhile, and the idle
+/// close cut the head off (the client read the end of the stream, no answer).
+#[tokio::test]
+async fn ri_a_head_across_the_idle_timeout_after_the_handover_is_served() {
+    let (up, _) = path_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"10s\"\nidle_timeout = \"2s\"\n",
+    );
+    let mut s = connect(gw.addr).await;
+    s.write_all(
+        b"POST /a HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    assert_eq!(read_responses(&mut s, 1).await[0].body(), "POST /a ok");
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    s.write_all(b"GET /b HTTP/1.1\r\nHo").await.unwrap();
+    // Past the idle timeout since the answer.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    s.write_all(b"st: a\r\n\r\n").await.unwrap();
+    let got = read_responses(&mut s, 1).await;
+    assert_eq!(got.len(), 1, "no answer");
+    assert_eq!(got[0].body(), "GET /b");
+}

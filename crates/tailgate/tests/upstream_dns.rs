@@ -737,7 +737,10 @@ async fn readiness_stays_once_a_cluster_was_warm() {
         if get_on(&mut c, "/").await == 502 {
             break;
         }
-        assert!(std::time::Instant::now() < deadline, "the cluster never moved");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the cluster never moved"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;

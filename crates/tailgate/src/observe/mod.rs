@@ -108,6 +108,7 @@ const WRITE_BLOCKED: u8 = 1;
 const LINGERING: u8 = 2;
 const UNFRAMED: u8 = 4;
 const SEND_TIMED_OUT: u8 = 8;
+const READING_HEAD: u8 = 16;
 
 impl Default for ConnActivity {
     fn default() -> Self {
@@ -181,6 +182,23 @@ impl ConnActivity {
         } else {
             self.sending.fetch_and(!WRITE_BLOCKED, Ordering::Relaxed);
         }
+    }
+
+    /// Part of a request head is in, held by the smuggling guard in front of hyper's
+    /// server (`true`), or no longer (`false`). hyper's server sees none of a head until
+    /// it is whole, so it would take the connection for idle meanwhile; the idle close
+    /// waits while this is set (the header read timeout bounds such a head).
+    pub fn set_reading_head(&self, on: bool) {
+        if on {
+            self.sending.fetch_or(READING_HEAD, Ordering::Relaxed);
+        } else {
+            self.sending.fetch_and(!READING_HEAD, Ordering::Relaxed);
+        }
+    }
+
+    /// Is part of a request head in ([`set_reading_head`](Self::set_reading_head))?
+    pub fn reading_head(&self) -> bool {
+        self.sending.load(Ordering::Relaxed) & READING_HEAD != 0
     }
 
     /// The connection began its lingering close.

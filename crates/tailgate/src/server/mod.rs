@@ -650,6 +650,12 @@ where
                 return Poll::Pending;
             }
             match this.info.activity.idle_deadline(this.idle) {
+                // Part of a head held by the guard in front of hyper's server: not idle
+                // (its own timer, `header_read_timeout`, bounds it).
+                Some(_) if this.info.activity.reading_head() => this
+                    .idle_timer
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + this.idle),
                 Some(at) if at <= std::time::Instant::now() => this.close_as_idle(),
                 Some(at) => this.idle_timer.as_mut().reset(at.into()),
                 // Requests in flight: unless the client stopped taking their response data.

@@ -132,6 +132,9 @@ impl<T> H1Guard<T> {
         self.framing.state = State::Passthrough;
         self.release = self.end;
         self.deadline = None;
+        if let Some(info) = &self.info {
+            info.activity.set_reading_head(false);
+        }
     }
 
     pub fn refusal(&self) -> Option<Refusal> {
@@ -203,6 +206,9 @@ impl<T> H1Guard<T> {
     fn settle_head(&mut self) {
         if std::mem::take(&mut self.framing.head_done) {
             self.deadline = None;
+            if let Some(info) = &self.info {
+                info.activity.set_reading_head(false);
+            }
             if let (Some(Refusal::Head(fault)), Some(info)) = (self.framing.refused, &self.info)
                 && info.refused.get().is_none()
             {
@@ -235,6 +241,9 @@ impl<T> H1Guard<T> {
             && self.framing.head_scan.started()
         {
             self.deadline = Some(Box::pin(tokio::time::sleep(self.header_timeout)));
+            if let Some(info) = &self.info {
+                info.activity.set_reading_head(true);
+            }
         }
     }
 
