@@ -670,3 +670,93 @@ async fn a_client_giving_up_on_slow_requests_is_not_taken_for_rapid_reset() {
         .expect("an answer");
     assert_eq!(resp.status(), 200);
 }
+
+/// `max_requests_per_connection` holds on a connection already closing for idleness: a
+/// client that answers no PING (so the graceful close never ends) and keeps a request of
+/// its own in flight has its connection dropped once it goes on opening streams well past
+/// the cap. The cap was counted only from a close it began itself, so such a client was
+/// served any number of requests.
+#[tokio::test]
+async fn the_request_cap_holds_on_a_connection_already_closing() {
+    let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
+        if req.uri().path() == "/slow" {
+            tokio::time::sleep(Duration::from_secs(10)).await;
+        }
+        http::Response::new(full("ok"))
+    })
+    .await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nidle_timeout = \"1s\"\nmax_requests_per_connection = 10\n",
+    );
+    let get = |path: &[u8]| {
+        block(&[
+            (b":method", b"GET"),
+            (b":scheme", b"http"),
+            (b":authority", b"a"),
+            (b":path", path),
+        ])
+    };
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    let mut out = PREFACE.to_vec();
+    out.extend(frame(SETTINGS, 0, 0, &[]));
+    s.write_all(&out).await.unwrap();
+    // The idle close begins (GOAWAY, PING); nothing answers its PING.
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let mut out = frame(HEADERS, END_HEADERS | END_STREAM, 1, &get(b"/slow"));
+    for i in 0..10u32 {
+        out.extend(frame(
+            HEADERS,
+            END_HEADERS | END_STREAM,
+            3 + 2 * i,
+            &get(b"/q"),
+        ));
+    }
+    s.write_all(&out).await.unwrap();
+    // Past the cap's patience (2 s), 300 more while `/slow` is in flight, in rounds of 150
+    // (the answers read between them: at most 200 streams may be open at once).
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let mut next = 23u32;
+    let mut last_round = std::time::Instant::now();
+    for _ in 0..2 {
+        let (_, closed) = read_all_until_close(&mut s, Duration::from_millis(100)).await;
+        assert!(
+            !closed,
+            "the connection closed before the requests past the cap"
+        );
+        let mut out = Vec::new();
+        for _ in 0..150 {
+            out.extend(frame(HEADERS, END_HEADERS | END_STREAM, next, &get(b"/q")));
+            next += 2;
+        }
+        last_round = std::time::Instant::now();
+        let _ = s.write_all(&out).await;
+        let (_, closed) = read_all_until_close(&mut s, Duration::from_millis(1500)).await;
+        if closed {
+            break;
+        }
+    }
+    let (_, closed) = read_all_until_close(&mut s, Duration::from_secs(10)).await;
+    assert!(closed, "the connection stayed open");
+    assert!(
+        last_round.elapsed() < Duration::from_secs(3),
+        "closed {:?} after the last requests: not for the cap (the slow request ends after 10 s)",
+        last_round.elapsed()
+    );
+    assert!(next > 23 + 2 * 150, "dropped before the second round");
+}
+
+/// Reads (and drops) until the peer closes or `wait` passes; how much, and whether it
+/// closed.
+async fn read_all_until_close(s: &mut TcpStream, wait: Duration) -> (usize, bool) {
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut n = 0;
+    let mut chunk = [0u8; 16384];
+    loop {
+        match tokio::time::timeout_at(deadline, s.read(&mut chunk)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return (n, true),
+            Ok(Ok(k)) => n += k,
+            Err(_) => return (n, false),
+        }
+    }
+}

@@ -567,11 +567,16 @@ where
                 tracing::warn!(client.addr = %this.info.client, requests, cancelled = this.info.activity.cancelled_early(), "client gave up on most of its requests before their answers (rapid reset); connection dropped");
                 return Poll::Ready(None);
             }
-            if !this.closing && requests >= this.max_requests {
-                this.close_as_idle();
+            if requests >= this.max_requests && this.side.capped_at.get().is_none() {
                 let _ = this.side.capped_at.set(std::time::Instant::now());
-                this.side.woken.store(true, Ordering::Release);
-                continue;
+                // (Already closing, for idleness or a shutdown: the cap still holds below.
+                // A client that answers no PING went on past it for as long as a request
+                // of its own was in flight.)
+                if !this.closing {
+                    this.close_as_idle();
+                    this.side.woken.store(true, Ordering::Release);
+                    continue;
+                }
             }
             // HTTP/2's graceful close sends its final GOAWAY only once the client answers a
             // PING: a client that never does could go on opening streams, each served. One
