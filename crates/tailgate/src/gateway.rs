@@ -400,4 +400,7 @@ fn run_worker(
     metrics
         .exited
         .store(true, std::sync::atomic::Ordering::Relaxed);
+    // Requests still in flight when the grace ran out end with the runtime's tasks: the
+    // gateway cut them, no client went away.
+    crate::observe::ending_as("shutdown", move || drop(rt));
 }

@@ -1438,3 +1438,37 @@ async fn a_worker_done_draining_is_not_stalled() {
     );
     assert_eq!(slow.await.unwrap(), 200, "the slow request is served");
 }
+
+/// A request still in flight when `shutdown_grace` runs out is cut by the gateway: counted
+/// as `shutdown`, not as a client that went away (`client_gone`).
+#[tokio::test]
+async fn a_request_cut_at_the_end_of_the_grace_is_counted_as_shutdown() {
+    let up = upstream(|_| async {
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        http::Response::new(full("slow"))
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[server]\nworkers = 1\nshutdown_grace = \"500ms\"\n{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let admin = admin_addr(&gw);
+    use tokio::io::AsyncWriteExt;
+    let mut slow = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    slow.write_all(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    gw.gw.as_ref().unwrap().shutdown();
+    // The grace runs out; the worker stops (the admin plane answers until the gateway is
+    // joined).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let ex = scrape(admin).await;
+    let sum = |kind: &str| -> f64 {
+        ex.find("tailgate_request_errors_total", &[("kind", kind)])
+            .iter()
+            .map(|s| s.value)
+            .sum()
+    };
+    assert_eq!((sum("shutdown"), sum("client_gone")), (1.0, 0.0));
+    drop(slow);
+}

@@ -34,7 +34,7 @@ pub const METHODS: [&str; 8] = [
 /// Status classes; `none` is an exchange that ended before any status (client gone).
 pub const CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "none"];
 /// Error kinds with their own label value (the codes of `ProxyError` and of the bodies).
-pub const ERROR_KINDS: [&str; 25] = [
+pub const ERROR_KINDS: [&str; 26] = [
     "no_route",
     "method_not_allowed",
     "misdirected_request",
@@ -59,6 +59,7 @@ pub const ERROR_KINDS: [&str; 25] = [
     "upstream_body_timeout",
     "client_gone",
     "send_timeout",
+    "shutdown",
     "other",
 ];
 /// Stages with their own latency histogram (DESIGN.md rule 5: every stage is timed).
