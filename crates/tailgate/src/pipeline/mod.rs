@@ -91,12 +91,7 @@ impl ConnInfo {
     /// `max`? With no cap (`max` 0) nothing is counted: no request pays for it.
     #[inline]
     pub fn count_request(&self, max: u64) -> bool {
-        if max == 0 {
-            return false;
-        }
-        let n = self.requests.load(std::sync::atomic::Ordering::Relaxed) + 1;
-        self.requests.store(n, std::sync::atomic::Ordering::Relaxed);
-        n >= max
+        max != 0 && self.count_any_request(max)
     }
 
     /// [`count_request`](Self::count_request), counted whatever the cap: on hyper's
