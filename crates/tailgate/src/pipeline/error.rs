@@ -17,6 +17,11 @@ pub enum ProxyError {
     Misdirected,
     #[error("malformed request: {0}")]
     BadRequest(&'static str),
+    /// The client's body ended before its length, or its HTTP/2 stream was reset: a `400`
+    /// (`bad_request`) like any malformed request, kept apart so that the exchange is
+    /// recorded as given up by the client.
+    #[error("malformed request: the client's body ended early")]
+    ClientBodyEnded,
     #[error("request head too large: {0}")]
     HeadTooLarge(&'static str),
     #[error("{0}")]
@@ -61,7 +66,7 @@ impl ProxyError {
             ProxyError::NoRoute => StatusCode::NOT_FOUND,
             ProxyError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Misdirected => StatusCode::MISDIRECTED_REQUEST,
-            ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::BadRequest(_) | ProxyError::ClientBodyEnded => StatusCode::BAD_REQUEST,
             ProxyError::HeadTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ProxyError::UriTooLong(_) => StatusCode::URI_TOO_LONG,
             ProxyError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
@@ -85,7 +90,7 @@ impl ProxyError {
             ProxyError::NoRoute => "no_route",
             ProxyError::MethodNotAllowed(_) => "method_not_allowed",
             ProxyError::Misdirected => "misdirected_request",
-            ProxyError::BadRequest(_) => "bad_request",
+            ProxyError::BadRequest(_) | ProxyError::ClientBodyEnded => "bad_request",
             ProxyError::HeadTooLarge(_) => "header_too_large",
             ProxyError::UriTooLong(_) => "uri_too_long",
             ProxyError::NotImplemented(_) => "not_implemented",
@@ -155,6 +160,7 @@ impl ProxyError {
         if matches!(
             self,
             ProxyError::BadRequest(_)
+                | ProxyError::ClientBodyEnded
                 | ProxyError::HeadTooLarge(_)
                 | ProxyError::UriTooLong(_)
                 | ProxyError::NotImplemented(_)

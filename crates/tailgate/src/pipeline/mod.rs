@@ -370,7 +370,7 @@ pub fn handle(
             let header = &settings.request_id_header;
             // A body the client stopped sending (an HTTP/2 stream it reset) before any
             // answer: given up on, as a request dropped before its answer is.
-            if matches!(e, ProxyError::BadRequest(m) if m == CLIENT_BODY_ENDED) {
+            if matches!(e, ProxyError::ClientBodyEnded) {
                 rec.client_gave_up();
             }
             let resp = error_answer(rec, &e, &request_id, header, head_request);
@@ -967,15 +967,12 @@ fn classify_send_error(e: SendError) -> ProxyError {
     }
 }
 
-/// The `400` of a client's body that ended before its length (or its stream was reset).
-const CLIENT_BODY_ENDED: &str = "the client's body ended early";
-
 /// What reading the client's body failing is: the client's doing (too large, ended early,
 /// stalled), before a response or cutting one short.
 pub(crate) fn client_body_error(b: &ReqBodyError) -> ProxyError {
     match b {
         ReqBodyError::TooLarge(limit) => ProxyError::BodyTooLarge(*limit),
-        ReqBodyError::Client(_) => ProxyError::BadRequest(CLIENT_BODY_ENDED),
+        ReqBodyError::Client(_) => ProxyError::ClientBodyEnded,
         ReqBodyError::TimedOut => ProxyError::ClientBodyTimeout,
     }
 }

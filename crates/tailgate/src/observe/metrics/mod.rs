@@ -362,6 +362,7 @@ mod tests {
             E::UpstreamQueueTimeout,
             E::EndpointRemoved,
             E::UpgradeNeedsHttp1,
+            E::ClientBodyEnded,
         ];
         for e in &all {
             match e {
@@ -369,6 +370,7 @@ mod tests {
                 | E::MethodNotAllowed(_)
                 | E::Misdirected
                 | E::BadRequest(_)
+                | E::ClientBodyEnded
                 | E::HeadTooLarge(_)
                 | E::UriTooLong(_)
                 | E::NotImplemented(_)
