@@ -555,6 +555,9 @@ async fn stats_and_unknown_paths() {
     assert_eq!(v["routes"][0]["requests"], 1);
     assert_eq!(v["clusters"][0]["name"], "up");
     assert_eq!(v["clusters"][0]["endpoints"][0]["address"], up.to_string());
+    assert_eq!(v["clusters"][0]["endpoints"][0]["h2_waits_for_connect"], 0);
+    assert_eq!(v["clusters"][0]["workers"][0]["worker"], 0);
+    assert_eq!(v["clusters"][0]["workers"][0]["overflows"], 0);
     assert_eq!(v["ready"], true);
     assert_eq!(admin_get(admin, "/nope", &[]).await.status(), 404);
     let mut c = h1_client(admin).await;
@@ -921,6 +924,18 @@ async fn hedge_and_dns_counters_are_exported() {
     );
     assert_eq!(ex.value("tailgate_dns_lookups_total", &[]), 0.0);
     assert_eq!(ex.types["tailgate_dns_failures_total"], "counter");
+    // `/stats` has them per worker.
+    let r = admin_get(admin_addr(&gw), "/stats", &[]).await;
+    let v: serde_json::Value = serde_json::from_slice(r.body()).unwrap();
+    let per_worker = v["clusters"][0]["workers"].as_array().unwrap();
+    let sum = |k: &str| {
+        per_worker
+            .iter()
+            .map(|w| w[k].as_u64().unwrap())
+            .sum::<u64>()
+    };
+    assert_eq!(sum("hedges_fired"), fired);
+    assert_eq!(sum("hedges_won"), won);
 }
 
 /// `max_connections_per_endpoint`'s queue is exported: requests queued, those that timed
@@ -1471,4 +1486,30 @@ async fn a_request_cut_at_the_end_of_the_grace_is_counted_as_shutdown() {
     };
     assert_eq!((sum("shutdown"), sum("client_gone")), (1.0, 0.0));
     drop(slow);
+}
+
+/// A small body (served inline) that stops coming is answered `408`, and the request is
+/// recorded as having taken at least the wait that ended it: its start is set back by the
+/// header timeout (when its head came is not kept), not taken when the `408` goes out.
+#[tokio::test]
+async fn a_stalled_small_body_is_timed_from_before_its_wait() {
+    let up = ok_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "{ADMIN}[server]\nworkers = 1\nheader_read_timeout = \"700ms\"\nidle_timeout = \"60s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\nname = \"r\"\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let (text, closed) = raw(
+        gw.addr,
+        b"POST /stalled HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n0123456789",
+        Duration::from_secs(10),
+    )
+    .await;
+    assert!(closed && text.starts_with("HTTP/1.1 408 "), "{text:?}");
+    let ex = scrape(admin_addr(&gw)).await;
+    let with = [("route", "r")];
+    assert_eq!(
+        ex.value("tailgate_request_duration_seconds_count", &with),
+        1.0
+    );
+    let sum = ex.value("tailgate_request_duration_seconds_sum", &with);
+    assert!(sum >= 0.7, "recorded as taking {sum} s");
 }

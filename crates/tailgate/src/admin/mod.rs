@@ -815,6 +815,7 @@ fn stats(state: &AdminState) -> serde_json::Value {
                             "tls_resumed_handshakes": l(&s.tls_resumed_handshakes),
                             "tls_handshake_failures": l(&s.tls_handshake_failures),
                             "h2_connections": l(&s.h2_connections),
+                            "h2_waits_for_connect": l(&s.h2_waits_for_connect),
                             "connect_failures": l(&s.connect_failures),
                             "learned_limit": s.learned_limit.load(Ordering::Relaxed),
                             "ejections": l(&e.load.ejections),
@@ -827,7 +828,26 @@ fn stats(state: &AdminState) -> serde_json::Value {
                     })
                 })
                 .collect();
-            json!({"name": c.name, "endpoints": endpoints})
+            // The cluster's own events (DNS changes, hedges, overflows), per worker.
+            let per_worker: Vec<_> = state
+                .workers
+                .iter()
+                .enumerate()
+                .filter_map(|(wi, w)| w.upstreams.clusters.get(ci).map(|p| (wi, &p.stats)))
+                .map(|(wi, s)| {
+                    json!({
+                        "worker": wi,
+                        "endpoint_updates": l(&s.endpoint_updates),
+                        "endpoints_added": l(&s.endpoints_added),
+                        "endpoints_removed": l(&s.endpoints_removed),
+                        "hedges_fired": l(&s.hedges_fired),
+                        "hedges_won": l(&s.hedges_won),
+                        "hedges_refused": l(&s.hedges_refused),
+                        "overflows": l(&s.overflows),
+                    })
+                })
+                .collect();
+            json!({"name": c.name, "workers": per_worker, "endpoints": endpoints})
         })
         .collect();
     let p = crate::observe::process::read();
