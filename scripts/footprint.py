@@ -212,7 +212,7 @@ http {{
     uwsgi_temp_path {d}/tmp/uwsgi;
     scgi_temp_path {d}/tmp/scgi;
     keepalive_requests 1000000;
-    upstream up {{ server 127.0.0.1:{up_port}; keepalive 64; }}
+    upstream up {{ server 127.0.0.1:{up_port}; keepalive 256; keepalive_requests 1000000; keepalive_time 1h; }}
     server {{
         listen 127.0.0.1:{nport};
         location / {{

@@ -149,7 +149,9 @@ http {{
     keepalive_requests 1000000;
     upstream up {{
         server {upstream};
-        keepalive 64;
+        keepalive 256;
+        keepalive_requests 1000000;
+        keepalive_time 1h;
     }}
     server {{
         listen {addr};
