@@ -214,3 +214,28 @@ fn several_urls_are_round_robined() {
     assert_eq!(r.recorder.ok, 100);
     assert_eq!(up.hits_a.load(std::sync::atomic::Ordering::SeqCst), 50);
 }
+
+/// Open loop against a target that never answers: each request times out, so the one
+/// connection falls further behind its schedule, and at the run's end (plus one timeout)
+/// most of its requests were due and never sent. They are counted as sent and timed out,
+/// not left out: 100 rps for 1 s is 100 requests, every one an error.
+#[test]
+fn requests_due_but_never_sent_are_counted_as_timeouts() {
+    let up = start(Behaviour {
+        silent: true,
+        ..Default::default()
+    });
+    let mut s = spec(
+        &up.url(),
+        1,
+        Some(100.0),
+        Stop::Duration(Duration::from_secs(1)),
+    );
+    s.timeout = Duration::from_millis(150);
+    let r = load::run(s).unwrap();
+    assert!((99..=101).contains(&r.sent), "sent {}", r.sent);
+    assert_eq!(r.recorder.responses, 0);
+    assert_eq!(r.recorder.errors.total(), r.sent, "{:?}", r.recorder.errors);
+    // Only a few were on the wire: one per timeout, about 1.15 s ÷ 150 ms.
+    assert!(up.count() <= 12, "sent on the wire: {}", up.count());
+}

@@ -402,9 +402,26 @@ async fn connection(
             Some((s, _)) => s.at(j),
             None => Instant::now(),
         };
-        if shared.end.is_some_and(|end| intended >= end)
-            || hard_end.is_some_and(|h| Instant::now() >= h)
-        {
+        if shared.end.is_some_and(|end| intended >= end) {
+            break;
+        }
+        if hard_end.is_some_and(|h| Instant::now() >= h) {
+            // Open loop, out of time with requests still due before the end (this
+            // connection stuck behind a target that stopped answering): each is counted as
+            // sent and timed out, not left out, so a target that falls behind does not lose
+            // its worst samples.
+            if let (Some((s, _)), Some(end)) = (&shared.schedule, shared.end) {
+                let mut rec = recorder.borrow_mut();
+                let (mut at, mut i) = (intended, j);
+                while at < end {
+                    if at >= shared.measure_start {
+                        shared.sent.fetch_add(1, Ordering::Relaxed);
+                        rec.error(ErrorKind::Timeout);
+                    }
+                    i += stride;
+                    at = s.at(i);
+                }
+            }
             break;
         }
         let measured = intended >= shared.measure_start;
