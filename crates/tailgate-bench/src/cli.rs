@@ -140,7 +140,7 @@ struct ScenarioOpts {
     #[arg(long, value_parser = parse_duration, default_value = "1s")]
     warmup: Duration,
     /// Interleaved measurements per (target, variant): each round measures all targets of a
-    /// variant in an order rotated by one; rows report the medians and the p99 range.
+    /// variant in an order rotated by one every two rounds and reversed in odd ones; rows report the medians and the p99 range.
     /// Default 5 (was 3): on the shared 2-core VMs one round's p99 ranged from 0.35 ms to
     /// 4.2 ms for the same target, and a median of three still swung by tens of percent.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]

@@ -93,7 +93,8 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
             ts.as_ref().map(|r| r.latency_ms.p99_9),
             1.1,
             true,
-        ),
+        )
+        .sides(tc.as_ref(), ts.as_ref()),
         check(
             "tailgate p99 ÷ nginx p99 (closing upstream) ≤".into(),
             tc.as_ref().map(|r| r.latency_ms.p99),

@@ -3,7 +3,7 @@
 //! reports ratios — never absolute times alone, since the machines are shared and noisy.
 //!
 //! Every (target, variant) is measured `rounds` times, interleaved: each round runs the targets
-//! of a variant back to back, in an order rotated by one per round, with every process kept
+//! of a variant back to back, in an order rotated by one every two rounds and reversed in odd ones, with every process kept
 //! running between rounds. Rows report the median across rounds of each statistic (errors are
 //! summed), plus the p99 spread — one run on a noisy VM is not a measurement.
 //!
@@ -144,6 +144,11 @@ pub struct Check {
     /// two sides' own p99s met the goal, and of how many (see [`Check::by_round`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rounds_met: Option<[usize; 2]>,
+    /// Requests that failed (or, open loop, were due and never sent) in the rows the goal
+    /// compares, over all rounds: a goal with any is not met, whatever its value (a side
+    /// that drops or fails requests loses its worst samples, so it looks faster).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub errors: Option<u64>,
     /// The goal is an upper bound (`≤`), not a lower one.
     #[serde(skip)]
     at_most: bool,
@@ -153,12 +158,13 @@ impl Check {
     /// Adds [`rounds_met`](Check::rounds_met) from the two rows' p99s round by round: the
     /// ratio of medians can be swung by one side's worst rounds, so how often each round's
     /// pair met the goal is shown beside it (the goal's verdict stays the medians').
-    pub fn by_round(mut self, num: Option<&Row>, den: Option<&Row>) -> Check {
+    pub fn by_round(self, num: Option<&Row>, den: Option<&Row>) -> Check {
+        let mut this = self.sides(num, den);
         let (Some(n), Some(d)) = (
             num.and_then(|r| r.p99_rounds_ms.as_ref()),
             den.and_then(|r| r.p99_rounds_ms.as_ref()),
         ) else {
-            return self;
+            return this;
         };
         // Each round's ratio is judged exactly as the medians' is (`check`).
         let ratios: Vec<f64> = n
@@ -167,8 +173,19 @@ impl Check {
             .filter_map(|(&n, &d)| goal_ratio(n, d))
             .collect();
         if !ratios.is_empty() {
-            let met = ratios.iter().filter(|&&r| self.holds(r)).count();
-            self.rounds_met = Some([met, ratios.len()]);
+            let met = ratios.iter().filter(|&&r| this.holds(r)).count();
+            this.rounds_met = Some([met, ratios.len()]);
+        }
+        this
+    }
+
+    /// Takes the errors of the two rows the goal compares ([`errors`](Check::errors)): with
+    /// any, the goal is not met.
+    pub fn sides(mut self, num: Option<&Row>, den: Option<&Row>) -> Check {
+        let errors: u64 = [num, den].iter().flatten().map(|r| r.errors).sum();
+        if errors > 0 {
+            self.errors = Some(errors);
+            self.met = false;
         }
         self
     }
@@ -183,9 +200,10 @@ impl Check {
     }
 }
 
-/// `num / den` to three decimals, as goals are judged; `None` without a positive `den`.
+/// `num / den`, as goals are judged (unrounded: 1.0004 does not meet `≤ 1`); `None` without
+/// a positive `den`.
 fn goal_ratio(num: f64, den: f64) -> Option<f64> {
-    (den > 0.0).then(|| (num / den * 1000.0).round() / 1000.0)
+    (den > 0.0).then(|| num / den)
 }
 
 /// A finished scenario.
@@ -367,9 +385,17 @@ pub fn measure_with(
     Ok(Measured { row, report })
 }
 
-/// Target order in round `round` (0-based) of `n` targets: rotated left by one per round.
+/// Target order in round `round` (0-based) of `n` targets: rotated left by one every two
+/// rounds, and reversed in odd rounds. Over `2n` rounds every target takes every position
+/// twice, and follows each of its two neighbours in turn (a rotation alone would always
+/// put it after the same one, whose after-effects it would always carry).
 pub fn rotation(n: usize, round: usize) -> Vec<usize> {
-    (0..n).map(|i| (i + round) % n.max(1)).collect()
+    let shift = round / 2;
+    let mut order: Vec<usize> = (0..n).map(|i| (i + shift) % n.max(1)).collect();
+    if round % 2 == 1 {
+        order.reverse();
+    }
+    order
 }
 
 /// The median of `xs` (mean of the middle two for an even count); 0 when empty.
@@ -549,7 +575,11 @@ impl Outcome {
         let _ = writeln!(out, "|---|--:|--:|:-:|--:|");
         for c in &self.checks {
             let v = c.value.map_or("n/a".to_string(), |v| format!("{v:.3}"));
-            let met = if c.met { "yes" } else { "**no**" };
+            let met = match (c.met, c.errors) {
+                (true, _) => "yes".to_string(),
+                (false, Some(e)) => format!("**no** ({e} errors)"),
+                (false, None) => "**no**".to_string(),
+            };
             let rounds = c
                 .rounds_met
                 .map_or("–".to_string(), |[k, n]| format!("{k} of {n}"));
@@ -629,16 +659,18 @@ fn ratio(a: f64, b: f64) -> String {
 
 /// A goal on `num / den`: at least `goal` (`at_most = false`) or at most `goal`.
 pub fn check(name: String, num: Option<f64>, den: Option<f64>, goal: f64, at_most: bool) -> Check {
-    let value = num.zip(den).and_then(|(n, d)| goal_ratio(n, d));
+    let raw = num.zip(den).and_then(|(n, d)| goal_ratio(n, d));
     let mut c = Check {
         name,
-        value,
+        // Shown to three decimals; judged unrounded.
+        value: raw.map(|v| (v * 1000.0).round() / 1000.0),
         goal,
         met: false,
         rounds_met: None,
+        errors: None,
         at_most,
     };
-    c.met = value.is_some_and(|v| c.holds(v));
+    c.met = raw.is_some_and(|v| c.holds(v));
     c
 }
 
@@ -648,17 +680,35 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rotation_shifts_the_order_by_one_per_round() {
+    fn rotation_balances_positions_and_neighbours() {
         assert_eq!(rotation(4, 0), [0, 1, 2, 3]);
-        assert_eq!(rotation(4, 1), [1, 2, 3, 0]);
-        assert_eq!(rotation(4, 2), [2, 3, 0, 1]);
-        assert_eq!(rotation(4, 5), [1, 2, 3, 0]);
+        assert_eq!(rotation(4, 1), [3, 2, 1, 0]);
+        assert_eq!(rotation(4, 2), [1, 2, 3, 0]);
+        assert_eq!(rotation(4, 3), [0, 3, 2, 1]);
+        assert_eq!(rotation(4, 9), [3, 2, 1, 0]);
         assert!(rotation(0, 3).is_empty());
-        // Over n rounds every target takes every position once.
-        for pos in 0..3 {
-            let mut seen: Vec<usize> = (0..3).map(|r| rotation(3, r)[pos]).collect();
-            seen.sort_unstable();
-            assert_eq!(seen, [0, 1, 2]);
+        for n in 1..=7 {
+            // Over 2n rounds every target takes every position twice.
+            for pos in 0..n {
+                let mut seen: Vec<usize> = (0..2 * n).map(|r| rotation(n, r)[pos]).collect();
+                seen.sort_unstable();
+                let twice: Vec<usize> = (0..n).flat_map(|t| [t, t]).collect();
+                assert_eq!(seen, twice, "n = {n}, position {pos}");
+            }
+            // And no target always follows the same one.
+            for t in 0..n {
+                let before: std::collections::BTreeSet<usize> = (0..2 * n)
+                    .filter_map(|r| {
+                        let o = rotation(n, r);
+                        let p = o.iter().position(|&x| x == t)?;
+                        p.checked_sub(1).map(|q| o[q])
+                    })
+                    .collect();
+                assert!(
+                    n < 3 || before.len() == 2,
+                    "n = {n}, target {t}: {before:?}"
+                );
+            }
         }
     }
 
@@ -771,6 +821,54 @@ mod tests {
         let c = check("p99 ≤".into(), Some(2.0), Some(2.0), 1.0, true)
             .by_round(Some(&tailgate), Some(&single));
         assert_eq!(c.rounds_met, None);
+    }
+
+    /// A ratio is judged unrounded (1.0004 is not at most 1), though shown to three decimals.
+    #[test]
+    fn a_goal_is_judged_on_the_unrounded_ratio() {
+        let c = check("p99 ≤".into(), Some(1.0004), Some(1.0), 1.0, true);
+        assert_eq!(c.value, Some(1.0));
+        assert!(!c.met);
+        let c = check("rps ≥".into(), Some(0.9996), Some(1.0), 1.0, false);
+        assert_eq!(c.value, Some(1.0));
+        assert!(!c.met);
+        let c = check("p99 ≤".into(), Some(1.0), Some(1.0), 1.0, true);
+        assert!(c.met);
+    }
+
+    /// A failed (or unsent) request in either row the goal compares: not met, whatever the
+    /// ratio, and the table says why.
+    #[test]
+    fn a_goal_with_errors_in_its_rows_is_not_met() {
+        let ok = combine(vec![measured(1000.0, 0, 1.0)]).unwrap().row;
+        let failing = combine(vec![measured(1000.0, 3, 1.0), measured(1000.0, 2, 1.0)])
+            .unwrap()
+            .row;
+        let c = check("p99 ≤".into(), Some(0.0), Some(1.0), 1.0, true)
+            .by_round(Some(&failing), Some(&ok));
+        assert!(!c.met);
+        assert_eq!(c.errors, Some(5));
+        let c = check("rps ≥".into(), Some(2.0), Some(1.0), 1.0, false)
+            .sides(Some(&ok), Some(&failing));
+        assert!(!c.met);
+        let c = check("rps ≥".into(), Some(2.0), Some(1.0), 1.0, false).sides(Some(&ok), Some(&ok));
+        assert!(c.met);
+        assert_eq!(c.errors, None);
+        let o = Outcome {
+            scenario: "s".into(),
+            measured: Vec::new(),
+            checks: vec![
+                check("rps ≥".into(), Some(2.0), Some(1.0), 1.0, false).sides(Some(&failing), None),
+            ],
+            notes: Vec::new(),
+            rounds: 2,
+        };
+        let t = o.table();
+        assert!(
+            t.contains("| rps ≥ | 2.000 | 1 | **no** (5 errors) | – |"),
+            "{t}"
+        );
+        assert_eq!(o.json()["targets"][0]["errors"], json!(5));
     }
 
     #[test]

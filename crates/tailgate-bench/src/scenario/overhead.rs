@@ -84,10 +84,11 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
         check(
             format!("tailgate rps ÷ nginx rps ({closed}) ≥"),
             tc.as_ref().map(|r| r.rps),
-            nc.map(|r| r.rps),
+            nc.as_ref().map(|r| r.rps),
             1.0,
             false,
-        ),
+        )
+        .sides(tc.as_ref(), nc.as_ref()),
         check(
             format!("tailgate p99 ÷ nginx p99 ({open}) ≤"),
             to.as_ref().map(|r| r.latency_ms.p99),
@@ -106,11 +107,12 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
         .by_round(tm.as_ref(), nm.as_ref()),
         check(
             format!("tailgate rps ÷ nginx-fwd rps, same header work ({closed}) ≥"),
-            tc.map(|r| r.rps),
-            fc.map(|r| r.rps),
+            tc.as_ref().map(|r| r.rps),
+            fc.as_ref().map(|r| r.rps),
             1.0,
             false,
-        ),
+        )
+        .sides(tc.as_ref(), fc.as_ref()),
         check(
             format!("tailgate p99 ÷ nginx-fwd p99, same header work ({open}) ≤"),
             to.as_ref().map(|r| r.latency_ms.p99),

@@ -121,14 +121,16 @@ pub fn run(opts: &Options, tailgate_exe: &std::path::Path) -> Result<Outcome, Sc
             without.as_ref().map(|r| r.latency_ms.max),
             1.2,
             true,
-        ),
+        )
+        .sides(with.as_ref(), without.as_ref()),
         check(
             "p99.9 with scraper ÷ without ≤".into(),
             with.as_ref().map(|r| r.latency_ms.p99_9),
             without.as_ref().map(|r| r.latency_ms.p99_9),
             1.2,
             true,
-        ),
+        )
+        .sides(with.as_ref(), without.as_ref()),
         check(
             "p99 with scraper ÷ without ≤".into(),
             with.as_ref().map(|r| r.latency_ms.p99),
