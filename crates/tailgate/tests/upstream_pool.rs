@@ -1023,3 +1023,62 @@ async fn a_resend_that_gets_no_answer_counts_against_the_endpoint() {
     let pools = g.endpoint_pools();
     assert_eq!(pools[0].load.ejections.load(Ordering::Relaxed), 1);
 }
+
+/// A request replayed after its pooled connection failed goes to another endpoint when
+/// its own no longer takes connections (a server that crashed or restarted: its kept
+/// connection dropped the request, its port refuses), as a first try's failed connect
+/// does, rather than `502`.
+#[tokio::test]
+async fn a_resend_whose_connect_fails_goes_to_another_endpoint() {
+    // A: takes one connection, then stops listening; answers its first request and drops
+    // the connection at the second.
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let a = l.local_addr().unwrap();
+    let a_seen = Arc::new(AtomicUsize::new(0));
+    let seen = a_seen.clone();
+    tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        drop(l);
+        let mut buf = Vec::new();
+        while let Some(end) = read_head(&mut s, &mut buf).await {
+            buf.drain(..end);
+            if seen.fetch_add(1, Ordering::SeqCst) == 0 {
+                s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\na")
+                    .await
+                    .unwrap();
+            } else {
+                return;
+            }
+        }
+    });
+    let b_hits = Arc::new(AtomicUsize::new(0));
+    let hits = b_hits.clone();
+    let b = upstream(move |_req| {
+        hits.fetch_add(1, Ordering::SeqCst);
+        async { http::Response::new(full("b")) }
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{a}\", \"{b}\"]\nbalance = \"round_robin\"\neject_after_failures = 0\nretry_budget_percent = 100\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    // Until A has answered once (its connection now idle in the pool).
+    for _ in 0..4 {
+        if a_seen.load(Ordering::SeqCst) > 0 {
+            break;
+        }
+        assert_eq!(get(gw.addr, "/warm").await.status(), 200);
+    }
+    assert_eq!(a_seen.load(Ordering::SeqCst), 1);
+    // Until a request lands on A's kept connection: it must still be answered (by B).
+    for _ in 0..4 {
+        let before = b_hits.load(Ordering::SeqCst);
+        let resp = get(gw.addr, "/then").await;
+        assert_eq!(resp.status(), 200, "{:?}", resp.body());
+        if a_seen.load(Ordering::SeqCst) == 2 {
+            assert_eq!(resp.body(), "b");
+            assert_eq!(b_hits.load(Ordering::SeqCst), before + 1);
+            return;
+        }
+    }
+    panic!("no request went to A's kept connection");
+}

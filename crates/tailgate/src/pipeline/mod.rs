@@ -690,12 +690,12 @@ fn forward(
                 // A resend (connect included) gets what is left of this request's response
                 // deadline, which the total deadline already cut short when it comes first.
                 let left = || deadline.saturating_duration_since(Instant::now());
-                let resent: Resent = match e {
+                let (resent, moved) = match e {
                     // The connection closed before the request was written: sending it
                     // again on a fresh connection is always safe, whatever the method.
                     SendError::NotSent(NotSentBody(body)) if up.reused => {
                         tracing::debug!(upstream.addr = %pool.addr, "pooled connection closed before the request was sent; resending on a new one");
-                        send_on_new(&mut up, &parts, &added, body, left(), None).await
+                        send_on_new(cluster, &mut up, &parts, &added, body, left(), None).await
                     }
                     // Refused unprocessed by an HTTP/2 upstream: sending it again is safe
                     // whatever the method, and costs no retry budget (with its body only when
@@ -705,7 +705,7 @@ fn forward(
                     {
                         tracing::debug!(upstream.addr = %pool.addr, error = %e, "upstream refused the request unprocessed; resending on a new connection");
                         pool.count_refused_resend();
-                        send_on_new(&mut up, &parts, &added, body, left(), None).await
+                        send_on_new(cluster, &mut up, &parts, &added, body, left(), None).await
                     }
                     // Written, then the connection failed before a response: replay it once
                     // on a fresh connection (idempotent and bodiless only; never a POST
@@ -729,10 +729,18 @@ fn forward(
                             e.stream_reset_only().then_some(&replay_body);
                         tracing::debug!(upstream.addr = %pool.addr, error = %e, same_connection_allowed = again.is_some(), "upstream connection failed under a request; retrying it");
                         pool.count_retry();
-                        send_on_new(&mut up, &parts, &added, body, left(), again).await
+                        send_on_new(cluster, &mut up, &parts, &added, body, left(), again).await
                     }
-                    e => Ok(Err(e)),
+                    e => (Ok(Err(e)), None),
                 };
+                // The resend went to another endpoint, since no connection to this one
+                // could be had: this one's part ends with that failure, and the other's
+                // begins.
+                if let Some((first, to)) = moved {
+                    in_flight.ended_by(&first);
+                    pool = to;
+                    in_flight = pool.load.start();
+                }
                 // No answer from the resend either: its connect failed, or its time ran
                 // out. That counts against the endpoint, as on a first try (the first
                 // failure, on a connection the server may just have closed, does not).
@@ -894,6 +902,13 @@ fn is_idempotent(m: &http::Method) -> bool {
 /// What a resend on a new connection gives: the upstream's answer, or why none came.
 type Resent = Result<Result<Response<UpBody>, SendError>, ProxyError>;
 
+/// A resend's outcome, and, when it went to another endpoint, why the first endpoint gave
+/// no connection and the endpoint it went to.
+type ResentOn = (
+    Resent,
+    Option<(ProxyError, Arc<crate::upstream::EndpointPool>)>,
+);
+
 /// Sends the request again on `up`'s replacement (see `Conn::replacement`: a fresh
 /// HTTP/1.1 connection, or a shared HTTP/2 one), within `left`.
 ///
@@ -902,19 +917,26 @@ type Resent = Result<Result<Response<UpBody>, SendError>, ProxyError>;
 /// was closing after all: the server reset the stream, then went away) or refuses it
 /// unprocessed, it goes once more, on a connection of its own.
 ///
+/// When no connection to `up`'s endpoint can be had (the connect is refused or times out:
+/// the server restarting, say), the request goes to another endpoint of `cluster`, as a
+/// first try whose connect failed does: within the retry budget, and with the cluster's
+/// names re-resolved early ([`replace_or_move`]).
+///
 /// A rare path: its state lives on the heap, so that it does not make every request's
 /// future larger (and every move of it dearer).
 fn send_on_new<'a>(
+    cluster: &'a crate::upstream::ClusterPools,
     up: &'a mut crate::upstream::Conn,
     parts: &'a http::request::Parts,
     added: &'a headers::Added<'a>,
     body: ReqBody,
     left: Duration,
     again: Option<&'a (dyn Fn() -> Option<ReqBody> + Sync)>,
-) -> std::pin::Pin<Box<impl std::future::Future<Output = Resent> + 'a>> {
+) -> std::pin::Pin<Box<impl std::future::Future<Output = ResentOn> + 'a>> {
     Box::pin(async move {
+        let mut moved = None;
         let resend = async {
-            *up = up.replacement(again.is_some()).await?;
+            *up = replace_or_move(cluster, up, again.is_some(), &mut moved).await?;
             let sent = up.send(parts, added, body, None).await;
             match sent {
                 Err(e) if matches!(e, SendError::NotSent(_)) || e.refused_before_processing() => {
@@ -926,16 +948,51 @@ fn send_on_new<'a>(
                     if e.refused_before_processing() {
                         up.pool.count_refused_resend();
                     }
-                    *up = up.replacement(false).await?;
+                    *up = replace_or_move(cluster, up, false, &mut moved).await?;
                     Ok(up.send(parts, added, body, None).await)
                 }
                 sent => Ok(sent),
             }
         };
-        tokio::time::timeout(left, resend)
+        let resent = tokio::time::timeout(left, resend)
             .await
-            .unwrap_or(Err(ProxyError::UpstreamTimeout))
+            .unwrap_or(Err(ProxyError::UpstreamTimeout));
+        (resent, moved)
     })
+}
+
+/// `up`'s replacement ([`crate::upstream::Conn::replacement`]); when its connect fails, a
+/// connection to another endpoint of `cluster` (once, within the retry budget, only while
+/// there is another), which `moved` then names with the first failure.
+async fn replace_or_move(
+    cluster: &crate::upstream::ClusterPools,
+    up: &mut crate::upstream::Conn,
+    keep_h2: bool,
+    moved: &mut Option<(ProxyError, Arc<crate::upstream::EndpointPool>)>,
+) -> Result<crate::upstream::Conn, ProxyError> {
+    let e = match up.replacement(keep_h2).await {
+        Ok(conn) => return Ok(conn),
+        Err(
+            e @ (ProxyError::UpstreamConnect(_)
+            | ProxyError::UpstreamTls(_)
+            | ProxyError::ConnectTimeout),
+        ) => e,
+        Err(e) => return Err(e),
+    };
+    cluster.connect_failed(&e);
+    let from = up.pool.addr;
+    if moved.is_some() || cluster.endpoint_count() < 2 || !cluster.try_spend_retry() {
+        return Err(e);
+    }
+    let to = cluster.pick(Some(from))?;
+    if to.addr == from {
+        return Err(e);
+    }
+    tracing::debug!(upstream.addr = %from, error = %e, to = %to.addr, "no connection to this endpoint for a resend; sending it to another");
+    up.pool.count_retry();
+    let conn = cluster.checkout(&to).await;
+    *moved = Some((e, to));
+    conn
 }
 
 /// A checkout (a connect, or a wait for an HTTP/2 connection's room) bounded by the route's

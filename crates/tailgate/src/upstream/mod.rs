@@ -336,12 +336,21 @@ impl ClusterPools {
         now: Instant,
     ) -> Result<Conn, ProxyError> {
         let r = pool.checkout_at(now).await;
-        if let (Err(ProxyError::UpstreamConnect(_) | ProxyError::ConnectTimeout), Some(feed)) =
-            (&r, &self.feed)
+        if let Err(e) = &r {
+            self.connect_failed(e);
+        }
+        r
+    }
+
+    /// A connect to one of the cluster's endpoints ended in `e`: a refused or timed-out
+    /// one asks for an early re-resolution of the cluster's names (the name may have
+    /// moved: failover).
+    pub fn connect_failed(&self, e: &ProxyError) {
+        if let (ProxyError::UpstreamConnect(_) | ProxyError::ConnectTimeout, Some(feed)) =
+            (e, &self.feed)
         {
             feed.request_refresh();
         }
-        r
     }
 
     /// Applies a new address list on this worker: pools of addresses that stay are kept
