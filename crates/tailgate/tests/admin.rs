@@ -1513,3 +1513,67 @@ async fn a_stalled_small_body_is_timed_from_before_its_wait() {
     let sum = ex.value("tailgate_request_duration_seconds_sum", &with);
     assert!(sum >= 0.7, "recorded as taking {sum} s");
 }
+
+/// `/metrics` is streamed in chunks of about 64 KiB, within a family too: with 2,000 routes
+/// that each had an error, the error family alone is some 170 KB, and no chunk of the
+/// answer is much over 64 KiB (it is not rendered whole first).
+#[tokio::test]
+async fn a_large_family_is_streamed_in_chunks() {
+    let dead = dead_port();
+    let addr = dead.addr();
+    let mut toml = format!("{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{addr}\"]\n");
+    for i in 0..2000 {
+        toml.push_str(&format!(
+            "[[route]]\nname = \"r{i}\"\npath_prefix = \"/r{i}/\"\ncluster = \"up\"\n"
+        ));
+    }
+    let gw = TestGateway::start(&toml);
+    let mut c = h1_client(gw.addr).await;
+    for i in 0..2000 {
+        let req = http::Request::get(format!("/r{i}/"))
+            .header("host", "a")
+            .body(full(""))
+            .unwrap();
+        assert_eq!(c.send_request(req).await.unwrap().status(), 502);
+    }
+    let mut s = tokio::net::TcpStream::connect(admin_addr(&gw))
+        .await
+        .unwrap();
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut raw))
+        .await
+        .unwrap()
+        .unwrap();
+    let at = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    let head = String::from_utf8_lossy(&raw[..at]).to_ascii_lowercase();
+    assert!(head.contains("transfer-encoding: chunked"), "{head}");
+    // The chunks' sizes, and the body they make.
+    let (mut rest, mut sizes, mut body) = (&raw[at..], Vec::new(), Vec::new());
+    loop {
+        let eol = rest.windows(2).position(|w| w == b"\r\n").unwrap();
+        let size = usize::from_str_radix(std::str::from_utf8(&rest[..eol]).unwrap(), 16).unwrap();
+        if size == 0 {
+            break;
+        }
+        body.extend_from_slice(&rest[eol + 2..eol + 2 + size]);
+        sizes.push(size);
+        rest = &rest[eol + 2 + size + 2..];
+    }
+    let text = String::from_utf8(body).unwrap();
+    let errors = text
+        .lines()
+        .filter(|l| l.starts_with("tailgate_request_errors_total{"))
+        .count();
+    assert_eq!(errors, 2000);
+    let largest = sizes.iter().max().copied().unwrap_or(0);
+    assert!(
+        largest <= 68 * 1024,
+        "a chunk of {largest} bytes ({} chunks, {} bytes in all)",
+        sizes.len(),
+        text.len()
+    );
+}

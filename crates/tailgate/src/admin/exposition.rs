@@ -126,8 +126,8 @@ async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> 
                 w.counter("tailgate_request_errors", &[&plan.slot_labels[s], kind], n);
             }
         }
+        w.maybe_flush().await?;
     }
-    w.maybe_flush().await?;
 
     type SlotGet = fn(&crate::observe::metrics::RouteSlot) -> &std::sync::atomic::AtomicU64;
     let bytes: [(&str, &str, SlotGet); 2] = [
@@ -149,9 +149,9 @@ async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> 
             if n > 0 {
                 w.counter(name, &[&plan.slot_labels[s]], n);
             }
+            w.maybe_flush().await?;
         }
     }
-    w.maybe_flush().await?;
 
     w.family(
         "tailgate_requests_in_flight",
@@ -599,6 +599,7 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
                 &[&l, "when=\"ahead\""],
                 e.preconnects,
             );
+            w.maybe_flush().await?;
         }
     }
     w.family(
@@ -620,6 +621,7 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
                     e.retired[i],
                 );
             }
+            w.maybe_flush().await?;
         }
     }
     w.family(
@@ -632,6 +634,7 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
             if let Some(open) = e.capped_open {
                 w.gauge("tailgate_upstream_connections_open", &[&label(c, e)], open);
             }
+            w.maybe_flush().await?;
         }
     }
     for (name, kind, help, get) in families {
@@ -643,9 +646,9 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
                     Kind::Counter => w.counter(name, &[&l], get(e)),
                     _ => w.gauge(name, &[&l], get(e)),
                 }
+                w.maybe_flush().await?;
             }
         }
-        w.maybe_flush().await?;
     }
     w.family(
         "tailgate_upstream_tls_handshakes",
@@ -659,6 +662,7 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
                 let k = format!("kind=\"{kind}\"");
                 w.counter("tailgate_upstream_tls_handshakes", &[&l, &k], e.tls[i]);
             }
+            w.maybe_flush().await?;
         }
     }
     w.family(
@@ -673,6 +677,7 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
                 &[&label(c, e)],
                 u8::from(e.ejected),
             );
+            w.maybe_flush().await?;
         }
     }
     // Per cluster, summed over workers: hedging and endpoint-list changes.
