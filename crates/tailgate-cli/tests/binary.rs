@@ -599,13 +599,16 @@ fn json_access_log_has_stage_timings() {
     wait_listening(addr);
     let resp = http_get(addr, "/logged?q=1");
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    // A long path is logged cut (a log line waits in the queue as a copy).
+    let long = format!("/{}", "p".repeat(3000));
+    let resp = http_get(addr, &long);
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
     let stderr = p.0.stderr.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines() {
             let Ok(line) = line else { return };
-            if line.contains("tailgate::access") {
-                let _ = tx.send(line);
+            if line.contains("tailgate::access") && tx.send(line).is_err() {
                 return;
             }
         }
@@ -613,6 +616,12 @@ fn json_access_log_has_stage_timings() {
     let line = rx
         .recv_timeout(Duration::from_secs(10))
         .expect("an access log line");
+    let cut = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the long path's access log line");
+    let c: serde_json::Value =
+        serde_json::from_str(&cut).unwrap_or_else(|e| panic!("not JSON ({e}): {cut}"));
+    assert_eq!(c["http.path"], format!("{}…", &long[..1024]));
     let v: serde_json::Value =
         serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
     assert_eq!(v["http.path"], "/logged");

@@ -12,8 +12,11 @@ use tracing_subscriber::EnvFilter;
 
 use crate::config::{LogFormat, LogSettings};
 
-/// Lines the log queue holds before it drops.
-const QUEUE_LINES: usize = 64 * 1024;
+/// Lines the log queue holds before it drops. Each is a copy of a formatted line: an
+/// access log line is at most a few KiB (its client-chosen fields are cut, see
+/// [`crate::observe::access_log`]), so the queue holds some tens of MiB at worst, and a few
+/// MiB of ordinary lines.
+const QUEUE_LINES: usize = 16 * 1024;
 
 static DROPPED: OnceLock<ErrorCounter> = OnceLock::new();
 

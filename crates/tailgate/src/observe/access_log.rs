@@ -1,7 +1,30 @@
 //! The access log: one `tracing` event per request (target `tailgate::access`) with the
 //! stage timings; the log format (text or JSON) is the subscriber's.
+//!
+//! What the client chose that may be long (its path, an extension method) is logged cut
+//! ([`PATH_BYTES`], [`METHOD_BYTES`]): a line waits in the log queue as a copy, and a queue
+//! of lines each carrying a path of up to `max_header_bytes` (1 MiB at most) could take
+//! gigabytes while stderr is slow to take them.
 
 use super::{Exchange, Observer};
+
+/// The most of a request's path an access log line carries; a longer one is cut there
+/// and ends in `…`.
+pub const PATH_BYTES: usize = 1024;
+/// The same for its method (an extension method is a token of any length).
+pub const METHOD_BYTES: usize = 32;
+
+/// `s`, or its first `max` bytes (at most; on a character's boundary) and `…`.
+fn cut(s: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if s.len() <= max {
+        return s.into();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end]).into()
+}
 
 /// Writes one access log line per exchange. Tenant and route are written by name.
 pub struct AccessLog {
@@ -25,8 +48,8 @@ impl Observer for AccessLog {
                 .route
                 .and_then(|r| self.route_names.get(r))
                 .map_or("-", String::as_str),
-            http.method = %ex.method,
-            http.path = ex.uri.path(),
+            http.method = &*cut(ex.method.as_str(), METHOD_BYTES),
+            http.path = &*cut(ex.uri.path(), PATH_BYTES),
             http.version = ?ex.version,
             http.status = ex.status,
             bytes.out = ex.bytes_out,
@@ -38,5 +61,23 @@ impl Observer for AccessLog {
             time.total_us = ex.timings.total.as_micros() as u64,
             "access"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_fields_are_cut_on_a_boundary() {
+        assert_eq!(cut("/short", PATH_BYTES), "/short");
+        let exact = "a".repeat(PATH_BYTES);
+        assert_eq!(cut(&exact, PATH_BYTES), exact);
+        let long = format!("/{}", "b".repeat(5000));
+        let got = cut(&long, PATH_BYTES);
+        assert_eq!(got.len(), PATH_BYTES + "…".len());
+        assert!(got.starts_with("/bbb") && got.ends_with('…'));
+        // A cut never splits a character.
+        assert_eq!(cut("aé", 2), "a…");
     }
 }
