@@ -34,6 +34,8 @@ struct DnsServer {
     ignored: Arc<AtomicUsize>,
     /// `svc.test.`'s AAAA records (none unless set), answered whatever `answering` says.
     aaaa: Arc<Mutex<Vec<std::net::Ipv6Addr>>>,
+    /// AAAA queries get `SERVFAIL` (a name server failing one family).
+    aaaa_fails: Arc<AtomicBool>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
@@ -52,6 +54,8 @@ impl DnsServer {
         let (quiet, unanswered) = (silent.clone(), ignored.clone());
         let aaaa = Arc::new(Mutex::new(Vec::new()));
         let aaaa2 = aaaa.clone();
+        let aaaa_fails = Arc::new(AtomicBool::new(false));
+        let aaaa_fails2 = aaaa_fails.clone();
         let serve = async move {
             let sock = UdpSocket::from_std(std_sock).unwrap();
             let mut buf = [0u8; 2048];
@@ -88,6 +92,11 @@ impl DnsServer {
                             RData::A(A(ip)),
                         ));
                     }
+                    if query.query_type() == RecordType::AAAA && aaaa_fails2.load(Ordering::SeqCst)
+                    {
+                        resp.metadata.response_code = hickory_proto::op::ResponseCode::ServFail;
+                        continue;
+                    }
                     if query.query_type() == RecordType::AAAA && name == "svc.test." {
                         for &ip in aaaa2.lock().unwrap().iter() {
                             resp.add_answer(Record::from_rdata(
@@ -118,6 +127,7 @@ impl DnsServer {
             silent,
             ignored,
             aaaa,
+            aaaa_fails,
             stop: Some(stop),
         }
     }
@@ -749,4 +759,43 @@ async fn readiness_stays_once_a_cluster_was_warm() {
         200,
         "readiness went back once the cluster moved"
     );
+}
+
+/// A name server that fails the AAAA lookups while it answers the A ones: the name's IPv6
+/// endpoint is kept (as a whole failed lookup keeps every address), not dropped as if the
+/// name no longer had it, and the failure is counted.
+#[tokio::test]
+async fn a_failed_aaaa_lookup_keeps_the_ipv6_endpoints() {
+    let (v4, v4_hits) = counting_on(Ipv4Addr::new(127, 0, 0, 2), 0).await.unwrap();
+    let v6_hits = Arc::new(AtomicUsize::new(0));
+    let h = v6_hits.clone();
+    upstream_on(&format!("[::1]:{}", v4.port()), move |_| {
+        h.fetch_add(1, Ordering::SeqCst);
+        async { http::Response::new(full("ok")) }
+    })
+    .await;
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    *dns.aaaa.lock().unwrap() = vec![std::net::Ipv6Addr::LOCALHOST];
+    let gw = gateway(dns.addr, v4.port(), "");
+    let g = gw.gw.as_ref().unwrap();
+    wait_for("both families", || g.endpoint_pools().len() == 2).await;
+    let failures = g.dns_stats().failures.load(Ordering::Relaxed);
+    dns.aaaa_fails.store(true, Ordering::SeqCst);
+    wait_for("failed AAAA lookups", || {
+        g.dns_stats().failures.load(Ordering::Relaxed) >= failures + 2
+    })
+    .await;
+    assert_eq!(
+        g.cluster_stat(|s| s.endpoints_removed.load(Ordering::Relaxed)),
+        0
+    );
+    assert_eq!(g.endpoint_pools().len(), 2, "the IPv6 address is kept");
+    for _ in 0..6 {
+        assert_eq!(get(gw.addr, "/").await.status(), 200);
+    }
+    assert!(
+        v6_hits.load(Ordering::SeqCst) > 0,
+        "requests still reach [::1]"
+    );
+    assert!(v4_hits.load(Ordering::SeqCst) > 0);
 }

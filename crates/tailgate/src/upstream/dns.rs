@@ -143,7 +143,7 @@ impl Dns {
                 names: c
                     .hostnames
                     .iter()
-                    .map(|h| (h.host.clone(), h.port))
+                    .map(|h| (h.lookup_name(), h.port))
                     .collect(),
                 tx,
             });
@@ -334,31 +334,28 @@ async fn refresh_due(
         .map(|(h, _)| h.clone())
         .collect();
     let lookups = due.iter().map(|host| async move {
-        let r = match tokio::time::timeout(timeout, resolver.lookup_ip(host.as_str())).await {
-            Ok(Ok(l)) => {
-                let (mut unusable, mut ips): (Vec<IpAddr>, Vec<IpAddr>) =
-                    l.iter().partition(unusable);
-                ips.sort();
-                ips.dedup();
-                unusable.sort();
-                unusable.dedup();
-                stats
-                    .unusable
-                    .fetch_add(unusable.len() as u64, Ordering::Relaxed);
-                if ips.is_empty() && !unusable.is_empty() {
-                    Err(format!(
-                        "the answer has only addresses no connect can use ({unusable:?}: link-local with no interface, unspecified, multicast or broadcast)"
-                    ))
-                } else if ips.is_empty() {
-                    Err("no addresses in the answer".to_owned())
-                } else {
-                    Ok((ips, Instant::from_std(l.valid_until()), unusable))
+        // A and AAAA apart, so that one family's failure is seen as one: the resolver's
+        // dual lookup answers with the other family alone, and the failed family's
+        // endpoints would be dropped as if the name no longer had them.
+        let family = |rt| async move {
+            match tokio::time::timeout(timeout, resolver.lookup(host.as_str(), rt)).await {
+                Ok(Ok(l)) => {
+                    let ips: Vec<IpAddr> = l
+                        .answers()
+                        .iter()
+                        .filter_map(|r| r.data.ip_addr())
+                        .collect();
+                    Family::Answered(ips, Instant::from_std(l.valid_until()))
                 }
+                // No such name, or no record of this family: an answer, of none.
+                Ok(Err(e)) if e.is_no_records_found() => Family::None,
+                Ok(Err(e)) => Family::Failed(e.to_string()),
+                Err(_) => Family::Failed(format!("no answer within {timeout:?}")),
             }
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err(format!("no answer within {timeout:?}")),
         };
-        (host, r)
+        let (v4, v6) =
+            futures_util::future::join(family(RecordType::A), family(RecordType::AAAA)).await;
+        (host, answer_of(v4, v6, stats))
     });
     let results = futures_util::future::join_all(lookups).await;
     let now = Instant::now();
@@ -367,6 +364,43 @@ async fn refresh_due(
             continue;
         };
         n.last = Some(now);
+        // One family failed, the other answered: the failed family's last addresses are
+        // kept beside the new ones (as a whole failed lookup keeps them all), and the
+        // failure is counted and retried as one.
+        let mut partial = false;
+        let r = match r {
+            Ok(Answer {
+                mut ips,
+                valid_until,
+                unusable,
+                failed: Some((v6, e)),
+            }) => {
+                ips.extend(n.addrs.iter().filter(|ip| ip.is_ipv6() == v6));
+                ips.sort();
+                ips.dedup();
+                let family = if v6 { "AAAA" } else { "A" };
+                if ips.is_empty() {
+                    Err(format!(
+                        "the {family} lookup failed ({e}) and the other answered none"
+                    ))
+                } else {
+                    stats.failures.fetch_add(1, Ordering::Relaxed);
+                    if n.failures_in_row == 0 {
+                        tracing::warn!(dns.name = %host, error = %e, "DNS {family} lookup failed; keeping that family's last addresses");
+                    }
+                    n.failures_in_row += 1;
+                    partial = true;
+                    Ok((ips, valid_until.min(now + s.min_refresh), unusable))
+                }
+            }
+            Ok(Answer {
+                ips,
+                valid_until,
+                unusable,
+                failed: None,
+            }) => Ok((ips, valid_until, unusable)),
+            Err(e) => Err(e),
+        };
         match r {
             Ok((ips, valid_until, unusable)) => {
                 stats.lookups.fetch_add(1, Ordering::Relaxed);
@@ -379,7 +413,9 @@ async fn refresh_due(
                 n.due = now + ttl.clamp(s.min_refresh, s.max_refresh);
                 n.addrs = ips;
                 n.resolved = true;
-                n.failures_in_row = 0;
+                if !partial {
+                    n.failures_in_row = 0;
+                }
             }
             Err(e) => {
                 stats.failures.fetch_add(1, Ordering::Relaxed);
@@ -397,6 +433,73 @@ async fn refresh_due(
             }
         }
     }
+}
+
+/// What one family's lookup (A or AAAA) of a name gave.
+enum Family {
+    /// Its addresses, and until when they may be kept.
+    Answered(Vec<IpAddr>, Instant),
+    /// The name has none (or does not exist).
+    None,
+    /// No answer: the name servers failed, refused or did not answer in time.
+    Failed(String),
+}
+
+/// A name's lookup: its usable addresses, until when, those left out, and, when one family
+/// failed while the other answered, which (`true`: AAAA) and why.
+struct Answer {
+    ips: Vec<IpAddr>,
+    valid_until: Instant,
+    unusable: Vec<IpAddr>,
+    failed: Option<(bool, String)>,
+}
+
+/// Both families' lookups as one: an error when neither gave a usable address (both failed,
+/// neither has one, or every one is unusable) and no family failed alone. The unusable
+/// addresses are counted in `stats`.
+fn answer_of(v4: Family, v6: Family, stats: &DnsStats) -> Result<Answer, String> {
+    let mut all = Vec::new();
+    let mut valid_until: Option<Instant> = None;
+    let mut failed = None;
+    for (family, v6) in [(v4, false), (v6, true)] {
+        match family {
+            Family::Answered(ips, until) => {
+                all.extend(ips);
+                valid_until = Some(valid_until.map_or(until, |v| v.min(until)));
+            }
+            Family::None => {}
+            Family::Failed(e) => {
+                if let Some((_, first)) = failed.take() {
+                    return Err(format!("{first}; {e}"));
+                }
+                failed = Some((v6, e));
+            }
+        }
+    }
+    let (mut unusable, mut ips): (Vec<IpAddr>, Vec<IpAddr>) = all.into_iter().partition(unusable);
+    ips.sort();
+    ips.dedup();
+    unusable.sort();
+    unusable.dedup();
+    stats
+        .unusable
+        .fetch_add(unusable.len() as u64, Ordering::Relaxed);
+    if ips.is_empty() && failed.is_none() {
+        return Err(if unusable.is_empty() {
+            "no addresses in the answer".to_owned()
+        } else {
+            format!(
+                "the answer has only addresses no connect can use ({unusable:?}: link-local with no interface, unspecified, multicast or broadcast)"
+            )
+        });
+    }
+    Ok(Answer {
+        ips,
+        // A family with no record gives no time: the refresh bounds apply.
+        valid_until: valid_until.unwrap_or_else(Instant::now),
+        unusable,
+        failed,
+    })
 }
 
 /// An address no connect can use: one the config refuses as a literal too
