@@ -106,6 +106,20 @@ pub struct HostPort {
     /// Lower case, without a trailing dot.
     pub host: String,
     pub port: u16,
+    /// Written with a trailing dot (`api.example.com.:443`): a fully qualified name, looked
+    /// up as it is, without the resolver's search domains.
+    pub fqdn: bool,
+}
+
+impl HostPort {
+    /// The name to look up: with its trailing dot when it was written with one.
+    pub fn lookup_name(&self) -> String {
+        if self.fqdn {
+            format!("{}.", self.host)
+        } else {
+            self.host.clone()
+        }
+    }
 }
 
 #[derive(Debug, Clone)]

@@ -50,6 +50,7 @@ impl Checker<'_> {
         }
         let named = text.rsplit_once(':').and_then(|(host, port)| {
             let host = host.to_ascii_lowercase();
+            let fqdn = host.ends_with('.');
             let host = host.strip_suffix('.').unwrap_or(&host).to_owned();
             let port = port.parse::<u16>().ok().filter(|&p| p != 0)?;
             // A bare IP (no port, or a port that did not parse) is not a host name; nor is
@@ -62,7 +63,7 @@ impl Checker<'_> {
                 && !host.starts_with("*.")
                 && !numeric
                 && host.parse::<IpAddr>().is_err())
-            .then_some(HostPort { host, port })
+            .then_some(HostPort { host, port, fqdn })
         });
         match named {
             Some(n) => Some(Endpoint::Name(n)),
@@ -212,6 +213,13 @@ mod tests {
         assert_eq!(c.hostnames.len(), 1);
         assert_eq!(c.hostnames[0].host, "api.internal");
         assert_eq!(c.hostnames[0].port, 8080);
+        // Written fully qualified: looked up so (no search domains), named without the dot
+        // (TLS names).
+        assert!(c.hostnames[0].fqdn);
+        assert_eq!(c.hostnames[0].lookup_name(), "api.internal.");
+        let text = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"api:8080\"]\n";
+        let cfg = Config::parse(Path::new("t.toml"), text).expect("valid");
+        assert_eq!(cfg.clusters[0].hostnames[0].lookup_name(), "api");
     }
 
     #[test]
