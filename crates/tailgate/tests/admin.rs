@@ -1577,3 +1577,57 @@ async fn a_large_family_is_streamed_in_chunks() {
         text.len()
     );
 }
+
+/// A request whose connect failed has that connect in its connect stage (the stage shows
+/// the failed connects, not only those that worked), and its route stage recorded.
+#[tokio::test]
+async fn a_failed_connect_is_in_the_connect_stage() {
+    let dead = dead_port();
+    let addr = dead.addr();
+    let gw = TestGateway::start(&format!(
+        "{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{addr}\"]\n[[route]]\nname = \"r\"\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let resp = get(gw.addr, "/").await;
+    assert_eq!(resp.status(), 502, "{:?}", resp.body());
+    let ex = scrape(admin_addr(&gw)).await;
+    for stage in ["route", "upstream_connect"] {
+        assert_eq!(
+            ex.value(
+                "tailgate_request_stage_duration_seconds_count",
+                &[("route", "r"), ("stage", stage)],
+            ),
+            1.0,
+            "{stage}"
+        );
+    }
+}
+
+/// A body refused as too large is counted under its route whether its length was declared
+/// (refused before a byte of it is read) or found on its way (chunked).
+#[tokio::test]
+async fn a_body_too_large_is_counted_under_its_route_however_framed() {
+    let up = echo_upstream().await;
+    let gw = two_tenants(up, "[server]\nworkers = 1\nmax_body_bytes = 100\n");
+    let big = "x".repeat(1000);
+    let declared =
+        format!("POST /api/x HTTP/1.1\r\nHost: acme.test\r\nContent-Length: 1000\r\n\r\n{big}");
+    let chunked = format!(
+        "POST /api/x HTTP/1.1\r\nHost: acme.test\r\nTransfer-Encoding: chunked\r\n\r\n3e8\r\n{big}\r\n0\r\n\r\n"
+    );
+    for req in [declared, chunked] {
+        let (text, _) = raw(gw.addr, req.as_bytes(), Duration::from_secs(5)).await;
+        assert!(text.starts_with("HTTP/1.1 413 "), "{text}");
+    }
+    let ex = scrape(admin_addr(&gw)).await;
+    assert_eq!(
+        ex.value(
+            "tailgate_request_errors_total",
+            &[
+                ("tenant", "acme"),
+                ("route", "acme-api"),
+                ("kind", "body_too_large")
+            ]
+        ),
+        2.0
+    );
+}

@@ -220,7 +220,7 @@ async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> 
     w.family(
         "tailgate_request_duration_seconds",
         Kind::Histogram,
-        "Time from a request's first byte to the end of its response.",
+        "Time from when a request's head was read to the end of its response.",
     );
     for s in 0..slots {
         let mut h = Snapshot::default();

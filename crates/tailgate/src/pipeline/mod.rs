@@ -380,14 +380,6 @@ pub fn handle(
             Ok(close_after_refused_upgrade(resp, sticky))
         };
 
-        // Size limit on the declared body: refuse before reading a byte of it (413).
-        if settings.max_body_bytes > 0
-            && let Some(len) = declared_length(&body)
-            && len > settings.max_body_bytes
-        {
-            return fail(&mut rec, ProxyError::BodyTooLarge(settings.max_body_bytes));
-        }
-
         // 2. Route: the host decides the tenant, the path and method the route.
         let (route, tenant) = match route_request(shared, &conn, &parts) {
             Ok((route, tenant)) => (route.clone(), tenant),
@@ -401,6 +393,15 @@ pub fn handle(
         if let Some(ex) = rec.exchange_mut() {
             ex.route = Some(route.id);
             ex.tenant = tenant;
+        }
+
+        // Size limit on the declared body: refuse before reading a byte of it (413),
+        // recorded under its route, as a chunked body found too large on its way is.
+        if settings.max_body_bytes > 0
+            && let Some(len) = declared_length(&body)
+            && len > settings.max_body_bytes
+        {
+            return fail(&mut rec, ProxyError::BodyTooLarge(settings.max_body_bytes));
         }
 
         // 3. Authenticate and 4. rate limit: not configured in this version.
@@ -525,15 +526,22 @@ fn forward(
         // One clock read ends the route stage and starts the upstream one (the endpoint's
         // pick included); the retry budget's window and the pool's checkout take it too.
         let t_connect = Instant::now();
+        if let Some(ex) = rec.exchange_mut() {
+            ex.timings.route = t_connect - started;
+        }
         let cluster = &worker.upstreams.clusters[route.cluster];
         // Held until the response ends (with its body, or its tunnel): past the cluster's
         // `max_requests` a request is refused at once, not queued behind a slow upstream.
         let mut admitted = cluster.admit()?;
         cluster.count_request_at(t_connect);
         let mut pool = cluster.pick(None)?;
-        if let Some(ex) = rec.exchange_mut() {
-            ex.timings.route = t_connect - started;
-        }
+        // A checkout that gave no connection: its time is the connect stage's, so that the
+        // stage shows the connects that failed or timed out, not only those that worked.
+        let connect_failed = |rec: &mut ExchangeRecorder| {
+            if let Some(ex) = rec.exchange_mut() {
+                ex.timings.upstream_connect = t_connect.elapsed();
+            }
+        };
         let mut in_flight = pool.load.start_at(t_connect);
         let mut retried = false;
         // Without a total deadline (most routes) the checkout is awaited as it is: wrapped,
@@ -569,12 +577,14 @@ fn forward(
                     Ok(up) => up,
                     Err(e) => {
                         in_flight.ended_by(&e);
+                        connect_failed(rec);
                         return Err(e);
                     }
                 }
             }
             Err(e) => {
                 in_flight.ended_by(&e);
+                connect_failed(rec);
                 return Err(e);
             }
         };
