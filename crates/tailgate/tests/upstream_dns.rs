@@ -397,7 +397,7 @@ fn assert_no_endpoints(resp: http::Response<bytes::Bytes>) {
     );
 }
 
-/// A name that does not resolve at start: the gateway starts, the cluster answers 502
+/// A name that has no address at start: the gateway starts, the cluster answers 502
 /// (no endpoints) without crashing, asks the resolver to look again at once, and serves
 /// once the name resolves.
 #[tokio::test]
@@ -408,7 +408,9 @@ async fn unresolved_name_at_start_is_502_until_it_resolves() {
     let gw = gateway(dns.addr, port, "");
     let g = gw.gw.as_ref().unwrap();
     assert_no_endpoints(get(gw.addr, "/").await);
-    assert!(g.dns_stats().failures.load(Ordering::Relaxed) >= 1);
+    // An answer of no address is an answer, not a failed lookup.
+    assert!(g.dns_stats().lookups.load(Ordering::Relaxed) >= 1);
+    assert_eq!(g.dns_stats().failures.load(Ordering::Relaxed), 0);
     // A request that found no address asks for a lookup now, not after the backoff.
     wait_for("an early refresh", || {
         g.dns_stats().early_refreshes.load(Ordering::Relaxed) >= 1
@@ -798,4 +800,33 @@ async fn a_failed_aaaa_lookup_keeps_the_ipv6_endpoints() {
         "requests still reach [::1]"
     );
     assert!(v4_hits.load(Ordering::SeqCst) > 0);
+}
+
+/// The name servers say the name has no address any more (its service scaled to nothing, its
+/// record deleted): its endpoints go, and requests get `502 no_endpoints`, rather than keep
+/// going to addresses the name no longer has (which may by now be another service's); once
+/// it has an address again, it is served. A name server that stops answering keeps them
+/// (`resolver_failure_serves_the_last_addresses`).
+#[tokio::test]
+async fn a_name_with_no_address_any_more_loses_its_endpoints() {
+    let (port, a_hits, _) = twin_upstreams().await;
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    let gw = gateway(dns.addr, port, "");
+    let g = gw.gw.as_ref().unwrap();
+    assert_eq!(get(gw.addr, "/").await.status(), 200);
+    dns.answering.store(false, Ordering::SeqCst);
+    wait_for("the endpoint to go", || {
+        g.cluster_stat(|s| s.endpoints_removed.load(Ordering::Relaxed)) >= 1
+    })
+    .await;
+    assert!(g.endpoint_pools().is_empty());
+    assert_no_endpoints(get(gw.addr, "/").await);
+    assert_eq!(a_hits.load(Ordering::SeqCst), 1);
+    dns.answering.store(true, Ordering::SeqCst);
+    wait_for("the name to resolve again", || {
+        g.endpoint_pools().len() == 1
+    })
+    .await;
+    assert_eq!(get(gw.addr, "/").await.status(), 200);
+    assert_eq!(a_hits.load(Ordering::SeqCst), 2);
 }

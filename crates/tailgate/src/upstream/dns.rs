@@ -7,8 +7,13 @@
 //! or takes explicit name servers); tailgate schedules the refreshes itself:
 //! - a name is re-resolved when its answer's TTL runs out, clamped to
 //!   `[dns.min_refresh, dns.max_refresh]`;
-//! - a failed lookup keeps the last addresses (serve stale), is logged and counted, and is
-//!   retried with a backoff starting at `min_refresh`;
+//! - a failed lookup (the name servers fail, refuse or do not answer) keeps the last
+//!   addresses (serve stale), is logged and counted, and is retried with a backoff starting
+//!   at `min_refresh`;
+//! - an answer that the name has no address (NXDOMAIN, or no A and no AAAA record) is an
+//!   answer: the name's addresses go (as Envoy's strict DNS drops a cluster's hosts then),
+//!   rather than keep sending requests to addresses the name no longer has, which may by
+//!   now be another service's; it is looked up again after `min_refresh`;
 //! - a connect failure to an endpoint of a cluster asks for an early re-resolution of that
 //!   cluster's names (at most once per `min_refresh`), so a failover that moved the name to
 //!   a new address is followed quickly (seed 004).
@@ -268,7 +273,7 @@ fn run(
         let first_timeout = settings.query_timeout.min(settings.startup_timeout);
         refresh_due(&resolver, &settings, &mut names, &stats, first_timeout).await;
         for (host, n) in &names {
-            if !n.resolved {
+            if !n.resolved || n.addrs.is_empty() {
                 tracing::warn!(dns.name = %host, "host name did not resolve at start; its cluster has no endpoints from it until it does");
             }
         }
@@ -404,6 +409,9 @@ async fn refresh_due(
         match r {
             Ok((ips, valid_until, unusable)) => {
                 stats.lookups.fetch_add(1, Ordering::Relaxed);
+                if ips.is_empty() && !n.addrs.is_empty() {
+                    tracing::warn!(dns.name = %host, gone = ?n.addrs, "the name servers say this name has no address now; its endpoints are removed until it has one again");
+                }
                 // Once per change, not at every refresh.
                 if !unusable.is_empty() && unusable != n.unusable {
                     tracing::warn!(dns.name = %host, left_out = ?unusable, "addresses in a DNS answer no connect can use (link-local with no interface, unspecified, multicast or broadcast); left out");
@@ -454,8 +462,8 @@ struct Answer {
     failed: Option<(bool, String)>,
 }
 
-/// Both families' lookups as one: an error when neither gave a usable address (both failed,
-/// neither has one, or every one is unusable) and no family failed alone. The unusable
+/// Both families' lookups as one: an error when both failed, or when every address is
+/// unusable; none at all (both families answered with no record) is an answer. The unusable
 /// addresses are counted in `stats`.
 fn answer_of(v4: Family, v6: Family, stats: &DnsStats) -> Result<Answer, String> {
     let mut all = Vec::new();
@@ -484,14 +492,10 @@ fn answer_of(v4: Family, v6: Family, stats: &DnsStats) -> Result<Answer, String>
     stats
         .unusable
         .fetch_add(unusable.len() as u64, Ordering::Relaxed);
-    if ips.is_empty() && failed.is_none() {
-        return Err(if unusable.is_empty() {
-            "no addresses in the answer".to_owned()
-        } else {
-            format!(
-                "the answer has only addresses no connect can use ({unusable:?}: link-local with no interface, unspecified, multicast or broadcast)"
-            )
-        });
+    if ips.is_empty() && failed.is_none() && !unusable.is_empty() {
+        return Err(format!(
+            "the answer has only addresses no connect can use ({unusable:?}: link-local with no interface, unspecified, multicast or broadcast)"
+        ));
     }
     Ok(Answer {
         ips,
