@@ -28,12 +28,17 @@ async fn forwards_and_adds_proxy_headers() {
         .header("proxyish", "kept")
         .header("proxy-status", "upstream-proxy; error=none")
         .header("te", "trailers")
+        .header("trailer", "x-t")
+        .header("x-forwarded-proto", "https")
         .body(full(""))
         .unwrap();
     let resp = c.send_request(req).await.unwrap();
     assert_eq!(resp.status(), 200);
     let h = resp.headers();
     assert_eq!(h["x-echo-uri"], "/a/b?x=1");
+    // The client's X-Forwarded-Proto is replaced, not added to.
+    let proto: Vec<_> = h.get_all("x-echo-x-forwarded-proto").iter().collect();
+    assert_eq!(proto, ["http"]);
     assert_eq!(h["x-echo-host"], "api.test:8080");
     assert_eq!(h["x-echo-x-forwarded-for"], "10.0.0.1, 127.0.0.1");
     assert_eq!(h["x-echo-x-forwarded-proto"], "http");
@@ -46,6 +51,8 @@ async fn forwards_and_adds_proxy_headers() {
         "x-echo-proxy",
         "x-echo-proxy-anything",
         "x-echo-te",
+        "x-echo-trailer",
+        "x-echo-connection",
     ] {
         assert!(!h.contains_key(gone), "{gone} must not reach the upstream");
     }
@@ -122,7 +129,9 @@ async fn keeps_the_clients_request_id() {
 async fn removes_hop_by_hop_headers_from_responses() {
     let up = upstream(|_| async {
         http::Response::builder()
-            .header("connection", "x-internal")
+            .header("connection", "x-internal, upgrade")
+            .header("upgrade", "foo")
+            .header("trailer", "x-t")
             .header("x-internal", "1")
             .header("keep-alive", "timeout=3")
             .header("proxy-authenticate", "Basic")
@@ -136,7 +145,14 @@ async fn removes_hop_by_hop_headers_from_responses() {
     assert_eq!(resp.status(), 200);
     let h = resp.headers();
     assert!(h.contains_key("x-public"));
-    for gone in ["x-internal", "keep-alive", "proxy-authenticate"] {
+    for gone in [
+        "x-internal",
+        "keep-alive",
+        "proxy-authenticate",
+        "connection",
+        "upgrade",
+        "trailer",
+    ] {
         assert!(!h.contains_key(gone), "{gone} must not reach the client");
     }
 }
