@@ -362,6 +362,37 @@ fn sigterm_drains_in_flight_requests_and_exits_zero() {
     assert!(status.success(), "exit status {status:?}");
 }
 
+/// When `shutdown_grace` runs out with a request still in flight, the gateway cuts it and
+/// exits 0 (a drain that ended on time), without waiting for the request.
+#[test]
+fn a_drain_whose_grace_runs_out_exits_zero() {
+    let dir = tmpdir();
+    let up = slow_upstream(Duration::from_secs(20));
+    let port = free_port();
+    let cfg = dir.path().join("gw.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\nworkers = 1\nshutdown_grace = \"1s\"\n[[listener]]\naddress = \"127.0.0.1:{port}\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+        ),
+    )
+    .unwrap();
+    let mut p = serve(&cfg, Stdio::null());
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_listening(addr);
+    let req = std::thread::spawn(move || http_get(addr, "/slow"));
+    std::thread::sleep(Duration::from_millis(400));
+    kill("-TERM", &p.0.id().to_string());
+    let status = exit_within(
+        &mut p,
+        Duration::from_secs(6),
+        "did not exit when the grace ran out",
+    );
+    assert!(status.success(), "exit status {status:?}");
+    let resp = req.join().unwrap();
+    assert!(!resp.ends_with("done"), "the request was cut: {resp}");
+}
+
 /// SIGHUP, which an nginx operator sends to reload, neither ends the gateway (its default
 /// action) nor drops anything: the gateway logs that it ignored it and keeps serving, and a
 /// SIGTERM after it still drains and exits 0.
@@ -584,7 +615,7 @@ fn scrapes_yield_the_core_to_the_workers() {
 
 #[test]
 fn json_access_log_has_stage_timings() {
-    let up = slow_upstream(Duration::from_millis(0));
+    let up = slow_upstream(Duration::from_millis(200));
     let port = free_port();
     let dir = tmpdir();
     let cfg = serve_config(
@@ -599,6 +630,7 @@ fn json_access_log_has_stage_timings() {
     wait_listening(addr);
     let resp = http_get(addr, "/logged?q=1");
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    let first = resp.clone();
     // A long path is logged cut (a log line waits in the queue as a copy).
     let long = format!("/{}", "p".repeat(3000));
     let resp = http_get(addr, &long);
@@ -641,6 +673,24 @@ fn json_access_log_has_stage_timings() {
         assert!(v.get(k).is_some(), "missing {k}: {line}");
     }
     assert!(v["time.total_us"].as_u64().unwrap() >= v["time.ttfb_us"].as_u64().unwrap());
+    // The stages hold what they name: the upstream's 200 ms before its answer in the time
+    // to first byte, the first request's connect (nothing kept warm) in its connect stage,
+    // and the request id the client got.
+    assert!(v["time.ttfb_us"].as_u64().unwrap() >= 200_000, "{line}");
+    assert!(
+        v["time.upstream_connect_us"].as_u64().unwrap() > 0,
+        "{line}"
+    );
+    assert_eq!(v["upstream.reused"], false, "{line}");
+    let id = first
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("x-request-id: ")
+                .map(str::to_owned)
+        })
+        .expect("a request id");
+    assert_eq!(v["request.id"], id.trim(), "{line}");
 }
 
 #[test]

@@ -111,8 +111,13 @@ async fn tls_h1_get(
 }
 
 fn tls_gateway(cert: &TestCert, up: std::net::SocketAddr) -> TestGateway {
+    tls_gateway_with(cert, up, "")
+}
+
+/// [`tls_gateway`] with `extra` before its tables (e.g. a `[server]` table).
+fn tls_gateway_with(cert: &TestCert, up: std::net::SocketAddr, extra: &str) -> TestGateway {
     TestGateway::start(&format!(
-        r#"
+        r#"{extra}
 [[listener]]
 name = "tls"
 address = "127.0.0.1:0"
@@ -135,6 +140,48 @@ cluster = "up"
 "#,
         dir = cert.dir.path().display()
     ))
+}
+
+/// A TLS client that sends nothing, or half a ClientHello, is cut off after
+/// `header_read_timeout` (the handshake is timed as a request head is: slowloris).
+#[tokio::test]
+async fn a_stalled_tls_handshake_is_cut_off() {
+    let cert = test_cert(&["acme.test"]);
+    let up = echo_upstream().await;
+    let gw = tls_gateway_with(&cert, up, "[server]\nheader_read_timeout = \"400ms\"\n");
+    for sent in [&b""[..], &[0x16, 0x03, 0x01, 0x00, 0xc8][..]] {
+        let mut s = TcpStream::connect(gw.addr).await.unwrap();
+        s.write_all(sent).await.unwrap();
+        let (_, closed) = read_until_close(&mut s, Duration::from_secs(5)).await;
+        assert!(closed, "a handshake stalled after {sent:?} is cut off");
+    }
+}
+
+/// The accept loop only accepts: clients that stall before or in their TLS handshake (here
+/// for up to 10 s) hold nobody else up; a client behind them is served.
+#[tokio::test]
+async fn stalled_handshakes_hold_up_no_other_client() {
+    let cert = test_cert(&["acme.test"]);
+    let up = echo_upstream().await;
+    let gw = tls_gateway_with(
+        &cert,
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"10s\"\n",
+    );
+    let mut stalled = Vec::new();
+    for sent in [&b""[..], &[0x16, 0x03, 0x01, 0x00, 0xc8][..]] {
+        let mut s = TcpStream::connect(gw.addr).await.unwrap();
+        s.write_all(sent).await.unwrap();
+        stalled.push(s);
+    }
+    let resp = tokio::time::timeout(
+        Duration::from_secs(5),
+        tls_h1_get(gw.addr, &cert, "acme.test", "/x", "acme.test"),
+    )
+    .await
+    .expect("served while two handshakes stall");
+    assert_eq!(resp.status(), 200);
+    drop(stalled);
 }
 
 #[tokio::test]
@@ -564,6 +611,13 @@ async fn graceful_drain_finishes_in_flight_requests() {
     let in_flight = tokio::spawn(async move { get(addr, "/slow").await });
     started_rx.recv().await.unwrap();
     let drained = drain(&mut gw);
+    // While that request is still on its way, a new connection is not served.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!in_flight.is_finished());
+    assert!(
+        !served(addr).await,
+        "a new connection served during the drain"
+    );
     let resp = in_flight.await.unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.body(), "finished");
@@ -574,6 +628,61 @@ async fn graceful_drain_finishes_in_flight_requests() {
         TcpStream::connect(addr).await.is_err(),
         "no longer accepting"
     );
+}
+
+/// Does a new connection to `addr` get a request answered (within 2 s)?
+async fn served(addr: std::net::SocketAddr) -> bool {
+    let Ok(mut s) = TcpStream::connect(addr).await else {
+        return false;
+    };
+    if s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .is_err()
+    {
+        return false;
+    }
+    let (text, _) = read_until_close(&mut s, Duration::from_secs(2)).await;
+    text.starts_with("HTTP/1.1 ")
+}
+
+/// The same over HTTP/2: a stream in flight when shutdown starts is answered whole (the
+/// GOAWAY leaves it be), and the connection then ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_drain_finishes_an_h2_stream_in_flight() {
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::channel::<()>(1);
+    let up = upstream(move |_| {
+        let started = started_tx.clone();
+        async move {
+            started.send(()).await.ok();
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            http::Response::new(full("finished"))
+        }
+    })
+    .await;
+    let mut gw = TestGateway::to(up, "");
+    let (mut c, conn) = h2c_client(gw.addr).await;
+    let in_flight = tokio::spawn(async move {
+        let resp = c
+            .send_request(http::Request::get("http://a/slow").body(full("")).unwrap())
+            .await
+            .unwrap();
+        let status = resp.status();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, body)
+    });
+    started_rx.recv().await.unwrap();
+    let drained = drain(&mut gw);
+    let (status, body) = in_flight.await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(body, "finished");
+    drained
+        .within(Duration::from_secs(10), "workers exit after the drain")
+        .await;
+    tokio::time::timeout(Duration::from_secs(5), conn)
+        .await
+        .expect("the connection ends after the drain")
+        .unwrap()
+        .ok();
 }
 
 /// An HTTP/2 client that stops taking response data (it never reads the body, so its

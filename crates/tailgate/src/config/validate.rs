@@ -1487,6 +1487,53 @@ mod tests {
 
     const TAIL: &str = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\n";
 
+    /// A mistyped key is refused in every table, at its place, not taken silently (a
+    /// `conect_timeout` would otherwise leave the default in force while `check` says ok).
+    #[test]
+    fn an_unknown_key_is_refused_in_every_table() {
+        let route = "[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\n";
+        for (table, text) in [
+            ("top level", format!("typo = 1\n{TAIL}")),
+            ("server", format!("[server]\ntypo = 1\n{TAIL}")),
+            ("log", format!("[log]\ntypo = 1\n{TAIL}")),
+            (
+                "admin",
+                format!("[admin]\naddress = \"127.0.0.1:0\"\ntypo = 1\n{TAIL}"),
+            ),
+            ("metrics", format!("[metrics]\ntypo = 1\n{TAIL}")),
+            ("dns", format!("[dns]\ntypo = 1\n{TAIL}")),
+            (
+                "demo",
+                format!("[[demo]]\naddress = \"127.0.0.1:0\"\ntypo = 1\n{TAIL}"),
+            ),
+            (
+                "listener",
+                format!("[[listener]]\naddress = \"127.0.0.1:0\"\ntypo = 1\n{TAIL}"),
+            ),
+            (
+                "listener.tls",
+                format!(
+                    "[[listener]]\naddress = \"127.0.0.1:0\"\n[listener.tls]\ncert = \"c\"\nkey = \"k\"\ntypo = 1\n{TAIL}"
+                ),
+            ),
+            (
+                "tenant",
+                format!("[[tenant]]\nname = \"t\"\ntypo = 1\n{TAIL}"),
+            ),
+            ("cluster", format!("{TAIL}typo = 1\n")),
+            ("route", format!("{TAIL}{route}typo = 1\n")),
+        ] {
+            let e = errors_of(&text);
+            assert!(e.contains("unknown field `typo`"), "{table}: {e}");
+            let line = text
+                .lines()
+                .position(|l| l == "typo = 1")
+                .expect("typo line")
+                + 1;
+            assert!(e.contains(&format!("t.toml:{line}:1")), "{table}: {e}");
+        }
+    }
+
     /// A route whose host is refused gets that error alone, not also a duplicate's.
     #[test]
     fn a_refused_route_host_is_no_duplicate() {
