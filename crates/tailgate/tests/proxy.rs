@@ -345,6 +345,80 @@ async fn request_body_streams_before_client_finishes() {
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
 }
 
+/// Over HTTP/2 on both sides (an h2c client, an `http2` cluster), neither body is
+/// buffered either: the upstream sees the request body's first part while the client holds
+/// back the rest, and the client sees the response's first part while the upstream holds
+/// back the rest.
+#[tokio::test]
+async fn bodies_stream_both_ways_over_http2() {
+    let (got_tx, mut got_rx) = tokio::sync::mpsc::channel::<Bytes>(8);
+    let (release_tx, release_rx) = tokio::sync::watch::channel(false);
+    let up = h2c_upstream_with(move |req: http::Request<hyper::body::Incoming>| {
+        let got = got_tx.clone();
+        let mut release = release_rx.clone();
+        async move {
+            tokio::spawn(async move {
+                let mut body = req.into_body();
+                while let Some(Ok(f)) = body.frame().await {
+                    if let Ok(d) = f.into_data() {
+                        got.send(d).await.ok();
+                    }
+                }
+            });
+            let (tx, body) = tokio::sync::mpsc::channel::<Bytes>(1).into_split_body();
+            tokio::spawn(async move {
+                tx.send(Bytes::from_static(b"first;")).await.ok();
+                let _ = release.wait_for(|r| *r).await;
+                tx.send(Bytes::from_static(b"second")).await.ok();
+            });
+            http::Response::new(body)
+        }
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nprotocol = \"http2\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let (mut c, _conn) = h2c_client(gw.addr).await;
+    let (req_tx, req_body) = tokio::sync::mpsc::channel::<Bytes>(1).into_split_body();
+    req_tx.send(Bytes::from_static(b"first")).await.unwrap();
+    let resp = tokio::time::timeout(
+        Duration::from_secs(5),
+        c.send_request(http::Request::post("http://a/").body(req_body).unwrap()),
+    )
+    .await
+    .expect("the answer's head comes while both bodies are open")
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    let first = tokio::time::timeout(Duration::from_secs(5), got_rx.recv())
+        .await
+        .expect("the upstream gets the first part before the body ends")
+        .unwrap();
+    assert_eq!(first, "first");
+    let mut body = resp.into_body();
+    let piece = tokio::time::timeout(Duration::from_secs(5), body.frame())
+        .await
+        .expect("the client gets the first part while the upstream holds the rest")
+        .unwrap()
+        .unwrap()
+        .into_data()
+        .unwrap();
+    assert_eq!(piece, "first;");
+    req_tx.send(Bytes::from_static(b"last")).await.unwrap();
+    drop(req_tx);
+    let last = tokio::time::timeout(Duration::from_secs(5), got_rx.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(last, "last");
+    release_tx.send(true).unwrap();
+    let rest = tokio::time::timeout(Duration::from_secs(5), body.collect())
+        .await
+        .unwrap()
+        .unwrap()
+        .to_bytes();
+    assert_eq!(rest, "second");
+}
+
 async fn read_until_close_or(s: &mut TcpStream, needle: &str) -> (String, bool) {
     let mut out = Vec::new();
     let mut buf = [0u8; 4096];
@@ -575,4 +649,44 @@ async fn h2_connection_ends_after_max_requests_per_connection() {
         .body(full(""))
         .unwrap();
     assert!(c.send_request(req).await.is_err());
+}
+
+/// An upload to an upstream that stops reading is held by the gateway to a bounded
+/// buffer: the client's writes stall once the sockets' buffers and the gateway's own are
+/// full, long before the whole body went (it is never read whole into memory ahead of a
+/// slow upstream).
+#[tokio::test]
+async fn an_upload_to_an_upstream_that_stops_reading_stalls_the_client() {
+    // Reads the head, then nothing (the connection held open).
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut buf = [0u8; 1024];
+        let _ = s.read(&mut buf).await;
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        drop(s);
+    });
+    let gw = TestGateway::to(up, "[server]\nmax_body_bytes = 0\n");
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    const TOTAL: usize = 256 << 20;
+    s.write_all(
+        format!("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: {TOTAL}\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
+    let chunk = vec![b'x'; 64 << 10];
+    let mut sent = 0usize;
+    while sent < TOTAL {
+        match tokio::time::timeout(Duration::from_secs(1), s.write(&chunk)).await {
+            Ok(Ok(n)) => sent += n,
+            Ok(Err(e)) => panic!("write failed after {sent} bytes: {e}"),
+            Err(_) => break,
+        }
+    }
+    // (About 9.5 MB here: the loopback sockets' buffers on both sides.)
+    assert!(
+        sent < 64 << 20,
+        "{sent} bytes taken from a client whose upstream reads none"
+    );
 }

@@ -192,6 +192,36 @@ where
     addr
 }
 
+/// [`upstream`] speaking HTTP/2 by prior knowledge (h2c).
+pub async fn h2c_upstream_with<F, Fut>(handler: F) -> SocketAddr
+where
+    F: Fn(http::Request<Incoming>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = http::Response<TestBody>> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let handler = Arc::new(handler);
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let handler = handler.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req| {
+                    let handler = handler.clone();
+                    async move { Ok::<_, Infallible>(handler(req).await) }
+                });
+                let _ =
+                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+            });
+        }
+    });
+    addr
+}
+
 /// Accepts a WebSocket upgrade (101) and echoes whatever comes through the tunnel after it.
 pub fn websocket_echo(req: &mut http::Request<Incoming>) -> http::Response<TestBody> {
     let on_upgrade = hyper::upgrade::on(req);
