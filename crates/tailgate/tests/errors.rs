@@ -107,7 +107,9 @@ async fn an_upstream_reset_is_502_before_the_head_and_a_cut_after() {
                         .await;
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
-                s.set_linger(Some(Duration::ZERO)).unwrap();
+                socket2::SockRef::from(&s)
+                    .set_linger(Some(Duration::ZERO))
+                    .unwrap();
                 drop(s);
             }
         });
