@@ -291,3 +291,38 @@ async fn post_is_never_hedged() {
         "half went to the slow endpoint and waited"
     );
 }
+
+/// A first copy that fails (here a `503` after 150 ms) while its hedge is out counts
+/// against its endpoint, though the hedge's answer wins: an endpoint that fails slowly is
+/// ejected as it would be without hedging, not hidden behind the hedges that rescue its
+/// requests. (The other endpoint answers after 180 ms, so a copy sent to the failing one
+/// as a hedge is always dropped before its 503: only first copies can mark it.)
+#[tokio::test]
+async fn a_first_copy_that_fails_while_hedged_counts_against_its_endpoint() {
+    let failing = upstream(|_| async {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let mut r = http::Response::new(full("down"));
+        *r.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+        r
+    })
+    .await;
+    let (ok, _) = counting(Duration::from_millis(180)).await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{failing}\", \"{ok}\"]\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 2\neject_duration = \"60s\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"100ms\"\nresponse_timeout = \"5s\"\n"
+    ));
+    for i in 0..6 {
+        assert_eq!(
+            send(gw.addr, http::Method::GET, "/", "").await,
+            200,
+            "request {i}"
+        );
+    }
+    let g = gw.gw.as_ref().unwrap();
+    let ejections: u64 = g
+        .endpoint_pools()
+        .iter()
+        .filter(|p| p.addr == failing)
+        .map(|p| p.load.ejections.load(std::sync::atomic::Ordering::Relaxed))
+        .sum();
+    assert!(ejections >= 1, "the failing endpoint was never ejected");
+}

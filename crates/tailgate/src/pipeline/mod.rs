@@ -660,7 +660,8 @@ fn forward(
             in_flight.abandoned();
             return Err(ProxyError::UpstreamTimeout);
         }
-        let mut hedged = false;
+        // Set when a hedge's answer won: what the first copy had come to.
+        let mut hedged = None;
         let deadline = t_send + response_timeout;
         // A body still streaming from the client moves the response deadline on as it goes
         // (`BodyProgress`), never past the total deadline. One read whole with its head
@@ -681,9 +682,9 @@ fn forward(
             .await
             {
                 Ok(hedge::Raced::Primary(r)) => r,
-                Ok(hedge::Raced::Hedge(won)) => {
+                Ok(hedge::Raced::Hedge(won, first)) => {
                     let (resp, conn) = *won;
-                    hedged = true;
+                    hedged = Some(first);
                     up = conn;
                     Ok(resp)
                 }
@@ -786,10 +787,11 @@ fn forward(
         // The request's head is done with (no retry or hedge sends it again from here): it
         // goes back to the worker for the next request to fill.
         spare::give_head(parts);
-        if hedged {
-            in_flight.abandoned();
-        } else {
-            in_flight.responded_at(resp.status(), t_head);
+        match hedged {
+            None => in_flight.responded_at(resp.status(), t_head),
+            Some(hedge::First::Pending) => in_flight.abandoned(),
+            Some(hedge::First::Answered(status)) => in_flight.responded_at(status, t_head),
+            Some(hedge::First::Failed) => in_flight.failed(),
         }
         // (Whether the server closes the connection after this response, the connection knows
         // from the head it parsed.)

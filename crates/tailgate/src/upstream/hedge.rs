@@ -139,8 +139,20 @@ pub struct Hedge<'a> {
 /// Which copy answered first.
 pub enum Raced<T> {
     Primary(T),
-    /// The hedge: its response head and the connection it came on (boxed: rare and large).
-    Hedge(Box<(http::Response<UpBody>, Conn)>),
+    /// The hedge: its response head and the connection it came on (boxed: rare and large),
+    /// and what the first copy had come to by then.
+    Hedge(Box<(http::Response<UpBody>, Conn)>, First),
+}
+
+/// What the first copy of a request whose hedge won had come to: still waiting (given up
+/// on, no mark against its endpoint), or answered `5xx`, or failed. The last two count
+/// against its endpoint, as they would have without the hedge: an endpoint that fails
+/// slowly must not hide its failures behind the hedges that rescue its requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum First {
+    Pending,
+    Answered(http::StatusCode),
+    Failed,
 }
 
 impl<'a> Hedge<'a> {
@@ -252,9 +264,9 @@ async fn race_hedged<E>(
     };
     cluster.stats.hedges_fired.fetch_add(1, Ordering::Relaxed);
     let mut second = std::pin::pin!(hedge.send(target));
-    let won = |h| {
+    let won = |h, first| {
         cluster.stats.hedges_won.fetch_add(1, Ordering::Relaxed);
-        Raced::Hedge(Box::new(h))
+        Raced::Hedge(Box::new(h), first)
     };
     let failed = |r: &http::Response<UpBody>| r.status().is_server_error();
     tokio::select! {
@@ -264,15 +276,22 @@ async fn race_hedged<E>(
             // An error or a 5xx: the copy's answer wins unless it is no better (a 5xx
             // after a 5xx: the first's).
             _ => match tokio::time::timeout_at(deadline, &mut second).await {
-                Ok(Ok(h)) if !failed(&h.0) || r.is_err() => won(h),
+                Ok(Ok(h)) if !failed(&h.0) || r.is_err() => {
+                    let first = match &r {
+                        Ok(resp) => First::Answered(resp.status()),
+                        Err(_) => First::Failed,
+                    };
+                    won(h, first)
+                }
                 _ => Raced::Primary(r),
             },
         },
         h = &mut second => match h {
-            Ok(h) if !failed(&h.0) => won(h),
+            Ok(h) if !failed(&h.0) => won(h, First::Pending),
             // The copy's 5xx: the first's answer, if it has any.
             Ok(h) => match tokio::time::timeout_at(deadline, primary).await {
-                Ok(Err(_)) | Err(_) => won(h),
+                Ok(Err(_)) => won(h, First::Failed),
+                Err(_) => won(h, First::Pending),
                 Ok(r) => Raced::Primary(r),
             },
             Err(e) => {
