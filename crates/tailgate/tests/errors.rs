@@ -429,3 +429,76 @@ async fn a_streaming_response_holds_its_place_under_max_requests() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// An upstream that answers before the request's body is all sent, and keeps reading it:
+/// the request holds its place under `max_requests` until its body has gone up (the client
+/// is still sending it), not only until the answer ended.
+#[tokio::test]
+async fn a_place_is_held_while_an_early_answered_body_still_goes_up() {
+    // Answers each request as soon as its head is in, then reads its body.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                while let Some(end) = read_head(&mut s, &mut buf).await {
+                    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| {
+                            l.strip_prefix("content-length:")
+                                .map(|v| v.trim().parse().unwrap())
+                        })
+                        .unwrap_or(0);
+                    buf.drain(..end);
+                    s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                        .await
+                        .unwrap();
+                    while buf.len() < len {
+                        let mut chunk = [0u8; 16384];
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    buf.drain(..len);
+                }
+            });
+        }
+    });
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"one\"\nendpoints = [\"{up}\"]\nmax_requests = 1\nidle_timeout = \"30s\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"one\"\n"
+    ));
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"POST /up HTTP/1.1\r\nHost: a\r\nContent-Length: 100000\r\n\r\n")
+        .await
+        .unwrap();
+    s.write_all(&[b'x'; 20000]).await.unwrap();
+    let mut raw_head = Vec::new();
+    let n = tokio::time::timeout(Duration::from_secs(10), read_head(&mut s, &mut raw_head))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        raw_head[..n].starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&raw_head)
+    );
+    // Answered; 80,000 bytes of its body still to come: the one place is still taken.
+    let other = get(gw.addr, "/").await;
+    assert_eq!(other.status(), 503, "{:?}", other.body());
+    assert_eq!(json(&other)["error"], "upstream_overflow");
+    s.write_all(&[b'x'; 80000]).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while get(gw.addr, "/").await.status() != 200 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the place was never given back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -606,7 +606,7 @@ impl UpstreamBody {
         // One clock read for both: when the connection went idle, and the exchange's end.
         let now = std::time::Instant::now();
         if let Some(conn) = self.conn.take() {
-            conn.release_at(now);
+            conn.release_at(now, self.admitted.take());
         }
         self.deadline = None;
         self.recorder.finish_at(now);

@@ -851,7 +851,7 @@ fn forward(
         if ended {
             // HEAD, 204, 304, `Content-Length: 0`: the connection goes back to the pool and
             // the exchange ends here.
-            up.release();
+            up.release(admitted.take());
             rec.finish();
             return Ok(Response::from_parts(parts, RespBody::empty()));
         }
@@ -863,7 +863,7 @@ fn forward(
         {
             rec.add_bytes_out(whole.len() as u64);
             let now = Instant::now();
-            up.release_at(now);
+            up.release_at(now, admitted.take());
             rec.finish_at(now);
             return Ok(Response::from_parts(parts, RespBody::full(whole)));
         }

@@ -320,8 +320,8 @@ impl Conn {
 
     /// Ends the exchange after its response was read to the end: an HTTP/1.1 connection
     /// goes back to the idle list (or is retired); an HTTP/2 stream slot is freed.
-    pub fn release(self) {
-        self.release_at(Instant::now());
+    pub fn release(self, admitted: Option<super::Admitted>) {
+        self.release_at(Instant::now(), admitted);
     }
 
     /// [`release`](Self::release) at a time the caller already read.
@@ -331,14 +331,16 @@ impl Conn {
     /// own writes it, within the pool's idle timeout, then gives the connection back. The
     /// pool keeps it only when the server had the whole body as framed before it answered
     /// (a client's end of stream may come later than its last byte); one answered early is
-    /// closed.
-    pub fn release_at(mut self, now: Instant) {
+    /// closed. The request's place under the cluster's `max_requests` (`admitted`) is held
+    /// until then too: the client is still sending its body.
+    pub fn release_at(mut self, now: Instant, admitted: Option<super::Admitted>) {
         let pool = self.pool.clone();
         if let Sender::H1(c) = &mut self.sender
             && c.upload_pending()
         {
             let limit = pool.idle_timeout();
             tokio::spawn(async move {
+                let _admitted = admitted;
                 // Whether the upload ends, fails or runs out of time, the connection goes
                 // back through the pool, which closes it and owes the warm keeper a new one.
                 let _ = tokio::time::timeout(
