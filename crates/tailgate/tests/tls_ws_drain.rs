@@ -329,6 +329,37 @@ async fn sni_classifies_the_tenant() {
     assert_eq!(resp.status(), 421);
 }
 
+/// A TLS connection whose server name names a tenant counts as that tenant's open
+/// connection (`tailgate_tenant_connections`), as one on a tenant's listener does.
+#[tokio::test]
+async fn a_connection_classified_by_sni_counts_as_its_tenants() {
+    let cert = test_cert(&["acme.test", "globex.test"]);
+    let up = echo_upstream().await;
+    let gw = tls_gateway_with(&cert, up, "[admin]\naddress = \"127.0.0.1:0\"\n");
+    let mut tls = tls_connect(gw.addr, &cert, "acme.test", &[b"http/1.1"]).await;
+    tls.write_all(b"GET / HTTP/1.1\r\nHost: acme.test\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 512];
+    let n = tokio::time::timeout(Duration::from_secs(5), tls.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(buf[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &buf[..n]);
+    let admin = gw.gw.as_ref().unwrap().admin_addr().unwrap();
+    let text = String::from_utf8(get(admin, "/metrics").await.body().to_vec()).unwrap();
+    let ex = common::prom::parse(&text, false).unwrap();
+    assert_eq!(
+        ex.value("tailgate_tenant_connections", &[("tenant", "acme")]),
+        1.0
+    );
+    assert_eq!(
+        ex.value("tailgate_tenant_connections", &[("tenant", "globex")]),
+        0.0
+    );
+    drop(tls);
+}
+
 #[tokio::test]
 async fn listener_and_host_classify_the_tenant() {
     let a = upstream(|_| async { http::Response::new(full("acme")) }).await;
