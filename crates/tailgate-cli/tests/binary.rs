@@ -832,6 +832,26 @@ fn notify_without_a_watchdog_sends_ready_and_no_pings() {
 /// every 50 ms it retries), and serves again once descriptors are free.
 #[test]
 fn failed_accepts_are_counted_and_warned_about_once() {
+    /// `GET /metrics` on a kept-alive connection: the (chunked) body.
+    fn scrape_on(s: &mut TcpStream) -> String {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(s, "GET /metrics HTTP/1.1\r\nHost: admin\r\n\r\n").unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 65536];
+        while !got.ends_with(b"\r\n0\r\n\r\n") {
+            let n = s.read(&mut buf).unwrap();
+            assert!(n > 0, "closed: {}", String::from_utf8_lossy(&got));
+            got.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8_lossy(&got).into_owned()
+    }
+    fn process_cpu(text: &str) -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix("process_cpu_seconds_total "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no CPU counter: {text}"))
+    }
+
     let dir = tmpdir();
     let up = slow_upstream(Duration::ZERO);
     let (port, admin_port) = (free_port(), free_port());
@@ -861,12 +881,24 @@ fn failed_accepts_are_counted_and_warned_about_once() {
     let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
     wait_listening(addr);
     wait_listening(admin);
+    // A scraper's kept-alive connection, open before the descriptors run out.
+    let mut scraper = TcpStream::connect(admin).unwrap();
+    let cpu_before = process_cpu(&scrape_on(&mut scraper));
     // More connections than descriptors: the kernel queues them, the gateway cannot take
     // them all.
     let held: Vec<TcpStream> = (0..150)
         .map(|_| TcpStream::connect(addr).unwrap())
         .collect();
     std::thread::sleep(Duration::from_millis(1500));
+    // Out of descriptors, `/proc` cannot be read: what cannot be is left out, never `0`
+    // (a CPU counter at 0 would read as a restart).
+    let during = scrape_on(&mut scraper);
+    assert!(process_cpu(&during) >= cpu_before, "{during}");
+    assert!(!during.contains("\nprocess_open_fds 0\n"), "{during}");
+    assert!(
+        !during.contains("\nprocess_start_time_seconds 0\n"),
+        "{during}"
+    );
     drop(held);
     // Serving again once they are closed.
     let deadline = Instant::now() + Duration::from_secs(20);

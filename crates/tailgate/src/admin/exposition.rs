@@ -847,28 +847,26 @@ fn process(state: &AdminState, w: &mut TextWriter) {
         "User and system CPU time spent.",
     );
     w.counter("process_cpu_seconds", &[], p.cpu_seconds);
-    let gauges: [(&str, &str, f64); 6] = [
+    // A field that could not be read (out of file descriptors) is left out, not `0`.
+    let u = |v: Option<u64>| v.map(|v| v as f64);
+    let gauges: [(&str, &str, Option<f64>); 6] = [
         (
             "process_resident_memory_bytes",
             "Resident memory size.",
-            p.resident_bytes as f64,
+            u(p.resident_bytes),
         ),
         (
             "process_virtual_memory_bytes",
             "Virtual memory size.",
-            p.virtual_bytes as f64,
+            u(p.virtual_bytes),
         ),
-        (
-            "process_open_fds",
-            "Open file descriptors.",
-            p.open_fds as f64,
-        ),
+        ("process_open_fds", "Open file descriptors.", u(p.open_fds)),
         (
             "process_max_fds",
             "The limit on open file descriptors.",
-            p.max_fds as f64,
+            u(p.max_fds),
         ),
-        ("process_threads", "OS threads.", p.threads as f64),
+        ("process_threads", "OS threads.", u(p.threads)),
         (
             "process_start_time_seconds",
             "Start time of the process since the Unix epoch.",
@@ -876,8 +874,10 @@ fn process(state: &AdminState, w: &mut TextWriter) {
         ),
     ];
     for (name, help, v) in gauges {
-        w.family(name, Kind::Gauge, help);
-        w.gauge(name, &[], v);
+        if let Some(v) = v {
+            w.family(name, Kind::Gauge, help);
+            w.gauge(name, &[], v);
+        }
     }
 }
 
