@@ -410,6 +410,11 @@ fn h2_error(e: &hyper::Error) -> Option<&h2::Error> {
     None
 }
 
+/// The flow-control window of an HTTP/2 connection to an upstream: 32 streams' worth of
+/// hyper's 2 MiB stream window. What it holds is only what slow clients have not taken yet
+/// (each stream at most its own window), so it costs nothing while clients read.
+const H2_CONNECTION_WINDOW: u32 = 64 << 20;
+
 /// The HTTP/2 handshake (client preface and SETTINGS) over any transport; the connection
 /// runs on its own task, and keeps running for the streams in flight after the last sender
 /// is dropped. Also returns the server's `SETTINGS_MAX_CONCURRENT_STREAMS` as last seen by
@@ -438,6 +443,13 @@ where
         n => n,
     };
     builder.initial_max_send_streams(assumed);
+    // Response heads as large as an HTTP/1.1 upstream may send (hyper's default is 16 KiB:
+    // a larger head was a reset stream, retried, then a 502, where HTTP/1.1 served it).
+    builder.max_header_list_size(super::h1::MAX_HEAD as u32);
+    // Room on the connection for many streams' windows (2 MiB each, hyper's default): a
+    // stream's window is given back only as its client takes the data, so with hyper's
+    // 5 MiB for the whole connection three slow readers stopped every other stream on it.
+    builder.initial_connection_window_size(H2_CONNECTION_WINDOW);
     if let Some((interval, timeout)) = keepalive {
         builder
             .timer(TokioTimer::new())

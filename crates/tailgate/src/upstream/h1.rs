@@ -53,7 +53,7 @@ use crate::pipeline::body::{BodyProgress, ReqBody, ReqBodyError};
 use crate::pipeline::headers::{Added, put_header, token_in};
 
 /// The largest response head accepted (status line and headers).
-const MAX_HEAD: usize = 64 * 1024;
+pub(super) const MAX_HEAD: usize = 64 * 1024;
 /// The most response headers accepted.
 const MAX_HEADERS: usize = 100;
 /// Room made in the read buffer when it runs low.
