@@ -72,8 +72,10 @@ pub(super) fn protocol(
     }
 }
 
-/// The cluster's `http2_keepalive_interval` (default 10 s; `"0s"`: off), refused on an
-/// HTTP/1.1 cluster where it would do nothing.
+/// The cluster's `http2_keepalive_interval` (default off, as Envoy's: gRPC servers, by
+/// their default policy, answer a client that pings more than once in five minutes, or
+/// while no call is open, with GOAWAY `too_many_pings`), refused on an HTTP/1.1 cluster
+/// where it would do nothing.
 pub(super) fn http2_keepalive(
     c: &mut Checker<'_>,
     cl: &RawCluster,
@@ -91,7 +93,7 @@ pub(super) fn http2_keepalive(
             );
             None
         }
-        v => Some(c.duration(v, field, Duration::from_secs(10))).filter(|d| !d.is_zero()),
+        v => Some(c.duration(v, field, Duration::ZERO)).filter(|d| !d.is_zero()),
     }
 }
 

@@ -1487,6 +1487,28 @@ mod tests {
 
     const TAIL: &str = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\n";
 
+    /// HTTP/2 keepalive pings are off unless asked for (gRPC servers close connections that
+    /// ping more than their policy allows); an interval written is taken.
+    #[test]
+    fn http2_keepalive_is_off_by_default() {
+        let cluster = |extra: &str| {
+            format!(
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\nprotocol = \"http2\"\n{extra}"
+            )
+        };
+        let cfg = parse_and_validate(Path::new("t.toml"), &cluster("")).expect("valid");
+        assert_eq!(cfg.clusters[0].http2_keepalive_interval, None);
+        let cfg = parse_and_validate(
+            Path::new("t.toml"),
+            &cluster("http2_keepalive_interval = \"30s\"\n"),
+        )
+        .expect("valid");
+        assert_eq!(
+            cfg.clusters[0].http2_keepalive_interval,
+            Some(Duration::from_secs(30))
+        );
+    }
+
     /// A mistyped key is refused in every table, at its place, not taken silently (a
     /// `conect_timeout` would otherwise leave the default in force while `check` says ok).
     #[test]
