@@ -1063,3 +1063,96 @@ async fn slow_readers_do_not_stall_other_streams_on_an_h2_connection() {
     assert_eq!(resp.body().len(), 256 << 10);
     drop(stalled);
 }
+
+/// An upstream that restarts tells every connection to go away at once (GOAWAY, its
+/// streams in flight finishing). A request then turned away unsent by one of them, and by
+/// the next, goes on a new connection: answered, processed once, not a `502`.
+#[tokio::test]
+async fn a_request_turned_away_by_every_closing_connection_gets_a_new_one() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    // Every connection shuts down gracefully when told; `/hold1` and `/hold3` wait for
+    // `hold`, `/hold2` for `hold2`.
+    let restart = Arc::new(Notify::new());
+    let (hold_tx, hold) = watch::channel(false);
+    let (hold2_tx, hold2) = watch::channel(false);
+    let conns = Arc::new(AtomicUsize::new(0));
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let processed = Arc::new(Mutex::new(Vec::<String>::new()));
+    {
+        let (restart, conns, in_flight, processed) = (
+            restart.clone(),
+            conns.clone(),
+            in_flight.clone(),
+            processed.clone(),
+        );
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = l.accept().await {
+                conns.fetch_add(1, Ordering::SeqCst);
+                let (restart, in_flight, processed) =
+                    (restart.clone(), in_flight.clone(), processed.clone());
+                let (hold, hold2) = (hold.clone(), hold2.clone());
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                        let path = req.uri().path().to_owned();
+                        let (in_flight, processed) = (in_flight.clone(), processed.clone());
+                        let mut gate = match path.as_str() {
+                            "/hold2" => Some(hold2.clone()),
+                            p if p.starts_with("/hold") => Some(hold.clone()),
+                            _ => None,
+                        };
+                        async move {
+                            processed.lock().unwrap().push(path);
+                            in_flight.fetch_add(1, Ordering::SeqCst);
+                            if let Some(g) = gate.as_mut() {
+                                let _ = g.wait_for(|open| *open).await;
+                            }
+                            in_flight.fetch_sub(1, Ordering::SeqCst);
+                            Ok::<_, Infallible>(http::Response::new(full("ok")))
+                        }
+                    });
+                    let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .max_concurrent_streams(2)
+                        .serve_connection(TokioIo::new(tcp), svc);
+                    let mut conn = std::pin::pin!(conn);
+                    let told = restart.notified();
+                    tokio::select! {
+                        _ = conn.as_mut() => return,
+                        _ = told => {}
+                    }
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.await;
+                });
+            }
+        });
+    }
+    let gw = gateway(up, "");
+    let addr = gw.addr;
+    // Connection A takes `/hold1` and `/hold2` (its two streams), B `/hold3`.
+    let h1 = tokio::spawn(async move { get(addr, "/hold1").await.status() });
+    let h2 = tokio::spawn(async move { get(addr, "/hold2").await.status() });
+    wait_for("two held on A", || in_flight.load(Ordering::SeqCst) == 2).await;
+    let h3 = tokio::spawn(async move { get(addr, "/hold3").await.status() });
+    wait_for("B opened", || {
+        in_flight.load(Ordering::SeqCst) == 3 && conns.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    // `/hold2` answered: A and B each have a stream free.
+    hold2_tx.send_replace(true);
+    assert_eq!(h2.await.unwrap(), 200);
+    // The upstream restarts: both are told to go away.
+    restart.notify_waiters();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let resp = get(addr, "/x").await;
+    assert_eq!(resp.status(), 200, "{:?}", resp.body());
+    assert!(conns.load(Ordering::SeqCst) >= 3, "a new connection for it");
+    hold_tx.send_replace(true);
+    assert_eq!(h1.await.unwrap(), 200);
+    assert_eq!(h3.await.unwrap(), 200);
+    let seen = processed.lock().unwrap().clone();
+    assert_eq!(
+        seen.iter().filter(|p| *p == "/x").count(),
+        1,
+        "processed once: {seen:?}"
+    );
+}
