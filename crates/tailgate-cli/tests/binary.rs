@@ -708,6 +708,20 @@ fn watchdog_outside_systemd_is_a_clear_error() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--watchdog needs NOTIFY_SOCKET"), "{err}");
+    // A value systemd never sets (empty, relative, a bare `@`): the same clear exit, not a
+    // gateway whose every notification fails.
+    for bad in ["", "notify.sock", "@"] {
+        let out = Command::new(BIN)
+            .args(["serve", "--watchdog", "--config"])
+            .arg(&cfg)
+            .env("NOTIFY_SOCKET", bad)
+            .env_remove("WATCHDOG_USEC")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "NOTIFY_SOCKET={bad:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("is no socket address"), "{bad:?}: {err}");
+    }
 }
 
 /// Under systemd (`Type=notify`, `WatchdogSec=`): READY=1, WATCHDOG=1 at half the

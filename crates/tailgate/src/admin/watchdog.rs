@@ -38,6 +38,10 @@ pub enum WatchdogError {
     NotUnderSystemd,
     #[error("WATCHDOG_USEC=`{0}` is not a positive number of microseconds")]
     BadInterval(String),
+    #[error(
+        "NOTIFY_SOCKET=`{0}` is no socket address: systemd sets an absolute path (`/run/systemd/notify`) or an abstract name (`@…`)"
+    )]
+    BadSocket(String),
 }
 
 impl NotifySocket {
@@ -62,8 +66,14 @@ impl NotifySocket {
         };
         let bytes = socket.as_encoded_bytes();
         let target = match bytes.strip_prefix(b"@") {
-            Some(name) => NotifySocket::Abstract(name.to_vec()),
-            None => NotifySocket::Path(PathBuf::from(socket)),
+            Some(name) if !name.is_empty() => NotifySocket::Abstract(name.to_vec()),
+            // As `sd_notify` takes it: an absolute path or an abstract name, nothing else.
+            None if bytes.starts_with(b"/") => NotifySocket::Path(PathBuf::from(socket)),
+            _ => {
+                return Err(WatchdogError::BadSocket(
+                    socket.to_string_lossy().into_owned(),
+                ));
+            }
         };
         Ok((target, interval))
     }
