@@ -938,3 +938,43 @@ fn failed_accepts_are_counted_and_warned_about_once() {
         "one warning for {errors} failed accepts:\n{text}"
     );
 }
+
+/// Host-name endpoints with no name server to ask (an `/etc/resolv.conf` that names none,
+/// and no `[dns] nameservers`): the gateway does not start, and says why and what to write,
+/// rather than run for good with clusters that can never resolve. Needs a mount namespace
+/// to hide the machine's `/etc/resolv.conf` (`unshare -m`, as root); said and skipped
+/// without one.
+#[test]
+fn no_name_server_to_ask_stops_the_start() {
+    let can = Command::new("unshare")
+        .args(["-m", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !can {
+        eprintln!("skipped: `unshare -m` is not allowed here");
+        return;
+    }
+    let dir = tmpdir();
+    let port = free_port();
+    let cfg = dir.path().join("gw.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[listener]]\naddress = \"127.0.0.1:{port}\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"svc.internal:8081\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+        ),
+    )
+    .unwrap();
+    let script = format!(
+        "mount --bind /dev/null /etc/resolv.conf && exec {BIN} serve --config {}",
+        cfg.display()
+    );
+    let out = Command::new("timeout")
+        .args(["20", "unshare", "-m", "sh", "-c", &script])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("cannot resolve host-name endpoints"), "{err}");
+    assert!(err.contains("[dns] nameservers"), "{err}");
+}

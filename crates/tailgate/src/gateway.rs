@@ -42,6 +42,10 @@ pub enum StartError {
     },
     #[error("cannot start a worker thread: {0}")]
     Thread(std::io::Error),
+    #[error(
+        "cannot resolve host-name endpoints: {0}; name the servers to ask in [dns] nameservers, or fix /etc/resolv.conf"
+    )]
+    Dns(String),
     #[error("cannot start the admin listener on {addr}: {source}")]
     Admin {
         addr: SocketAddr,
@@ -96,8 +100,7 @@ impl Gateway {
         // resolver's own thread. Before any listener listens: a connection the kernel queues
         // for this gateway must not wait out the resolution (a second gateway started on a
         // running one's addresses takes its share of connections from its first `listen`).
-        let dns = crate::upstream::dns::Dns::start(&config, shutdown_rx.clone())
-            .map_err(StartError::Thread)?;
+        let dns = crate::upstream::dns::Dns::start(&config, shutdown_rx.clone())?;
         // And the admin socket bound before them too, so that a bad admin address stops the
         // start before any client connection is taken (and then reset).
         let admin_bound = match &config.admin {

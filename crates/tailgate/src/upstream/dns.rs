@@ -106,8 +106,13 @@ impl Dns {
 
     /// Starts the resolver thread if any cluster has a host-name endpoint, and waits (at most
     /// `dns.startup_timeout`) for the first resolution of every name. A name that does not
-    /// resolve is logged; its cluster has only its other endpoints until it does.
-    pub fn start(config: &Config, shutdown: watch::Receiver<bool>) -> std::io::Result<Dns> {
+    /// resolve is logged; its cluster has only its other endpoints until it does. A
+    /// resolver that cannot be built (no `/etc/resolv.conf`, or one that names no server,
+    /// without `[dns] nameservers`) stops the start: no name would ever resolve.
+    pub fn start(
+        config: &Config,
+        shutdown: watch::Receiver<bool>,
+    ) -> Result<Dns, crate::gateway::StartError> {
         if config.clusters.iter().all(|c| c.hostnames.is_empty()) {
             return Ok(Dns::none());
         }
@@ -159,11 +164,23 @@ impl Dns {
         let (st, ea) = (stats.clone(), early.clone());
         let thread = std::thread::Builder::new()
             .name("tailgate-dns".into())
-            .spawn(move || run(settings, targets, st, ea, shutdown, ready_tx))?;
-        if ready_rx.recv_timeout(wait).is_err() {
-            tracing::warn!(
+            .spawn(move || run(settings, targets, st, ea, shutdown, ready_tx))
+            .map_err(crate::gateway::StartError::Thread)?;
+        match ready_rx.recv_timeout(wait) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(crate::gateway::StartError::Dns(e));
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                let _ = thread.join();
+                return Err(crate::gateway::StartError::Dns(
+                    "the resolver's thread could not start its runtime".into(),
+                ));
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => tracing::warn!(
                 "the first DNS resolution did not finish in time; starting with what is resolved"
-            );
+            ),
         }
         Ok(Dns {
             stats,
@@ -241,7 +258,7 @@ fn run(
     stats: Arc<DnsStats>,
     early: Arc<Early>,
     mut shutdown: watch::Receiver<bool>,
-    ready: std::sync::mpsc::Sender<()>,
+    ready: std::sync::mpsc::Sender<Result<(), String>>,
 ) {
     let Some(rt) = crate::runtime::for_thread("DNS", "; host-name endpoints will not resolve")
     else {
@@ -251,8 +268,7 @@ fn run(
         let resolver = match build_resolver(&settings) {
             Ok(r) => r,
             Err(e) => {
-                tracing::error!(error = %e, "cannot build the DNS resolver; host-name endpoints will not resolve");
-                let _ = ready.send(());
+                let _ = ready.send(Err(e));
                 return;
             }
         };
@@ -278,7 +294,7 @@ fn run(
             }
         }
         publish(&targets, &names, &stats);
-        let _ = ready.send(());
+        let _ = ready.send(Ok(()));
         loop {
             let next = names
                 .values()
