@@ -430,13 +430,16 @@ fn a_second_gateway_on_the_same_address_warns_that_it_shares_it() {
     let dir = tmpdir();
     let up = slow_upstream(Duration::ZERO);
     let port = free_port();
-    // The admin listener too is shared, not a reason for the second gateway to stop.
-    let admin_port = free_port();
+    // The admin listener and a built-in demo upstream too are shared, not a reason for the
+    // second gateway to stop.
+    let (admin_port, demo_port) = (free_port(), free_port());
     let cfg = serve_config(
         dir.path(),
         port,
         up,
-        &format!("[admin]\naddress = \"127.0.0.1:{admin_port}\"\n"),
+        &format!(
+            "[admin]\naddress = \"127.0.0.1:{admin_port}\"\n[[demo]]\naddress = \"127.0.0.1:{demo_port}\"\n"
+        ),
     );
     let first_log = std::fs::File::create(dir.path().join("first.log")).unwrap();
     let _first = serve(&cfg, Stdio::from(first_log));

@@ -80,13 +80,17 @@ impl Gateway {
         // at a shutdown may be waiting on it.
         let (demo_stop, demo_stop_rx) = watch::channel(false);
         let mut demos = Vec::new();
-        for &addr in &config.demos {
-            let socket = std::net::TcpListener::bind(addr).map_err(|source| StartError::Bind {
-                name: "demo".into(),
-                addr,
-                source,
-            })?;
-            let _ = socket.set_nonblocking(true);
+        for (i, &addr) in config.demos.iter().enumerate() {
+            // Shared with SO_REUSEPORT as the listeners are, dual-stack as the admin socket
+            // is: a second gateway started on a running one's config (a restart that refuses
+            // no connection) serves its demo beside the first one's.
+            let socket = crate::listener::bind_unlistened(addr, true)
+                .and_then(crate::listener::listen)
+                .map_err(|source| StartError::Bind {
+                    name: format!("demo[{i}]"),
+                    addr,
+                    source,
+                })?;
             let rx = demo_stop_rx.clone();
             demos.push(
                 std::thread::Builder::new()
