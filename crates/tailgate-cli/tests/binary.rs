@@ -981,3 +981,49 @@ fn no_name_server_to_ask_stops_the_start() {
     assert!(err.contains("cannot resolve host-name endpoints"), "{err}");
     assert!(err.contains("[dns] nameservers"), "{err}");
 }
+
+/// `tailgate demo-upstream` on a port already taken says which address it could not listen
+/// on; one that runs cuts off a client that sends no request head (10 s), and stops
+/// cleanly (exit 0) at a SIGTERM sent as soon as it says it listens.
+#[test]
+fn demo_upstream_names_its_address_cuts_silent_clients_and_stops_cleanly() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap();
+    let out = Command::new(BIN)
+        .args(["demo-upstream", "--listen", &addr.to_string()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains(&addr.to_string()), "{err}");
+    drop(taken);
+
+    let port = free_port();
+    let mut p = Proc(
+        Command::new(BIN)
+            .args(["demo-upstream", "--listen", &format!("127.0.0.1:{port}")])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = BufReader::new(p.0.stderr.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.contains("listening"), "{first}");
+    let demo: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut silent = TcpStream::connect(demo).unwrap();
+    silent
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let t = Instant::now();
+    let mut buf = [0u8; 64];
+    let n = silent.read(&mut buf).unwrap_or(0);
+    assert_eq!(n, 0, "closed, not answered");
+    assert!(
+        t.elapsed() < Duration::from_secs(15),
+        "cut off after {:?}",
+        t.elapsed()
+    );
+    kill("-TERM", &p.0.id().to_string());
+    let status = exit_within(&mut p, Duration::from_secs(5), "the demo did not stop");
+    assert!(status.success(), "{status:?}");
+}

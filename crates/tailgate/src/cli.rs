@@ -119,10 +119,16 @@ pub fn demo_upstream(listen: &str) -> Result<(), CliError> {
     let addr: SocketAddr = listen
         .parse()
         .map_err(|_| CliError::BadAddress(listen.to_owned()))?;
-    let socket = std::net::TcpListener::bind(addr)?;
+    // Signals are caught before it says it listens: a script that waits for that line and
+    // then stops it gets a clean stop, not the signal's default action.
+    let mut signals = Signals::new()?;
+    let socket = std::net::TcpListener::bind(addr).map_err(|source| StartError::Bind {
+        name: "demo-upstream".into(),
+        addr,
+        source,
+    })?;
     socket.set_nonblocking(true)?;
     eprintln!("demo upstream listening on {}", socket.local_addr()?);
-    let mut signals = Signals::new()?;
     let (tx, rx) = watch::channel(false);
     let thread = std::thread::spawn(move || crate::demo::run_blocking(socket, rx));
     signals.wait();

@@ -54,9 +54,18 @@ async fn answer(req: Request<Incoming>) -> Result<Response<DemoBody>, Infallible
     Ok(resp)
 }
 
+/// How long the demo waits for a request head.
+const HEAD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Serves the demo on `socket` until `shutdown` turns true.
 pub async fn serve(socket: tokio::net::TcpListener, mut shutdown: watch::Receiver<bool>) {
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // A client that sends no (whole) head for this long is cut off, the next head on a
+    // kept-alive connection included: the demo's descriptors are the gateway's too.
+    builder
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEAD_TIMEOUT);
     loop {
         tokio::select! {
             _ = shutdown.wait_for(|s| *s) => return,
@@ -70,6 +79,13 @@ pub async fn serve(socket: tokio::net::TcpListener, mut shutdown: watch::Receive
                 let _ = stream.set_nodelay(true);
                 let builder = builder.clone();
                 tokio::spawn(async move {
+                    // Its first bytes (which pick HTTP/1 or HTTP/2) within the head timeout
+                    // too: the protocol's own timer starts only once one is picked.
+                    let mut first = [0u8; 1];
+                    let peeked = tokio::time::timeout(HEAD_TIMEOUT, stream.peek(&mut first));
+                    if !matches!(peeked.await, Ok(Ok(n)) if n > 0) {
+                        return;
+                    }
                     let _ = builder.serve_connection(TokioIo::new(stream), service_fn(answer)).await;
                 });
             }
