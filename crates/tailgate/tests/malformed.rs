@@ -656,6 +656,36 @@ async fn a_body_over_the_limit_is_answered_413_while_the_client_still_uploads() 
     );
 }
 
+/// A request that asks to switch protocols and is answered otherwise (here its body is over
+/// the limit: `413`; a `CONNECT`, which no route takes: `404`) while the client still sends: the client gets the
+/// answer and a clean close, not a reset. hyper's server hands such a connection over as if
+/// it had switched, unshut; the gateway closes it with its lingering close all the same,
+/// over HTTP/1.1 as over HTTP/1.0 (where no switch is set up at all).
+#[tokio::test]
+async fn a_refused_upgrade_is_answered_while_the_client_still_sends() {
+    for (head, status) in [
+        (
+            &b"POST /up HTTP/1.1\r\nHost: a\r\nConnection: upgrade\r\nUpgrade: websocket\r\nContent-Length: 10000000\r\n\r\n"[..],
+            &b"HTTP/1.1 413"[..],
+        ),
+        (
+            b"CONNECT a:443 HTTP/1.1\r\nHost: a:443\r\nContent-Length: 10000000\r\n\r\n",
+            b"HTTP/1.1 404",
+        ),
+        (
+            b"POST /up HTTP/1.0\r\nHost: a\r\nUpgrade: x\r\nContent-Length: 10000000\r\n\r\n",
+            b"HTTP/1.0 413",
+        ),
+    ] {
+        assert_eq!(
+            refused_while_the_client_still_sends(b"", head, status).await,
+            0,
+            "{}",
+            String::from_utf8_lossy(head)
+        );
+    }
+}
+
 /// The same behind the smuggling guard, on a connection hyper's server took over (its first
 /// request was chunked).
 #[tokio::test]

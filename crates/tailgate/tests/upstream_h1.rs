@@ -1211,6 +1211,12 @@ async fn r_an_h2c_upgrade_is_not_passed_on() {
     assert!(got.starts_with("get /public http/1.1"), "{got}");
     assert!(!got.contains("upgrade"), "{got}");
     assert!(!got.contains("http2-settings"), "{got}");
+    // Nor when a byte past ASCII in the value could hide it from the look for `h2c`.
+    let hidden =
+        b"GET /public HTTP/1.1\r\nHost: a\r\nUpgrade: h2c, \xff\r\nConnection: Upgrade\r\n\r\n";
+    let got = as_received(hidden).await;
+    assert!(got.starts_with("get /public http/1.1"), "{got}");
+    assert!(!got.contains("upgrade"), "{got}");
 
     let up = scripted(
         |_| {

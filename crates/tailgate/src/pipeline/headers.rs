@@ -259,8 +259,13 @@ impl<'a> Added<'a> {
 /// (h2c smuggling). Such a request goes on as a plain HTTP/1.1 one, its `Upgrade` removed
 /// with the other hop-by-hop headers, as nginx (which passes no `Upgrade` unless told to)
 /// and Envoy (which refuses `h2c` unless configured) do.
+///
+/// An `Upgrade` value that is not plain text (bytes past ASCII) is no upgrade either: it
+/// could hide an `h2c` from the look for one (failing closed).
 pub fn wants_upgrade(headers: &HeaderMap) -> bool {
-    headers.contains_key(header::UPGRADE)
+    let upgrade = headers.get_all(header::UPGRADE);
+    upgrade.iter().next().is_some()
+        && upgrade.iter().all(|v| v.to_str().is_ok())
         && connection_has(headers, "upgrade")
         && !lists_token(headers, &header::UPGRADE, "h2c")
 }

@@ -346,7 +346,12 @@ pub fn handle(
 ) -> impl Future<Output = Result<Response<RespBody>, Infallible>> {
     async move {
         let started = Instant::now();
+        let mut parts = parts;
         let sticky = sticky_upgrade(&parts);
+        // Such a request's side of the switch: a `101`'s tunnel takes it, else the close
+        // that follows the answer does ([`close_after_refused_upgrade`]).
+        let upgrade_slot: UpgradeSlot =
+            sticky.then(|| Arc::new(std::sync::Mutex::new(Some(upgrade_of(&mut parts)))));
         let shared = &worker.shared;
         let settings = &shared.settings;
 
@@ -377,7 +382,7 @@ pub fn handle(
             if e.is_upstream() {
                 tracing::debug!(request.id = request_id.to_str().unwrap_or("-"), error = %e, "upstream error");
             }
-            Ok(close_after_refused_upgrade(resp, sticky))
+            Ok(close_after_refused_upgrade(resp, &conn, &upgrade_slot))
         };
 
         // 2. Route: the host decides the tenant, the path and method the route.
@@ -407,8 +412,19 @@ pub fn handle(
         // 3. Authenticate and 4. rate limit: not configured in this version.
 
         // 5.–6. Upstream, and the response streamed back.
-        match forward(&worker, &conn, &route, parts, body, &request_id, &mut rec).await {
-            Ok(resp) => Ok(close_after_refused_upgrade(resp, sticky)),
+        match forward(
+            &worker,
+            &conn,
+            &route,
+            parts,
+            body,
+            &request_id,
+            &mut rec,
+            &upgrade_slot,
+        )
+        .await
+        {
+            Ok(resp) => Ok(close_after_refused_upgrade(resp, &conn, &upgrade_slot)),
             Err(e) => fail(&mut rec, e),
         }
     }
@@ -424,12 +440,45 @@ fn sticky_upgrade(parts: &Parts) -> bool {
                 && parts.headers.contains_key(header::UPGRADE))
 }
 
-fn close_after_refused_upgrade(mut resp: Response<RespBody>, sticky: bool) -> Response<RespBody> {
-    if sticky && resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+///
+/// hyper's server then hands such a connection over as if switched, unshut: a task takes it
+/// and closes it with a lingering close, as any other (`server::linger`), so that a client
+/// still sending (a body behind its upgrade request) reads the answer, not a reset.
+fn close_after_refused_upgrade(
+    mut resp: Response<RespBody>,
+    conn: &Arc<ConnInfo>,
+    slot: &UpgradeSlot,
+) -> Response<RespBody> {
+    if let Some(slot) = slot
+        && resp.status() != StatusCode::SWITCHING_PROTOCOLS
+    {
         resp.headers_mut()
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        if let Some(on) = take_upgrade(slot) {
+            let hold = conn.clone();
+            tokio::spawn(async move {
+                let _hold = hold;
+                if let Ok(io) = on.await {
+                    let mut io = TokioIo::new(io);
+                    if tokio::io::AsyncWriteExt::shutdown(&mut io).await.is_ok() {
+                        crate::server::linger(&mut io).await;
+                    }
+                }
+            });
+        }
     }
     resp
+}
+
+/// A sticky request's upgrade handle ([`sticky_upgrade`]), shared between the answer's path
+/// and its close (`None` for any other request).
+type UpgradeSlot = Option<Arc<std::sync::Mutex<Option<hyper::upgrade::OnUpgrade>>>>;
+
+/// The upgrade handle in `slot`, taken (once).
+fn take_upgrade(
+    slot: &std::sync::Mutex<Option<hyper::upgrade::OnUpgrade>>,
+) -> Option<hyper::upgrade::OnUpgrade> {
+    slot.lock().ok().and_then(|mut s| s.take())
 }
 
 /// The client's side of a protocol upgrade, which hyper's server keeps in the request's
@@ -453,6 +502,10 @@ fn declared_length(body: &ReqBody) -> Option<u64> {
     clippy::manual_async_fn,
     reason = "an `async fn` copies its arguments once more"
 )]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the request's parts, borrowed from `handle`; a struct of them would be one more copy per request"
+)]
 fn forward(
     worker: &Worker,
     conn: &Arc<ConnInfo>,
@@ -461,6 +514,7 @@ fn forward(
     mut body: ReqBody,
     request_id: &HeaderValue,
     rec: &mut ExchangeRecorder,
+    upgrade_slot: &UpgradeSlot,
 ) -> impl Future<Output = Result<Response<RespBody>, ProxyError>> {
     async move {
         let settings = &worker.shared.settings;
@@ -473,7 +527,6 @@ fn forward(
         let upgrade = hop
             && parts.version == http::Version::HTTP_11
             && headers::wants_upgrade(&parts.headers);
-        let client_upgrade = upgrade.then(|| upgrade_of(&mut parts));
         let total_deadline = route.total_timeout.map(|t| started + t);
 
         // The upstream request: origin-form URI, the client's Host, hop-by-hop headers gone.
@@ -808,6 +861,10 @@ fn forward(
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
             // A switch the client did not ask for cannot be passed on: the client would be
             // told the connection now speaks another protocol, with no tunnel behind it.
+            let client_upgrade = match upgrade_slot {
+                Some(slot) if upgrade => take_upgrade(slot),
+                _ => None,
+            };
             let Some(client_upgrade) = client_upgrade else {
                 return Err(ProxyError::UpstreamReset(
                     "101 Switching Protocols to a request that did not ask to upgrade".into(),

@@ -56,6 +56,10 @@ pub(super) struct Framing {
     pub(super) head_done: bool,
     /// How much of the head in progress was looked at.
     pub(super) head_scan: head::HeadScan,
+    /// The hand-off was for a request that asked to switch protocols (`Upgrade`, `CONNECT`),
+    /// not for HTTP/2: its connection still ends with a lingering close (after a refusal,
+    /// or a tunnel's end), as a plain HTTP/1 one does.
+    pub(super) upgrade_asked: bool,
 }
 
 impl Framing {
@@ -138,6 +142,7 @@ impl Framing {
             self.refuse(Refusal::Head(f));
             return Some(0);
         }
+        self.upgrade_asked |= upgrade;
         self.state = if upgrade {
             State::Passthrough
         } else if body.te {

@@ -92,6 +92,7 @@ impl<T> H1Guard<T> {
                 refused: None,
                 head_done: false,
                 head_scan: Default::default(),
+                upgrade_asked: false,
             },
             header_timeout,
             deadline: None,
@@ -462,7 +463,7 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for H1Guard<T> {
     /// hyper drops it. Not once the connection speaks HTTP/2 (it has its own close).
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
-        if matches!(this.framing.state, State::Passthrough) {
+        if matches!(this.framing.state, State::Passthrough) && !this.framing.upgrade_asked {
             return Pin::new(&mut this.inner).poll_shutdown(cx);
         }
         if this.linger.is_none() {
