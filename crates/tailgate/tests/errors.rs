@@ -63,9 +63,19 @@ async fn upstream_refused_is_502() {
     assert_eq!(json(&resp)["error"], "upstream_connect_failed");
 }
 
-#[tokio::test]
-async fn upstream_reset_is_502() {
-    // Accepts, reads the request, closes without answering.
+/// How [`closing_upstream`] ends each connection after reading its request.
+#[derive(Clone, Copy, PartialEq)]
+enum Close {
+    /// A clean close (`FIN`), no answer.
+    Fin,
+    /// A reset (`RST`), no answer.
+    Rst,
+    /// A chunked answer's head and first chunk, then a reset.
+    RstAfterHead,
+}
+
+/// An upstream that reads each request, then ends its connection as `how` says.
+async fn closing_upstream(how: Close) -> std::net::SocketAddr {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let up = l.local_addr().unwrap();
     tokio::spawn(async move {
@@ -75,10 +85,28 @@ async fn upstream_reset_is_502() {
             };
             let mut buf = [0u8; 1024];
             let _ = s.read(&mut buf).await;
+            if how == Close::RstAfterHead {
+                let _ = s
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nstart\r\n",
+                    )
+                    .await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            if how != Close::Fin {
+                socket2::SockRef::from(&s)
+                    .set_linger(Some(Duration::ZERO))
+                    .unwrap();
+            }
             drop(s);
         }
     });
-    let gw = TestGateway::to(up, "");
+    up
+}
+
+#[tokio::test]
+async fn upstream_reset_is_502() {
+    let gw = TestGateway::to(closing_upstream(Close::Fin).await, "");
     let resp = get(gw.addr, "/").await;
     assert_eq!(resp.status(), 502);
     assert_eq!(json(&resp)["error"], "upstream_reset");
@@ -90,29 +118,12 @@ async fn upstream_reset_is_502() {
 #[tokio::test]
 async fn an_upstream_reset_is_502_before_the_head_and_a_cut_after() {
     for head_first in [false, true] {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let up = l.local_addr().unwrap();
-        tokio::spawn(async move {
-            loop {
-                let Ok((mut s, _)) = l.accept().await else {
-                    return;
-                };
-                let mut buf = [0u8; 1024];
-                let _ = s.read(&mut buf).await;
-                if head_first {
-                    let _ = s
-                        .write_all(
-                            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nstart\r\n",
-                        )
-                        .await;
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                socket2::SockRef::from(&s)
-                    .set_linger(Some(Duration::ZERO))
-                    .unwrap();
-                drop(s);
-            }
-        });
+        let how = if head_first {
+            Close::RstAfterHead
+        } else {
+            Close::Rst
+        };
+        let up = closing_upstream(how).await;
         let gw = TestGateway::to(up, "");
         // (The 502 leaves the connection open for the next request: closed at the client's
         // asking.)

@@ -624,10 +624,11 @@ async fn a_silent_websocket_tunnel_is_closed_after_the_idle_timeout() {
     assert!(started.elapsed() >= Duration::from_millis(400));
 }
 
-/// A request in flight when shutdown starts completes; new connections are refused.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn graceful_drain_finishes_in_flight_requests() {
-    let (started_tx, mut started_rx) = tokio::sync::mpsc::channel::<()>(1);
+/// An upstream that answers `finished` 700 ms after each request comes, and tells when one
+/// came.
+async fn slow_upstream_telling_its_start() -> (std::net::SocketAddr, tokio::sync::mpsc::Receiver<()>)
+{
+    let (started_tx, started_rx) = tokio::sync::mpsc::channel::<()>(1);
     let up = upstream(move |_| {
         let started = started_tx.clone();
         async move {
@@ -637,6 +638,13 @@ async fn graceful_drain_finishes_in_flight_requests() {
         }
     })
     .await;
+    (up, started_rx)
+}
+
+/// A request in flight when shutdown starts completes; new connections are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_drain_finishes_in_flight_requests() {
+    let (up, mut started_rx) = slow_upstream_telling_its_start().await;
     let mut gw = TestGateway::to(up, "");
     let addr = gw.addr;
     let in_flight = tokio::spawn(async move { get(addr, "/slow").await });
@@ -680,16 +688,7 @@ async fn served(addr: std::net::SocketAddr) -> bool {
 /// GOAWAY leaves it be), and the connection then ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_drain_finishes_an_h2_stream_in_flight() {
-    let (started_tx, mut started_rx) = tokio::sync::mpsc::channel::<()>(1);
-    let up = upstream(move |_| {
-        let started = started_tx.clone();
-        async move {
-            started.send(()).await.ok();
-            tokio::time::sleep(Duration::from_millis(700)).await;
-            http::Response::new(full("finished"))
-        }
-    })
-    .await;
+    let (up, mut started_rx) = slow_upstream_telling_its_start().await;
     let mut gw = TestGateway::to(up, "");
     let (mut c, conn) = h2c_client(gw.addr).await;
     let in_flight = tokio::spawn(async move {

@@ -168,6 +168,24 @@ where
     F: Fn(http::Request<Incoming>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = http::Response<TestBody>> + Send + 'static,
 {
+    serve_with(bind, false, handler).await
+}
+
+/// [`upstream`] speaking HTTP/2 by prior knowledge (h2c).
+pub async fn h2c_upstream_with<F, Fut>(handler: F) -> SocketAddr
+where
+    F: Fn(http::Request<Incoming>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = http::Response<TestBody>> + Send + 'static,
+{
+    serve_with("127.0.0.1:0", true, handler).await
+}
+
+/// An upstream on `bind` answering with `handler`: HTTP/1.1 (upgrades allowed), or h2c.
+async fn serve_with<F, Fut>(bind: &str, h2c: bool, handler: F) -> SocketAddr
+where
+    F: Fn(http::Request<Incoming>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = http::Response<TestBody>> + Send + 'static,
+{
     let listener = TcpListener::bind(bind).await.unwrap();
     let addr = listener.local_addr().unwrap();
     let handler = Arc::new(handler);
@@ -182,40 +200,17 @@ where
                     let handler = handler.clone();
                     async move { Ok::<_, Infallible>(handler(req).await) }
                 });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), svc)
-                    .with_upgrades()
-                    .await;
-            });
-        }
-    });
-    addr
-}
-
-/// [`upstream`] speaking HTTP/2 by prior knowledge (h2c).
-pub async fn h2c_upstream_with<F, Fut>(handler: F) -> SocketAddr
-where
-    F: Fn(http::Request<Incoming>) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = http::Response<TestBody>> + Send + 'static,
-{
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let handler = Arc::new(handler);
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                return;
-            };
-            let handler = handler.clone();
-            tokio::spawn(async move {
-                let svc = service_fn(move |req| {
-                    let handler = handler.clone();
-                    async move { Ok::<_, Infallible>(handler(req).await) }
-                });
-                let _ =
+                let io = TokioIo::new(stream);
+                let _ = if h2c {
                     hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
+                        .serve_connection(io, svc)
+                        .await
+                } else {
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(io, svc)
+                        .with_upgrades()
+                        .await
+                };
             });
         }
     });
