@@ -376,55 +376,36 @@ async fn refresh_due(
         };
         let (v4, v6) =
             futures_util::future::join(family(RecordType::A), family(RecordType::AAAA)).await;
-        (host, answer_of(v4, v6, stats))
+        (host, v4, v6)
     });
     let results = futures_util::future::join_all(lookups).await;
     let now = Instant::now();
-    for (host, r) in results {
+    for (host, v4, v6) in results {
         let Some(n) = names.get_mut(host) else {
             continue;
         };
         n.last = Some(now);
-        // One family failed, the other answered: the failed family's last addresses are
-        // kept beside the new ones (as a whole failed lookup keeps them all), and the
-        // failure is counted and retried as one.
-        let mut partial = false;
-        let r = match r {
-            Ok(Answer {
-                mut ips,
-                valid_until,
-                unusable,
-                failed: Some((v6, e)),
-            }) => {
-                ips.extend(n.addrs.iter().filter(|ip| ip.is_ipv6() == v6));
-                ips.sort();
-                ips.dedup();
-                let family = if v6 { "AAAA" } else { "A" };
-                if ips.is_empty() {
-                    Err(format!(
-                        "the {family} lookup failed ({e}) and the other answered none"
-                    ))
-                } else {
-                    stats.failures.fetch_add(1, Ordering::Relaxed);
-                    if n.failures_in_row == 0 {
-                        tracing::warn!(dns.name = %host, error = %e, "DNS {family} lookup failed; keeping that family's last addresses");
-                    }
-                    n.failures_in_row += 1;
-                    partial = true;
-                    Ok((ips, valid_until.min(now + s.min_refresh), unusable))
-                }
-            }
+        let r = answer_of(v4, v6, &n.addrs, stats);
+        match r {
             Ok(Answer {
                 ips,
                 valid_until,
                 unusable,
-                failed: None,
-            }) => Ok((ips, valid_until, unusable)),
-            Err(e) => Err(e),
-        };
-        match r {
-            Ok((ips, valid_until, unusable)) => {
+                failed,
+            }) => {
                 stats.lookups.fetch_add(1, Ordering::Relaxed);
+                // One family failed, the other answered: counted and retried as a failure
+                // (after `min_refresh`: `valid_until` is now), warned about once in a row.
+                match failed {
+                    Some(e) => {
+                        stats.failures.fetch_add(1, Ordering::Relaxed);
+                        if n.failures_in_row == 0 {
+                            tracing::warn!(dns.name = %host, error = %e, "a DNS lookup of one address family failed; keeping that family's last addresses");
+                        }
+                        n.failures_in_row += 1;
+                    }
+                    None => n.failures_in_row = 0,
+                }
                 if ips.is_empty() && !n.addrs.is_empty() {
                     tracing::warn!(dns.name = %host, gone = ?n.addrs, "the name servers say this name has no address now; its endpoints are removed until it has one again");
                 }
@@ -437,9 +418,6 @@ async fn refresh_due(
                 n.due = now + ttl.clamp(s.min_refresh, s.max_refresh);
                 n.addrs = ips;
                 n.resolved = true;
-                if !partial {
-                    n.failures_in_row = 0;
-                }
             }
             Err(e) => {
                 stats.failures.fetch_add(1, Ordering::Relaxed);
@@ -470,18 +448,20 @@ enum Family {
 }
 
 /// A name's lookup: its usable addresses, until when, those left out, and, when one family
-/// failed while the other answered, which (`true`: AAAA) and why.
+/// failed while the other answered, why (its last addresses are among `ips`).
 struct Answer {
     ips: Vec<IpAddr>,
     valid_until: Instant,
     unusable: Vec<IpAddr>,
-    failed: Option<(bool, String)>,
+    failed: Option<String>,
 }
 
-/// Both families' lookups as one: an error when both failed, or when every address is
-/// unusable; none at all (both families answered with no record) is an answer. The unusable
-/// addresses are counted in `stats`.
-fn answer_of(v4: Family, v6: Family, stats: &DnsStats) -> Result<Answer, String> {
+/// Both families' lookups as one: an error when both failed, or when no usable address is
+/// left (every one unusable, or one family failed and the other answered none); none at all
+/// (both families answered with no record) is an answer. A family that failed while the
+/// other answered keeps its addresses from `last`, and is retried soon (`valid_until` is
+/// now). The unusable addresses are counted in `stats`.
+fn answer_of(v4: Family, v6: Family, last: &[IpAddr], stats: &DnsStats) -> Result<Answer, String> {
     let mut all = Vec::new();
     let mut valid_until: Option<Instant> = None;
     let mut failed = None;
@@ -493,10 +473,13 @@ fn answer_of(v4: Family, v6: Family, stats: &DnsStats) -> Result<Answer, String>
             }
             Family::None => {}
             Family::Failed(e) => {
-                if let Some((_, first)) = failed.take() {
+                if let Some(first) = failed.take() {
                     return Err(format!("{first}; {e}"));
                 }
-                failed = Some((v6, e));
+                let family = if v6 { "AAAA" } else { "A" };
+                failed = Some(format!("the {family} lookup: {e}"));
+                all.extend(last.iter().filter(|ip| ip.is_ipv6() == v6));
+                valid_until = Some(Instant::now());
             }
         }
     }
@@ -508,7 +491,10 @@ fn answer_of(v4: Family, v6: Family, stats: &DnsStats) -> Result<Answer, String>
     stats
         .unusable
         .fetch_add(unusable.len() as u64, Ordering::Relaxed);
-    if ips.is_empty() && failed.is_none() && !unusable.is_empty() {
+    if let (true, Some(e)) = (ips.is_empty(), &failed) {
+        return Err(format!("{e}; the other family has no address"));
+    }
+    if ips.is_empty() && !unusable.is_empty() {
         return Err(format!(
             "the answer has only addresses no connect can use ({unusable:?}: link-local with no interface, unspecified, multicast or broadcast)"
         ));
