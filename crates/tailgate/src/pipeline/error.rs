@@ -109,6 +109,17 @@ impl ProxyError {
         }
     }
 
+    /// No connection to the endpoint could be had (refused, TLS failed, timed out):
+    /// nothing was sent, so another endpoint may be tried.
+    pub fn is_no_connection(&self) -> bool {
+        matches!(
+            self,
+            ProxyError::UpstreamConnect(_)
+                | ProxyError::UpstreamTls(_)
+                | ProxyError::ConnectTimeout
+        )
+    }
+
     /// Is the fault the upstream's (vs. the client's or ours)?
     pub fn is_upstream(&self) -> bool {
         matches!(

@@ -440,6 +440,8 @@ fn sticky_upgrade(parts: &Parts) -> bool {
                 && parts.headers.contains_key(header::UPGRADE))
 }
 
+/// The answer to a request that asked to switch protocols ([`sticky_upgrade`]), unless it is
+/// `101`, says `Connection: close`: the smuggling guard stops following its framing.
 ///
 /// hyper's server then hands such a connection over as if switched, unshut: a task takes it
 /// and closes it with a lingering close, as any other (`server::linger`), so that a client
@@ -471,7 +473,10 @@ fn close_after_refused_upgrade(
 }
 
 /// A sticky request's upgrade handle ([`sticky_upgrade`]), shared between the answer's path
-/// and its close (`None` for any other request).
+/// (`forward`, for a `101`) and its close (`handle`'s error path too), both borrowing it
+/// while the other may still; `None` for any other request. Behind an `Arc` so that every
+/// request's future carries one pointer, not the lock and the handle: only requests that
+/// ask to switch protocols allocate it.
 type UpgradeSlot = Option<Arc<std::sync::Mutex<Option<hyper::upgrade::OnUpgrade>>>>;
 
 /// The upgrade handle in `slot`, taken (once).
@@ -608,13 +613,11 @@ fn forward(
             // Nothing was sent: trying another endpoint is always safe. One that left the
             // cluster while the request queued for it costs no retry budget (it is not a
             // failure, and its queue is let go once).
-            Err(
-                e @ (ProxyError::UpstreamConnect(_)
-                | ProxyError::UpstreamTls(_)
-                | ProxyError::ConnectTimeout
-                | ProxyError::EndpointRemoved),
-            ) if (matches!(e, ProxyError::EndpointRemoved) && cluster.endpoint_count() > 0)
-                || (cluster.endpoint_count() > 1 && cluster.try_spend_retry()) =>
+            Err(e)
+                if (matches!(e, ProxyError::EndpointRemoved) && cluster.endpoint_count() > 0)
+                    || (e.is_no_connection()
+                        && cluster.endpoint_count() > 1
+                        && cluster.try_spend_retry()) =>
             {
                 in_flight.ended_by(&e);
                 tracing::debug!(upstream.addr = %pool.addr, error = %e, "no connection to this endpoint; trying another");
@@ -1041,11 +1044,7 @@ async fn replace_or_move(
 ) -> Result<crate::upstream::Conn, ProxyError> {
     let e = match up.replacement(keep_h2).await {
         Ok(conn) => return Ok(conn),
-        Err(
-            e @ (ProxyError::UpstreamConnect(_)
-            | ProxyError::UpstreamTls(_)
-            | ProxyError::ConnectTimeout),
-        ) => e,
+        Err(e) if e.is_no_connection() => e,
         Err(e) => return Err(e),
     };
     cluster.connect_failed(&e);
