@@ -244,6 +244,17 @@ fn futures_stream(chunk: Bytes, count: usize) -> TestBody {
     rx
 }
 
+/// A body of `first;` at once, then `second` once `release` turns true.
+fn first_then_on_release(mut release: tokio::sync::watch::Receiver<bool>) -> TestBody {
+    let (tx, body) = tokio::sync::mpsc::channel::<Bytes>(1).into_split_body();
+    tokio::spawn(async move {
+        tx.send(Bytes::from_static(b"first;")).await.ok();
+        let _ = release.wait_for(|r| *r).await;
+        tx.send(Bytes::from_static(b"second")).await.ok();
+    });
+    body
+}
+
 trait SplitBody {
     fn into_split_body(self) -> (tokio::sync::mpsc::Sender<Bytes>, TestBody);
 }
@@ -273,16 +284,8 @@ impl SplitBody
 async fn response_streams_before_upstream_finishes() {
     let (release_tx, release_rx) = tokio::sync::watch::channel(false);
     let up = upstream(move |_| {
-        let mut release = release_rx.clone();
-        async move {
-            let (tx, body) = tokio::sync::mpsc::channel::<Bytes>(1).into_split_body();
-            tokio::spawn(async move {
-                tx.send(Bytes::from_static(b"first;")).await.ok();
-                let _ = release.wait_for(|r| *r).await;
-                tx.send(Bytes::from_static(b"second")).await.ok();
-            });
-            http::Response::new(body)
-        }
+        let release = release_rx.clone();
+        async move { http::Response::new(first_then_on_release(release)) }
     })
     .await;
     let gw = TestGateway::to(up, "");
@@ -355,7 +358,7 @@ async fn bodies_stream_both_ways_over_http2() {
     let (release_tx, release_rx) = tokio::sync::watch::channel(false);
     let up = h2c_upstream_with(move |req: http::Request<hyper::body::Incoming>| {
         let got = got_tx.clone();
-        let mut release = release_rx.clone();
+        let release = release_rx.clone();
         async move {
             tokio::spawn(async move {
                 let mut body = req.into_body();
@@ -365,13 +368,7 @@ async fn bodies_stream_both_ways_over_http2() {
                     }
                 }
             });
-            let (tx, body) = tokio::sync::mpsc::channel::<Bytes>(1).into_split_body();
-            tokio::spawn(async move {
-                tx.send(Bytes::from_static(b"first;")).await.ok();
-                let _ = release.wait_for(|r| *r).await;
-                tx.send(Bytes::from_static(b"second")).await.ok();
-            });
-            http::Response::new(body)
+            http::Response::new(first_then_on_release(release))
         }
     })
     .await;
