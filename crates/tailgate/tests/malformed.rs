@@ -758,3 +758,43 @@ async fn http2_rapid_reset_gets_a_goaway_and_a_close() {
         got.len()
     );
 }
+
+/// A refused HEAD gets its 400 without a body, whichever server read it: the inline one (a
+/// connection's first request) or hyper's behind the smuggling guard (after a chunked
+/// request handed the connection over). A body after it would be read by the client as the
+/// start of a next answer.
+#[tokio::test]
+async fn a_refused_head_request_gets_no_body() {
+    let (up, hits) = counting_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let bad =
+        "HEAD / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n";
+    for (server, before) in [
+        ("inline", ""),
+        (
+            "guarded",
+            "POST /a HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+        ),
+    ] {
+        let (text, closed) = raw(
+            gw.addr,
+            format!("{before}{bad}").as_bytes(),
+            Duration::from_secs(5),
+        )
+        .await;
+        assert!(closed, "{server}: {text:?}");
+        let at = text
+            .find("HTTP/1.1 400")
+            .expect(&format!("{server}: {text:?}"));
+        let refusal = &text[at..];
+        let head_end = refusal.find("\r\n\r\n").unwrap() + 4;
+        assert!(
+            refusal
+                .to_ascii_lowercase()
+                .contains("content-type: application/json"),
+            "{server}: {refusal:?}"
+        );
+        assert_eq!(&refusal[head_end..], "", "{server}: no body after the head");
+    }
+    assert_eq!(hits.load(Ordering::SeqCst), 1, "only the chunked POST");
+}

@@ -315,7 +315,7 @@ async fn refuse<I>(
     let meta = Meta {
         keep_alive: false,
         http10: false,
-        head: false,
+        head: head::asks_head(buf),
         capped: false,
     };
     answer_and_close(io, buf, out, resp, &meta, info, closing).await;

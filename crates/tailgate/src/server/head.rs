@@ -122,6 +122,18 @@ pub fn over_limit(head: &[u8], max_head: usize) -> HeadFault {
     }
 }
 
+/// Does the head (`head`, as much of it as came, empty lines before its request line
+/// skipped) ask with `HEAD`? Its refusal then has no body, as any answer to a HEAD has none
+/// (RFC 9110 §9.3.2): the method is the request line's first word, whatever is wrong
+/// further on (nginx answers such a head's 400 without a body, too).
+pub fn asks_head(head: &[u8]) -> bool {
+    let start = head
+        .iter()
+        .position(|&b| b != b'\r' && b != b'\n')
+        .unwrap_or(head.len());
+    head[start..].starts_with(b"HEAD ")
+}
+
 /// What is wrong with a head `httparse` refused. No more bytes can mend it.
 pub fn parse_fault(e: httparse::Error) -> HeadFault {
     HeadFault::Bad(match e {

@@ -218,9 +218,15 @@ impl<T> H1Guard<T> {
                     token,
                     error: fault.into(),
                 });
+                // A HEAD's refusal has no body: the stand-in asks as it did.
+                let method = if super::head::asks_head(&self.buf[self.release..self.end]) {
+                    "HEAD"
+                } else {
+                    "GET"
+                };
                 self.stand_in = Some(
                     format!(
-                        "GET / HTTP/1.1\r\nhost: refused.invalid\r\nconnection: close\r\n\
+                        "{method} / HTTP/1.1\r\nhost: refused.invalid\r\nconnection: close\r\n\
                          {REFUSED_HEAD_HEADER}: {token}\r\n\r\n"
                     )
                     .into_bytes(),
