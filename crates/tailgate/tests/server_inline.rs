@@ -925,8 +925,10 @@ async fn ri_shutdown_answers_a_head_still_coming_for_either_server() {
         let g = gw.gw.take().unwrap();
         g.shutdown();
         let joined = tokio::task::spawn_blocking(move || g.join());
-        // Time for the connection to see the shutdown before the rest comes.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // The rest comes past the second a connection with no exchange under way has to
+        // close at shutdown: a head (or small body) already coming is an exchange under way
+        // (the header read timeout bounds it, and the grace period).
+        tokio::time::sleep(Duration::from_millis(1500)).await;
         s.write_all(rest.as_bytes()).await.unwrap();
         let (text, closed) = read_until_close(&mut s, WAIT).await;
         assert!(closed, "{shape}: {text:?}");
@@ -1847,4 +1849,28 @@ async fn ri_a_head_across_the_idle_timeout_after_the_handover_is_served() {
     let got = read_responses(&mut s, 1).await;
     assert_eq!(got.len(), 1, "no answer");
     assert_eq!(got[0].body(), "GET /b");
+}
+
+/// The same on a connection the inline server keeps: a head in pieces is not idle, however
+/// long its header read timeout lets it take, and past twice the idle timeout (when a
+/// connection closing for idleness is dropped) it is still served, and the connection kept.
+#[tokio::test]
+async fn ri_an_inline_head_across_twice_the_idle_timeout_is_served() {
+    let (up, _) = path_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nheader_read_timeout = \"10s\"\nidle_timeout = \"1s\"\n",
+    );
+    let mut s = connect(gw.addr).await;
+    s.write_all(get_req("/a").as_bytes()).await.unwrap();
+    assert_eq!(read_responses(&mut s, 1).await[0].body(), "GET /a");
+    s.write_all(b"GET /b HTTP/1.1\r\nHo").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    s.write_all(b"st: a\r\n\r\n").await.unwrap();
+    let got = read_responses(&mut s, 1).await;
+    assert_eq!(got.len(), 1, "no answer");
+    assert_eq!(got[0].body(), "GET /b");
+    assert_eq!(got[0].header("connection"), None, "kept alive");
+    s.write_all(get_req("/c").as_bytes()).await.unwrap();
+    assert_eq!(read_responses(&mut s, 1).await[0].body(), "GET /c");
 }

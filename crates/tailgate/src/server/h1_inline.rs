@@ -170,6 +170,11 @@ where
                         } else {
                             // A head's bytes are activity: the idle timeout counts from
                             // when it first ran dry (once per head, with its timer).
+                            // While it comes, the connection is not idle, nor closed at
+                            // a shutdown as one with no exchange under way is: its own
+                            // timer bounds it. (Set here and not with the timer: a first
+                            // head's timer is the one the sniff for HTTP/2 started.)
+                            info.activity.set_reading_head(true);
                             let d = head_deadline.get_or_insert_with(|| {
                                 info.activity.touch();
                                 Box::pin(tokio::time::sleep(limits.header_timeout))
@@ -231,6 +236,7 @@ where
             }
         };
         head_deadline = None;
+        info.activity.set_reading_head(false);
         // The last request `server.max_requests_per_connection` allows: answered with
         // `Connection: close`, and the connection closed after it.
         if info.count_request(limits.max_requests) {

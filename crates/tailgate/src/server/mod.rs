@@ -620,12 +620,14 @@ where
                     return Poll::Pending;
                 }
                 if this.info.activity.idle_deadline(this.idle).is_some() {
-                    if !this.info.activity.still_sending() {
+                    if !this.info.activity.still_sending() && !this.info.activity.reading_head() {
                         return Poll::Ready(None);
                     }
                     // No request in flight, but answers still on their way to the client
                     // (a blocked write, which the send timeout bounds, or the lingering
-                    // close): looked at again a moment later, not cut.
+                    // close), or a head (or a small body) still coming, which its header
+                    // read timeout bounds, and the grace period at a shutdown: looked at
+                    // again a moment later, not cut.
                     this.idle_timer
                         .as_mut()
                         .reset(tokio::time::Instant::now() + SHUTDOWN_CLOSE_WAIT);
