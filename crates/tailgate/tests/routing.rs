@@ -626,3 +626,38 @@ cluster = "h1"
         assert_eq!(resp.headers()["x-fwd-host"], "acme.test", "{uri}");
     }
 }
+
+/// A path with non-ASCII characters takes one route however the client spells them: raw
+/// UTF-8 (`/é/`) or escaped (`/%C3%A9/`, `/%c3%a9/`), against a prefix written escaped (as
+/// `check` asks). It goes upstream as it was sent.
+#[tokio::test]
+async fn raw_and_escaped_utf8_take_the_same_route() {
+    let (accents, web) = (named("accents").await, named("web").await);
+    let gw = TestGateway::start(&format!(
+        r#"
+[[cluster]]
+name = "accents"
+endpoints = ["{accents}"]
+[[cluster]]
+name = "web"
+endpoints = ["{web}"]
+[[route]]
+path_prefix = "/%C3%A9/"
+cluster = "accents"
+[[route]]
+path_prefix = "/"
+cluster = "web"
+"#
+    ));
+    for target in ["/é/x", "/%C3%A9/x", "/%c3%a9/x", "/./é/x"] {
+        let (status, body) = ask(&gw, &get(target)).await;
+        assert!(status.contains("200"), "{target}: {status}");
+        assert_eq!(body, "accents", "{target}");
+    }
+    let (text, _) = raw(gw.addr, get("/é/x").as_bytes(), Duration::from_secs(5)).await;
+    assert!(
+        text.contains("x-target: /é/x\r\n"),
+        "sent as it came: {text}"
+    );
+    assert_eq!(ask(&gw, &get("/ü/x")).await.1, "web");
+}

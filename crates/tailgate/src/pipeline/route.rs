@@ -487,7 +487,8 @@ const HOST_BYTES: [HostByte; 256] = {
 /// (`/admin;jsessionid=1/x` is `/admin/x`, and `/admin;%2F..%2Fx/y` is `/admin/y`, as
 /// Tomcat and Jetty read them); then percent-encoded unreserved bytes
 /// decoded (`%2e` is `.`, `%41` is `A`), an encoded slash or backslash (`%2F`, `%5C`) and a
-/// backslash read as `/`, other escapes kept (their hex in upper case); `.` and `..`
+/// backslash read as `/`, other escapes kept (their hex in upper case), and bytes above
+/// 0x7F (raw UTF-8) written as escapes, as most clients send them; `.` and `..`
 /// segments resolved (RFC 3986 §5.2.4), and repeated slashes merged. Whatever an upstream
 /// may take for a dot segment or a parameter is resolved here, so that no request reaches a
 /// route whose prefix its path leaves upstream, nor passes by the route its path takes
@@ -508,11 +509,15 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
     if b.first() != Some(&b'/') {
         return Ok(Cow::Borrowed(path));
     }
-    // One pass (this runs on every request): only `%`, `\`, `;`, and a `/` before `/` or
-    // `.`, can make the normal form differ.
+    // One pass (this runs on every request): only `%`, `\`, `;`, a byte above 0x7F, and a
+    // `/` before `/` or `.`, can make the normal form differ.
     let mut after_slash = false;
     let plain = b.iter().all(|&c| {
-        let odd = c == b'%' || c == b'\\' || c == b';' || after_slash && (c == b'/' || c == b'.');
+        let odd = c == b'%'
+            || c == b'\\'
+            || c == b';'
+            || c > 0x7f
+            || after_slash && (c == b'/' || c == b'.');
         after_slash = c == b'/';
         !odd
     });
@@ -555,7 +560,13 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
             i += 3;
             continue;
         }
-        decoded.push(if c == b'\\' { b'/' } else { c });
+        if c > 0x7f {
+            // Raw UTF-8 is matched as its escapes, as most clients send it: `/é/` and
+            // `/%C3%A9/` are one path, and take one route.
+            decoded.extend_from_slice(&[b'%', HEX[usize::from(c >> 4)], HEX[usize::from(c & 15)]]);
+        } else {
+            decoded.push(if c == b'\\' { b'/' } else { c });
+        }
         i += 1;
     }
     // Segments are copied into `out`, empty ones left out (merged slashes); `levels` has
@@ -596,8 +607,7 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
     if out == b {
         return Ok(Cow::Borrowed(path));
     }
-    // Valid UTF-8: decoding put in only ASCII, and the rest is the path's own text, cut at
-    // `/` (lossy would change nothing).
+    // ASCII: bytes above 0x7F were escaped (lossy would change nothing).
     Ok(Cow::Owned(String::from_utf8(out).unwrap_or_else(|e| {
         String::from_utf8_lossy(e.as_bytes()).into_owned()
     })))
@@ -909,7 +919,11 @@ endpoints = ["127.0.0.1:1"]
             ("/a%2", "/a%2"),
             ("/a%zz", "/a%zz"),
             ("/.well-known/x", "/.well-known/x"),
-            ("/é/../ü", "/ü"),
+            // Raw UTF-8 is matched as its escapes (upper case), however it was sent.
+            ("/é/../ü", "/%C3%BC"),
+            ("/é/x", "/%C3%A9/x"),
+            ("/%c3%a9/x", "/%C3%A9/x"),
+            ("/%C3%A9/x;p", "/%C3%A9/x"),
         ] {
             assert_eq!(normal_path(raw).as_deref(), Ok(normal), "{raw}");
         }
