@@ -205,6 +205,9 @@ async fn a_host_that_is_not_host_and_port_is_400() {
         "acme.test:80:80",
         "[::1",
         "a b",
+        // No host: empty, or a port alone.
+        "",
+        ":8080",
     ] {
         let head = format!("GET /x HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
         let (status, body) = ask(&gw, &head).await;
@@ -247,6 +250,15 @@ async fn an_absolute_form_authority_is_held_to_the_host_rules() {
         (
             "GET http://u@acme.test/public/a HTTP/1.1\r\nHost: acme.test\r\nConnection: close\r\n\r\n",
             target,
+        ),
+        // The Host header beside it is held to its own rules all the same.
+        (
+            "GET http://acme.test/public/a HTTP/1.1\r\nHost: a b\r\nConnection: close\r\n\r\n",
+            "invalid Host header",
+        ),
+        (
+            "GET http://acme.test/public/a HTTP/1.1\r\nHost: :80\r\nConnection: close\r\n\r\n",
+            "invalid Host header",
         ),
     ] {
         let (status, body) = ask(&gw, head).await;

@@ -311,12 +311,14 @@ impl RouteTable {
 /// The host of a request, without port or trailing dot, and whether it has upper-case
 /// letters (the caller lowers it then): from the URI authority (HTTP/2, absolute-form) or
 /// the Host header. `None` when the request names no host (or is HTTP/1.1 without a Host
-/// header, absolute-form or not); an empty Host (allowed when the target has no authority,
-/// RFC 9112 §3.2) is `""`.
+/// header, absolute-form or not).
 ///
-/// A Host header must be `host [":" port]` (RFC 9110 §7.2): it is what routes the request
-/// and it is passed upstream as sent, so a value the two sides could read differently
-/// (`acme.test:@evil.example`, `a.test/x`, `a..test`) is refused.
+/// A Host header must be `host [":" port]` (RFC 9110 §7.2), with a host (§4.2.1: an `http`
+/// URI's authority has one, so a Host that is empty or only a port names nothing; nginx
+/// refuses it too): it is what routes the request and it is passed upstream as sent, so a
+/// value the two sides could read differently (`acme.test:@evil.example`, `a.test/x`,
+/// `a..test`) is refused; so is one beside an authority that routes the request in its
+/// place, as nginx checks it whatever the target.
 /// More than one Host header is refused too: which one names the request would be
 /// ambiguous (RFC 9112 §3.2 asks for a 400).
 pub fn request_host(parts: &http::request::Parts) -> Result<Option<(&str, bool)>, BadHost> {
@@ -331,7 +333,10 @@ pub fn request_host(parts: &http::request::Parts) -> Result<Option<(&str, bool)>
         (Some(_), None) if parts.version == http::Version::HTTP_11 => return Ok(None),
         // The authority routes the request and goes upstream as its Host: held to a Host
         // header's shape, with a host (RFC 9110 §4.2.1) and no `user@` (§4.2.4).
-        (Some(a), _) => {
+        (Some(a), h) => {
+            if h.is_some_and(|h| !matches!(host_part(h.as_bytes()), Some((end, _)) if end > 0)) {
+                return Err(BadHost::Invalid);
+            }
             let a = a.as_str();
             if a.contains('@') {
                 return Err(BadHost::InvalidTarget);
@@ -343,7 +348,9 @@ pub fn request_host(parts: &http::request::Parts) -> Result<Option<(&str, bool)>
         }
         (None, Some(h)) => {
             let h = h.as_bytes();
-            let (end, upper) = host_part(h).ok_or(BadHost::Invalid)?;
+            let (end, upper) = host_part(h)
+                .filter(|&(end, _)| end > 0)
+                .ok_or(BadHost::Invalid)?;
             // Only ASCII passed `host_part`.
             let h = std::str::from_utf8(&h[..end]).map_err(|_| BadHost::Invalid)?;
             (h, upper)
