@@ -79,18 +79,23 @@ pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) -> bool {
         return false;
     }
     if headers.contains_key(header::CONNECTION) {
-        let named: Vec<HeaderName> = headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-            .collect();
-        for n in named {
-            if keep_upgrade && n == header::UPGRADE {
+        // The values copied once (the map changes below); each token looked up as it is,
+        // its name parsed on the stack: no allocation per token, however many a client
+        // sends. A value with bytes past ASCII in it still has its other tokens honoured.
+        let mut named = Vec::new();
+        for v in &headers.get_all(header::CONNECTION) {
+            named.extend_from_slice(v.as_bytes());
+            named.push(b',');
+        }
+        for token in named.split(|&b| b == b',') {
+            let token = token.trim_ascii();
+            if token.is_empty() || keep_upgrade && token.eq_ignore_ascii_case(b"upgrade") {
                 continue;
             }
-            headers.remove(n);
+            // Not UTF-8: no header name either.
+            if let Ok(name) = std::str::from_utf8(token) {
+                headers.remove(name);
+            }
         }
         headers.remove(header::CONNECTION);
     }
@@ -191,12 +196,14 @@ impl<'a> Added<'a> {
         let xff = if earlier.iter().next().is_none() {
             std::borrow::Cow::Borrowed(client)
         } else {
-            let mut xff = String::new();
-            for prev in earlier.iter().filter_map(|v| v.to_str().ok()) {
-                xff.push_str(prev);
-                xff.push_str(", ");
+            // As bytes: an earlier hop with bytes past ASCII in it is passed on, not lost
+            // (nginx and Envoy append to the bytes as sent, too).
+            let mut xff = Vec::new();
+            for prev in &earlier {
+                xff.extend_from_slice(prev.as_bytes());
+                xff.extend_from_slice(b", ");
             }
-            xff.push_str(client.to_str().unwrap_or_default());
+            xff.extend_from_slice(client.as_bytes());
             std::borrow::Cow::Owned(
                 HeaderValue::from_maybe_shared(bytes::Bytes::from(xff))
                     .unwrap_or_else(|_| client.clone()),
@@ -403,6 +410,24 @@ mod tests {
         remove_hop_by_hop(&mut h, false);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("x-kept"));
+
+        // Several values, odd spacing, upper case, a token with a byte past ASCII beside
+        // them, a token that is no header name: each named header is gone all the same.
+        let mut h = HeaderMap::new();
+        h.append(
+            header::CONNECTION,
+            HeaderValue::from_bytes(b"X-A ,\tx-\xff, ").expect("value"),
+        );
+        h.append(
+            header::CONNECTION,
+            HeaderValue::from_static("x-b,a b,,upgrade"),
+        );
+        for n in ["x-a", "x-b", "upgrade", "x-kept"] {
+            h.insert(n, HeaderValue::from_static("1"));
+        }
+        remove_hop_by_hop(&mut h, true);
+        let left: Vec<_> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left, ["upgrade", "x-kept", "connection"], "{h:?}");
     }
 
     #[test]
@@ -452,6 +477,26 @@ mod tests {
         added.apply(&mut h);
         let xff: Vec<_> = h.get_all("x-forwarded-for").iter().collect();
         assert_eq!(xff, ["10.0.0.1, 10.0.0.2, 192.0.2.7"]);
+        // An earlier hop with a byte past ASCII is passed on with the rest.
+        let mut odd = HeaderMap::new();
+        odd.append("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
+        odd.append(
+            "x-forwarded-for",
+            HeaderValue::from_bytes(b"10.0.0.2\x80").expect("value"),
+        );
+        Added::new(
+            &odd,
+            http::Version::HTTP_11,
+            &client,
+            false,
+            None,
+            (&id.0, &id.1),
+        )
+        .apply(&mut odd);
+        assert_eq!(
+            odd["x-forwarded-for"].as_bytes(),
+            b"10.0.0.1, 10.0.0.2\x80, 192.0.2.7"
+        );
         let via: Vec<_> = h.get_all("via").iter().collect();
         assert_eq!(via, ["1.1 edge", "2 tailgate"]);
         assert_eq!(h["x-request-id"], "r1");
