@@ -27,8 +27,15 @@ use http::{HeaderMap, Method, Request, Uri, Version};
 /// are in flight on one worker at once.
 pub const KEEP: usize = 64;
 /// A map grown past this many entries (a request with many headers) is let go, so one such
-/// request does not make every later one clear a large index.
+/// request does not make every later one clear a large index. Its values count too: extra
+/// values of one name (an HTTP/2 request's `cookie` crumbs) grow a store of their own,
+/// which `clear` keeps and its capacity does not show.
 const MAP_KEEP: usize = 64;
+
+/// Is a map too large to keep ([`MAP_KEEP`]), by its index or by its values?
+fn too_large(map: &HeaderMap) -> bool {
+    map.capacity() > MAP_KEEP || map.len() > MAP_KEEP
+}
 
 thread_local! {
     // The boxes are the point: a head is passed on by pointer, and the box itself is what
@@ -58,7 +65,7 @@ pub fn take_head(headers: usize) -> Box<Parts> {
 /// header values, which share the memory the request was read into, are let go), and the
 /// emptied head kept for the next request.
 pub fn give_head(mut head: Box<Parts>) {
-    if head.headers.capacity() > MAP_KEEP {
+    if too_large(&head.headers) {
         return;
     }
     head.headers.clear();
@@ -97,7 +104,7 @@ fn reserve(map: &mut HeaderMap, entries: usize) {
 
 /// Takes back a header map no longer needed; its entries are dropped now.
 pub fn give_headers(mut map: HeaderMap) {
-    if map.capacity() == 0 || map.capacity() > MAP_KEEP {
+    if map.capacity() == 0 || too_large(&map) {
         return;
     }
     map.clear();
@@ -148,6 +155,29 @@ mod tests {
         give_headers(large);
         // Nothing was kept: the next map is new (no capacity until asked).
         assert_eq!(take_headers(0).capacity(), 0);
+
+        // A small index with many values of one name (cookie crumbs): let go as well.
+        let mut crumbs = take_headers(2);
+        for i in 0..=MAP_KEEP {
+            crumbs.append("cookie", HeaderValue::from(i));
+        }
+        assert!(crumbs.capacity() <= MAP_KEEP, "the index stayed small");
+        give_headers(crumbs);
+        assert_eq!(take_headers(0).capacity(), 0);
+    }
+
+    /// A head whose map holds many values of one name is let go, not kept.
+    #[test]
+    fn a_head_with_many_values_is_let_go() {
+        let mut head = take_head(2);
+        for i in 0..=MAP_KEEP {
+            head.headers.append("cookie", HeaderValue::from(i));
+        }
+        let kept = HEADS.with_borrow(Vec::len);
+        give_head(head);
+        assert_eq!(HEADS.with_borrow(Vec::len), kept, "not kept");
+        give_head(take_head(2));
+        assert_eq!(HEADS.with_borrow(Vec::len), kept + 1, "a small one is");
     }
 
     #[test]
