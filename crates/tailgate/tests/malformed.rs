@@ -798,3 +798,23 @@ async fn a_refused_head_request_gets_no_body() {
     }
     assert_eq!(hits.load(Ordering::SeqCst), 1, "only the chunked POST");
 }
+
+/// A small body the client's end of stream cuts short (it half-closes with the body still
+/// owed): `400`, and the upstream never sees the request, neither its head nor the part of
+/// its body that came.
+#[tokio::test]
+async fn a_small_body_cut_short_by_the_end_of_stream_is_400_and_never_sent_up() {
+    let (up, hits) = counting_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\nabc")
+        .await
+        .unwrap();
+    s.shutdown().await.unwrap();
+    let (text, closed) = read_until_close(&mut s, Duration::from_secs(5)).await;
+    assert!(text.starts_with("HTTP/1.1 400"), "{text:?}");
+    assert!(text.contains("bad_request"), "{text:?}");
+    assert!(closed);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(hits.load(Ordering::SeqCst), 0, "never sent up");
+}

@@ -214,12 +214,19 @@ where
                     }
                     // A whole head whose small body stopped coming: `408`, as hyper's
                     // server answers a larger body that stops (never a silent close), and
-                    // recorded with what its head says, as that one is.
-                    if matches!(waited, Wait::HeadTimeout) && matches!(last, Err(Unserved::Body(_)))
-                    {
+                    // recorded with what its head says, as that one is. One the client's
+                    // end of stream cut short: `400`, and the upstream never sees the
+                    // request (handed to hyper's server, its head would have gone up with
+                    // part of its body).
+                    if matches!(last, Err(Unserved::Body(_))) {
+                        let e = match waited {
+                            Wait::HeadTimeout => ProxyError::ClientBodyTimeout,
+                            _ => ProxyError::ClientBodyEnded,
+                        };
                         let stalled = Stalled {
                             limits,
                             idx: &mut idx,
+                            error: e,
                         };
                         stalled
                             .refuse(io, &mut buf, &mut out, worker, info, closing)
@@ -327,14 +334,17 @@ async fn refuse<I>(
     answer_and_close(io, buf, out, resp, &meta, info, closing).await;
 }
 
-/// A whole head whose small body stopped coming, still in the read buffer.
+/// A whole head whose small body stopped coming, or was cut short, still in the read
+/// buffer; and what to answer it.
 struct Stalled<'a> {
     limits: &'a Limits,
     idx: &'a mut Vec<HeaderAt>,
+    error: ProxyError,
 }
 
 impl Stalled<'_> {
-    /// Answers `408` and closes: recorded with what the head says
+    /// Answers its error (`408` for a body that stopped coming, `400` for one the client's
+    /// end of stream cut short) and closes: recorded with what the head says
     /// ([`crate::pipeline::refuse_request`]), timed from when the body was last seen moving
     /// (the least the request took; when its head came is not kept). A head refused for
     /// more than its body's wait (a target `http` cannot read) gets that refusal, as with
@@ -350,7 +360,7 @@ impl Stalled<'_> {
     ) where
         I: AsyncRead + AsyncWrite + Unpin,
     {
-        let e = ProxyError::ClientBodyTimeout;
+        let e = self.error;
         let stalled = match parse::<true>(buf, self.limits, self.idx) {
             Ok(stalled) => stalled,
             Err(unserved) => {
@@ -361,9 +371,14 @@ impl Stalled<'_> {
                 return refuse(io, buf, out, worker, info, e, closing).await;
             }
         };
-        let started = std::time::Instant::now()
-            .checked_sub(self.limits.header_timeout)
-            .unwrap_or_else(std::time::Instant::now);
+        // A body that stopped coming was last seen a header timeout ago; one cut short
+        // ended now.
+        let now = std::time::Instant::now();
+        let started = match e {
+            ProxyError::ClientBodyTimeout => now.checked_sub(self.limits.header_timeout),
+            _ => None,
+        }
+        .unwrap_or(now);
         let resp = crate::pipeline::refuse_request(worker, info, stalled.parts, e, started);
         let meta = Meta {
             keep_alive: false,
