@@ -785,7 +785,7 @@ async fn a_refused_head_request_gets_no_body() {
         assert!(closed, "{server}: {text:?}");
         let at = text
             .find("HTTP/1.1 400")
-            .expect(&format!("{server}: {text:?}"));
+            .unwrap_or_else(|| panic!("{server}: {text:?}"));
         let refusal = &text[at..];
         let head_end = refusal.find("\r\n\r\n").unwrap() + 4;
         assert!(
