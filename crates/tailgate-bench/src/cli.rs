@@ -531,6 +531,38 @@ fn scenario_cmd(a: ScenarioArgs, exe: PathBuf) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+/// The command a report says made it: every option that shapes the run, the ones left at
+/// their defaults included where they set the scale of the run (duration, warm-up, rounds,
+/// rate), the others only when changed.
+fn report_command(o: &ScenarioOpts) -> String {
+    let mut command = format!(
+        "tailgate bench report --duration {} --warmup {} --rounds {} --rate {}",
+        humantime::format_duration(o.duration),
+        humantime::format_duration(o.warmup),
+        o.rounds,
+        o.rate
+    );
+    if o.connections != 50 {
+        command.push_str(&format!(" --connections {}", o.connections));
+    }
+    if o.many_connections != 500 {
+        command.push_str(&format!(" --many-connections {}", o.many_connections));
+    }
+    if o.close_every != 80 {
+        command.push_str(&format!(" --close-every {}", o.close_every));
+    }
+    if o.no_pin {
+        command.push_str(" --no-pin");
+    }
+    if let Some(t) = &o.tailgate {
+        command.push_str(&format!(" --tailgate {}", t.display()));
+    }
+    for c in &o.compare {
+        command.push_str(&format!(" --compare {c}"));
+    }
+    command
+}
+
 fn report_cmd(a: ReportArgs, exe: PathBuf) -> ExitCode {
     let opts = match options(&a.opts) {
         Ok(o) => o,
@@ -541,19 +573,7 @@ fn report_cmd(a: ReportArgs, exe: PathBuf) -> ExitCode {
     }
     let nproc = std::thread::available_parallelism().map_or(1, |n| n.get());
     pin_generator(&opts);
-    let mut command = format!(
-        "tailgate bench report --duration {} --warmup {} --rounds {} --rate {}",
-        humantime::format_duration(opts.duration),
-        humantime::format_duration(opts.warmup),
-        opts.rounds,
-        opts.rate
-    );
-    if let Some(t) = &a.opts.tailgate {
-        command.push_str(&format!(" --tailgate {}", t.display()));
-    }
-    for c in &a.opts.compare {
-        command.push_str(&format!(" --compare {c}"));
-    }
+    let command = report_command(&a.opts);
     let target = report::Target {
         out_dir: &a.out,
         readme: &a.readme,
@@ -566,5 +586,53 @@ fn report_cmd(a: ReportArgs, exe: PathBuf) -> ExitCode {
             eprintln!("tailgate bench report: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report_args(args: &[&str]) -> ReportArgs {
+        let argv = ["tailgate bench", "report"].iter().chain(args);
+        match Bench::try_parse_from(argv)
+            .expect("valid arguments")
+            .command
+        {
+            Command::Report(a) => a,
+            _ => panic!("not report"),
+        }
+    }
+
+    /// The command a report prints makes the same run again: options changed from their
+    /// defaults are in it, those left alone only where they set its scale.
+    #[test]
+    fn the_report_command_names_every_changed_option() {
+        let a = report_args(&[]);
+        assert_eq!(
+            report_command(&a.opts),
+            "tailgate bench report --duration 3s --warmup 1s --rounds 5 --rate 5000"
+        );
+        let a = report_args(&[
+            "--rounds",
+            "12",
+            "--connections",
+            "20",
+            "--many-connections",
+            "800",
+            "--close-every",
+            "40",
+            "--no-pin",
+            "--tailgate",
+            "target/pgo/tailgate",
+            "--compare",
+            "plain=target/release/tailgate",
+        ]);
+        assert_eq!(
+            report_command(&a.opts),
+            "tailgate bench report --duration 3s --warmup 1s --rounds 12 --rate 5000 \
+             --connections 20 --many-connections 800 --close-every 40 --no-pin \
+             --tailgate target/pgo/tailgate --compare plain=target/release/tailgate"
+        );
     }
 }

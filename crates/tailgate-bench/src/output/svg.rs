@@ -18,13 +18,19 @@ pub struct Series<'a> {
     pub hist: &'a Histogram<u64>,
 }
 
-const COLORS: [RGBColor; 6] = [
+/// One colour a series, as many as the largest scenario has targets (keepalive-churn has
+/// seven rows, overhead six): two series of one chart never share one.
+const COLORS: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
     RGBColor(214, 39, 40),
     RGBColor(44, 160, 44),
     RGBColor(255, 127, 14),
     RGBColor(148, 103, 189),
     RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
 ];
 
 /// Percentiles sampled for the spectrum: 0 .. 99.999 %.
@@ -197,5 +203,29 @@ mod tests {
         let p = dir.join("lines.svg");
         lines(&p, "t", "second", 0, &[("a".into(), vec![1.0, 2.0, 3.0])]).unwrap();
         assert!(std::fs::read_to_string(&p).unwrap().contains("polyline"));
+    }
+
+    /// Seven series (keepalive-churn's rows) get seven colours.
+    #[test]
+    fn series_of_one_chart_never_share_a_colour() {
+        let tmp = tempfile::Builder::new()
+            .prefix("tg-bench-svg-")
+            .tempdir()
+            .unwrap();
+        let p = tmp.path().join("seven.svg");
+        let series: Vec<_> = (0..7)
+            .map(|i| (format!("s{i}"), vec![1.0 + f64::from(i), 2.0]))
+            .collect();
+        lines(&p, "t", "second", 0, &series).unwrap();
+        let svg = std::fs::read_to_string(&p).unwrap();
+        let strokes: std::collections::HashSet<_> = svg
+            .split("<polyline")
+            .skip(1)
+            .filter_map(|l| l.split("stroke=\"").nth(1))
+            .filter_map(|l| l.split('"').next())
+            // The legend's frame.
+            .filter(|&c| c != "#000000")
+            .collect();
+        assert_eq!(strokes.len(), 7, "{strokes:?}");
     }
 }

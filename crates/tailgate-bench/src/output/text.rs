@@ -7,11 +7,12 @@ use hdrhistogram::Histogram;
 use crate::load::Report;
 use crate::stats::{PERCENTILES, ms_at};
 
-/// Formats milliseconds with a unit that keeps 2 decimals readable.
+/// Formats milliseconds with a unit that keeps 2 decimals readable. The unit is chosen
+/// after rounding: 0.9996 ms is `1.00ms`, not `1000us`, and 999.996 ms is `1.00s`.
 pub fn fmt_ms(ms: f64) -> String {
-    if ms >= 1000.0 {
+    if (ms * 100.0).round() >= 100_000.0 {
         format!("{:.2}s", ms / 1000.0)
-    } else if ms >= 1.0 {
+    } else if (ms * 1000.0).round() >= 1000.0 {
         format!("{ms:.2}ms")
     } else {
         format!("{:.0}us", ms * 1000.0)
@@ -130,4 +131,21 @@ pub fn report(r: &Report, urls: &[String], by_index: bool) -> String {
     }
     let _ = writeln!(out, "Requests/sec: {:>10.2}", r.rps());
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fmt_ms;
+
+    /// The unit is chosen after rounding: no `1000us`, no `1000.00ms`.
+    #[test]
+    fn the_unit_follows_the_rounded_value() {
+        assert_eq!(fmt_ms(0.0421), "42us");
+        assert_eq!(fmt_ms(0.9994), "999us");
+        assert_eq!(fmt_ms(0.9996), "1.00ms");
+        assert_eq!(fmt_ms(1.234), "1.23ms");
+        assert_eq!(fmt_ms(999.994), "999.99ms");
+        assert_eq!(fmt_ms(999.996), "1.00s");
+        assert_eq!(fmt_ms(1500.0), "1.50s");
+    }
 }

@@ -115,7 +115,8 @@ pub fn by_index_table(o: &Outcome, close_every: u64) -> String {
     let cap = crate::load::index_cap(close_every);
     let _ = writeln!(
         out,
-        "latency by request index on a connection (p99; the first {cap} requests of each are recorded)"
+        "latency by request index on a connection (p99 of the first {cap} requests of each, \
+         counted from its open, as far as they fell after the warm-up: `–` where none did)\n"
     );
     let _ = writeln!(
         out,

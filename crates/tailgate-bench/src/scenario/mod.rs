@@ -519,6 +519,10 @@ impl Outcome {
         for n in &self.notes {
             let _ = writeln!(out, "  note: {n}");
         }
+        // A paragraph of their own (in results.md, where this table goes too).
+        if !self.notes.is_empty() {
+            out.push('\n');
+        }
         let _ = writeln!(
             out,
             "{} interleaved round(s) per row: medians across rounds (errors summed); p99 range = lowest–highest p99 of the rounds; \
