@@ -123,6 +123,11 @@ pub async fn accept_loop(
                     };
                     spawn(stream, peer, slot);
                 }
+                // A connection that failed while it waited in the queue: the next one is
+                // taken at once, as accept(2) asks, and nothing is wrong with this socket.
+                Err(e) if failed_in_the_queue(&e) => {
+                    tracing::debug!(listener.name = %listener.name, error = %e, "a queued connection failed before it was accepted");
+                }
                 Err(e) => {
                     // Out of file descriptors and the like: count it, say so now and then,
                     // and back off briefly instead of spinning on the error.
@@ -188,9 +193,53 @@ fn take_queued(
     }
 }
 
+/// Is an accept error one of the connection taken, not of the listening socket? Linux
+/// passes a queued connection's pending network error on as `accept`'s own, and accept(2)
+/// asks for these to be retried as `EAGAIN` is (nginx, too, takes the next connection at
+/// once on `ECONNABORTED`). Anything else (out of descriptors or memory, above all) backs
+/// off instead: retried at once, it would spin.
+fn failed_in_the_queue(e: &std::io::Error) -> bool {
+    use rustix::io::Errno;
+    Errno::from_io_error(e).is_some_and(|n| {
+        [
+            Errno::CONNABORTED,
+            Errno::PROTO,
+            Errno::NETDOWN,
+            Errno::NOPROTOOPT,
+            Errno::HOSTDOWN,
+            Errno::NONET,
+            Errno::HOSTUNREACH,
+            Errno::OPNOTSUPP,
+            Errno::NETUNREACH,
+        ]
+        .contains(&n)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A queued connection's error is retried at once; the socket's own (out of file
+    /// descriptors, of memory) and anything unknown back off.
+    #[test]
+    fn only_a_queued_connections_errors_are_retried_at_once() {
+        use rustix::io::Errno;
+        let err = |n: Errno| std::io::Error::from_raw_os_error(n.raw_os_error());
+        for n in [Errno::CONNABORTED, Errno::PROTO, Errno::NETUNREACH] {
+            assert!(failed_in_the_queue(&err(n)), "{n:?}");
+        }
+        for n in [
+            Errno::MFILE,
+            Errno::NFILE,
+            Errno::NOBUFS,
+            Errno::NOMEM,
+            Errno::INVAL,
+        ] {
+            assert!(!failed_in_the_queue(&err(n)), "{n:?}");
+        }
+        assert!(!failed_in_the_queue(&std::io::Error::other("x")));
+    }
 
     /// A socket bound but not listening takes no connection: a connect to its address is
     /// refused (nothing queued, so nothing reset when it closes); once it listens, one is
