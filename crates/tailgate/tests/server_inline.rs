@@ -915,6 +915,12 @@ async fn ri_shutdown_answers_a_head_still_coming_for_either_server() {
             "POST /c HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n",
             "\r\n3\r\nabc\r\n0\r\n\r\n",
         ),
+        // A whole head, its small body still coming.
+        (
+            "body",
+            "POST /c HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\na",
+            "bc",
+        ),
     ] {
         let (up, hits) = path_upstream().await;
         let mut gw = TestGateway::to(up, "[server]\nshutdown_grace = \"30s\"\n");
