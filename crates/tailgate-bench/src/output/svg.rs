@@ -124,17 +124,28 @@ pub fn lines(
         .map_err(err)?;
     for (i, (name, ys)) in series.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
-        let pts = ys
-            .iter()
-            .enumerate()
-            .map(|(x, &y)| ((x + first_x) as f64, y));
-        chart
-            .draw_series(LineSeries::new(pts, color.stroke_width(2)))
-            .map_err(err)?
-            .label(name.clone())
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-            });
+        // A point with no value (NaN: nothing was recorded there) is a gap in the line,
+        // not a fall to zero: each run of values between gaps is a line of its own.
+        let mut runs: Vec<Vec<(f64, f64)>> = vec![Vec::new()];
+        for (x, &y) in ys.iter().enumerate() {
+            if y.is_nan() {
+                if runs.last().is_some_and(|r| !r.is_empty()) {
+                    runs.push(Vec::new());
+                }
+            } else if let Some(run) = runs.last_mut() {
+                run.push(((x + first_x) as f64, y));
+            }
+        }
+        for (k, run) in runs.into_iter().filter(|r| !r.is_empty()).enumerate() {
+            let drawn = chart
+                .draw_series(LineSeries::new(run, color.stroke_width(2)))
+                .map_err(err)?;
+            if k == 0 {
+                drawn.label(name.clone()).legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+                });
+            }
+        }
     }
     legend(&mut chart)?;
     root.present().map_err(err)
@@ -166,9 +177,19 @@ pub fn p99_per_second(per_second: &[Histogram<u64>]) -> Vec<f64> {
     per_second.iter().map(|h| ms_at(h, 99.0)).collect()
 }
 
-/// p99 per request index (1-based; empty indices as 0).
+/// p99 per request index (1-based; NaN for an index with nothing recorded, drawn as a
+/// gap: one that fell in the warm-up, say).
 pub fn p99_by_index(by_index: &[Histogram<u64>]) -> Vec<f64> {
-    by_index.iter().map(|h| ms_at(h, 99.0)).collect()
+    by_index
+        .iter()
+        .map(|h| {
+            if h.is_empty() {
+                f64::NAN
+            } else {
+                ms_at(h, 99.0)
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -203,6 +224,33 @@ mod tests {
         let p = dir.join("lines.svg");
         lines(&p, "t", "second", 0, &[("a".into(), vec![1.0, 2.0, 3.0])]).unwrap();
         assert!(std::fs::read_to_string(&p).unwrap().contains("polyline"));
+    }
+
+    /// An index with nothing recorded is a gap in its line, not a point at zero.
+    #[test]
+    fn indices_with_nothing_recorded_are_gaps() {
+        let mut hs = vec![new_histogram(3), new_histogram(3), new_histogram(3)];
+        hs[1].record(2_000).unwrap();
+        hs[2].record(3_000).unwrap();
+        let v = p99_by_index(&hs);
+        assert!(v[0].is_nan());
+        assert!((v[1] - 2.0).abs() < 0.01, "{v:?}");
+        let tmp = tempfile::Builder::new()
+            .prefix("tg-bench-svg-")
+            .tempdir()
+            .unwrap();
+        let p = tmp.path().join("gaps.svg");
+        lines(&p, "t", "request index", 1, &[("a".into(), v)]).unwrap();
+        let svg = std::fs::read_to_string(&p).unwrap();
+        let line = svg
+            .split("<polyline")
+            .skip(1)
+            .find(|l| l.contains("#1F77B4"))
+            .expect("the series' line");
+        let points = line.split("points=\"").nth(1).unwrap();
+        let points = points.split('"').next().unwrap();
+        assert_eq!(points.split_whitespace().count(), 2, "{points}");
+        assert!(!svg.contains("NaN"), "no NaN coordinates");
     }
 
     /// Seven series (keepalive-churn's rows) get seven colours.
