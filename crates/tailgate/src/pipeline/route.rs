@@ -146,9 +146,12 @@ pub struct RouteTable {
     by_host: HashMap<String, RouteList>,
     /// Exact tenant host → tenant.
     tenant_hosts: HashMap<String, usize>,
-    /// `*.suffix` tenant hosts, as (suffix pattern, tenant), longest first: the most
-    /// specific pattern that matches wins, as in nginx's `server_name`.
-    tenant_wildcards: Vec<(String, usize)>,
+    /// `*.suffix` tenant hosts, by their suffix (`suffix`, without `*.`): a host looks up
+    /// each of its suffixes, longest first, so the most specific pattern that matches wins,
+    /// as in nginx's `server_name`, in as many look-ups as the host has dots, however many
+    /// tenants there are (a scan of the patterns cost one comparison per tenant, for every
+    /// Host no exact name matched, which a client picks freely).
+    tenant_wildcards: HashMap<String, usize>,
     /// Per tenant: its routes without a host.
     tenant_routes: Vec<RouteList>,
     /// Routes with neither tenant nor host.
@@ -177,16 +180,17 @@ impl RouteTable {
         };
         for (i, tenant) in config.tenants.iter().enumerate() {
             for h in &tenant.hosts {
-                if h.starts_with("*.") {
-                    t.tenant_wildcards.push((h.clone(), i));
-                } else {
-                    t.tenant_hosts.insert(h.clone(), i);
+                match h.strip_prefix("*.") {
+                    // The first tenant to name a pattern keeps it.
+                    Some(suffix) => {
+                        t.tenant_wildcards.entry(suffix.to_owned()).or_insert(i);
+                    }
+                    None => {
+                        t.tenant_hosts.insert(h.clone(), i);
+                    }
                 }
             }
         }
-        // Stable: equally long patterns keep the config's order.
-        t.tenant_wildcards
-            .sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
         // The scopes and prefixes with a route that names HEAD.
         let named_head: std::collections::HashSet<(Option<usize>, Option<&str>, &str)> = config
             .routes
@@ -246,10 +250,13 @@ impl RouteTable {
         if let Some(&t) = self.tenant_hosts.get(host) {
             return Some(t);
         }
-        self.tenant_wildcards
-            .iter()
-            .find(|(p, _)| config::host_matches(p, host))
-            .map(|&(_, t)| t)
+        if self.tenant_wildcards.is_empty() {
+            return None;
+        }
+        // `a.b.c` looks up `b.c`, then `c`: a `*.` pattern's label is never empty.
+        host.match_indices('.')
+            .filter(|&(at, _)| at > 0)
+            .find_map(|(at, _)| self.tenant_wildcards.get(&host[at + 1..]).copied())
     }
 
     /// The tenant a TLS server name (SNI) belongs to: matched as a Host is, without case
@@ -878,6 +885,12 @@ endpoints = ["127.0.0.1:1"]
         assert_eq!(t.tenant_of_host("x.eu.acme.test"), Some(1));
         assert_eq!(t.tenant_of_host("x.acme.test"), Some(0));
         assert_eq!(t.tenant_of_host("eu.acme.test"), Some(0));
+        // Deeper names, and a suffix that is not at a label's start.
+        assert_eq!(t.tenant_of_host("a.b.eu.acme.test"), Some(1));
+        assert_eq!(t.tenant_of_host("a.b.acme.test"), Some(0));
+        assert_eq!(t.tenant_of_host("xacme.test"), None);
+        assert_eq!(t.tenant_of_host("acme.test"), None);
+        assert_eq!(t.tenant_of_host("test"), None);
         // A TLS server name as rustls hands it over: any case, perhaps a trailing dot.
         for sni in ["X.EU.acme.test", "x.eu.acme.test.", "X.Eu.Acme.Test."] {
             assert_eq!(t.tenant_of_server_name(sni), Some(1), "{sni}");
