@@ -100,9 +100,11 @@ pub fn serve(path: &Path, watchdog: bool) -> Result<(), CliError> {
     Ok(())
 }
 
-/// `tailgate check`: validate and summarize, or list every error.
+/// `tailgate check`: validate and summarize, or list every error. Host-name endpoints
+/// need a name server to ask, as `serve` does.
 pub fn check(path: &Path) -> Result<(), CliError> {
     let c = Config::load(path)?;
+    crate::upstream::dns::check_resolver(&c)?;
     println!(
         "{}: ok ({} listeners, {} tenants, {} clusters, {} routes)",
         path.display(),

@@ -223,6 +223,23 @@ struct NameState {
     failures_in_row: u32,
 }
 
+/// Have host-name endpoints a name server to ask? Builds the resolver [`Dns::start`] would
+/// (and drops it): `tailgate check` asks, so that it does not pass a config that `serve`
+/// refuses to start with. `Ok` when no endpoint is a host name.
+pub fn check_resolver(config: &Config) -> Result<(), crate::gateway::StartError> {
+    if config.clusters.iter().all(|c| c.hostnames.is_empty()) {
+        return Ok(());
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(crate::gateway::StartError::Thread)?;
+    let _in = rt.enter();
+    build_resolver(&config.dns)
+        .map(drop)
+        .map_err(crate::gateway::StartError::Dns)
+}
+
 fn build_resolver(s: &DnsSettings) -> Result<TokioResolver, String> {
     let mut builder = if s.nameservers.is_empty() {
         TokioResolver::builder_tokio().map_err(|e| e.to_string())?
