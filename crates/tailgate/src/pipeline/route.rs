@@ -341,7 +341,7 @@ pub fn request_host(parts: &http::request::Parts) -> Result<Option<(&str, bool)>
         // The authority routes the request and goes upstream as its Host: held to a Host
         // header's shape, with a host (RFC 9110 §4.2.1) and no `user@` (§4.2.4).
         (Some(a), h) => {
-            if h.is_some_and(|h| !matches!(host_part(h.as_bytes()), Some((end, _)) if end > 0)) {
+            if h.is_some_and(|h| host_header(h.as_bytes()).is_none()) {
                 return Err(BadHost::Invalid);
             }
             let a = a.as_str();
@@ -355,9 +355,7 @@ pub fn request_host(parts: &http::request::Parts) -> Result<Option<(&str, bool)>
         }
         (None, Some(h)) => {
             let h = h.as_bytes();
-            let (end, upper) = host_part(h)
-                .filter(|&(end, _)| end > 0)
-                .ok_or(BadHost::Invalid)?;
+            let (end, upper) = host_header(h).ok_or(BadHost::Invalid)?;
             // Only ASCII passed `host_part`.
             let h = std::str::from_utf8(&h[..end]).map_err(|_| BadHost::Invalid)?;
             (h, upper)
@@ -366,6 +364,11 @@ pub fn request_host(parts: &http::request::Parts) -> Result<Option<(&str, bool)>
     };
     // `api.example.com.` is the same name as `api.example.com` (nginx matches it so too).
     Ok(Some((host.strip_suffix('.').unwrap_or(host), upper)))
+}
+
+/// A Host header's [`host_part`], which must name a host: not empty, nor a port alone.
+fn host_header(h: &[u8]) -> Option<(usize, bool)> {
+    host_part(h).filter(|&(end, _)| end > 0)
 }
 
 /// Why a request's Host cannot route it.

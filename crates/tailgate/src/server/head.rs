@@ -110,11 +110,8 @@ pub const OVER_LIMIT: HeadFault = HeadFault::TooLarge("larger than max_header_by
 /// lines before the request line are not counted in it; a head of nothing but empty lines
 /// is over the limit all the same (431).
 pub fn over_limit(head: &[u8], max_head: usize) -> HeadFault {
-    let start = head
-        .iter()
-        .position(|&b| b != b'\r' && b != b'\n')
-        .unwrap_or(head.len());
-    let seen = &head[start..head.len().min(start.saturating_add(max_head))];
+    let line = after_empty_lines(head);
+    let seen = &line[..line.len().min(max_head)];
     if seen.is_empty() || seen.contains(&b'\n') {
         OVER_LIMIT
     } else {
@@ -127,11 +124,17 @@ pub fn over_limit(head: &[u8], max_head: usize) -> HeadFault {
 /// (RFC 9110 §9.3.2): the method is the request line's first word, whatever is wrong
 /// further on (nginx answers such a head's 400 without a body, too).
 pub fn asks_head(head: &[u8]) -> bool {
+    after_empty_lines(head).starts_with(b"HEAD ")
+}
+
+/// `head` from its request line on: the empty lines a client may send before it (RFC 9112
+/// §2.2) skipped.
+fn after_empty_lines(head: &[u8]) -> &[u8] {
     let start = head
         .iter()
         .position(|&b| b != b'\r' && b != b'\n')
         .unwrap_or(head.len());
-    head[start..].starts_with(b"HEAD ")
+    &head[start..]
 }
 
 /// What is wrong with a head `httparse` refused. No more bytes can mend it.
