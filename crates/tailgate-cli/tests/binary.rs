@@ -69,12 +69,39 @@ fn check_reports_unknown_fields_with_line_and_column() {
         "{BASE}[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\ntimeout = \"5s\"\n"
     ));
     assert!(!ok);
-    assert!(out.contains("gw.toml:9:1"), "{out}");
-    assert!(out.contains("unknown field `timeout`"), "{out}");
+    // The field named is the unknown one, not the key of the line above it.
+    assert!(
+        out.contains("gw.toml:9:1: timeout: unknown field `timeout`"),
+        "{out}"
+    );
     assert!(
         out.contains("response_timeout"),
         "lists what to write instead: {out}"
     );
+}
+
+/// A config that is not UTF-8 text: where its first such byte is, and what to do.
+#[test]
+fn check_points_at_a_byte_that_is_not_utf8() {
+    let dir = tmpdir();
+    let path = dir.path().join("gw.toml");
+    std::fs::write(&path, b"[server]\nworkers = \xff\n").unwrap();
+    let out = Command::new(BIN)
+        .args(["check", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        err.contains("gw.toml:2:11: this byte is not UTF-8 text"),
+        "{err}"
+    );
+    assert!(err.contains("help: save the file as UTF-8"), "{err}");
 }
 
 #[test]

@@ -222,7 +222,7 @@ pub enum HedgeDelay {
 impl Config {
     /// Reads, parses and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
+        let bytes = std::fs::read(path).map_err(|e| {
             ConfigErrors(vec![ConfigError {
                 file: path.to_path_buf(),
                 line: 0,
@@ -230,6 +230,20 @@ impl Config {
                 field: String::new(),
                 message: format!("cannot read the config file: {e}"),
                 hint: None,
+            }])
+        })?;
+        let text = String::from_utf8(bytes).map_err(|e| {
+            // Where the first byte that is not UTF-8 is: the text before it is.
+            let good = &e.as_bytes()[..e.utf8_error().valid_up_to()];
+            let good = std::str::from_utf8(good).unwrap_or_default();
+            let (line, col) = validate::line_col(good, good.len());
+            ConfigErrors(vec![ConfigError {
+                file: path.to_path_buf(),
+                line,
+                col,
+                field: String::new(),
+                message: "this byte is not UTF-8 text".into(),
+                hint: Some("save the file as UTF-8 (TOML files are UTF-8)".into()),
             }])
         })?;
         Self::parse(path, &text)

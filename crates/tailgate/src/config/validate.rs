@@ -13,7 +13,7 @@ mod dns;
 mod hedge;
 mod rewrite;
 
-use super::file::{RawConfig, RawRoute};
+use super::file::{RawCluster, RawConfig, RawRoute};
 use super::upstream_tls;
 use super::{
     Cluster, Config, ConfigError, ConfigErrors, Listener, LogFormat, LogSettings, Route,
@@ -134,14 +134,23 @@ impl Checker<'_> {
     ) -> Duration {
         let d = self.duration(v, field.clone(), default);
         if let Some(v) = v
-            && d.is_zero()
+            && d < Duration::from_millis(1)
         {
+            // Timers fire on the millisecond: anything shorter is zero in effect.
+            let message = if d.is_zero() {
+                "a timeout of 0 would cut everything off at once".into()
+            } else {
+                format!(
+                    "a timeout of {} is shorter than the timers' 1ms tick, and would cut everything off at once",
+                    humantime::format_duration(d)
+                )
+            };
             self.err(
                 Some(v.span()),
                 field,
-                "a timeout of 0 would cut everything off at once".into(),
+                message,
                 Some(&format!(
-                    "write a duration longer than 0, e.g. \"{}\", or remove it for that default",
+                    "write at least \"1ms\", e.g. \"{}\", or remove it for that default",
                     humantime::format_duration(default)
                 )),
             );
@@ -198,7 +207,8 @@ impl Checker<'_> {
         }
     }
 
-    /// Can a listening socket be bound to `a`? A link-local address with no scope is
+    /// Can a listening socket be bound to `a` and reached by TCP? A multicast or the
+    /// broadcast address binds, but no connection can ever arrive there. A link-local address with no scope is
     /// refused by the kernel; so is an IPv4-mapped one on an IPv6-only socket (listeners'
     /// sockets; the admin plane's and demos' are `dual_stack`).
     pub(super) fn bindable(
@@ -208,6 +218,10 @@ impl Checker<'_> {
         field: String,
         dual_stack: bool,
     ) -> bool {
+        if let Some(refused) = not_for_listening(a, v.get_ref()) {
+            self.err(Some(v.span()), field, refused, Some(NOT_FOR_LISTENING));
+            return false;
+        }
         let SocketAddr::V6(v6) = a else { return true };
         let (message, hint) = if let Some(v4) = v6.ip().to_ipv4_mapped()
             && !dual_stack
@@ -300,6 +314,25 @@ fn interface_index(name: &str) -> std::io::Result<u32> {
     Err(last.unwrap_or_else(|| std::io::ErrorKind::Unsupported.into()))
 }
 
+const NOT_FOR_LISTENING: &str =
+    "write one of this host's own addresses, or 0.0.0.0 for all of them";
+
+/// Why TCP can never reach a listening socket bound to `a`, if it cannot.
+fn not_for_listening(a: SocketAddr, written: &str) -> Option<String> {
+    let ip = a.ip().to_canonical();
+    if ip.is_multicast() {
+        Some(format!(
+            "`{written}` is a multicast address: TCP connections never arrive there"
+        ))
+    } else if ip == std::net::IpAddr::V4(std::net::Ipv4Addr::BROADCAST) {
+        Some(format!(
+            "`{written}` is the broadcast address: TCP connections never arrive there"
+        ))
+    } else {
+        None
+    }
+}
+
 /// A link-local IPv6 address with no interface named (`written` as the config wrote it),
 /// which the kernel refuses to bind or connect to (`EINVAL`: which link is not said): the
 /// message and the hint, for a listener and an endpoint alike.
@@ -366,7 +399,7 @@ fn taken(a: SocketAddr, b: SocketAddr) -> String {
 }
 
 /// 1-based line and column (in characters) of a byte offset.
-fn line_col(text: &str, offset: usize) -> (usize, usize) {
+pub(super) fn line_col(text: &str, offset: usize) -> (usize, usize) {
     let offset = offset.min(text.len());
     let before = &text[..offset];
     let line = before.matches('\n').count() + 1;
@@ -388,7 +421,7 @@ pub(super) fn parse_and_validate(path: &Path, text: &str) -> Result<Config, Conf
                 col,
                 hint: Some(toml_hint(&message, &field).to_owned()),
                 field,
-                message,
+                message: without_type_names(&message),
             }]));
         }
     };
@@ -404,6 +437,21 @@ pub(super) fn parse_and_validate(path: &Path, text: &str) -> Result<Config, Conf
     } else {
         Err(ConfigErrors(c.errors))
     }
+}
+
+/// The reader's message with the file's internal type names (`struct RawAdmin`) said as
+/// what they are in the file: a table.
+fn without_type_names(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(at) = rest.find("struct Raw") {
+        out.push_str(&rest[..at]);
+        out.push_str("a table");
+        rest =
+            rest[at + "struct Raw".len()..].trim_start_matches(|c: char| c.is_ascii_alphanumeric());
+    }
+    out.push_str(rest);
+    out
 }
 
 /// What to write instead, for an error the TOML reader found (before any field is checked).
@@ -427,8 +475,15 @@ fn toml_hint(message: &str, field: &str) -> &'static str {
         "write this table's header with double brackets, as each of its kind is one of a list: [[listener]], [[tenant]], [[cluster]], [[route]]"
     } else if message.contains("expected a sequence") {
         "write a list in brackets, e.g. [\"GET\", \"POST\"] or [\"127.0.0.1:9000\"]"
-    } else if message.contains("expected struct") {
+    } else if message.contains("expected struct RawTls") {
         "write a table here, e.g. tls = { cert = \"cert.pem\", key = \"key.pem\" }; see the README's config reference"
+    } else if message.contains("invalid type: map")
+        && ["server", "admin", "log", "dns", "metrics"].contains(&field)
+    {
+        // `[[server]]`: a list of tables, read field by field as if it were one.
+        "write this table's header with single brackets, as there is one of it: [server], [admin], [log], [dns], [metrics]"
+    } else if message.contains("expected struct") {
+        "write a table here: a header such as [admin] with one `key = value` per line below it; see the README's config reference"
     } else if message.contains("invalid value: integer `-") {
         "write a number of 0 or more"
     } else if message.contains("invalid type: string") {
@@ -494,6 +549,24 @@ fn key_at(text: &str, line: usize, col: usize) -> String {
         } else {
             key
         };
+    }
+    if before.trim().is_empty() {
+        // At the start of a line: the reader puts an unknown or repeated key's error on the
+        // key itself, and a missing field's or a table of the wrong kind's on the table's
+        // header. Either names what is wrong; the lines above belong to other fields.
+        let rest = this.trim_start();
+        if let Some(header) = rest.strip_prefix('[') {
+            let name = header.trim_start_matches('[');
+            return name[..name.find(']').unwrap_or(name.len())]
+                .trim()
+                .to_owned();
+        }
+        if let Some((key, _)) = rest.split_once('=')
+            && !key.trim().is_empty()
+            && !key.contains('"')
+        {
+            return key.trim().to_owned();
+        }
     }
     lines[..line.saturating_sub(1)]
         .iter()
@@ -975,7 +1048,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 Some(p) => *p.get_ref(),
                 None => 10,
             },
-            eject_duration: c.duration(&cl.eject_duration, format!("cluster[{i}].eject_duration"), Duration::from_secs(1)),
+            eject_duration: eject_duration(c, cl, i),
             max_requests: cl.max_requests.unwrap_or(0),
             tls,
             protocol,
@@ -1260,12 +1333,31 @@ fn pool_limits(c: &mut Checker<'_>, raw: &super::file::RawCluster, i: usize, cl:
     }
 }
 
+/// How long an ejection lasts at first. Zero would end each at once with a probe due, so
+/// a failing endpoint would be picked again after every failure: the opposite of ejecting.
+fn eject_duration(c: &mut Checker<'_>, cl: &RawCluster, i: usize) -> Duration {
+    let field = format!("cluster[{i}].eject_duration");
+    let d = c.duration(&cl.eject_duration, field.clone(), Duration::from_secs(1));
+    if let Some(v) = &cl.eject_duration
+        && d < Duration::from_millis(1)
+    {
+        c.err(
+            Some(v.span()),
+            field,
+            "an ejection this short ends at once, and the failing endpoint is probed after every failure".into(),
+            Some("write a duration such as \"1s\"; to turn ejection off, set eject_after_failures = 0"),
+        );
+        return Duration::from_secs(1);
+    }
+    d
+}
+
 fn route_name(c: &mut Checker<'_>, r: &RawRoute, i: usize, seen: &mut HashSet<String>) -> String {
     let Some(n) = &r.name else {
         return format!("route{i}");
     };
     let name = n.get_ref().clone();
-    if name.is_empty() || name.len() > 128 || name.chars().any(|ch| ch.is_control()) {
+    if name.is_empty() || name.chars().count() > 128 || name.chars().any(|ch| ch.is_control()) {
         c.err(
             Some(n.span()),
             format!("route[{i}].name"),
@@ -1623,6 +1715,34 @@ mod tests {
                 format!("[[tenant]]\nname = \"\"\nhosts = []\n{TAIL}"),
                 "tenant[0].name: must not be empty\n  help: write a name such as",
             ),
+            // Errors the reader puts at a line's start name that line's key or table, not
+            // the key of a line above.
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\ntimeout = \"5s\"\n"),
+                ": timeout: unknown field `timeout`",
+            ),
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\npath_prefix = \"/a\"\n"),
+                ": path_prefix: duplicate key",
+            ),
+            (
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\n".to_owned(),
+                "t.toml:3:1: cluster: missing field `endpoints`",
+            ),
+            (
+                format!("{TAIL}[route]\npath_prefix = \"/\"\ncluster = \"c\"\n"),
+                ": route: invalid type",
+            ),
+            // A table of one given as a string, or as a list: said as a table, with a
+            // hint that fits it.
+            (
+                format!("admin = \"127.0.0.1:9901\"\n{TAIL}"),
+                "t.toml:1:9: admin: invalid type: string \"127.0.0.1:9901\", expected a table\n  help: write a table here: a header such as [admin]",
+            ),
+            (
+                format!("[[server]]\nworkers = 1\n{TAIL}"),
+                "t.toml:1:1: server: invalid type: map, expected usize\n  help: write this table's header with single brackets",
+            ),
         ] {
             let errs = errors_of(&text);
             assert!(errs.contains(want), "{text}\n{errs}");
@@ -1930,6 +2050,21 @@ retry_budget_percent = 150
 path_prefix = "/"
 cluster = "c"
 response_timeout = "0s"
+[[listener]]
+address = "224.0.0.1:8084"
+[[listener]]
+address = "255.255.255.255:8085"
+[[listener]]
+address = "[ff02::1]:8086"
+[[cluster]]
+name = "d"
+endpoints = ["127.0.0.1:2"]
+connect_timeout = "500us"
+eject_duration = "0s"
+[[route]]
+path_prefix = "/d/"
+cluster = "d"
+total_timeout = "999us"
 "#;
         let errs = parse_and_validate(Path::new("t.toml"), text)
             .expect_err("unstartable")
@@ -1943,6 +2078,15 @@ response_timeout = "0s"
             "t.toml:16:19: cluster[0].connect_timeout: a timeout of 0",
             "t.toml:17:24: cluster[0].retry_budget_percent: must be between 0 and 100",
             "t.toml:21:20: route[0].response_timeout: a timeout of 0",
+            "t.toml:23:11: listener[3].address: `224.0.0.1:8084` is a multicast address",
+            "t.toml:25:11: listener[4].address: `255.255.255.255:8085` is the broadcast address",
+            "t.toml:27:11: listener[5].address: `[ff02::1]:8086` is a multicast address",
+            "help: write one of this host's own addresses, or 0.0.0.0 for all of them",
+            "t.toml:31:19: cluster[1].connect_timeout: a timeout of 500us is shorter than the timers' 1ms tick",
+            "help: write at least \"1ms\", e.g. \"2s\"",
+            "t.toml:32:18: cluster[1].eject_duration: an ejection this short ends at once",
+            "help: write a duration such as \"1s\"; to turn ejection off, set eject_after_failures = 0",
+            "t.toml:36:17: route[1].total_timeout: a timeout of 999us is shorter",
         ] {
             assert!(errs.contains(want), "missing {want:?} in:\n{errs}");
         }
