@@ -190,6 +190,21 @@ impl Check {
         self
     }
 
+    /// The value as the goal table prints it: three decimals, or as many more as it takes
+    /// for the printed figure to agree with the verdict, so a ratio of 1.0004 against a goal
+    /// of at most 1 reads `1.0004 | **no**`, not `1.000 | **no**`.
+    fn shown(&self, value: f64) -> String {
+        let agrees = |text: &str| {
+            text.parse()
+                .is_ok_and(|p: f64| self.holds(p) == self.holds(value))
+        };
+        (3..=6)
+            .map(|digits| format!("{value:.digits$}"))
+            .find(|text| agrees(text))
+            // The shortest text that reads back as the value itself.
+            .unwrap_or_else(|| value.to_string())
+    }
+
     /// Does a ratio meet this goal?
     fn holds(&self, ratio: f64) -> bool {
         if self.at_most {
@@ -359,16 +374,17 @@ pub fn measure_with(
     let report = load::run(spec)?;
     let cpu_after = cpu();
     let requests = report.rps() * (opts.duration + opts.warmup).as_secs_f64();
-    let per_request = |before: Option<u64>, after: Option<u64>| -> Option<f64> {
-        let used = after?.checked_sub(before?)?;
+    let per_request = |used: Option<u64>| -> Option<f64> {
+        let used = used?;
         (requests >= 1.0).then(|| round2(used as f64 / 1000.0 / requests))
     };
-    let cpu_us_per_request = per_request(cpu_before.0, cpu_after.0);
-    let upstream_cpu_us_per_request = per_request(cpu_before.1, cpu_after.1);
-    let cpu_per_upstream_cpu = match (cpu_us_per_request, upstream_cpu_us_per_request) {
-        (Some(c), Some(u)) if u > 0.0 => Some((c / u * 1000.0).round() / 1000.0),
-        _ => None,
-    };
+    let used = |before: Option<u64>, after: Option<u64>| after?.checked_sub(before?);
+    let cpu_ns = used(cpu_before.0, cpu_after.0);
+    let upstream_cpu_ns = used(cpu_before.1, cpu_after.1);
+    let cpu_us_per_request = per_request(cpu_ns);
+    let upstream_cpu_us_per_request = per_request(upstream_cpu_ns);
+    // From the nanoseconds, not the rounded microseconds shown beside it.
+    let cpu_per_upstream_cpu = cpu_ratio(cpu_ns, upstream_cpu_ns);
     let row = Row {
         target: target.name.clone(),
         variant: format!("{variant}{}", target.variant_suffix),
@@ -489,6 +505,14 @@ fn fmt_cpu(r: &Row) -> String {
     }
 }
 
+/// A target's CPU time over its upstream's in the same run, to three decimals.
+fn cpu_ratio(target_ns: Option<u64>, upstream_ns: Option<u64>) -> Option<f64> {
+    match (target_ns, upstream_ns) {
+        (Some(t), Some(u)) if u > 0 => Some((t as f64 / u as f64 * 1000.0).round() / 1000.0),
+        _ => None,
+    }
+}
+
 fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
@@ -578,7 +602,7 @@ impl Outcome {
         let _ = writeln!(out, "| goal | value | goal | met | rounds met |");
         let _ = writeln!(out, "|---|--:|--:|:-:|--:|");
         for c in &self.checks {
-            let v = c.value.map_or("n/a".to_string(), |v| format!("{v:.3}"));
+            let v = c.value.map_or("n/a".to_string(), |v| c.shown(v));
             let met = match (c.met, c.errors) {
                 (true, _) => "yes".to_string(),
                 (false, Some(e)) => format!("**no** ({e} errors)"),
@@ -666,8 +690,9 @@ pub fn check(name: String, num: Option<f64>, den: Option<f64>, goal: f64, at_mos
     let raw = num.zip(den).and_then(|(n, d)| goal_ratio(n, d));
     let mut c = Check {
         name,
-        // Shown to three decimals; judged unrounded.
-        value: raw.map(|v| (v * 1000.0).round() / 1000.0),
+        // Judged and kept unrounded; shown to three decimals unless more are needed to agree
+        // with the verdict (`shown`).
+        value: raw,
         goal,
         met: false,
         rounds_met: None,
@@ -827,17 +852,45 @@ mod tests {
         assert_eq!(c.rounds_met, None);
     }
 
-    /// A ratio is judged unrounded (1.0004 is not at most 1), though shown to three decimals.
+    /// A ratio is judged unrounded (1.0004 is not at most 1), and shown to three decimals
+    /// unless those would read as the other verdict.
     #[test]
     fn a_goal_is_judged_on_the_unrounded_ratio() {
+        let shown = |c: Check| {
+            let o = Outcome {
+                scenario: "s".into(),
+                measured: Vec::new(),
+                checks: vec![c],
+                notes: Vec::new(),
+                rounds: 1,
+            };
+            let t = o.table();
+            t.lines().last().unwrap_or_default().to_string()
+        };
         let c = check("p99 ≤".into(), Some(1.0004), Some(1.0), 1.0, true);
-        assert_eq!(c.value, Some(1.0));
+        assert_eq!(c.value, Some(1.0004));
         assert!(!c.met);
+        assert_eq!(shown(c), "| p99 ≤ | 1.0004 | 1 | **no** | – |");
         let c = check("rps ≥".into(), Some(0.9996), Some(1.0), 1.0, false);
-        assert_eq!(c.value, Some(1.0));
         assert!(!c.met);
+        assert_eq!(shown(c), "| rps ≥ | 0.9996 | 1 | **no** | – |");
+        let c = check("p99 ≤".into(), Some(1.0000004), Some(1.0), 1.0, true);
+        assert!(!c.met);
+        assert_eq!(shown(c), "| p99 ≤ | 1.0000004 | 1 | **no** | – |");
         let c = check("p99 ≤".into(), Some(1.0), Some(1.0), 1.0, true);
         assert!(c.met);
+        assert_eq!(shown(c), "| p99 ≤ | 1.000 | 1 | yes | – |");
+        let c = check("p99 ≤".into(), Some(0.98765), Some(1.0), 1.0, true);
+        assert_eq!(shown(c), "| p99 ≤ | 0.988 | 1 | yes | – |");
+    }
+
+    /// The CPU ratio is taken from the CPU times, not from the rounded microseconds.
+    #[test]
+    fn the_cpu_ratio_is_taken_unrounded() {
+        // 1.004 µs over 0.996 µs per request: 1.008, where the shown 1.00 and 1.00 give 1.
+        assert_eq!(cpu_ratio(Some(1_004_000), Some(996_000)), Some(1.008));
+        assert_eq!(cpu_ratio(Some(1), Some(0)), None);
+        assert_eq!(cpu_ratio(None, Some(1)), None);
     }
 
     /// A failed (or unsent) request in either row the goal compares: not met, whatever the
