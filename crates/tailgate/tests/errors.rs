@@ -54,6 +54,44 @@ async fn wrong_method_is_405_with_allow() {
     assert_eq!(resp.headers()["allow"], "GET, HEAD");
 }
 
+/// The gateway's own answers to HEAD carry no body over HTTP/2 either: no DATA frame, which
+/// a client resets the stream for (RFC 9110 §9.3.2), only the length a GET would get.
+#[tokio::test]
+async fn an_h2_head_answered_by_the_gateway_has_no_body() {
+    let up = ok_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/api/\"\nmethods = [\"POST\"]\ncluster = \"up\"\n"
+    ));
+    let (mut c, _conn) = h2c_client(gw.addr).await;
+    // No route (404), and a route that does not take HEAD (405): both on one connection,
+    // which the first must leave usable.
+    for (path, status) in [("http://a/nothing", 404), ("http://a/api/x", 405)] {
+        let req = http::Request::head(path).body(full("")).unwrap();
+        let resp = c.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), status, "{path}");
+        assert_eq!(resp.version(), http::Version::HTTP_2);
+        let length: usize = resp.headers()["content-length"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(length > 0, "{path}: the length a GET would get");
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .unwrap_or_else(|e| panic!("{path}: the stream was reset: {e}"));
+        assert!(body.to_bytes().is_empty(), "{path}");
+    }
+    // The same over GET still has its JSON body.
+    let req = http::Request::get("http://a/nothing")
+        .body(full(""))
+        .unwrap();
+    let resp = c.send_request(req).await.unwrap();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert!(body.starts_with(b"{"), "{body:?}");
+}
+
 #[tokio::test]
 async fn upstream_refused_is_502() {
     let dead = dead_port();

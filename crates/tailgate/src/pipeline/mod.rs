@@ -157,12 +157,21 @@ fn error_answer(
     if let Some(ex) = rec.exchange_mut() {
         ex.status = e.status().as_u16();
     }
-    let (parts, body) = e.to_response(id, header).into_parts();
-    if !head {
+    let (mut parts, body) = e.to_response(id, header).into_parts();
+    let body = if head {
+        parts
+            .headers
+            .insert(http::header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+        // No body to HEAD (its `Content-Length` says what a GET would get). The HTTP/1
+        // servers would drop one, but over HTTP/2 neither hyper nor h2 knows the method:
+        // a body would go out as DATA, which clients reset the stream for.
+        RespBody::empty()
+    } else {
         rec.add_bytes_out(body.len() as u64);
-    }
+        RespBody::full(body)
+    };
     rec.fail(e.code());
-    Response::from_parts(parts, RespBody::full(body))
+    Response::from_parts(parts, body)
 }
 
 /// The answer to a request whose head was read whole, refused with `e` before it is
