@@ -1,7 +1,8 @@
 //! What `/metrics` says: every family, in a fixed order, summed over the workers from their
 //! own atomics. Runs on the scrape thread (see `admin`) only; it reads the data plane's
-//! counters and takes no lock a worker takes (the consumer merge below is the admin plane's
-//! own).
+//! counters and takes no lock a worker waits for: the consumer merge below is the admin
+//! plane's own, and the lock of a cluster's drained pools (`GonePools`), held here only to
+//! copy the lists of pools, is one a worker only tries, and tries again later.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -446,19 +447,21 @@ impl EndpointSums {
     }
 }
 
-/// The sums of the endpoint at `addr` in `eps`, added when it is not there yet.
-fn sums_of(eps: &mut Vec<EndpointSums>, addr: SocketAddr) -> &mut EndpointSums {
-    match eps.iter().position(|s| s.addr == Some(addr)) {
-        Some(i) => &mut eps[i],
-        None => {
-            eps.push(EndpointSums {
-                addr: Some(addr),
-                ..EndpointSums::default()
-            });
-            let last = eps.len() - 1;
-            &mut eps[last]
-        }
-    }
+/// The sums of the endpoint at `addr` in `eps` (found through `at`, its index there),
+/// added when it is not there yet.
+fn sums_of<'a>(
+    eps: &'a mut Vec<EndpointSums>,
+    at: &mut HashMap<SocketAddr, usize>,
+    addr: SocketAddr,
+) -> &'a mut EndpointSums {
+    let i = *at.entry(addr).or_insert_with(|| {
+        eps.push(EndpointSums {
+            addr: Some(addr),
+            ..EndpointSums::default()
+        });
+        eps.len() - 1
+    });
+    &mut eps[i]
 }
 
 async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> {
@@ -466,42 +469,52 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
     let mut clusters: Vec<(String, Vec<EndpointSums>, u64)> = Vec::new();
     for (ci, cluster) in state.config.clusters.iter().enumerate() {
         let mut eps: Vec<EndpointSums> = Vec::new();
+        let mut at: HashMap<SocketAddr, usize> = HashMap::new();
         let mut exhausted = 0;
-        // The counts of the cluster's drained pools (one for every worker), and every
-        // worker's pools, read under the lock their lists change under (see `GonePools`).
+        // The cluster's drained pools' counts (one for every worker) and every worker's
+        // list of pools, read under the lock the lists change under (see `GonePools`); the
+        // pools' own counters after it is let go. Held for no more than that: this thread
+        // is `SCHED_IDLE`, and a busy core may leave it waiting while it holds the lock
+        // (workers never wait for it, but a DNS change or a drain waits its turn).
         let gone = state
             .workers
             .first()
             .and_then(|wk| wk.upstreams.clusters.get(ci))
             .map(|pools| pools.gone.clone());
-        let gone = gone.as_ref().map(|g| g.lock());
-        for wk in &state.workers {
-            let Some(pools) = wk.upstreams.clusters.get(ci) else {
-                continue;
-            };
-            exhausted += pools.budget_exhausted.load(Ordering::Relaxed);
-            // Parked pools (addresses out of the latest DNS answer, not drained yet) count
-            // too: their counters go on if the address comes back, and their connections
-            // are still open.
-            let parked = pools.parked_pools();
-            for e in pools.endpoints.load().iter().chain(parked.iter()) {
-                sums_of(&mut eps, e.addr).add(e);
+        let mut pools: Vec<Arc<EndpointPool>> = Vec::new();
+        {
+            let gone = gone.as_ref().map(|g| g.lock());
+            for wk in &state.workers {
+                let Some(cl) = wk.upstreams.clusters.get(ci) else {
+                    continue;
+                };
+                exhausted += cl.budget_exhausted.load(Ordering::Relaxed);
+                // Parked pools (addresses out of the latest DNS answer, not drained yet)
+                // count too: their counters go on if the address comes back, and their
+                // connections are still open.
+                pools.extend(cl.endpoints.load().iter().cloned());
+                pools.extend(cl.parked_pools());
+            }
+            for p in &pools {
+                sums_of(&mut eps, &mut at, p.addr);
+            }
+            // A drained pool's counts stay with its address while any worker still has a
+            // pool for it, so that its series never goes back; those of addresses no
+            // worker has any more are summed under `endpoint="_removed"`, which only grows.
+            if let Some(gone) = &gone {
+                for g in &gone.by_addr {
+                    sums_of(&mut eps, &mut at, g.addr).add_gone(g);
+                }
+                if let Some(r) = &gone.removed {
+                    let mut s = EndpointSums::default();
+                    s.add_gone(r);
+                    eps.push(s);
+                }
             }
         }
-        // A drained pool's counts stay with its address while any worker still has a pool
-        // for it, so that its series never goes back; those of addresses no worker has
-        // any more are summed under `endpoint="_removed"`, which only grows.
-        if let Some(gone) = &gone {
-            for g in &gone.by_addr {
-                sums_of(&mut eps, g.addr).add_gone(g);
-            }
-            if let Some(r) = &gone.removed {
-                let mut s = EndpointSums::default();
-                s.add_gone(r);
-                eps.push(s);
-            }
+        for p in &pools {
+            sums_of(&mut eps, &mut at, p.addr).add(p);
         }
-        drop(gone);
         clusters.push((escape_label(&cluster.name), eps, exhausted));
     }
     let label = |c: &str, e: &EndpointSums| {

@@ -353,6 +353,12 @@ impl ClusterPools {
         }
     }
 
+    /// [`Self::set_addrs_locked`], the lock waited for.
+    #[cfg(test)]
+    pub fn set_addrs(&self, addrs: &[SocketAddr]) {
+        self.set_addrs_locked(addrs, &mut self.gone.lock());
+    }
+
     /// Applies a new address list on this worker: pools of addresses that stay are kept
     /// (with their connections and counters), new addresses get new pools whose warm keepers
     /// start. Runs on the worker's runtime.
@@ -366,10 +372,11 @@ impl ClusterPools {
     /// request; its idle connections expire as they would have; if the address comes back
     /// meanwhile, so does the pool, connections, latency estimate and all. Past that time it
     /// is drained.
-    pub fn set_addrs(&self, addrs: &[SocketAddr]) {
-        // Every change to the lists a scrape reads (pools added, parked, brought back,
-        // drained) is made under the lock it reads them under (see `pool::GonePools`).
-        let mut gone = self.gone.lock();
+    ///
+    /// Called under the lock of the cluster's drained pools, `gone`: every change to the
+    /// lists a scrape reads (pools added, parked, brought back, drained) is made under the
+    /// lock it reads them under (see `pool::GonePools`).
+    fn set_addrs_locked(&self, addrs: &[SocketAddr], gone: &mut pool::Gone) {
         let old = self.endpoints.load_full();
         let park = !self.config.idle_timeout.is_zero();
         // Those drained meanwhile are gone for good.
@@ -397,7 +404,7 @@ impl ClusterPools {
                 next.push(p);
                 continue;
             }
-            let p = Arc::new(EndpointPool::new(a, &self.config, &self.gone, &mut gone));
+            let p = Arc::new(EndpointPool::new(a, &self.config, &self.gone, gone));
             tokio::spawn(p.clone().keep_warm());
             next.push(p);
         }
@@ -407,7 +414,7 @@ impl ClusterPools {
                 p.park();
                 parked.push((p.addr, Arc::downgrade(p)));
             } else {
-                p.retire_into(&mut gone);
+                p.retire_into(gone);
             }
         }
         self.parked.store(Arc::new(parked));
@@ -440,7 +447,9 @@ impl ClusterPools {
 async fn follow(cluster: Arc<ClusterPools>, mut rx: tokio::sync::watch::Receiver<dns::Addrs>) {
     while rx.changed().await.is_ok() {
         let addrs = rx.borrow_and_update().clone();
-        cluster.set_addrs(&addrs);
+        // Not waited for on the worker's thread (see `pool::GonePools`).
+        let mut gone = cluster.gone.acquire().await;
+        cluster.set_addrs_locked(&addrs, &mut gone);
     }
 }
 
@@ -631,6 +640,48 @@ mod tests {
         assert!(c.parked_pools().is_empty());
         c.set_addrs(&[a, b]);
         assert!(!Arc::ptr_eq(&c.endpoints.load()[1], &pool_b));
+    }
+
+    /// A worker never waits for the lock a scrape holds (on a thread a busy core may not
+    /// run for a while): a parked pool's drain waits its turn while the worker's runtime
+    /// goes on, and so does a new address list; both happen once the lock is let go.
+    #[tokio::test]
+    async fn a_held_scrape_lock_stalls_no_worker() {
+        let ups =
+            one_cluster("endpoints = [\"127.0.0.1:1\", \"127.0.0.1:2\"]\nidle_timeout = \"100ms\"");
+        ups.start_background();
+        let c = ups.clusters[0].clone();
+        let a: SocketAddr = "127.0.0.1:1".parse().expect("address");
+        let pool_b = c.endpoints.load()[1].clone();
+        c.set_addrs(&[a]);
+        assert!(pool_b.is_parked());
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let gone = c.gone.clone();
+        let holder = std::thread::spawn(move || {
+            let _held = gone.lock();
+            held_tx.send(()).expect("test waits");
+            let _ = release_rx.recv_timeout(std::time::Duration::from_secs(10));
+        });
+        held_rx.recv().expect("held");
+        // Past the idle timeout, on this (one) thread: had the drain waited for the lock,
+        // this sleep would not end until the holder gave up, and the pool would be drained.
+        tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+        assert!(!pool_b.is_retired(), "drained under a lock it waited for");
+        assert!(
+            tokio::time::timeout(std::time::Duration::from_millis(50), c.gone.acquire())
+                .await
+                .is_err(),
+            "the lock is held"
+        );
+        release_tx.send(()).expect("holder waits");
+        holder.join().expect("holder");
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        while !pool_b.is_retired() {
+            assert!(Instant::now() < deadline, "never drained once free");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        drop(c.gone.acquire().await);
     }
 
     /// A parked pool takes no queue under `max_connections_per_endpoint` (a request there

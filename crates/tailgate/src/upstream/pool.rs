@@ -196,13 +196,37 @@ impl Gone {
 /// and these under this lock, and a worker adds, drains, parks or brings back a pool under
 /// it: a pool's counts show once, as a pool's or here, never both and never neither.
 /// Taken by a worker only when the cluster's addresses change or a pool is drained, never
-/// on a request's path.
+/// on a request's path, and never waited for there: a worker that finds it held tries
+/// again later ([`GonePools::acquire`], or its pool's next tick). The scrape holds it on a
+/// `SCHED_IDLE` thread, which a busy core may not run for a long while; a worker blocked on
+/// it meanwhile would stall every request it serves.
 #[derive(Debug, Default)]
 pub struct GonePools(Mutex<Gone>);
 
 impl GonePools {
+    /// The lock, waited for: for the admin thread and tests, never a worker.
     pub fn lock(&self) -> MutexGuard<'_, Gone> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The lock if it is free now.
+    pub fn try_lock(&self) -> Option<MutexGuard<'_, Gone>> {
+        match self.0.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// The lock, for a worker's task: tried every millisecond while another holds it, the
+    /// worker's runtime going on meanwhile.
+    pub async fn acquire(&self) -> MutexGuard<'_, Gone> {
+        loop {
+            if let Some(g) = self.try_lock() {
+                return g;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
     }
 }
 
@@ -358,8 +382,11 @@ impl EndpointPool {
         }
         let now = self.epoch.elapsed().as_millis() as u64;
         if now.saturating_sub(at) >= self.idle_timeout.as_millis() as u64 {
-            self.retire();
-            return true;
+            // Held by a scrape: drained on a later tick instead (see `GonePools`).
+            if let Some(mut gone) = self.gone.try_lock() {
+                self.retire_into(&mut gone);
+                return true;
+            }
         }
         self.idle_len();
         if self.protocol != Protocol::Http1 {
@@ -382,14 +409,10 @@ impl EndpointPool {
     /// Drains the pool of an endpoint removed from its cluster: idle connections close, the
     /// warm keeper stops, HTTP/2 connections take no new streams, connections still
     /// serving requests close when they finish, and requests queued for a connection
-    /// (`max_connections_per_endpoint`) are let go to try another endpoint.
-    pub fn retire(&self) {
-        self.retire_into(&mut self.gone.lock());
-    }
-
-    /// [`Self::retire`], its counters added to `gone` (its cluster's, locked by the caller,
-    /// who takes it out of the cluster's lists under the same lock). Counted once: a
-    /// request still in flight on it may count a little more, which is not shown.
+    /// (`max_connections_per_endpoint`) are let go to try another endpoint. Its counters
+    /// are added to `gone` (its cluster's, locked by the caller, who takes it out of the
+    /// cluster's lists under the same lock). Counted once: a request still in flight on it
+    /// may count a little more, which is not shown.
     pub(super) fn retire_into(&self, gone: &mut Gone) {
         if !self.retired.swap(true, Ordering::Relaxed) {
             let ejections = self.load.ejections.load(Ordering::Relaxed);
