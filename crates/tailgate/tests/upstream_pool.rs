@@ -28,6 +28,8 @@ enum Act {
     Answer,
     AnswerAndClose,
     FailAndClose,
+    /// A 200 whose body has no length: it ends when the connection closes.
+    AnswerUntilClose,
     Drop,
     /// Read, never answered (the connection held a minute).
     Hold,
@@ -96,6 +98,10 @@ async fn raw_upstream(decide: fn(usize, &str) -> Act) -> RawUpstream {
                         }
                         Act::FailAndClose => {
                             let _ = s.write_all(b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 2\r\n\r\nno").await;
+                            return;
+                        }
+                        Act::AnswerUntilClose => {
+                            let _ = s.write_all(b"HTTP/1.1 200 OK\r\n\r\nuntil-close").await;
                             return;
                         }
                         Act::Drop => return,
@@ -228,6 +234,42 @@ async fn closes_after_errors_teach_no_limit() {
         up.conns.load(Ordering::SeqCst) - before,
         1,
         "healthy requests share one connection again"
+    );
+}
+
+/// A body that ends with the connection (no length) says nothing of how many requests
+/// the server takes on one: three such answers, each the second on its connection, teach
+/// no limit, and the connections after them are kept for many requests again.
+#[tokio::test]
+async fn bodies_that_end_with_the_connection_teach_no_limit() {
+    let up = raw_upstream(|_, line| {
+        if line.contains("/export") {
+            Act::AnswerUntilClose
+        } else {
+            Act::Answer
+        }
+    })
+    .await;
+    let gw = gateway(up.addr, "");
+    let g = gw.gw.as_ref().unwrap();
+    let mut c = h1_client(gw.addr).await;
+    for round in 0..4 {
+        assert_eq!(get_on(&mut c, &format!("/a{round}")).await, 200);
+        assert_eq!(get_on(&mut c, &format!("/export{round}")).await, 200);
+    }
+    assert_eq!(
+        g.pool_stat(|s| s.learned_limit.load(Ordering::Relaxed) as u64),
+        0,
+        "no limit learned from bodies ended by a close"
+    );
+    let before = up.conns.load(Ordering::SeqCst);
+    for i in 0..30 {
+        assert_eq!(get_on(&mut c, &format!("/ok{i}")).await, 200);
+    }
+    assert_eq!(
+        up.conns.load(Ordering::SeqCst) - before,
+        1,
+        "requests share one connection again"
     );
 }
 

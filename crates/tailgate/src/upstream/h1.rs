@@ -159,9 +159,13 @@ pub struct H1Conn {
     /// Neither side asked to close, and nothing went wrong.
     keep_alive: bool,
     /// The server closes the connection after this response (it said so, or it is an
-    /// HTTP/1.0 server, or it ended the body by closing): what teaches the pool the
-    /// server's requests-per-connection limit. Closes the gateway decides on do not.
+    /// HTTP/1.0 server, or it ended the body by closing). Save the last, what teaches the
+    /// pool the server's requests-per-connection limit. Closes the gateway decides on do
+    /// not.
     peer_closed: bool,
+    /// The last response's body had no length and ended with the connection: the close
+    /// ended a body, and says nothing of how many requests the server takes on one.
+    until_close: bool,
     /// Writing this exchange's request body failed part-way: whatever the response head
     /// says, the server may still be waiting for the rest, so the connection is not reused.
     body_write_failed: bool,
@@ -198,6 +202,7 @@ impl H1Conn {
             sending: None,
             keep_alive: true,
             peer_closed: false,
+            until_close: false,
             body_write_failed: false,
             answered_early: false,
             interim: 0,
@@ -274,6 +279,7 @@ impl H1Conn {
             // lost, a timeout) leaves a connection nobody may pool.
             self.keep_alive = false;
             self.peer_closed = false;
+            self.until_close = false;
             self.body_write_failed = false;
             self.interim = 0;
             self.head_scanned = 0;
@@ -737,6 +743,7 @@ impl H1Conn {
                     None => {
                         self.keep_alive = false;
                         self.peer_closed = true;
+                        self.until_close = true;
                         Framing::UntilClose
                     }
                 }
@@ -787,6 +794,11 @@ impl H1Conn {
     /// Did the server close (or say it closes) the connection after the last response?
     pub fn peer_closed(&self) -> bool {
         self.peer_closed
+    }
+
+    /// Did the server close only to end a body that had no length?
+    pub fn closed_to_end_a_body(&self) -> bool {
+        self.until_close
     }
 
     /// The next piece of the response body (`None` at its end), writing the rest of the

@@ -464,11 +464,12 @@ impl EndpointPool {
         };
         let uses = conn.uses + 1;
         if !h1.reusable() {
-            // Only the server's own closes teach its limit; the gateway's (a body left
-            // unread, bytes after the response, a broken exchange) do not.
+            // Only the server's own closes after a success teach its limit; the gateway's
+            // (a body left unread, bytes after the response, a broken exchange) do not,
+            // nor one that only ended a body with no length.
             if h1.peer_closed() {
                 self.stats.closed_by_server.fetch_add(1, Ordering::Relaxed);
-                if conn.response_ok {
+                if conn.response_ok && !h1.closed_to_end_a_body() {
                     self.learn_from_close(uses);
                 }
             }
