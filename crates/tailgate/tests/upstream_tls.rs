@@ -340,6 +340,51 @@ async fn get_is_retried_on_a_fresh_tls_connection() {
     assert_eq!(seen.kinds(), [HandshakeKind::Full, HandshakeKind::Resumed]);
 }
 
+/// A raw HTTP/1.1 server over TLS that answers with a body of no length and ends it by
+/// closing the TCP connection without TLS's `close_notify` (as many servers do).
+async fn answer_until_close_without_notify(
+    mut tls: tokio_rustls::server::TlsStream<tokio::net::TcpStream>,
+    seen: Seen,
+) {
+    let mut buf = Vec::new();
+    if read_head(&mut tls, &mut buf).await.is_none() {
+        return;
+    }
+    seen.requests.fetch_add(1, Ordering::SeqCst);
+    if tls
+        .write_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nhello, until close")
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let _ = tls.flush().await;
+    let (mut tcp, _) = tls.into_inner();
+    let _ = tcp.shutdown().await;
+}
+
+/// A body that ends with the connection ends there over TLS too when the server sends no
+/// `close_notify` (as nginx takes it): the client gets it whole, not cut short.
+#[tokio::test]
+async fn a_body_ended_by_a_close_without_close_notify_is_whole() {
+    let pki = Pki::new();
+    let (up, seen) = tls_server(
+        "127.0.0.1:0",
+        &pki,
+        ServerOpts::default(),
+        answer_until_close_without_notify,
+    )
+    .await;
+    let gw = https_gateway(&pki, up, "");
+    for _ in 0..2 {
+        let resp = get(gw.addr, "/").await;
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.body().as_ref(), b"hello, until close");
+    }
+    assert_eq!(seen.requests.load(Ordering::SeqCst), 2);
+    assert_eq!(seen.conns.load(Ordering::SeqCst), 2, "never reused");
+}
+
 // ---- config ----------------------------------------------------------------------------
 
 fn check(pki: &Pki, cluster: &str) -> String {

@@ -847,7 +847,19 @@ impl H1Conn {
                 },
             };
             match ready!(self.poll_fill(cx)) {
+                // A body with no length ends with the connection. Over TLS a server that
+                // closes without `close_notify` (many do) shows as `UnexpectedEof`; such a
+                // body could be cut short over plain TCP just as well, so, as nginx does,
+                // it ends there too. Bodies with a length or chunks still fail on it.
                 Ok(0) if matches!(step, Step::FillOrEnd) => {
+                    self.keep_alive = false;
+                    self.body_ended();
+                    return Poll::Ready(None);
+                }
+                Err(e)
+                    if matches!(step, Step::FillOrEnd)
+                        && e.kind() == io::ErrorKind::UnexpectedEof =>
+                {
                     self.keep_alive = false;
                     self.body_ended();
                     return Poll::Ready(None);
