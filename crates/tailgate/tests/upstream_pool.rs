@@ -390,6 +390,11 @@ async fn reset_pooled_connection_retries_get_but_not_post() {
         .count();
     assert_eq!(posts, 1, "a POST is never sent twice");
     assert_eq!(g.pool_stat(|s| s.retries.load(Ordering::Relaxed)), 1);
+    // Every connection the upstream took was counted, the retry's too.
+    let connects = g.pool_stat(|s| {
+        s.connects_on_request.load(Ordering::Relaxed) + s.preconnects.load(Ordering::Relaxed)
+    });
+    assert_eq!(connects, up.conns.load(Ordering::SeqCst) as u64);
 }
 
 /// `idempotent = true` on a route: a POST that a pooled connection drops is replayed on a

@@ -683,11 +683,17 @@ impl EndpointPool {
                 },
             },
         };
+        self.count_connect_on_request();
+        self.refill.notify_one();
+        self.connect_with(permit).await
+    }
+
+    /// A connect on a request's path: a checkout that found none idle, or a replacement
+    /// for a connection that failed under a request.
+    pub(super) fn count_connect_on_request(&self) {
         self.stats
             .connects_on_request
             .fetch_add(1, Ordering::Relaxed);
-        self.refill.notify_one();
-        self.connect_with(permit).await
     }
 
     /// Waits in the queue of `max_connections_per_endpoint` for a connection given back or
