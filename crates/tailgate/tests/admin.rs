@@ -443,6 +443,40 @@ async fn scrapes_and_health_answer_while_every_worker_is_saturated() {
     }
 }
 
+/// A stalled worker takes the gateway out of rotation (`/readyz` 503, naming it) while it
+/// is stalled: the connections hashed to its socket would wait there. Back once it runs.
+#[tokio::test]
+async fn readiness_fails_while_a_worker_is_stalled() {
+    let up = ok_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "[server]\nworkers = 2\n{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let admin = admin_addr(&gw);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while admin_get(admin, "/readyz", &[]).await.status() != 200 {
+        assert!(Instant::now() < deadline, "never ready before the test");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    const STALL: Duration = Duration::from_secs(4);
+    let started = stall_worker(&gw, 1, STALL);
+    let mut seen = None;
+    while started.elapsed() < STALL {
+        let r = admin_get(admin, "/readyz", &[]).await;
+        if r.status() == 503 {
+            seen = Some(serde_json::from_slice::<serde_json::Value>(r.body()).unwrap());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let body = seen.expect("ready all through the stall");
+    assert_eq!(body["reason"], "workers stalled: [1]", "{body}");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while admin_get(admin, "/readyz", &[]).await.status() != 200 {
+        assert!(Instant::now() < deadline, "never ready again");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test]
 async fn the_lag_probe_sees_a_blocked_worker() {
     let up = ok_upstream().await;

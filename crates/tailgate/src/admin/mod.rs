@@ -19,7 +19,8 @@
 //! - `/healthz`: 200 while every worker runs its lag probe on time, else 503 naming the
 //!   stalled workers.
 //! - `/readyz`: 503 before every worker runs, before each cluster that asks for warm
-//!   connections has some on every worker, and while draining; 200 otherwise.
+//!   connections has some on every worker, while a worker is stalled, and while draining;
+//!   200 otherwise.
 //! - `/stats`: the same state as JSON, for people and scripts.
 
 pub mod exposition;
@@ -171,6 +172,12 @@ impl AdminState {
         }
         if self.tick_ages().iter().any(Option::is_none) {
             return Err("workers starting".into());
+        }
+        // New connections hashed to a stalled worker's socket would wait there: no new
+        // traffic until it runs again (`/healthz` says the same, for a restart).
+        let stalled = self.stalled_workers();
+        if !stalled.is_empty() {
+            return Err(format!("workers stalled: {stalled:?}"));
         }
         let cold = self.cold_clusters();
         let Some(first) = cold.first() else {
