@@ -687,3 +687,58 @@ async fn an_upload_to_an_upstream_that_stops_reading_stalls_the_client() {
         "{sent} bytes taken from a client whose upstream reads none"
     );
 }
+
+/// Over HTTP/2 an upload whose body is not read yet (its request waits for an upstream
+/// connection) holds no more than its stream's flow-control window: the connection's is
+/// larger, so another stream's upload on the same connection still goes through.
+#[tokio::test]
+async fn an_h2_upload_waiting_for_its_upstream_does_not_hold_up_another_stream() {
+    let held = held_upstream().await;
+    let fast = echo_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"held\"\nendpoints = [\"{}\"]\nmax_connections_per_endpoint = 1\nconnect_timeout = \"30s\"\n\
+         [[cluster]]\nname = \"fast\"\nendpoints = [\"{fast}\"]\n\
+         [[route]]\npath_prefix = \"/held/\"\ncluster = \"held\"\n\
+         [[route]]\npath_prefix = \"/fast/\"\ncluster = \"fast\"\n",
+        held.addr
+    ));
+    let mut held = held;
+    // The held cluster's one connection is busy with this request, whose answer waits.
+    let mut h1 = h1_client(gw.addr).await;
+    let busy = tokio::spawn(async move {
+        let req = http::Request::get("/held/first")
+            .header("host", "a")
+            .body(full(""))
+            .unwrap();
+        h1.send_request(req).await.map(|r| r.status())
+    });
+    held.arrived.recv().await.unwrap();
+    let (c, _conn) = h2c_client(gw.addr).await;
+    // A 1 MiB upload that queues for that connection: its body is not read meanwhile.
+    let mut big = c.clone();
+    let queued = tokio::spawn(async move {
+        let req = http::Request::post("http://a/held/upload")
+            .body(full(vec![b'x'; 1 << 20]))
+            .unwrap();
+        big.send_request(req).await.map(|r| r.status())
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut small = c.clone();
+    let req = http::Request::post("http://a/fast/small")
+        .body(full("ten bytes!"))
+        .unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(5), small.send_request(req))
+        .await
+        .expect("the small upload waited for the big one's window")
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = tokio::time::timeout(Duration::from_secs(5), resp.into_body().collect())
+        .await
+        .expect("the small upload's echo came")
+        .unwrap()
+        .to_bytes();
+    assert_eq!(&body[..], b"ten bytes!");
+    held.open.send(true).unwrap();
+    assert_eq!(busy.await.unwrap().unwrap(), 200);
+    assert_eq!(queued.await.unwrap().unwrap(), 200);
+}

@@ -424,6 +424,8 @@ where
         // reset once taken are counted by `Drive`.)
         .max_pending_accept_reset_streams(20)
         .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
+        .initial_stream_window_size(H2_STREAM_WINDOW)
+        .initial_connection_window_size(H2_CONN_WINDOW)
         // What each stream may hold of its answer that the client's socket has not taken:
         // hyper's 400 KiB made 80 MiB per connection, held by a client that opens every
         // stream it may with the largest windows and reads nothing.
@@ -749,6 +751,19 @@ const CAP_CLOSE_PATIENCE: Duration = Duration::from_secs(2);
 /// allows never waits on it; times [`MAX_CONCURRENT_STREAMS`], 12.5 MiB per connection at
 /// most.
 const H2_SEND_BUF: usize = 64 * 1024;
+
+/// What one HTTP/2 stream's upload may send ahead of the gateway reading it
+/// (`SETTINGS_INITIAL_WINDOW_SIZE`), and what all of a connection's may
+/// ([`H2_CONN_WINDOW`], the most of a client's data a connection holds unread). hyper's
+/// defaults give both 1 MiB, so one upload whose body is not read yet (its request queued
+/// for an upstream connection, or its upstream slow to read) took the whole connection's
+/// window, and every other stream's upload stopped behind it, to end as a client body
+/// timeout. With a quarter of it per stream, four such uploads hold a connection up, not
+/// one; 256 KiB per round trip still lets one upload move at about 5 MB/s over 50 ms.
+/// (Envoy's edge advice is 64 KiB per stream and 1 MiB per connection; nginx reads 64 KiB
+/// per stream ahead.)
+const H2_STREAM_WINDOW: u32 = 256 * 1024;
+const H2_CONN_WINDOW: u32 = 1024 * 1024;
 
 /// How many requests a connection must have carried before the share of them its client
 /// gave up on before their answer may end it.
