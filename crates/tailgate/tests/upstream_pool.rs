@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 
 fn gateway(up: std::net::SocketAddr, cluster_extra: &str) -> TestGateway {
     TestGateway::start(&format!(
@@ -30,6 +30,8 @@ enum Act {
     FailAndClose,
     /// A 200 whose body has no length: it ends when the connection closes.
     AnswerUntilClose,
+    /// A 200 after 100 ms.
+    AnswerSlowly,
     Drop,
     /// Read, never answered (the connection held a minute).
     Hold,
@@ -99,6 +101,15 @@ async fn raw_upstream(decide: fn(usize, &str) -> Act) -> RawUpstream {
                         Act::FailAndClose => {
                             let _ = s.write_all(b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 2\r\n\r\nno").await;
                             return;
+                        }
+                        Act::AnswerSlowly => {
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                                .await
+                                .is_err()
+                            {
+                                return;
+                            }
                         }
                         Act::AnswerUntilClose => {
                             let _ = s.write_all(b"HTTP/1.1 200 OK\r\n\r\nuntil-close").await;
@@ -1128,4 +1139,68 @@ async fn a_resend_whose_connect_fails_goes_to_another_endpoint() {
         }
     }
     panic!("no request went to A's kept connection");
+}
+
+/// A replay gets a response timeout of its own, from when it is sent, as nginx gives the
+/// next upstream its own: an upload slow enough to move the first send's deadline past its
+/// `response_timeout` (it kept moving) is replayed and answered, not cut at once with a
+/// `504` that blames the upstream.
+#[tokio::test]
+async fn a_replay_after_a_slow_upload_has_its_own_response_timeout() {
+    // The first connection answers `/warm`, then takes the whole upload and closes; the
+    // replay's connection answers it after 100 ms, within its own response timeout.
+    let up = raw_upstream(|i, line| match (i, line.starts_with("GET")) {
+        (1, true) => Act::Answer,
+        (1, false) => Act::AnswerSlowly,
+        _ => Act::Drop,
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{}\"]\neject_after_failures = 1\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nidempotent = true\nresponse_timeout = \"300ms\"\n",
+        up.addr
+    ));
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"GET /warm HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    // 10,000 bytes (past what is read with the head, so it streams) over 600 ms, twice the
+    // response timeout, in pieces that each come well within it.
+    s.write_all(b"PUT /slow HTTP/1.1\r\nHost: a\r\nContent-Length: 10000\r\n\r\n")
+        .await
+        .unwrap();
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        s.write_all(&[b'x'; 10000 / 6]).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.write_all(&[b'x'; 10000 % 6]).await.unwrap();
+    let mut answer = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tokio::time::timeout_at(deadline, s.read(&mut buf))
+            .await
+            .expect("an answer")
+            .unwrap();
+        assert!(n > 0, "closed: {:?}", String::from_utf8_lossy(&answer));
+        answer.extend_from_slice(&buf[..n]);
+    }
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let puts = up
+        .lines
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|l| l.starts_with("PUT /slow"))
+        .count();
+    assert_eq!(puts, 2, "sent, then replayed");
+    let g = gw.gw.as_ref().unwrap();
+    assert_eq!(g.pool_stat(|s| s.retries.load(Ordering::Relaxed)), 1);
 }

@@ -763,9 +763,12 @@ fn forward(
                 return Err(ProxyError::UpstreamTimeout);
             }
             Err(e) => {
-                // A resend (connect included) gets what is left of this request's response
-                // deadline, which the total deadline already cut short when it comes first.
-                let left = || deadline.saturating_duration_since(Instant::now());
+                // A resend (connect included) gets a response timeout of its own from now,
+                // as nginx gives the next upstream its own, cut short by the total deadline
+                // when that comes first. What was left of the first send's would be
+                // nothing after an upload that moved its deadline on as it went (a slow
+                // one that kept moving), and the resend would end at once in a `504`.
+                let left = || remaining(route.response_timeout, total_deadline);
                 let (resent, moved) = match e {
                     // The connection closed before the request was written: sending it
                     // again on a fresh connection is always safe, whatever the method.
