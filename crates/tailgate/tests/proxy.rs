@@ -742,3 +742,79 @@ async fn an_h2_upload_waiting_for_its_upstream_does_not_hold_up_another_stream()
     assert_eq!(busy.await.unwrap().unwrap(), 200);
     assert_eq!(queued.await.unwrap().unwrap(), 200);
 }
+
+/// A relay from `local` to `to` that passes what `to` sends back slowly (16 KiB every
+/// 5 ms, read through a small receive buffer), as a slow network would, and the other way
+/// at once: what the far side sends waits in its own socket buffer.
+async fn slow_relay(to: std::net::SocketAddr) -> std::net::SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let local = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (client, _) = l.accept().await.unwrap();
+        let sock =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        sock.set_recv_buffer_size(4096).unwrap();
+        sock.connect(&to.into()).unwrap();
+        sock.set_nonblocking(true).unwrap();
+        let server = TcpStream::from_std(std::net::TcpStream::from(sock)).unwrap();
+        let (mut cr, mut cw) = client.into_split();
+        let (mut sr, mut sw) = server.into_split();
+        tokio::spawn(async move {
+            let _ = tokio::io::copy(&mut cr, &mut sw).await;
+        });
+        let mut buf = vec![0u8; 16 << 10];
+        loop {
+            match sr.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    if cw.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+    local
+}
+
+/// An HTTP/2 connection closed at `max_requests_per_connection` lingers as an HTTP/1 one
+/// does. Over a slow network, the end of its one stream's answer is still in the gateway's
+/// socket buffer when the stream ends and h2 closes the connection, and the client,
+/// reading on, goes on sending WINDOW_UPDATEs. Without the lingering close those meet a
+/// closed socket, the kernel answers with a reset, and the rest of the answer is lost.
+#[tokio::test]
+async fn an_h2_answer_at_the_request_cap_is_not_cut_by_what_the_client_sends_after() {
+    const LEN: usize = 2 << 20;
+    let up = upstream(|_| async { http::Response::new(full(vec![b'x'; LEN])) }).await;
+    let gw = TestGateway::to(up, "[server]\nmax_requests_per_connection = 1\n");
+    let relay = slow_relay(gw.addr).await;
+    let stream = TcpStream::connect(relay).await.unwrap();
+    let (mut c, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            // Windows smaller than the answer: the client gives them back as it reads.
+            .initial_stream_window_size(512 << 10)
+            .initial_connection_window_size(512 << 10)
+            .handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::get("http://api.test/big")
+        .body(full(""))
+        .unwrap();
+    let resp = c.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut got = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while let Some(frame) = tokio::time::timeout_at(deadline, body.frame())
+        .await
+        .expect("the answer came")
+    {
+        let frame = frame.unwrap_or_else(|e| panic!("cut short after {got} of {LEN} bytes: {e}"));
+        if let Some(d) = frame.data_ref() {
+            got += d.len();
+        }
+    }
+    assert_eq!(got, LEN);
+}

@@ -21,14 +21,28 @@
 //! fails with `TimedOut`, and hyper's server ends the connection. (h2 reads only while it
 //! can write: with the client taking no answers, the send timeout bounds the connection
 //! instead.)
+//!
+//! It also gives HTTP/2 the lingering close the HTTP/1 servers have ([`super::linger`]):
+//! h2 ends a connection by sending GOAWAY, shutting the write side and stopping, and the
+//! socket would be closed with whatever the client sent since (a WINDOW_UPDATE as it takes
+//! the last answer, its own GOAWAY, a request that crossed the GOAWAY) unread. The kernel
+//! then answers with a reset, and drops the answers' bytes still in its send buffer: the
+//! last answers of a connection closed at `max_requests_per_connection` or at a drain
+//! would be cut short. So the shutdown reads and drops what still comes, within the
+//! linger's bounds, before it is done.
 
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
+
+use super::linger::Linger;
+use crate::pipeline::ConnInfo;
 
 /// The client connection preface's length (RFC 9113 §3.4).
 const PREFACE_LEN: u32 = 24;
@@ -114,6 +128,11 @@ pub struct H2HeadTimer<T> {
     due: Option<tokio::time::Instant>,
     /// The timer for `due`, made when a read first waits with a head part-way in.
     timer: Option<Pin<Box<Sleep>>>,
+    /// The lingering close, once the write side is shut.
+    linger: Option<Linger>,
+    /// The connection's, told when the lingering close begins (so that a close's deadline
+    /// waits for it, as for an HTTP/1 one's).
+    info: Option<Arc<ConnInfo>>,
 }
 
 impl<T> H2HeadTimer<T> {
@@ -124,7 +143,15 @@ impl<T> H2HeadTimer<T> {
             timeout,
             due: None,
             timer: None,
+            linger: None,
+            info: None,
         }
+    }
+
+    /// Tells `info` when the connection's lingering close begins.
+    pub fn with_info(mut self, info: Arc<ConnInfo>) -> Self {
+        self.info = Some(info);
+        self
     }
 
     /// After new bytes: a head part-way in at their end is due `timeout` after its first
@@ -177,7 +204,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for H2HeadTimer<T> {
     }
 }
 
-impl<T: AsyncWrite + Unpin> AsyncWrite for H2HeadTimer<T> {
+impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for H2HeadTimer<T> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -202,8 +229,20 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for H2HeadTimer<T> {
         Pin::new(&mut self.get_mut().inner).poll_flush(cx)
     }
 
+    /// The write side is shut, then the connection lingers (see the module's doc).
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+        let this = self.get_mut();
+        if this.linger.is_none() {
+            std::task::ready!(Pin::new(&mut this.inner).poll_shutdown(cx))?;
+            this.linger = Some(Linger::new());
+            if let Some(info) = &this.info {
+                info.activity.set_lingering();
+            }
+        }
+        if let Some(linger) = &mut this.linger {
+            std::task::ready!(linger.poll_drain(&mut this.inner, cx));
+        }
+        Poll::Ready(Ok(()))
     }
 }
 

@@ -431,7 +431,9 @@ where
         // stream it may with the largest windows and reads nothing.
         .max_send_buf_size(H2_SEND_BUF)
         .serve_connection(
-            TokioIo::new(h2_head::H2HeadTimer::new(io, settings.header_read_timeout)),
+            TokioIo::new(
+                h2_head::H2HeadTimer::new(io, settings.header_read_timeout).with_info(info.clone()),
+            ),
             service,
         );
     let conn = std::pin::pin!(conn);
