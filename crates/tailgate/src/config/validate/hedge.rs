@@ -98,6 +98,16 @@ mod tests {
             );
             assert!(e.contains("help:"), "{e}");
         }
+        // A delay the route's own timeout reaches first: no hedge would ever go.
+        let e = parse(&route("30s")).expect_err("at the response timeout");
+        assert!(
+            e.contains("t.toml:9:15: route[0].hedge_delay: a hedge after 30s never goes: the route's response_timeout of 30s answers first"),
+            "{e}"
+        );
+        let e =
+            parse(&format!("{}total_timeout = \"2s\"\n", route("5s"))).expect_err("past the total");
+        assert!(e.contains("the route's total_timeout of 2s"), "{e}");
+        parse(&format!("{}response_timeout = \"2s\"\n", route("1999ms"))).expect("just under");
         let e = parse("hedge_budget_percent = 150\n").expect_err("over 100");
         assert!(
             e.contains("t.toml:6:24: cluster[0].hedge_budget_percent"),
