@@ -394,6 +394,15 @@ pub fn handle(
             Ok(close_after_refused_upgrade(resp, &conn, &upgrade_slot))
         };
 
+        if parts.version == http::Version::HTTP_2
+            && h2_head_too_large(&parts, settings.max_header_bytes)
+        {
+            return fail(
+                &mut rec,
+                ProxyError::HeadTooLarge("larger than max_header_bytes"),
+            );
+        }
+
         // 2. Route: the host decides the tenant, the path and method the route.
         let (route, tenant) = match route_request(shared, &conn, &parts) {
             Ok((route, tenant)) => (route.clone(), tenant),
@@ -1093,6 +1102,32 @@ fn remaining(timeout: Duration, total_deadline: Option<Instant>) -> Duration {
         Some(d) => timeout.min(d.saturating_duration_since(Instant::now())),
         None => timeout,
     }
+}
+
+/// Is an HTTP/2 request's head larger than `limit`, counted as the same head would be over
+/// HTTP/1.1: its request line, then `name: value` and a line end for each field, the
+/// cookie crumbs joined into one line (as they are sent upstream)?
+fn h2_head_too_large(parts: &Parts, limit: usize) -> bool {
+    let target = parts.uri.path_and_query().map_or(1, |p| p.as_str().len());
+    let mut len = parts.method.as_str().len() + 1 + target + " HTTP/1.1\r\n".len();
+    // `:authority`, which HTTP/1.1 sends as `Host`.
+    if let Some(a) = parts.uri.authority() {
+        len += "host: \r\n".len() + a.as_str().len();
+    }
+    let mut cookies = false;
+    for (name, value) in &parts.headers {
+        len += if name == http::header::COOKIE && cookies {
+            // Another crumb: `; ` and its value, on the first's line.
+            2 + value.len()
+        } else {
+            cookies |= name == http::header::COOKIE;
+            name.as_str().len() + 2 + value.len() + 2
+        };
+        if len > limit {
+            return true;
+        }
+    }
+    len + 2 > limit
 }
 
 /// An error from sending upstream: a body too large or a client that went away is the

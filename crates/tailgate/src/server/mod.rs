@@ -417,7 +417,17 @@ where
     };
     let conn = http2::Builder::new(exec)
         .timer(TokioTimer::new())
-        .max_header_list_size(settings.max_header_bytes as u32)
+        // h2 counts 32 bytes more per field than the field holds, so a head of many short
+        // fields (a browser's cookie crumbs) that HTTP/1.1 takes would be refused here
+        // with h2's own bare `431`, unrecorded. The limit itself is the pipeline's
+        // (`pipeline::h2_head_too_large`), counted as HTTP/1.1 would count the head, and
+        // answered and recorded as there; h2 holds at most twice it.
+        .max_header_list_size(
+            settings
+                .max_header_bytes
+                .saturating_mul(2)
+                .min(u32::MAX as usize) as u32,
+        )
         // HTTP/2 Rapid Reset (CVE-2023-44487): more than this many streams the client
         // resets before they are taken end the connection with GOAWAY ENHANCE_YOUR_CALM.
         // h2's default, set here so that it cannot go with a dependency update. (Streams
