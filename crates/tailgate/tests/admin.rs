@@ -1677,3 +1677,38 @@ async fn a_body_too_large_is_counted_under_its_route_however_framed() {
         2.0
     );
 }
+
+/// Connections holding every admin slot with part of a request head each (and the probe
+/// slots with nothing) do not keep a health probe out: the one idle the longest is closed
+/// for it at once, not when its head's 10 s are up.
+#[tokio::test]
+async fn half_sent_heads_on_every_admin_slot_do_not_keep_a_probe_out() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = ok_upstream().await;
+    let gw = TestGateway::to(up, ADMIN);
+    let admin = admin_addr(&gw);
+    let mut held = Vec::new();
+    for _ in 0..64 {
+        let mut s = tokio::net::TcpStream::connect(admin).await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\n").await.unwrap();
+        held.push(s);
+    }
+    // Time for the admin thread to take them all.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for _ in 0..8 {
+        held.push(tokio::net::TcpStream::connect(admin).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut s = tokio::net::TcpStream::connect(admin).await.unwrap();
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(3), s.read(&mut buf))
+        .await
+        .expect("no answer within 3 s")
+        .unwrap();
+    let text = String::from_utf8_lossy(&buf[..n]);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text:?}");
+    drop(held);
+}

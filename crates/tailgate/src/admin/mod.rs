@@ -64,6 +64,9 @@ const PROBE_DEADLINE: Duration = Duration::from_secs(5);
 /// How long a connection taken when every slot is held waits for the slot of the idle
 /// connection it had closed (closing an idle connection takes one turn of the admin thread).
 const EVICT_WAIT: Duration = Duration::from_secs(1);
+/// How long a connection closed for a new one, with no response under way, may take to
+/// end by itself before it is dropped.
+const EVICT_GRACE: Duration = Duration::from_millis(100);
 
 /// What the admin plane reads: the config, every worker (their metrics and pools), and
 /// whether the gateway is draining. Built once per gateway.
@@ -347,9 +350,10 @@ fn run(
                         // Every slot is held: an idle keep-alive connection (between
                         // responses, or one that never sent a request) is closed for this
                         // one, as nginx reuses idle connections when it runs out of them.
-                        // One that still holds response bytes it has not written, or part
-                        // of a request head, closes only once those are done; past
-                        // `EVICT_WAIT` the new one gets a probe slot.
+                        // One that still holds response bytes it has not written closes
+                        // only once those are done; one holding part of a request head
+                        // gets `EVICT_GRACE` to finish it. Past `EVICT_WAIT` the new one
+                        // gets a probe slot.
                         Err(_) if open.close_idlest() => {
                             tracing::info!(client = %peer, limit = MAX_CONNECTIONS, "admin connections all taken; the longest idle one is closed for this one");
                             let (permits, probe_permits) = (permits.clone(), probe_permits.clone());
@@ -601,8 +605,21 @@ async fn serve(
         r = conn.as_mut() => r,
         _ = closed => {
             conn.as_mut().graceful_shutdown();
-            match tokio::time::timeout(LIFETIME_DRAIN, conn).await {
+            // Closed for a new connection while no response was under way: it is gone in
+            // a moment. hyper's close waits for a head part-way in (its 10 s), and slots
+            // held so by half-sent heads would keep every new connection, a health probe
+            // too, out meanwhile.
+            let busy = || close.as_ref().is_some_and(|c| c.busy.load(Ordering::Relaxed) > 0);
+            let grace = if busy() { LIFETIME_DRAIN } else { EVICT_GRACE };
+            match tokio::time::timeout(grace, conn.as_mut()).await {
                 Ok(r) => r,
+                // A response begun within the grace may still finish within the drain.
+                Err(_) if grace == EVICT_GRACE && busy() => {
+                    match tokio::time::timeout(LIFETIME_DRAIN, conn).await {
+                        Ok(r) => r,
+                        Err(_) => return,
+                    }
+                }
                 Err(_) => return,
             }
         }
