@@ -1,7 +1,7 @@
 //! Host-name endpoints (seeds 003 and 004): names are resolved on a dedicated `tailgate-dns`
 //! thread with its own current-thread runtime, never on a request's path, and each cluster's
 //! resulting address list is published on a `watch` channel that every worker follows (see
-//! [`super::ClusterPools::set_addrs`]).
+//! `ClusterPools::set_addrs_locked`).
 //!
 //! hickory-resolver is here for its async, TTL-aware resolver (it reads `/etc/resolv.conf`
 //! or takes explicit name servers); tailgate schedules the refreshes itself:

@@ -72,7 +72,7 @@ pub struct ClusterPools {
     /// Where its addresses come from when it has host-name endpoints.
     feed: Option<dns::ClusterFeed>,
     /// Pools of addresses left out of the latest DNS answer, by address, in case it comes
-    /// back (see [`Self::set_addrs`]). Held weakly: a parked pool's own task keeps it, and
+    /// back (see `Self::set_addrs_locked`). Held weakly: a parked pool's own task keeps it, and
     /// drains and lets it go after the cluster's `idle_timeout`. Swapped whole by the worker
     /// (the one writer) and read by scrapes without a lock, as `endpoints` is.
     parked: ArcSwap<Vec<(SocketAddr, Weak<EndpointPool>)>>,

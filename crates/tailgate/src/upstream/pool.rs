@@ -272,7 +272,7 @@ pub struct EndpointPool {
     /// Left out of its cluster's latest DNS answer since this many ms after `epoch`
     /// (`u64::MAX`: not parked): takes no new requests and opens no spares, but keeps its
     /// connections and state in case the address comes back (see
-    /// [`super::ClusterPools::set_addrs`]); its own task drains it after `idle_timeout`.
+    /// `ClusterPools::set_addrs_locked`); its own task drains it after `idle_timeout`.
     parked_at_ms: AtomicU64,
     /// `max_connections_per_endpoint` (HTTP/1.1 connections), when set.
     limit: Option<Arc<ConnLimit>>,
