@@ -2279,6 +2279,23 @@ total_timeout = "999us"
         );
     }
 
+    /// A route name is limited to 128 characters, as the README says, not 128 bytes.
+    #[test]
+    fn a_route_name_counts_characters() {
+        let with = |name: &str| {
+            format!(
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\n[[route]]\nname = \"{name}\"\npath_prefix = \"/a\"\ncluster = \"c\"\n"
+            )
+        };
+        let config = parse_and_validate(Path::new("t.toml"), &with(&"€".repeat(128)))
+            .unwrap_or_else(|e| panic!("128 characters (384 bytes): {e}"));
+        assert_eq!(config.routes[0].name.chars().count(), 128);
+        let errs = parse_and_validate(Path::new("t.toml"), &with(&"€".repeat(129)))
+            .expect_err("129 characters")
+            .to_string();
+        assert!(errs.contains("route[0].name: `"), "{errs}");
+    }
+
     /// A route's host is its tenant's only if that tenant takes it as requests are given
     /// to tenants: an exact host first, else the longest wildcard. A route under a tenant
     /// whose wildcard another tenant's host outranks would answer every request `421`.
