@@ -212,66 +212,22 @@ async fn rotation_under_concurrency_keeps_the_pool_at_its_size() {
     assert!(g.pool_stat(|s| s.retired_max_requests.load(Ordering::Relaxed)) >= 10);
 }
 
-/// Regression (review finding): errors answered with `Connection: close` at the same
-/// request count must not teach a per-connection limit (it would cut every later
-/// connection to one or two requests). Only closes after successes teach one.
-#[tokio::test]
-async fn closes_after_errors_teach_no_limit() {
-    let up = raw_upstream(|_, line| {
-        if line.contains("/fail") {
-            Act::FailAndClose
-        } else {
-            Act::Answer
-        }
-    })
-    .await;
+/// Four rounds of `/a{round}` (200) then `{second}{round}` (`status`) on one client
+/// connection, the upstream deciding with `decide`: the closes after the second teach no
+/// per-connection limit, and the connections after them are kept for many requests again.
+async fn closes_teach_no_limit(decide: fn(usize, &str) -> Act, second: &str, status: u16) {
+    let up = raw_upstream(decide).await;
     let gw = gateway(up.addr, "");
     let g = gw.gw.as_ref().unwrap();
     let mut c = h1_client(gw.addr).await;
     for round in 0..4 {
         assert_eq!(get_on(&mut c, &format!("/a{round}")).await, 200);
-        assert_eq!(get_on(&mut c, &format!("/fail{round}")).await, 503);
+        assert_eq!(get_on(&mut c, &format!("{second}{round}")).await, status);
     }
     assert_eq!(
         g.pool_stat(|s| s.learned_limit.load(Ordering::Relaxed) as u64),
         0,
-        "no limit learned from error closes"
-    );
-    let before = up.conns.load(Ordering::SeqCst);
-    for i in 0..30 {
-        assert_eq!(get_on(&mut c, &format!("/ok{i}")).await, 200);
-    }
-    assert_eq!(
-        up.conns.load(Ordering::SeqCst) - before,
-        1,
-        "healthy requests share one connection again"
-    );
-}
-
-/// A body that ends with the connection (no length) says nothing of how many requests
-/// the server takes on one: three such answers, each the second on its connection, teach
-/// no limit, and the connections after them are kept for many requests again.
-#[tokio::test]
-async fn bodies_that_end_with_the_connection_teach_no_limit() {
-    let up = raw_upstream(|_, line| {
-        if line.contains("/export") {
-            Act::AnswerUntilClose
-        } else {
-            Act::Answer
-        }
-    })
-    .await;
-    let gw = gateway(up.addr, "");
-    let g = gw.gw.as_ref().unwrap();
-    let mut c = h1_client(gw.addr).await;
-    for round in 0..4 {
-        assert_eq!(get_on(&mut c, &format!("/a{round}")).await, 200);
-        assert_eq!(get_on(&mut c, &format!("/export{round}")).await, 200);
-    }
-    assert_eq!(
-        g.pool_stat(|s| s.learned_limit.load(Ordering::Relaxed) as u64),
-        0,
-        "no limit learned from bodies ended by a close"
+        "no limit learned from the closes after {second}"
     );
     let before = up.conns.load(Ordering::SeqCst);
     for i in 0..30 {
@@ -282,6 +238,36 @@ async fn bodies_that_end_with_the_connection_teach_no_limit() {
         1,
         "requests share one connection again"
     );
+}
+
+/// Regression (review finding): errors answered with `Connection: close` at the same
+/// request count must not teach a per-connection limit (it would cut every later
+/// connection to one or two requests). Only closes after successes teach one.
+#[tokio::test]
+async fn closes_after_errors_teach_no_limit() {
+    let decide = |_, line: &str| {
+        if line.contains("/fail") {
+            Act::FailAndClose
+        } else {
+            Act::Answer
+        }
+    };
+    closes_teach_no_limit(decide, "/fail", 503).await;
+}
+
+/// A body that ends with the connection (no length) says nothing of how many requests
+/// the server takes on one: three such answers, each the second on its connection, teach
+/// no limit.
+#[tokio::test]
+async fn bodies_that_end_with_the_connection_teach_no_limit() {
+    let decide = |_, line: &str| {
+        if line.contains("/export") {
+            Act::AnswerUntilClose
+        } else {
+            Act::Answer
+        }
+    };
+    closes_teach_no_limit(decide, "/export", 200).await;
 }
 
 #[tokio::test]

@@ -231,17 +231,12 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for H2HeadTimer<T> {
     /// The write side is shut, then the connection lingers (see the module's doc).
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.linger.is_none() {
-            std::task::ready!(Pin::new(&mut this.inner).poll_shutdown(cx))?;
-            this.linger = Some(Linger::new());
-            if let Some(info) = &this.info {
-                info.activity.set_lingering();
-            }
-        }
-        if let Some(linger) = &mut this.linger {
-            std::task::ready!(linger.poll_drain(&mut this.inner, cx));
-        }
-        Poll::Ready(Ok(()))
+        super::linger::poll_shutdown_lingering(
+            &mut this.inner,
+            &mut this.linger,
+            this.info.as_deref(),
+            cx,
+        )
     }
 }
 

@@ -9,12 +9,15 @@
 //! ([`super::h1_guard`]); the inline server awaits it ([`linger`]).
 
 use std::future::Future;
+use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
+
+use crate::pipeline::ConnInfo;
 
 /// The longest a closing connection is read for what the client still sends.
 const LINGER_TIME: Duration = Duration::from_secs(5);
@@ -65,6 +68,28 @@ impl Linger {
             }
         }
     }
+}
+
+/// The close of a connection whose server hands its io a `poll_shutdown` (hyper's, h2's):
+/// the write side is shut, `info` is told the lingering close began, then the connection
+/// lingers, its state kept in `linger` between polls.
+pub fn poll_shutdown_lingering<T: AsyncRead + AsyncWrite + Unpin>(
+    io: &mut T,
+    linger: &mut Option<Linger>,
+    info: Option<&ConnInfo>,
+    cx: &mut Context<'_>,
+) -> Poll<io::Result<()>> {
+    if linger.is_none() {
+        std::task::ready!(Pin::new(&mut *io).poll_shutdown(cx))?;
+        *linger = Some(Linger::new());
+        if let Some(info) = info {
+            info.activity.set_lingering();
+        }
+    }
+    if let Some(l) = linger {
+        std::task::ready!(l.poll_drain(io, cx));
+    }
+    Poll::Ready(Ok(()))
 }
 
 /// Lingers on `io`, whose write side the caller has shut.

@@ -472,19 +472,12 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for H1Guard<T> {
         if matches!(this.framing.state, State::Passthrough) && !this.framing.upgrade_asked {
             return Pin::new(&mut this.inner).poll_shutdown(cx);
         }
-        if this.linger.is_none() {
-            if let Err(e) = std::task::ready!(Pin::new(&mut this.inner).poll_shutdown(cx)) {
-                return Poll::Ready(Err(e));
-            }
-            this.linger = Some(Linger::new());
-            if let Some(info) = &this.info {
-                info.activity.set_lingering();
-            }
-        }
-        if let Some(linger) = &mut this.linger {
-            std::task::ready!(linger.poll_drain(&mut this.inner, cx));
-        }
-        Poll::Ready(Ok(()))
+        super::linger::poll_shutdown_lingering(
+            &mut this.inner,
+            &mut this.linger,
+            this.info.as_deref(),
+            cx,
+        )
     }
 
     fn poll_write_vectored(
