@@ -149,13 +149,13 @@ struct ScenarioOpts {
     #[arg(long, default_value_t = 5000.0)]
     rate: f64,
     /// Connections for the normal variants.
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = CONNECTIONS)]
     connections: usize,
     /// Connections for the many-connections variant.
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, default_value_t = MANY_CONNECTIONS)]
     many_connections: usize,
     /// keepalive-churn: the upstream closes every N requests.
-    #[arg(long, default_value_t = 80, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = CLOSE_EVERY, value_parser = clap::value_parser!(u64).range(1..))]
     close_every: u64,
     /// Do not pin processes to cores.
     #[arg(long)]
@@ -531,6 +531,11 @@ fn scenario_cmd(a: ScenarioArgs, exe: PathBuf) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+/// The scenarios' defaults, which the report's command leaves out.
+const CONNECTIONS: usize = 50;
+const MANY_CONNECTIONS: usize = 500;
+const CLOSE_EVERY: u64 = 80;
+
 /// The command a report says made it: every option that shapes the run, the ones left at
 /// their defaults included where they set the scale of the run (duration, warm-up, rounds,
 /// rate), the others only when changed.
@@ -542,13 +547,13 @@ fn report_command(o: &ScenarioOpts) -> String {
         o.rounds,
         o.rate
     );
-    if o.connections != 50 {
+    if o.connections != CONNECTIONS {
         command.push_str(&format!(" --connections {}", o.connections));
     }
-    if o.many_connections != 500 {
+    if o.many_connections != MANY_CONNECTIONS {
         command.push_str(&format!(" --many-connections {}", o.many_connections));
     }
-    if o.close_every != 80 {
+    if o.close_every != CLOSE_EVERY {
         command.push_str(&format!(" --close-every {}", o.close_every));
     }
     if o.no_pin {
