@@ -1210,24 +1210,8 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             .hedge_delay
             .as_ref()
             .and_then(|v| c.hedge_delay(v, format!("route[{i}].hedge_delay")));
-        // A fixed delay the route's own timeout reaches first would never hedge anything.
-        if let (Some(super::HedgeDelay::Fixed(d)), Some(v)) = (&hedge_delay, &r.hedge_delay) {
-            let (limit, which) = match total_timeout {
-                Some(t) if t < response_timeout => (t, "total_timeout"),
-                _ => (response_timeout, "response_timeout"),
-            };
-            if *d >= limit {
-                c.err(
-                    Some(v.span()),
-                    format!("route[{i}].hedge_delay"),
-                    format!(
-                        "a hedge after {} never goes: the route's {which} of {} answers first",
-                        humantime::format_duration(*d),
-                        humantime::format_duration(limit)
-                    ),
-                    Some("write a delay well under it, near the route's usual p95, e.g. \"50ms\", or \"p95\""),
-                );
-            }
+        if let (Some(d), Some(v)) = (&hedge_delay, &r.hedge_delay) {
+            c.hedge_reachable(d, v, i, response_timeout, total_timeout);
         }
         let rewrite_prefix = c.rewrite_prefix(r, i, &path_prefix);
         let host_rewrite = c.host_rewrite(r, i);

@@ -1,5 +1,7 @@
 //! Checks for a route's `hedge_delay`.
 
+use std::time::Duration;
+
 use toml::Spanned;
 
 use super::super::HedgeDelay;
@@ -29,7 +31,7 @@ impl Checker<'_> {
                 }
             };
         }
-        let d = self.duration(&Some(v.clone()), field.clone(), std::time::Duration::ZERO);
+        let d = self.duration(&Some(v.clone()), field.clone(), Duration::ZERO);
         if d.is_zero() {
             // Only a delay written as 0: one that was refused already has its error.
             if humantime::parse_duration(text).is_ok_and(|z| z.is_zero()) {
@@ -43,6 +45,34 @@ impl Checker<'_> {
             return None;
         }
         Some(HedgeDelay::Fixed(d))
+    }
+
+    /// A fixed delay that route `i`'s own timeout reaches first would never hedge anything.
+    pub(super) fn hedge_reachable(
+        &mut self,
+        delay: &HedgeDelay,
+        v: &Spanned<String>,
+        i: usize,
+        response_timeout: Duration,
+        total_timeout: Option<Duration>,
+    ) {
+        let HedgeDelay::Fixed(d) = delay else { return };
+        let (limit, which) = match total_timeout {
+            Some(t) if t < response_timeout => (t, "total_timeout"),
+            _ => (response_timeout, "response_timeout"),
+        };
+        if *d >= limit {
+            self.err(
+                Some(v.span()),
+                format!("route[{i}].hedge_delay"),
+                format!(
+                    "a hedge after {} never goes: the route's {which} of {} answers first",
+                    humantime::format_duration(*d),
+                    humantime::format_duration(limit)
+                ),
+                Some("write a delay well under it, near the route's usual p95, e.g. \"50ms\", or \"p95\""),
+            );
+        }
     }
 }
 
