@@ -951,6 +951,45 @@ async fn ri_shutdown_answers_a_head_still_coming_for_either_server() {
     }
 }
 
+/// The same on a connection hyper's server took over (after a chunked request): a head
+/// still coming at shutdown is answered, with `Connection: close`, not closed on. hyper's
+/// server sees no byte of a head until it is whole, so its graceful close, made at once,
+/// closed the connection under the client's request.
+#[tokio::test]
+async fn shutdown_answers_a_head_still_coming_after_hyper_took_the_connection() {
+    let (up, hits) = path_upstream().await;
+    let mut gw = TestGateway::to(up, "[server]\nshutdown_grace = \"30s\"\n");
+    let mut s = connect(gw.addr).await;
+    s.write_all(
+        b"POST /a HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n0\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let first = read_responses(&mut s, 1).await;
+    assert_eq!(first[0].body(), "POST /a ab");
+    s.write_all(b"GET /b HTTP/1.1\r\nHost: t\r\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let g = gw.gw.take().unwrap();
+    g.shutdown();
+    let joined = tokio::task::spawn_blocking(move || g.join());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    s.write_all(b"\r\n").await.unwrap();
+    let (text, closed) = read_until_close(&mut s, WAIT).await;
+    assert!(closed, "{text:?}");
+    let got = responses(text.as_bytes(), &[]);
+    assert_eq!(got.len(), 1, "{text:?}");
+    assert_eq!(got[0].status, 200, "{text:?}");
+    assert_eq!(got[0].body(), "GET /b");
+    assert_eq!(got[0].header("connection"), Some("close"));
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
+    tokio::time::timeout(WAIT, joined)
+        .await
+        .expect("the gateway exits once the request is answered")
+        .unwrap();
+}
+
 /// An upstream that answers only after 30 s; counts the requests it started and those
 /// dropped before their answer (the gateway cancelled them).
 async fn hanging_upstream() -> (SocketAddr, Arc<AtomicUsize>, Arc<AtomicUsize>) {

@@ -500,6 +500,7 @@ where
         side_waker: Waker::from(side.clone()),
         side,
         closing: false,
+        graceful_due: false,
         close_deadline: false,
         shut: false,
         info,
@@ -533,6 +534,9 @@ struct Drive<'a, C, G> {
     side: Arc<SideWake>,
     side_waker: Waker,
     closing: bool,
+    /// Asked to close for a shutdown while part of a request head was in, and not yet told
+    /// (see [`Drive::close_for_shutdown`]): it is, once the head is whole.
+    graceful_due: bool,
     /// The connection was asked to close for idleness or a shutdown: from then on the idle
     /// timer runs to when it must have ended (unless a request is in flight then).
     close_deadline: bool,
@@ -609,6 +613,11 @@ where
                 return Poll::Ready(None);
             }
             if this.closing {
+                if this.graceful_due && !this.info.activity.reading_head() {
+                    this.graceful_due = false;
+                    (this.graceful)(&mut this.conn);
+                    continue;
+                }
                 if !this.close_deadline {
                     return Poll::Pending;
                 }
@@ -739,6 +748,12 @@ where
     /// HTTP/2 client that does not answer the PING of the graceful close (gone without a
     /// FIN) would otherwise hold the worker's drain for the whole grace period, as nginx
     /// does not (it closes idle HTTP/2 connections at once).
+    ///
+    /// A connection with part of a request head in is told once the head is whole (the
+    /// header read timeout bounds that): hyper's server, behind the guard that holds a head
+    /// back until it is whole, looks idle until then, and its graceful close would close
+    /// it, leaving the client's request unanswered. Told after, it answers the request with
+    /// `Connection: close`, as a restart must (it refuses no connection).
     fn close_for_shutdown(&mut self) {
         self.shut = true;
         self.closing = true;
@@ -747,7 +762,11 @@ where
             .as_mut()
             .reset(tokio::time::Instant::now() + SHUTDOWN_CLOSE_WAIT);
         self.side.woken.store(true, Ordering::Release);
-        (self.graceful)(&mut self.conn);
+        if self.info.activity.reading_head() {
+            self.graceful_due = true;
+        } else {
+            (self.graceful)(&mut self.conn);
+        }
     }
 }
 
