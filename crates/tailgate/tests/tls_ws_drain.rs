@@ -588,6 +588,60 @@ async fn ws_open(addr: std::net::SocketAddr) -> (TcpStream, String) {
     (s, head)
 }
 
+/// An upstream that ends its side of a tunnel first (a half-close) still gets every byte
+/// the client sends after, in order. The end of stream passed on to the client used to
+/// start the connection's lingering close, which read out and dropped the client's bytes
+/// while the tunnel's other direction waited for the upstream to take them.
+#[tokio::test]
+async fn a_tunnel_half_closed_by_its_upstream_carries_the_clients_bytes_whole() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    let (got_tx, got_rx) = tokio::sync::oneshot::channel::<Vec<u8>>();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(n > 0);
+            head.extend_from_slice(&buf[..n]);
+        }
+        s.write_all(
+            b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: raw\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        s.shutdown().await.unwrap();
+        // Not reading a while: the gateway's writes of the client's bytes back up.
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).await.unwrap();
+        let _ = got_tx.send(got);
+    });
+    let gw = TestGateway::to(up, "");
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"GET /t HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: raw\r\n\r\n")
+        .await
+        .unwrap();
+    let mut from_gw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut from_gw))
+        .await
+        .expect("the upstream's end of stream is passed on")
+        .unwrap();
+    let text = String::from_utf8_lossy(&from_gw);
+    assert!(text.starts_with("HTTP/1.1 101"), "{text}");
+    assert!(text.ends_with("\r\n\r\n"), "{text}");
+    let data: Vec<u8> = (0..16 * 1024 * 1024).map(|i| (i % 251) as u8).collect();
+    s.write_all(&data).await.unwrap();
+    s.shutdown().await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(20), got_rx)
+        .await
+        .expect("the upstream read to its end")
+        .unwrap();
+    assert_eq!(got.len(), data.len(), "bytes lost on the way up");
+    assert!(got == data, "the bytes came up out of order");
+}
+
 /// A tunnel with no bytes either way for the server's `idle_timeout` is closed (its client
 /// may have vanished without a FIN); one with traffic stays up however long it lives.
 #[tokio::test]

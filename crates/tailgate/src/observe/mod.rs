@@ -99,7 +99,8 @@ pub struct ConnActivity {
     /// still sends is read out, so that the close is no reset). [`UNFRAMED`]: an answer
     /// whose body the connection's close ends is on its way, and a close before its whole
     /// is written must be a reset. [`SEND_TIMED_OUT`]: the client was cut off for taking no
-    /// bytes. One byte beside a 32-bit count: the whole, with its `Arc`, stays in one
+    /// bytes. [`TUNNELLED`]: the connection was switched to another protocol, and its bytes
+    /// are copied both ways (see [`set_tunnelled`](Self::set_tunnelled)). One byte beside a 32-bit count: the whole, with its `Arc`, stays in one
     /// 64-byte line.
     sending: AtomicU8,
 }
@@ -109,6 +110,7 @@ const LINGERING: u8 = 2;
 const UNFRAMED: u8 = 4;
 const SEND_TIMED_OUT: u8 = 8;
 const READING_HEAD: u8 = 16;
+const TUNNELLED: u8 = 32;
 
 impl Default for ConnActivity {
     fn default() -> Self {
@@ -199,6 +201,21 @@ impl ConnActivity {
     /// Is part of a request head in ([`set_reading_head`](Self::set_reading_head))?
     pub fn reading_head(&self) -> bool {
         self.sending.load(Ordering::Relaxed) & READING_HEAD != 0
+    }
+
+    /// The connection was switched to another protocol (`101 Switching Protocols`): from
+    /// now on its bytes are a tunnel's, copied both ways, and shutting its write side (the
+    /// upstream's end of stream passed on) is a half-close, not its close. It must not
+    /// linger then: the lingering close reads out and drops what the client sends, while
+    /// the tunnel's other direction still carries the client's bytes upstream.
+    pub fn set_tunnelled(&self) {
+        self.sending.fetch_or(TUNNELLED, Ordering::Relaxed);
+    }
+
+    /// Was the connection switched to another protocol
+    /// ([`set_tunnelled`](Self::set_tunnelled))?
+    pub fn tunnelled(&self) -> bool {
+        self.sending.load(Ordering::Relaxed) & TUNNELLED != 0
     }
 
     /// The connection began its lingering close.

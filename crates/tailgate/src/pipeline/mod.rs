@@ -896,6 +896,7 @@ fn forward(
             };
             let (mut parts, _) = resp.into_parts();
             if let Some(mut upstream) = up.into_upgraded() {
+                conn.activity.set_tunnelled();
                 let tunnel_conn = conn.clone();
                 let idle = settings.idle_timeout;
                 let admitted = admitted.take();

@@ -466,10 +466,15 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for H1Guard<T> {
     }
 
     /// The write side is shut, then the connection lingers (see the module's doc) before
-    /// hyper drops it. Not once the connection speaks HTTP/2 (it has its own close).
+    /// hyper drops it. Not once the connection speaks HTTP/2 (it has its own close), nor
+    /// once it is a tunnel: there the upstream's end of stream is passed on as a
+    /// half-close, and the client's bytes that follow are the tunnel's to carry upstream.
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
-        if matches!(this.framing.state, State::Passthrough) && !this.framing.upgrade_asked {
+        if matches!(this.framing.state, State::Passthrough)
+            && (!this.framing.upgrade_asked
+                || this.info.as_ref().is_some_and(|i| i.activity.tunnelled()))
+        {
             return Pin::new(&mut this.inner).poll_shutdown(cx);
         }
         super::linger::poll_shutdown_lingering(
