@@ -110,6 +110,56 @@ async fn a_clients_forwarded_host_never_reaches_the_upstream() {
     assert!(!lower.contains("evil"), "{resp}");
 }
 
+/// A client's `Forwarded` and `X-Forwarded-Port` never reach the upstream, over either
+/// upstream protocol: frameworks take a host, scheme or port from them before (or beside)
+/// the `X-Forwarded-*` the gateway writes, so a client's would pass for the gateway's word.
+#[tokio::test]
+async fn a_clients_forwarded_and_forwarded_port_never_reach_the_upstream() {
+    let h1 = echo_upstream().await;
+    let h2 = h2c_upstream_with(|req: http::Request<hyper::body::Incoming>| async move {
+        let seen: Vec<String> = req
+            .headers()
+            .iter()
+            .map(|(k, v)| format!("{k}={}", String::from_utf8_lossy(v.as_bytes())))
+            .collect();
+        http::Response::new(full(seen.join("\n")))
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"h1\"\nendpoints = [\"{h1}\"]\n\
+         [[cluster]]\nname = \"h2\"\nendpoints = [\"{h2}\"]\nprotocol = \"http2\"\n\
+         [[route]]\npath_prefix = \"/two\"\ncluster = \"h2\"\n\
+         [[route]]\npath_prefix = \"/\"\ncluster = \"h1\"\n"
+    ));
+    for path in ["/one", "/two"] {
+        let req = format!(
+            "GET {path} HTTP/1.1\r\nHost: api.test\r\nForwarded: for=6.6.6.6;host=evil.test;proto=https\r\n\
+             X-Forwarded-Port: 6666\r\nConnection: close\r\n\r\n"
+        );
+        let (resp, _) = raw(gw.addr, req.as_bytes(), Duration::from_secs(5)).await;
+        let lower = resp.to_ascii_lowercase();
+        assert!(lower.starts_with("http/1.1 200"), "{resp}");
+        // The gateway's own word is there (so the headers were seen at all).
+        assert!(
+            lower.contains("x-forwarded-host") && lower.contains("api.test"),
+            "{resp}"
+        );
+        for gone in [
+            "evil.test",
+            "6.6.6.6",
+            "6666",
+            "forwarded: ",
+            "forwarded=",
+            "x-forwarded-port",
+        ] {
+            assert!(
+                !lower.contains(gone),
+                "{path}: {gone:?} reached the upstream: {resp}"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn keeps_the_clients_request_id() {
     let up = echo_upstream().await;

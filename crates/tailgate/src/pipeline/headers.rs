@@ -15,6 +15,7 @@ static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+static X_FORWARDED_PORT: HeaderName = HeaderName::from_static("x-forwarded-port");
 /// Set on routes with a `rewrite_prefix` ([`super::route::Rewrite`]).
 pub static X_FORWARDED_PREFIX: HeaderName = HeaderName::from_static("x-forwarded-prefix");
 
@@ -223,11 +224,19 @@ impl<'a> Added<'a> {
     /// `X-Forwarded-Host` is left out even when the request names no host (HTTP/1.0), so
     /// none is sent then: the upstream must never take a host from the client for one the
     /// gateway vouches for (links built from it, such as a password reset's).
+    ///
+    /// For the same reason a client's `Forwarded` (RFC 7239) and `X-Forwarded-Port` are
+    /// left out, and none is written: frameworks read them before, or beside, the
+    /// `X-Forwarded-*` the gateway writes (Spring and Rack take `Forwarded`'s `host=` and
+    /// `proto=` first; Spring and Django the port), so a client's would pass for the
+    /// gateway's word.
     pub fn replaces(&self, name: &HeaderName) -> bool {
         *name == header::EXPECT
             || *name == X_FORWARDED_FOR
             || *name == X_FORWARDED_PROTO
             || *name == X_FORWARDED_HOST
+            || *name == header::FORWARDED
+            || *name == X_FORWARDED_PORT
             || name == self.request_id.0
     }
 
@@ -246,6 +255,8 @@ impl<'a> Added<'a> {
     /// Puts them into `headers` (an HTTP/2 request's copy of the client's).
     pub fn apply(&self, headers: &mut HeaderMap) {
         headers.remove(header::EXPECT);
+        headers.remove(header::FORWARDED);
+        headers.remove(&X_FORWARDED_PORT);
         if self.host.is_none() {
             headers.remove(&X_FORWARDED_HOST);
         }
@@ -467,7 +478,13 @@ mod tests {
             Some(&host),
             (&id.0, &id.1),
         );
-        for replaced in ["x-forwarded-for", "x-request-id", "x-forwarded-host"] {
+        for replaced in [
+            "x-forwarded-for",
+            "x-request-id",
+            "x-forwarded-host",
+            "forwarded",
+            "x-forwarded-port",
+        ] {
             assert!(
                 added.replaces(&HeaderName::from_static(replaced)),
                 "{replaced}"
