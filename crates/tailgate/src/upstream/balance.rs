@@ -84,7 +84,9 @@ impl EndpointLoad {
     }
 
     pub fn is_ejected(&self) -> bool {
-        self.ejected_until_ns.load(Ordering::Relaxed) > self.now_ns()
+        // Never ejected (most endpoints): no clock read. `pick` asks it of every endpoint.
+        let until = self.ejected_until_ns.load(Ordering::Relaxed);
+        until != 0 && until > self.now_ns()
     }
 
     /// Expected cost of one more request here: latency × (requests in flight + 1). The
@@ -116,6 +118,7 @@ impl EndpointLoad {
             load: self,
             started: now,
             estimate: self.ewma_ns(),
+            sampled_at: self.last_sample_ns.load(Ordering::Relaxed),
         }
     }
 
@@ -189,8 +192,11 @@ impl EndpointLoad {
 pub struct InFlight<'a> {
     load: &'a EndpointLoad,
     started: Instant,
-    /// The latency estimate when it started (ns), for a failure's sample.
+    /// The latency estimate when it started (ns), as last sampled, and when that was (ns
+    /// from the endpoint's epoch): for a failure's sample, the estimate decayed to the
+    /// request's start (see [`penalty`](Self::penalty)).
     estimate: f64,
+    sampled_at: u64,
 }
 
 impl InFlight<'_> {
@@ -200,12 +206,18 @@ impl InFlight<'_> {
     }
 
     /// [`responded`](Self::responded) with the time already read by the caller.
+    ///
+    /// A `5xx` counts as a failure's latency at least ([`failed`](Self::failed)): an
+    /// endpoint whose database is gone answers `500` in a fraction of a millisecond, and
+    /// that time as a sample made it the cheapest choice, drawing the traffic to itself
+    /// (all of it, over two endpoints) where outlier detection is off.
     pub fn responded_at(self, status: http::StatusCode, now: Instant) {
-        self.load
-            .sample_at(now.saturating_duration_since(self.started), now);
+        let rtt = now.saturating_duration_since(self.started);
         if status.is_server_error() {
+            self.load.sample_at(rtt.max(self.penalty()), now);
             self.load.failure_of(self.started);
         } else {
+            self.load.sample_at(rtt, now);
             self.load.success();
         }
     }
@@ -237,17 +249,32 @@ impl InFlight<'_> {
 
     /// No response (connect failure, reset, timeout). A dead endpoint refuses in
     /// microseconds, and that time as a sample would make it the cheapest choice: a failure
-    /// counts as twice the estimate the request started with (at most a second more), and
-    /// at least [`FAILURE_SAMPLE`]. From the estimate at its start, not the current one: a
-    /// burst of failures (every request in flight when the server restarts) costs what one
-    /// does, not a doubling each.
+    /// counts as [`penalty`](Self::penalty) at least.
     pub fn failed(self) {
-        let at_start = Duration::from_nanos(self.estimate as u64);
-        let penalty = (at_start * 2)
-            .min(at_start + FAILURE_CAP)
-            .max(FAILURE_SAMPLE);
+        let penalty = self.penalty();
         self.load.sample(self.started.elapsed().max(penalty));
         self.load.failure_of(self.started);
+    }
+
+    /// The latency a failure counts as, at least: twice the estimate the request started
+    /// with (at most a second more), and at least [`FAILURE_SAMPLE`]. From the estimate at
+    /// its start, not the current one: a burst of failures (every request in flight when
+    /// the server restarts) costs what one does, not a doubling each. And that estimate
+    /// decayed for the time without samples before the start, as the balancer saw it
+    /// ([`EndpointLoad::cost`]): the stored peak, doubled again at each try of an endpoint
+    /// that stays down (once every ejection), grew past a minute within an hour, and kept
+    /// it unused that long after it came back.
+    fn penalty(&self) -> Duration {
+        let started_ns = self
+            .started
+            .saturating_duration_since(self.load.epoch)
+            .as_nanos() as u64;
+        let idle = started_ns.saturating_sub(self.sampled_at) as f64;
+        let at_start = self.estimate * (-idle / DECAY.as_nanos() as f64).exp();
+        let at_start = Duration::from_nanos(at_start as u64);
+        (at_start * 2)
+            .min(at_start + FAILURE_CAP)
+            .max(FAILURE_SAMPLE)
     }
 }
 
@@ -259,9 +286,11 @@ impl Drop for InFlight<'_> {
 
 /// Picks an endpoint index among `n` (n ≥ 1), never one `excluded` says when another
 /// exists (a predicate, not an index: the endpoint to avoid is named by its address, which
-/// may stand in the list more than once). Ejected endpoints are skipped unless all are
-/// ejected (then ejection is ignored, as Envoy's panic threshold does, rather than failing
-/// every request).
+/// may stand in the list more than once). Ejected endpoints are skipped while at least half
+/// of those not excluded are not ejected. Under that, ejection is ignored, as Envoy's panic
+/// threshold (50 % by default) ignores health: the few left would take every other one's
+/// traffic and fail in turn, where spread over all the failing ones' share fails (and a
+/// dead one's requests are sent again elsewhere).
 pub fn pick<'a>(
     balance: Balance,
     n: usize,
@@ -273,9 +302,20 @@ pub fn pick<'a>(
         return 0;
     }
     let usable = |i: usize| !excluded(i) && !load(i).is_ejected();
-    let any_usable = (0..n).any(usable);
+    let (healthy, candidates) = (0..n).fold((0, 0), |(h, c), i| {
+        if excluded(i) {
+            (h, c)
+        } else {
+            (h + usize::from(!load(i).is_ejected()), c + 1)
+        }
+    });
+    let heed_ejection = healthy > 0 && healthy * 2 >= candidates;
     let ok = |i: usize| {
-        if any_usable { usable(i) } else { !excluded(i) }
+        if heed_ejection {
+            usable(i)
+        } else {
+            !excluded(i)
+        }
     };
     match balance {
         Balance::RoundRobin => {
@@ -415,13 +455,18 @@ mod tests {
     }
 
     /// Both drawn endpoints ejected: the usable ones share the traffic evenly, not the first
-    /// of them in the list.
+    /// of them in the list. Half ejected is still heeded.
     #[test]
-    fn with_most_ejected_the_usable_ones_share_the_traffic() {
+    fn with_half_ejected_the_usable_ones_share_the_traffic() {
         let loads: Vec<EndpointLoad> = (0..10)
             .map(|_| EndpointLoad::new(1, Duration::from_secs(60)))
             .collect();
-        for l in &loads[..8] {
+        // One latency, sampled at one time: equal costs (ties drawn at random).
+        let at = Instant::now();
+        for l in &loads {
+            l.sample_at(Duration::from_millis(1), at);
+        }
+        for l in &loads[..5] {
             l.failure();
         }
         let rr = AtomicU64::new(0);
@@ -429,9 +474,82 @@ mod tests {
         for _ in 0..4000 {
             hits[super::pick(Balance::P2c, 10, |i| &loads[i], &rr, |_| false)] += 1;
         }
-        assert_eq!(hits[..8].iter().sum::<u32>(), 0, "{hits:?}");
-        // Even shares are 2000 each; the first-usable rule gave the first about 3250.
-        assert!(hits[8].abs_diff(hits[9]) < 600, "{hits:?}");
+        assert_eq!(hits[..5].iter().sum::<u32>(), 0, "{hits:?}");
+        // Even shares are 800 each; the first-usable rule gave the first about twice that.
+        let (lo, hi) = (hits[5..].iter().min(), hits[5..].iter().max());
+        assert!(hi.unwrap() - lo.unwrap() < 300, "{hits:?}");
+    }
+
+    /// Past half ejected, ejection is ignored (Envoy's panic threshold): the two left would
+    /// take all the traffic of ten, and fail in turn. An excluded endpoint does not count.
+    #[test]
+    fn with_most_ejected_the_traffic_spreads_over_all_again() {
+        let loads: Vec<EndpointLoad> = (0..10)
+            .map(|_| EndpointLoad::new(1, Duration::from_secs(60)))
+            .collect();
+        // One latency, sampled at one time: equal costs (ties drawn at random).
+        let at = Instant::now();
+        for l in &loads {
+            l.sample_at(Duration::from_millis(1), at);
+        }
+        for l in &loads[..6] {
+            l.failure();
+        }
+        let rr = AtomicU64::new(0);
+        for balance in [Balance::P2c, Balance::RoundRobin] {
+            let mut hits = [0u32; 10];
+            for _ in 0..4000 {
+                hits[super::pick(balance, 10, |i| &loads[i], &rr, |_| false)] += 1;
+            }
+            assert!(hits.iter().all(|&h| h > 100), "{balance:?}: {hits:?}");
+        }
+        // With two of the ejected ones excluded, four of eight are healthy: heeded.
+        let mut hits = [0u32; 10];
+        for _ in 0..4000 {
+            hits[super::pick(Balance::P2c, 10, |i| &loads[i], &rr, |i| i < 2)] += 1;
+        }
+        assert_eq!(hits[..6].iter().sum::<u32>(), 0, "{hits:?}");
+    }
+
+    /// A `5xx` that comes back at once does not make its endpoint look cheap: with ejection
+    /// off, an endpoint answering `500` in 300 µs drew every request from one answering
+    /// `200` in 20 ms.
+    #[test]
+    fn a_fast_5xx_does_not_draw_the_traffic() {
+        let good = EndpointLoad::new(0, Duration::from_secs(1));
+        let bad = EndpointLoad::new(0, Duration::from_secs(1));
+        good.sample(Duration::from_millis(20));
+        bad.sample(Duration::from_millis(20));
+        let t0 = Instant::now();
+        for k in 0..100u32 {
+            let at = t0 + Duration::from_millis(100) * k;
+            bad.start_at(at).responded_at(
+                http::StatusCode::INTERNAL_SERVER_ERROR,
+                at + Duration::from_micros(300),
+            );
+        }
+        let loads = [&good, &bad];
+        let rr = AtomicU64::new(0);
+        let to_good = (0..1000)
+            .filter(|_| super::pick(Balance::P2c, 2, |i| loads[i], &rr, |_| false) == 0)
+            .count();
+        assert!(to_good > 500, "{to_good} of 1000 to the healthy endpoint");
+    }
+
+    /// A failure's penalty starts from the estimate as the balancer saw it at the request's
+    /// start (decayed for the time without samples), not the stored peak: an endpoint that
+    /// stays down, tried once per ejection, doubled its estimate at each try.
+    #[test]
+    fn a_failure_after_a_quiet_while_does_not_double_a_stale_peak() {
+        let l = EndpointLoad::new(0, Duration::from_secs(1));
+        l.sample(Duration::from_millis(5));
+        l.start().failed();
+        let peak = l.ewma_ns();
+        assert!(peak >= FAILURE_SAMPLE.as_nanos() as f64, "{peak}");
+        // A minute later (six decay constants), the next try fails too.
+        l.start_at(Instant::now() + Duration::from_secs(60))
+            .failed();
+        assert!(l.ewma_ns() <= 1.01 * peak, "{} after {peak}", l.ewma_ns());
     }
 
     /// A failure that came back at once does not make the endpoint look cheap, and a burst
