@@ -106,6 +106,50 @@ async fn a_held_failure_is_answered_at_the_deadline() {
     }
 }
 
+/// The first copy that hangs to the deadline while the copy's 503 is held has timed out:
+/// its endpoint counts a failure (here, one ejects), as without a hedge, and the hedge
+/// won nothing (its 503 saved no request). It was taken as abandoned for a faster copy,
+/// so a hung endpoint escaped ejection while hedges kept firing, and counted as won.
+#[tokio::test]
+async fn a_first_copy_hung_past_a_held_failure_counts_as_failed_and_no_hedge_won() {
+    let (slow_addr, _) = counting(Duration::from_secs(5)).await;
+    let failing = upstream(|_| async {
+        let mut r = http::Response::new(full("down"));
+        *r.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+        r
+    })
+    .await;
+    // Round robin's first pick is the slow endpoint: the copy goes to the failing one,
+    // whose 503 ejects it (for a minute), and is held until the deadline.
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{slow_addr}\", \"{failing}\"]\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 1\neject_duration = \"60s\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"20ms\"\nresponse_timeout = \"300ms\"\n"
+    ));
+    assert_eq!(send(gw.addr, http::Method::GET, "/", "").await, 503);
+    let g = gw.gw.as_ref().unwrap();
+    assert_eq!(
+        g.cluster_stat(|c| c.hedges_fired.load(Ordering::Relaxed)),
+        1
+    );
+    assert_eq!(g.cluster_stat(|c| c.hedges_won.load(Ordering::Relaxed)), 0);
+    let ejections = |addr: SocketAddr| -> u64 {
+        g.endpoint_pools()
+            .iter()
+            .filter(|p| p.addr == addr)
+            .map(|p| p.load.ejections.load(Ordering::Relaxed))
+            .sum()
+    };
+    assert_eq!(
+        ejections(failing),
+        1,
+        "the copy's 503 counts against its endpoint"
+    );
+    assert_eq!(
+        ejections(slow_addr),
+        1,
+        "the hung first copy counts as a failure"
+    );
+}
+
 /// With one of two endpoints ejected, nothing is hedged to it: requests the healthy,
 /// slow endpoint sits on wait for it, no copy is sent and no hedge budget is spent.
 #[tokio::test]

@@ -264,11 +264,15 @@ async fn race_hedged<E>(
     };
     cluster.stats.hedges_fired.fetch_add(1, Ordering::Relaxed);
     let mut second = std::pin::pin!(hedge.send(target));
-    let won = |h, first| {
-        cluster.stats.hedges_won.fetch_add(1, Ordering::Relaxed);
+    let failed = |r: &http::Response<UpBody>| r.status().is_server_error();
+    // The copy's answer is the one used; it won only if it is no failure (a 5xx used
+    // because the first copy had nothing better saved no request).
+    let won = |h: (http::Response<UpBody>, Conn), first| {
+        if !failed(&h.0) {
+            cluster.stats.hedges_won.fetch_add(1, Ordering::Relaxed);
+        }
         Raced::Hedge(Box::new(h), first)
     };
-    let failed = |r: &http::Response<UpBody>| r.status().is_server_error();
     tokio::select! {
         biased;
         r = &mut primary => match r {
@@ -289,9 +293,11 @@ async fn race_hedged<E>(
         h = &mut second => match h {
             Ok(h) if !failed(&h.0) => won(h, First::Pending),
             // The copy's 5xx: the first's answer, if it has any.
+            // A first copy still without an answer at the deadline timed out: a failure of
+            // its endpoint, as it is without a hedge, not one abandoned for a faster copy
+            // (its endpoint hung, and must not escape ejection behind the copies).
             Ok(h) => match tokio::time::timeout_at(deadline, primary).await {
-                Ok(Err(_)) => won(h, First::Failed),
-                Err(_) => won(h, First::Pending),
+                Ok(Err(_)) | Err(_) => won(h, First::Failed),
                 Ok(r) => Raced::Primary(r),
             },
             Err(e) => {

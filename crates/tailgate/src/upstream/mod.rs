@@ -50,7 +50,8 @@ pub struct ClusterStats {
     pub endpoints_removed: AtomicU64,
     /// Second copies sent ([`hedge`]).
     pub hedges_fired: AtomicU64,
-    /// Hedges whose response came first.
+    /// Hedges whose answer was used, and was no `5xx`: it came first, or the first copy
+    /// failed.
     pub hedges_won: AtomicU64,
     /// Hedges not sent because the hedge or retry budget was spent.
     pub hedges_refused: AtomicU64,
