@@ -477,7 +477,8 @@ mod tests {
         assert_eq!(hits[..5].iter().sum::<u32>(), 0, "{hits:?}");
         // Even shares are 800 each; the first-usable rule gave the first about twice that.
         let (lo, hi) = (hits[5..].iter().min(), hits[5..].iter().max());
-        assert!(hi.unwrap() - lo.unwrap() < 300, "{hits:?}");
+        let spread = hi.expect("five") - lo.expect("five");
+        assert!(spread < 300, "{hits:?}");
     }
 
     /// Past half ejected, ejection is ignored (Envoy's panic threshold): the two left would
