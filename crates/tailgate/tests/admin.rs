@@ -8,7 +8,8 @@ mod common;
 
 use std::io::Read as _;
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -1187,13 +1188,13 @@ async fn the_connect_stage_is_zero_for_an_idle_connection_unless_a_connect_faile
 }
 
 /// `server.max_connections`: at the cap the gateway stops accepting, so a new connection
-/// waits in the listen queue (its request unanswered) until an open one closes; the open
-/// count, the accepts and the pause are exported.
+/// waits in the listen queue (its request unanswered) while the open ones are busy, until
+/// one closes; the open count, the accepts and the pause are exported.
 #[tokio::test]
 async fn at_max_connections_new_connections_wait_until_one_closes() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    async fn ask(c: &mut tokio::net::TcpStream) {
-        c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    async fn ask(c: &mut tokio::net::TcpStream, path: &str) {
+        c.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
             .await
             .unwrap();
     }
@@ -1202,7 +1203,22 @@ async fn at_max_connections_new_connections_wait_until_one_closes() {
         let n = c.read(&mut buf).await.unwrap();
         String::from_utf8_lossy(&buf[..n]).into_owned()
     }
-    let up = ok_upstream().await;
+    // `/hold` is answered only after a minute: its connection is busy, not idle.
+    let held = Arc::new(AtomicUsize::new(0));
+    let h = held.clone();
+    let up = upstream(move |req: http::Request<hyper::body::Incoming>| {
+        let hold = req.uri().path() == "/hold";
+        if hold {
+            h.fetch_add(1, Ordering::SeqCst);
+        }
+        async move {
+            if hold {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+            }
+            http::Response::new(full("ok"))
+        }
+    })
+    .await;
     let gw = TestGateway::to(
         up,
         &format!("[server]\nworkers = 2\nmax_connections = 2\n{ADMIN}"),
@@ -1211,13 +1227,20 @@ async fn at_max_connections_new_connections_wait_until_one_closes() {
     let mut open = Vec::new();
     for _ in 0..2 {
         let mut c = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
-        ask(&mut c).await;
-        assert!(answered(&mut c).await.starts_with("HTTP/1.1 200"));
+        ask(&mut c, "/hold").await;
         open.push(c);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while held.load(Ordering::SeqCst) < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the held requests never reached the upstream"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // The kernel completes the handshake (listen queue), but no worker accepts it.
     let mut third = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
-    ask(&mut third).await;
+    ask(&mut third, "/").await;
     let early = tokio::time::timeout(Duration::from_millis(400), answered(&mut third)).await;
     assert!(early.is_err(), "answered past the cap: {early:?}");
     let ex = scrape(admin).await;
@@ -1227,6 +1250,11 @@ async fn at_max_connections_new_connections_wait_until_one_closes() {
         2.0
     );
     assert!(ex.value("tailgate_downstream_accept_pauses_total", &[]) >= 1.0);
+    // Busy connections are not asked to make room.
+    assert_eq!(
+        ex.value("tailgate_downstream_connections_reclaimed_total", &[]),
+        0.0
+    );
 
     drop(open.pop());
     let late = tokio::time::timeout(Duration::from_secs(5), answered(&mut third))
@@ -1239,6 +1267,73 @@ async fn at_max_connections_new_connections_wait_until_one_closes() {
         3.0
     );
     assert_eq!(ex.value("tailgate_downstream_connections", &[]), 2.0);
+}
+
+/// At `server.max_connections`, connections doing nothing make room: idle keep-alive ones
+/// (between requests) and silent ones (nothing sent since their accept) are closed, so a
+/// client holding the cap's worth of them keeps no one else out for its idle timeout.
+#[tokio::test]
+async fn at_max_connections_idle_and_silent_connections_make_room() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = ok_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        &format!("[server]\nworkers = 2\nmax_connections = 2\nidle_timeout = \"60s\"\n{ADMIN}"),
+    );
+    let admin = admin_addr(&gw);
+    let mut reclaimed_before = 0.0;
+    for idle in [true, false] {
+        let mut open = Vec::new();
+        for _ in 0..2 {
+            let mut c = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+            if idle {
+                c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                    .await
+                    .unwrap();
+                let mut buf = [0u8; 512];
+                let n = c.read(&mut buf).await.unwrap();
+                assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+            }
+            open.push(c);
+        }
+        // Both are accepted (and counted) before the next comes.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while scrape(admin)
+            .await
+            .value("tailgate_downstream_connections", &[])
+            < 2.0
+        {
+            assert!(Instant::now() < deadline, "the two were never accepted");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let mut next = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+        next.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        // Far sooner than the idle timeout (a minute).
+        let (text, closed) = read_until_close(&mut next, Duration::from_secs(10)).await;
+        assert!(
+            closed && text.starts_with("HTTP/1.1 200"),
+            "idle={idle}: {text:?}"
+        );
+        // The ones that made room were closed by the gateway.
+        for mut c in open {
+            let mut buf = [0u8; 64];
+            let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf))
+                .await
+                .expect("a connection doing nothing is closed")
+                .unwrap_or(0);
+            assert_eq!(n, 0, "idle={idle}");
+        }
+        let reclaimed = scrape(admin)
+            .await
+            .value("tailgate_downstream_connections_reclaimed_total", &[]);
+        assert!(
+            reclaimed >= reclaimed_before + 1.0,
+            "idle={idle}: {reclaimed}"
+        );
+        reclaimed_before = reclaimed;
+    }
 }
 
 /// Open connections per tenant, for connections whose listener names their tenant; a

@@ -207,6 +207,16 @@ async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> 
             conns.pauses.load(Ordering::Relaxed),
         );
         w.family(
+            "tailgate_downstream_connections_reclaimed",
+            Kind::Counter,
+            "Idle or silent client connections closed to make room under server.max_connections.",
+        );
+        w.counter(
+            "tailgate_downstream_connections_reclaimed",
+            &[],
+            conns.reclaimed.load(Ordering::Relaxed),
+        );
+        w.family(
             "tailgate_downstream_accept_errors",
             Kind::Counter,
             "Failed accepts (out of file descriptors or memory, mostly).",

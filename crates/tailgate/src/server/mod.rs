@@ -135,6 +135,7 @@ async fn serve_tls(
         &ctx.shutdown,
         handshake_timeout,
         handshake_timeout.min(QUEUED_WAIT),
+        None,
         acceptor.accept(stream),
     )
     .await;
@@ -201,24 +202,57 @@ const QUEUED_WAIT: Duration = Duration::from_secs(1);
 /// (`listener::take_queued`), or one taken just before whose client was still sending its
 /// hello or its request, has a client waiting for an answer (a restart refuses no
 /// connection); one that stays silent is closed then.
+///
+/// With `idle` (the connection's place under `server.max_connections`), a step that is a
+/// wait for the client's first bytes: a call for idle connections to close (an accept loop
+/// waits at the cap, see [`spawner`]) cuts it, as nginx reuses a connection still waiting
+/// for its first request.
 async fn first_step<F: Future>(
     shutdown: &watch::Receiver<bool>,
     limit: Duration,
     queued_limit: Duration,
+    idle: Option<&spawner::ConnSlot>,
     step: F,
-) -> Result<F::Output, tokio::time::error::Elapsed> {
+) -> Result<F::Output, Cut> {
     let mut shutdown = shutdown.clone();
     if *shutdown.borrow() {
-        return tokio::time::timeout(queued_limit, step).await;
+        return tokio::time::timeout(queued_limit, step)
+            .await
+            .map_err(|_| Cut::TimedOut);
     }
     let deadline = tokio::time::Instant::now() + limit;
     let mut step = std::pin::pin!(step);
+    let mut reclaim = idle.and_then(|slot| Some((slot, slot.reclaim_signal()?)));
+    let reclaimed = async {
+        match reclaim.as_mut() {
+            Some((slot, rx)) => loop {
+                if rx.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+                if slot.take_reclaim() {
+                    return;
+                }
+            },
+            None => std::future::pending().await,
+        }
+    };
     tokio::select! {
-        r = tokio::time::timeout_at(deadline, &mut step) => return r,
+        r = tokio::time::timeout_at(deadline, &mut step) => return r.map_err(|_| Cut::TimedOut),
         _ = shutdown.wait_for(|stop| *stop) => {}
+        () = reclaimed => return Err(Cut::Reclaimed),
     }
     let cut = deadline.min(tokio::time::Instant::now() + queued_limit);
-    tokio::time::timeout_at(cut, step).await
+    tokio::time::timeout_at(cut, step)
+        .await
+        .map_err(|_| Cut::TimedOut)
+}
+
+/// Why a connection's [`first_step`] was cut short.
+#[derive(Debug)]
+enum Cut {
+    TimedOut,
+    /// Closed, silent, to make room under `server.max_connections`.
+    Reclaimed,
 }
 
 /// No ALPN decision for HTTP/2: HTTP/1.1, unless `prior_knowledge` allows it and the
@@ -245,10 +279,19 @@ async fn serve_plain<I: Prepare>(
         &ctx.shutdown,
         settings.idle_timeout,
         settings.header_read_timeout.min(QUEUED_WAIT),
+        info.slot.as_ref(),
         sniff_h2(&mut guard, prior_knowledge),
     )
     .await;
-    match sniffed.unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into())) {
+    let sniffed = match sniffed {
+        Ok(r) => r,
+        Err(Cut::Reclaimed) => {
+            tracing::debug!(client.addr = %peer, "silent connection closed to make room under server.max_connections");
+            return;
+        }
+        Err(Cut::TimedOut) => Err(std::io::ErrorKind::TimedOut.into()),
+    };
+    match sniffed {
         Ok(true) => {
             guard.passthrough();
             serve_h2(ctx, guard, info).await;
@@ -514,6 +557,11 @@ where
         stop: Box::pin(async move {
             let _ = shutdown.changed().await;
         }),
+        reclaim: info
+            .slot
+            .as_ref()
+            .and_then(|s| s.reclaim_signal())
+            .map(reclaim_wait),
         idle_timer: Box::pin(tokio::time::sleep(idle)),
     }
 }
@@ -550,7 +598,34 @@ struct Drive<'a, C, G> {
     max_requests: u64,
     graceful: G,
     stop: Pin<Box<dyn Future<Output = ()> + Send>>,
+    /// Under `server.max_connections`: ready when an accept loop waits at the cap and asks
+    /// for connections doing nothing to close (see [`spawner`]). `None` without a cap.
+    reclaim: Option<Reclaim>,
     idle_timer: Pin<Box<tokio::time::Sleep>>,
+}
+
+/// A wait for the next call for idle connections to close: the signal's receiver back
+/// when it comes (`None`: the signal is gone, and no call will come).
+type Reclaim = Pin<Box<dyn Future<Output = Option<watch::Receiver<u64>>> + Send>>;
+
+fn reclaim_wait(mut rx: watch::Receiver<u64>) -> Reclaim {
+    Box::pin(async move { rx.changed().await.ok().map(|()| rx) })
+}
+
+/// Did a call for idle connections to close come (see [`spawner`])? The wait for the next
+/// is registered before this returns.
+fn reclaim_asked(reclaim: &mut Option<Reclaim>, cx: &mut Context<'_>) -> bool {
+    let mut asked = false;
+    while let Some(wait) = reclaim.as_mut() {
+        match wait.as_mut().poll(cx) {
+            Poll::Pending => break,
+            Poll::Ready(rx) => {
+                asked = true;
+                *reclaim = rx.map(reclaim_wait);
+            }
+        }
+    }
+    asked
 }
 
 impl<C, G> Future for Drive<'_, C, G>
@@ -677,6 +752,15 @@ where
                 this.close_for_shutdown();
                 continue;
             }
+            // (Taken from the batch only by one doing nothing.)
+            if reclaim_asked(&mut this.reclaim, &mut side_cx)
+                && this.doing_nothing()
+                && this.info.slot.as_ref().is_some_and(|s| s.take_reclaim())
+            {
+                tracing::debug!(client.addr = %this.info.client, "idle connection closed to make room under server.max_connections");
+                this.close_as_idle();
+                continue;
+            }
             if this.idle_timer.as_mut().poll(&mut side_cx).is_pending() {
                 return Poll::Pending;
             }
@@ -707,6 +791,12 @@ where
     C: Future + Unpin,
     G: FnMut(&mut C) + Unpin,
 {
+    /// No request in flight, no head coming, nothing on its way to the client.
+    fn doing_nothing(&self) -> bool {
+        let a = &self.info.activity;
+        a.idle_deadline(self.idle).is_some() && !a.reading_head() && !a.still_sending()
+    }
+
     /// Asks the connection to close as after an idle timeout: it has one more `idle` to
     /// end (then, with no request in flight, it is dropped).
     fn close_as_idle(&mut self) {

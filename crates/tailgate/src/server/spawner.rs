@@ -6,7 +6,11 @@
 //! `server.max_connections`: at the cap the accept loops stop accepting, so that new
 //! connections wait in the kernel's listen queue (as nginx's `worker_connections` and
 //! HAProxy's `maxconn` make them) instead of taking the file descriptors and memory the
-//! open ones need.
+//! open ones need. While an accept loop waits there, open connections that are doing
+//! nothing (idle between requests, or silent since their accept) are asked to close, a
+//! batch at a time, as nginx reuses its idle connections when `worker_connections` run
+//! out: otherwise a client holding the cap's worth of idle connections would keep every
+//! other client out for their whole idle timeout.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -25,6 +29,15 @@ pub struct ConnCount {
     max: usize,
     /// Woken when a connection ends with the count at the cap.
     freed: tokio::sync::Notify,
+    /// Moved on when an accept loop waits at the cap: the open connections see it (see
+    /// [`ConnSlot::reclaim_signal`]), and those doing nothing close, up to
+    /// `reclaim_left` of them.
+    reclaim: tokio::sync::watch::Sender<u64>,
+    reclaim_left: AtomicUsize,
+    /// At most one call for idle connections per [`RECLAIM_EVERY`].
+    reclaim_pace: Every,
+    /// Idle connections closed to make room under the cap.
+    pub reclaimed: AtomicU64,
     /// Connections accepted since the start.
     pub accepted: AtomicU64,
     /// Times an accept loop stopped accepting because the cap was reached.
@@ -43,6 +56,13 @@ pub struct ConnCount {
 /// At most one warning of a kind this often: a gateway held at its cap, or out of file
 /// descriptors, would otherwise log one per accept (every 50 ms per listener and worker).
 const WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// While an accept loop waits at the cap: how often the open connections are asked for
+/// idle ones to close, and how many may close each time. nginx frees at most 32 of its
+/// reusable connections each time it runs out. Each call wakes every open connection
+/// once (a busy one only looks and goes on), so it is paced.
+const RECLAIM_EVERY: Duration = Duration::from_millis(100);
+const RECLAIM_BATCH: usize = 32;
 
 /// A connection's place in the count over every worker (and, once known, in its tenant's),
 /// given back when dropped.
@@ -69,6 +89,19 @@ impl ConnSlot {
             self.tenant = Some(tenant);
         }
     }
+
+    /// What tells the connection an accept loop waits at `server.max_connections` (its
+    /// value moves on each time the open ones are asked for idle ones to close); `None`
+    /// without a cap, so that connections then hold and watch nothing.
+    pub fn reclaim_signal(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.count.reclaim_signal()
+    }
+
+    /// The connection, doing nothing when asked, may close to make room: true while the
+    /// call's batch lasts (and then it is counted as reclaimed).
+    pub fn take_reclaim(&self) -> bool {
+        self.count.take_reclaim()
+    }
 }
 
 impl Drop for ConnSlot {
@@ -89,6 +122,10 @@ impl ConnCount {
             open: AtomicUsize::new(0),
             max: if max == 0 { usize::MAX } else { max },
             freed: tokio::sync::Notify::new(),
+            reclaim: tokio::sync::watch::Sender::new(0),
+            reclaim_left: AtomicUsize::new(0),
+            reclaim_pace: Every::new(RECLAIM_EVERY),
+            reclaimed: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
             pauses: AtomicU64::new(0),
             accept_errors: AtomicU64::new(0),
@@ -117,6 +154,32 @@ impl ConnCount {
         }
     }
 
+    /// See [`ConnSlot::reclaim_signal`].
+    pub fn reclaim_signal(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        (self.max != usize::MAX).then(|| self.reclaim.subscribe())
+    }
+
+    /// See [`ConnSlot::take_reclaim`].
+    pub fn take_reclaim(&self) -> bool {
+        let taken = self
+            .reclaim_left
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok();
+        if taken {
+            self.reclaimed.fetch_add(1, Ordering::Relaxed);
+        }
+        taken
+    }
+
+    /// Asks the open connections for idle ones to close (at most once per
+    /// [`RECLAIM_EVERY`], [`RECLAIM_BATCH`] of them).
+    fn ask_reclaim(&self) {
+        if self.reclaim_pace.due() {
+            self.reclaim_left.store(RECLAIM_BATCH, Ordering::Relaxed);
+            self.reclaim.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
     /// A place for a connection just accepted, if one is free under the cap.
     pub fn try_take(self: &Arc<Self>) -> Option<ConnSlot> {
         self.open
@@ -138,7 +201,8 @@ impl ConnCount {
     /// A place for a connection just accepted, waiting (counted as a pause, with a
     /// warning at most every 10 s) until one is free when the cap is reached. The accept
     /// loop that calls it accepts nothing more meanwhile: further connections wait in the
-    /// kernel's listen queue.
+    /// kernel's listen queue. Meanwhile the open connections doing nothing are asked to
+    /// close, a batch every [`RECLAIM_EVERY`] while none frees a place.
     pub async fn take(self: &Arc<Self>, listener: &str) -> ConnSlot {
         if let Some(slot) = self.try_take() {
             return slot;
@@ -156,7 +220,8 @@ impl ConnCount {
             if let Some(slot) = self.try_take() {
                 return slot;
             }
-            freed.await;
+            self.ask_reclaim();
+            let _ = tokio::time::timeout(RECLAIM_EVERY, freed).await;
         }
     }
 }
@@ -266,5 +331,40 @@ mod tests {
         let free = Arc::new(ConnCount::new(0, 0));
         let _slot = free.take("t").await;
         assert_eq!(free.pauses.load(Ordering::Relaxed), 0);
+    }
+
+    /// A wait at the cap asks the open connections for idle ones to close: the signal moves
+    /// on, and a batch of them may; not more. Without a cap there is no signal to watch.
+    #[tokio::test]
+    async fn a_wait_at_the_cap_asks_for_a_batch_of_idle_connections() {
+        let total = Arc::new(ConnCount::new(1, 0));
+        let open = total.try_take().unwrap();
+        let mut signal = open.reclaim_signal().unwrap();
+        assert!(!open.take_reclaim(), "nothing asked yet");
+        let waiting = tokio::spawn({
+            let total = total.clone();
+            async move { total.take("t").await }
+        });
+        tokio::time::timeout(Duration::from_secs(5), signal.changed())
+            .await
+            .expect("asked")
+            .unwrap();
+        let taken = (0..RECLAIM_BATCH * 2)
+            .filter(|_| open.take_reclaim())
+            .count();
+        assert_eq!(taken, RECLAIM_BATCH);
+        assert_eq!(
+            total.reclaimed.load(Ordering::Relaxed),
+            RECLAIM_BATCH as u64
+        );
+        drop(open);
+        let slot = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(total.open(), 1);
+        drop(slot);
+        let free = Arc::new(ConnCount::new(0, 0));
+        assert!(free.try_take().unwrap().reclaim_signal().is_none());
     }
 }
