@@ -1807,3 +1807,83 @@ async fn half_sent_heads_on_every_admin_slot_do_not_keep_a_probe_out() {
     assert!(text.starts_with("HTTP/1.1 200"), "{text:?}");
     drop(held);
 }
+
+/// A WebSocket's exchange is recorded when its tunnel ends, with the bytes it carried both
+/// ways in the route's byte counters; its latency (the request duration histogram) is its
+/// handshake's, not its lifetime. It was recorded at the `101`, with none of its bytes.
+#[tokio::test]
+async fn a_tunnels_bytes_are_counted_when_it_ends_and_its_latency_is_the_handshake() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = upstream(|mut req: http::Request<hyper::body::Incoming>| async move {
+        websocket_echo(&mut req)
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\nname = \"ws\"\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let admin = admin_addr(&gw);
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut head = Vec::new();
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(n > 0);
+        head.extend_from_slice(&buf[..n]);
+    }
+    assert!(head.starts_with(b"HTTP/1.1 101"));
+    // 100 KiB echoed back, over more than the time a handshake takes.
+    let data = vec![7u8; 100 * 1024];
+    s.write_all(&data).await.unwrap();
+    let mut echoed = 0;
+    while echoed < data.len() {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0);
+        echoed += n;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let route = [("route", "ws")];
+    let ex = scrape(admin).await;
+    assert!(
+        ex.find("tailgate_request_duration_seconds_count", &route)
+            .iter()
+            .all(|s| s.value == 0.0),
+        "recorded before the tunnel ended"
+    );
+    drop(s);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let ex = loop {
+        let ex = scrape(admin).await;
+        if ex.value("tailgate_request_duration_seconds_count", &route) == 1.0 {
+            break ex;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the tunnel's exchange was never recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(
+        ex.value("tailgate_request_body_bytes_total", &route),
+        data.len() as f64
+    );
+    assert_eq!(
+        ex.value("tailgate_response_body_bytes_total", &route),
+        data.len() as f64
+    );
+    assert_eq!(
+        ex.value(
+            "tailgate_requests_total",
+            &[("route", "ws"), ("status_class", "1xx")]
+        ),
+        1.0
+    );
+    // The handshake's time, not the tunnel's 2 s and more.
+    let sum = ex.value("tailgate_request_duration_seconds_sum", &route);
+    assert!(sum < 1.5, "{sum} s");
+}

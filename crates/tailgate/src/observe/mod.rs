@@ -29,8 +29,13 @@ pub struct StageTimings {
     pub upstream_connect: Duration,
     /// From sending the request upstream to its response head.
     pub upstream_ttfb: Duration,
-    /// From the start of the request to the end of the response body.
+    /// From the start of the request to the end of the response body (of an upgrade: to
+    /// the end of its tunnel).
     pub total: Duration,
+    /// How long the connection was a tunnel after its `101` (upgrades only). Left out of
+    /// the latency histograms, which take `total` without it (the handshake): a
+    /// WebSocket's hours would swamp a route's request latencies.
+    pub tunnel: Option<Duration>,
 }
 
 /// Everything known about one request/response exchange.
@@ -354,6 +359,14 @@ impl ExchangeRecorder {
     pub fn add_bytes_out(&mut self, n: u64) {
         if let Some(ex) = self.ex.as_mut() {
             ex.bytes_out += n;
+        }
+    }
+
+    /// Counts `n` bytes from the client passed upstream outside a request body (a
+    /// tunnel's) on the exchange's route, as a body's bytes are counted.
+    pub fn add_bytes_in(&self, n: u64) {
+        if let (Some(ex), Some(m)) = (&self.ex, &self.metrics) {
+            m.slot(ex.route, ex.tenant).add_bytes_in(n);
         }
     }
 

@@ -900,17 +900,30 @@ fn forward(
                 let tunnel_conn = conn.clone();
                 let idle = settings.idle_timeout;
                 let admitted = admitted.take();
+                // The exchange is the tunnel's to finish, when it ends (as nginx logs a
+                // WebSocket when it closes): its bytes both ways are counted, and its
+                // lifetime is its total (not its latency, see `StageTimings::tunnel`).
+                let mut rec = rec.take();
+                let opened = Instant::now();
                 tokio::spawn(async move {
                     let _hold = (tunnel_conn, admitted);
                     match client_upgrade.await {
                         Ok(c) => {
                             let mut c = TokioIo::new(c);
-                            if let Err(e) = tunnel::run(&mut c, &mut upstream, idle).await {
+                            let ended = tunnel::run(&mut c, &mut upstream, idle).await;
+                            if let Some(e) = &ended.error {
                                 tracing::debug!(error = %e, "upgraded tunnel ended with an error");
                             }
+                            rec.add_bytes_out(ended.from_upstream);
+                            rec.add_bytes_in(ended.from_client);
                         }
                         Err(e) => tracing::debug!(error = %e, "protocol upgrade failed"),
                     }
+                    let now = Instant::now();
+                    if let Some(ex) = rec.exchange_mut() {
+                        ex.timings.tunnel = Some(now.saturating_duration_since(opened));
+                    }
+                    rec.finish_at(now);
                 });
             }
             headers::remove_hop_by_hop(&mut parts.headers, true);

@@ -9,7 +9,8 @@
 //!
 //! tokio's `copy_bidirectional` does the copying (its buffers, its half-close handling);
 //! the sockets are wrapped only to note when bytes last moved, which the timer reads when
-//! it fires, so a busy tunnel pays no timer update per read or write.
+//! it fires, so a busy tunnel pays no timer update per read or write, and how many bytes
+//! each side's reads took, which [`run`] returns however the tunnel ended.
 
 use std::io;
 use std::pin::Pin;
@@ -38,10 +39,12 @@ impl Moved {
     }
 }
 
-/// One side of the tunnel, noting each read or write that moved bytes.
+/// One side of the tunnel, noting each read or write that moved bytes, and counting the
+/// bytes read from it.
 struct Watched<'a, T> {
     io: &'a mut T,
     moved: &'a Moved,
+    read: u64,
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for Watched<'_, T> {
@@ -55,6 +58,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for Watched<'_, T> {
         let r = Pin::new(&mut *this.io).poll_read(cx, buf);
         if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
             this.moved.now();
+            this.read += (buf.filled().len() - before) as u64;
         }
         r
     }
@@ -83,9 +87,19 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<'_, T> {
     }
 }
 
-/// Copies between `client` and `upstream` until either ends, or until no byte moved either
-/// way for `idle` (`TimedOut`). Returns the bytes copied each way, as `copy_bidirectional`.
-pub async fn run<A, B>(client: &mut A, upstream: &mut B, idle: Duration) -> io::Result<(u64, u64)>
+/// How a tunnel ended: the bytes read from each side (the client's, passed up, and the
+/// upstream's, passed down; a last read's bytes may not all have been written when it
+/// failed), and the error that ended it, if one did.
+#[derive(Debug)]
+pub struct Ended {
+    pub from_client: u64,
+    pub from_upstream: u64,
+    pub error: Option<io::Error>,
+}
+
+/// Copies between `client` and `upstream` until both ends are done, or either fails, or no
+/// byte moved either way for `idle` (`TimedOut`).
+pub async fn run<A, B>(client: &mut A, upstream: &mut B, idle: Duration) -> Ended
 where
     A: AsyncRead + AsyncWrite + Unpin,
     B: AsyncRead + AsyncWrite + Unpin,
@@ -97,29 +111,38 @@ where
     let mut a = Watched {
         io: client,
         moved: &moved,
+        read: 0,
     };
     let mut b = Watched {
         io: upstream,
         moved: &moved,
+        read: 0,
     };
-    let copy = tokio::io::copy_bidirectional(&mut a, &mut b);
-    let mut copy = std::pin::pin!(copy);
-    let timer = tokio::time::sleep_until(moved.idle_until(idle));
-    let mut timer = std::pin::pin!(timer);
-    loop {
-        tokio::select! {
-            done = &mut copy => return done,
-            () = &mut timer => {
-                let until = moved.idle_until(idle);
-                if until <= Instant::now() {
-                    return Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        "no bytes either way for the idle timeout",
-                    ));
+    let error = {
+        let copy = tokio::io::copy_bidirectional(&mut a, &mut b);
+        let mut copy = std::pin::pin!(copy);
+        let timer = tokio::time::sleep_until(moved.idle_until(idle));
+        let mut timer = std::pin::pin!(timer);
+        loop {
+            tokio::select! {
+                done = &mut copy => break done.err(),
+                () = &mut timer => {
+                    let until = moved.idle_until(idle);
+                    if until <= Instant::now() {
+                        break Some(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "no bytes either way for the idle timeout",
+                        ));
+                    }
+                    timer.as_mut().reset(until);
                 }
-                timer.as_mut().reset(until);
             }
         }
+    };
+    Ended {
+        from_client: a.read,
+        from_upstream: b.read,
+        error,
     }
 }
 
@@ -147,7 +170,9 @@ mod tests {
         assert!(!tunnel.is_finished(), "a tunnel with traffic stays up");
         tokio::time::sleep(Duration::from_secs(11)).await;
         let ended = tunnel.await.expect("task");
-        let e = ended.expect_err("a silent tunnel ends");
+        let e = ended.error.expect("a silent tunnel ends");
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        // What moved is counted however it ended.
+        assert_eq!((ended.from_client, ended.from_upstream), (5, 0));
     }
 }

@@ -276,7 +276,9 @@ impl WorkerMetrics {
         }
         slot.bytes_out.fetch_add(ex.bytes_out, Ordering::Relaxed);
         let t = &ex.timings;
-        slot.total.record(t.total);
+        // An upgrade's latency is its handshake's (see `StageTimings::tunnel`).
+        let total = t.total.saturating_sub(t.tunnel.unwrap_or_default());
+        slot.total.record(total);
         // Routing ran to a match (an early 400/413, or no route, has no route time).
         if ex.route.is_some() {
             slot.stages[0].record(t.route);
@@ -296,7 +298,7 @@ impl WorkerMetrics {
         }
         // Only routed requests: a stream of 404s with made-up names cannot fill the table.
         if let (Some(c), Some(name), Some(_)) = (&self.consumers, &ex.consumer, ex.route) {
-            c.record(name.as_bytes(), class, ex.bytes_out, t.total);
+            c.record(name.as_bytes(), class, ex.bytes_out, total);
         }
     }
 
