@@ -213,8 +213,6 @@ impl Gateway {
         let shared = Arc::new(Shared {
             settings: config.server.clone(),
             routes: RouteTable::new(&config),
-            observers: Observers::new(observers),
-            ids: RequestIds::default(),
             connections: Arc::new(ConnCount::new(
                 config.server.max_connections,
                 config.tenants.len(),
@@ -231,6 +229,8 @@ impl Gateway {
                 upstreams: Upstreams::new(&config, &dns, &shared_clusters),
                 shared: shared.clone(),
                 metrics: Arc::new(WorkerMetrics::new(plan.clone())),
+                observers: Observers::new(observers.clone()),
+                ids: RequestIds::default(),
             });
             workers.push(worker.clone());
             let config = config.clone();

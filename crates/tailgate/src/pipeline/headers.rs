@@ -307,8 +307,8 @@ fn lists_token(headers: &HeaderMap, name: &header::HeaderName, token: &str) -> b
         })
 }
 
-/// Request ids: a random per-process prefix and a counter, 24 hex digits; unique without
-/// coordination between workers or processes.
+/// Request ids: a random prefix (one per worker) and a counter, 24 hex digits; unique
+/// without coordination between workers or processes.
 pub struct RequestIds {
     prefix: u64,
     counter: AtomicU64,

@@ -38,8 +38,6 @@ use crate::upstream::{NotSentBody, SendError, UpBody, Upstreams, hedge};
 pub struct Shared {
     pub settings: ServerSettings,
     pub routes: RouteTable,
-    pub observers: Observers,
-    pub ids: RequestIds,
     /// Open client connections over every worker, against `server.max_connections`.
     pub connections: Arc<crate::server::spawner::ConnCount>,
 }
@@ -50,6 +48,13 @@ pub struct Worker {
     pub upstreams: Upstreams,
     /// This worker's metrics (only it writes them; the admin thread renders them).
     pub metrics: Arc<WorkerMetrics>,
+    /// The config version's observers, in an `Arc` of this worker's own: each request
+    /// clones it (its recording holds it), and a count every worker wrote would move
+    /// between their cores at each request.
+    pub observers: Observers,
+    /// Request ids, counted by this worker alone (for the same reason), under a prefix of
+    /// its own.
+    pub ids: RequestIds,
 }
 
 /// What the pipeline knows of the client connection a request came on.
@@ -119,7 +124,7 @@ impl ConnInfo {
 /// metrics and the access log before it is written, as every error is.
 pub fn refusal_response(worker: &Worker, info: &ConnInfo, e: &ProxyError) -> Response<RespBody> {
     let shared = &worker.shared;
-    let id = shared.ids.next();
+    let id = worker.ids.next();
     let mut rec = ExchangeRecorder::new(
         Exchange {
             request_id: id.clone(),
@@ -137,7 +142,7 @@ pub fn refusal_response(worker: &Worker, info: &ConnInfo, e: &ProxyError) -> Res
             timings: StageTimings::default(),
         },
         Instant::now(),
-        shared.observers.clone(),
+        worker.observers.clone(),
         worker.metrics.clone(),
         info.activity.clone(),
     );
@@ -189,7 +194,7 @@ pub fn refuse_request(
 ) -> Response<RespBody> {
     let shared = &worker.shared;
     let settings = &shared.settings;
-    let id = shared
+    let id = worker
         .ids
         .keep_or_new(parts.headers.get(&settings.request_id_header));
     let (e, route, tenant) = match route_request(shared, info, &parts) {
@@ -203,7 +208,7 @@ pub fn refuse_request(
             ..exchange_of(worker, info, &parts, id.clone())
         },
         started,
-        shared.observers.clone(),
+        worker.observers.clone(),
         worker.metrics.clone(),
         info.activity.clone(),
     );
@@ -365,14 +370,14 @@ pub fn handle(
         let settings = &shared.settings;
 
         // 1. Request id first, so every response and log line from here on can carry it.
-        let request_id = shared
+        let request_id = worker
             .ids
             .keep_or_new(parts.headers.get(&settings.request_id_header));
         let exchange = exchange_of(&worker, &conn, &parts, request_id.clone());
         let mut rec = ExchangeRecorder::new(
             exchange,
             started,
-            shared.observers.clone(),
+            worker.observers.clone(),
             worker.metrics.clone(),
             conn.activity.clone(),
         );
@@ -405,7 +410,9 @@ pub fn handle(
 
         // 2. Route: the host decides the tenant, the path and method the route.
         let (route, tenant) = match route_request(shared, &conn, &parts) {
-            Ok((route, tenant)) => (route.clone(), tenant),
+            // Borrowed from the worker this request holds: no count of the route's `Arc`,
+            // which every worker's requests would write.
+            Ok((route, tenant)) => (route, tenant),
             Err(NoRoute { error, tenant }) => {
                 if let Some(ex) = rec.exchange_mut() {
                     ex.tenant = tenant;
@@ -433,7 +440,7 @@ pub fn handle(
         match forward(
             &worker,
             &conn,
-            &route,
+            route,
             parts,
             body,
             &request_id,
