@@ -1887,3 +1887,55 @@ async fn a_tunnels_bytes_are_counted_when_it_ends_and_its_latency_is_the_handsha
     let sum = ex.value("tailgate_request_duration_seconds_sum", &route);
     assert!(sum < 1.5, "{sum} s");
 }
+
+/// An upload that stops after the upstream has answered (an upstream echoing it back as it
+/// comes) is the client's stall, and recorded as `client_body_timeout`: it was blamed on
+/// the upstream (`upstream_body_timeout`), whose answer the gateway waited for.
+#[tokio::test]
+async fn an_upload_stalled_after_the_answer_began_is_the_clients_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = echo_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\nname = \"echo\"\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"500ms\"\n"
+    ));
+    let admin = admin_addr(&gw);
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"POST /e HTTP/1.1\r\nHost: a\r\nContent-Length: 100000\r\n\r\n")
+        .await
+        .unwrap();
+    s.write_all(&[b'x'; 50_000]).await.unwrap();
+    // The answer's head and the echoed half come; then nothing, until the cut.
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+            Err(_) => panic!("never cut off"),
+        }
+    }
+    assert!(
+        got.starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&got[..got.len().min(200)])
+    );
+    let kind = |k: &'static str| [("route", "echo"), ("kind", k)];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let ex = scrape(admin).await;
+        // (A kind never counted has no series.)
+        let count = |k| -> f64 {
+            ex.find("tailgate_request_errors_total", &kind(k))
+                .iter()
+                .map(|s| s.value)
+                .sum()
+        };
+        let (client, upstream) = (count("client_body_timeout"), count("upstream_body_timeout"));
+        if client + upstream > 0.0 {
+            assert_eq!((client, upstream), (1.0, 0.0));
+            break;
+        }
+        assert!(Instant::now() < deadline, "the exchange was never recorded");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

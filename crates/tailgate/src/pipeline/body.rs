@@ -520,7 +520,15 @@ impl Body for RespBody {
                 };
                 let Poll::Ready(polled) = polled else {
                     if up.read_wait.expired(cx) {
-                        up.cut("upstream_body_timeout");
+                        // An upstream that answered before the whole upload came may be
+                        // waiting for the rest of it: then the client stalled (its upload
+                        // stopped), not the upstream.
+                        let code = if up.conn.as_ref().is_some_and(Conn::client_stalled) {
+                            "client_body_timeout"
+                        } else {
+                            "upstream_body_timeout"
+                        };
+                        up.cut(code);
                         return Poll::Ready(Some(Err(Box::new(BodyReadTimeout))));
                     }
                     return Poll::Pending;

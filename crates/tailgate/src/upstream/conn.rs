@@ -298,6 +298,16 @@ impl Conn {
         }
     }
 
+    /// Is the request body still being sent, and waiting on the client for its next
+    /// piece? (HTTP/1.1: the request's task sends it while it reads the response. Over
+    /// HTTP/2 hyper's connection task sends it, unseen here: false.)
+    pub fn client_stalled(&self) -> bool {
+        match &self.sender {
+            Sender::H1(c) => c.client_stalled(),
+            Sender::H2(_) => false,
+        }
+    }
+
     /// Has an HTTP/1.1 response body ended?
     pub fn body_done(&self) -> bool {
         match &self.sender {

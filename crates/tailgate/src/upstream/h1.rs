@@ -192,6 +192,11 @@ pub struct H1Conn {
 }
 
 impl H1Conn {
+    /// See [`Conn::client_stalled`](super::Conn::client_stalled).
+    pub(super) fn client_stalled(&self) -> bool {
+        self.sending.is_some() && self.progress.as_ref().is_some_and(|p| p.client_stalled())
+    }
+
     pub fn new(io: Transport) -> H1Conn {
         H1Conn {
             io,
