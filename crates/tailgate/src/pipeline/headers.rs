@@ -72,52 +72,116 @@ fn lower_eq(raw: &[u8], lower: &[u8]) -> bool {
 /// Returns false when the message carried none of them (nothing was removed).
 pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) -> bool {
     // Most messages carry none of these: one pass over the names (cheap comparisons for
-    // standard headers) spares a dozen hashed removals per message.
-    if !has_hop_by_hop(headers) {
+    // standard headers) spares a dozen hashed removals per message. Many carry one or two
+    // (`Connection: keep-alive` from Python's and Java's clients, and with `Keep-Alive`
+    // from Node's servers): only those found are removed.
+    let found = hop_by_hop_found(headers);
+    if found == 0 {
         if keep_upgrade {
             headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         }
         return false;
     }
-    if headers.contains_key(header::CONNECTION) {
-        // The values copied once (the map changes below); each token looked up as it is,
-        // its name parsed on the stack: no allocation per token, however many a client
-        // sends. A value with bytes past ASCII in it still has its other tokens honoured.
-        let mut named = Vec::new();
-        for v in &headers.get_all(header::CONNECTION) {
-            named.extend_from_slice(v.as_bytes());
-            named.push(b',');
-        }
-        for token in named.split(|&b| b == b',') {
-            let token = token.trim_ascii();
-            if token.is_empty() || keep_upgrade && token.eq_ignore_ascii_case(b"upgrade") {
-                continue;
+    if found & HOP_CONNECTION != 0 {
+        // The headers it names, unless it names none but the `close` and `keep-alive`
+        // options (the usual case: no copy). Then the values copied once (the map changes
+        // below); each token looked up as it is, its name parsed on the stack: no
+        // allocation per token, however many a client sends. A value with bytes past
+        // ASCII in it still has its other tokens honoured.
+        let names_headers = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+            .map(<[u8]>::trim_ascii)
+            .any(|t| !t.is_empty() && !lower_eq(t, b"close") && !lower_eq(t, b"keep-alive"));
+        if names_headers {
+            let mut named = Vec::new();
+            for v in &headers.get_all(header::CONNECTION) {
+                named.extend_from_slice(v.as_bytes());
+                named.push(b',');
             }
-            // Not UTF-8: no header name either.
-            if let Ok(name) = std::str::from_utf8(token) {
-                headers.remove(name);
+            for token in named.split(|&b| b == b',') {
+                let token = token.trim_ascii();
+                if token.is_empty() || keep_upgrade && token.eq_ignore_ascii_case(b"upgrade") {
+                    continue;
+                }
+                // Not UTF-8: no header name either.
+                if let Ok(name) = std::str::from_utf8(token) {
+                    headers.remove(name);
+                }
             }
         }
         headers.remove(header::CONNECTION);
     }
-    headers.remove(&KEEP_ALIVE);
-    headers.remove(&HTTP2_SETTINGS);
-    headers.remove(header::TE);
-    headers.remove(header::TRAILER);
-    headers.remove(header::TRANSFER_ENCODING);
+    for (bit, name) in [
+        (HOP_KEEP_ALIVE, &KEEP_ALIVE),
+        (HOP_HTTP2_SETTINGS, &HTTP2_SETTINGS),
+        (HOP_TE, &header::TE),
+        (HOP_TRAILER, &header::TRAILER),
+        (HOP_TRANSFER_ENCODING, &header::TRANSFER_ENCODING),
+    ] {
+        if found & bit != 0 {
+            headers.remove(name);
+        }
+    }
     // `Proxy-Authenticate`, `Proxy-Authorization`, `Proxy-Connection`, and every other
     // `Proxy-*`; also `Proxy` itself, which CGI-style upstreams turn into `HTTP_PROXY`
     // (httpoxy, CVE-2016-5385).
-    let proxy: Vec<HeaderName> = headers.keys().filter(|n| is_proxy(n)).cloned().collect();
-    for n in proxy {
-        headers.remove(n);
+    if found & HOP_PROXY != 0 {
+        let proxy: Vec<HeaderName> = headers.keys().filter(|n| is_proxy(n)).cloned().collect();
+        for n in proxy {
+            headers.remove(n);
+        }
     }
     if keep_upgrade {
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-    } else {
+    } else if found & HOP_UPGRADE != 0 {
         headers.remove(header::UPGRADE);
     }
     true
+}
+
+const HOP_CONNECTION: u8 = 1;
+const HOP_KEEP_ALIVE: u8 = 2;
+const HOP_TE: u8 = 4;
+const HOP_TRAILER: u8 = 8;
+const HOP_TRANSFER_ENCODING: u8 = 16;
+const HOP_UPGRADE: u8 = 32;
+const HOP_PROXY: u8 = 64;
+/// `HTTP2-Settings`: removed with the others, though alone it is no reason to look (see
+/// [`is_hop_by_hop`]).
+const HOP_HTTP2_SETTINGS: u8 = 128;
+
+/// Which hop-by-hop headers the message carries (`HOP_*` bits; 0: none, `HTTP2-Settings`
+/// alone included). One pass over the names, no lookup.
+fn hop_by_hop_found(headers: &HeaderMap) -> u8 {
+    let mut found = 0;
+    for n in headers.keys() {
+        found |= if n == header::CONNECTION {
+            HOP_CONNECTION
+        } else if n == header::TE {
+            HOP_TE
+        } else if n == header::TRAILER {
+            HOP_TRAILER
+        } else if n == header::TRANSFER_ENCODING {
+            HOP_TRANSFER_ENCODING
+        } else if n == header::UPGRADE {
+            HOP_UPGRADE
+        } else if n == KEEP_ALIVE {
+            HOP_KEEP_ALIVE
+        } else if n == HTTP2_SETTINGS {
+            HOP_HTTP2_SETTINGS
+        } else if is_proxy(n) {
+            HOP_PROXY
+        } else {
+            0
+        };
+    }
+    if found == HOP_HTTP2_SETTINGS {
+        0
+    } else {
+        found
+    }
 }
 
 /// Does the message carry any hop-by-hop header? One pass over the names, no lookup.
@@ -439,6 +503,49 @@ mod tests {
         remove_hop_by_hop(&mut h, true);
         let left: Vec<_> = h.keys().map(|k| k.as_str()).collect();
         assert_eq!(left, ["upgrade", "x-kept", "connection"], "{h:?}");
+    }
+
+    /// The usual shapes: `Connection: keep-alive` (with or without `Keep-Alive`), `close`,
+    /// `HTTP2-Settings` alone (not looked for) or beside another; what names nothing more
+    /// removes only what is there.
+    #[test]
+    fn the_usual_connection_options_remove_what_is_there() {
+        let kept =
+            |h: &HeaderMap| -> Vec<String> { h.keys().map(|k| k.as_str().to_owned()).collect() };
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("Keep-Alive"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        assert!(remove_hop_by_hop(&mut h, false));
+        assert_eq!(kept(&h), ["x-kept"]);
+
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        assert!(remove_hop_by_hop(&mut h, false));
+        assert!(h.is_empty(), "{h:?}");
+
+        let mut h = HeaderMap::new();
+        h.insert(
+            "http2-settings",
+            HeaderValue::from_static("AAMAAABkAAQAAP__"),
+        );
+        assert!(!remove_hop_by_hop(&mut h, false), "alone it is passed on");
+        assert_eq!(kept(&h), ["http2-settings"]);
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        assert!(remove_hop_by_hop(&mut h, false));
+        assert!(h.is_empty(), "{h:?}");
+
+        // Upgrade kept, `Connection` made `upgrade` alone.
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, Upgrade"),
+        );
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        assert!(remove_hop_by_hop(&mut h, true));
+        assert_eq!(h[header::CONNECTION], "upgrade");
+        assert_eq!(h[header::UPGRADE], "websocket");
     }
 
     #[test]

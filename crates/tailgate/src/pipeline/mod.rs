@@ -589,7 +589,7 @@ fn forward(
             host_value.as_ref(),
             (&settings.request_id_header, request_id),
         );
-        if (host_missing || removed)
+        if (host_missing || removed && !parts.headers.contains_key(header::HOST))
             && let Some(h) = &host_value
         {
             parts.headers.insert(header::HOST, h.clone());
