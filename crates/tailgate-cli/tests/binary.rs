@@ -487,6 +487,16 @@ fn a_second_gateway_on_the_same_address_warns_that_it_shares_it() {
         text.contains("another process already listens on this address"),
         "{text}"
     );
+    // And, where the kernel would reset the old one's pending connections when it stops,
+    // what to set for a restart that refuses none.
+    let migrates = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_migrate_req")
+        .ok()
+        .map(|v| v.trim() != "0");
+    assert_eq!(
+        text.contains("net.ipv4.tcp_migrate_req is 0"),
+        migrates == Some(false),
+        "{text}"
+    );
     let first = std::fs::read_to_string(dir.path().join("first.log")).unwrap();
     assert!(!first.contains("already listens"), "{first}");
     let mut second = second;

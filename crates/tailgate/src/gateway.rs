@@ -152,6 +152,12 @@ impl Gateway {
                     listener.addr = %addr,
                     "another process already listens on this address: new connections are shared with it (SO_REUSEPORT) until it stops; stop it, unless this gateway is starting to replace it"
                 );
+                if listener::migrates_pending_connections() == Some(false) {
+                    tracing::warn!(
+                        listener.name = %l.name,
+                        "net.ipv4.tcp_migrate_req is 0: when the other process stops, the kernel resets the connections still in its handshake queue (and any it leaves in its accept queue) rather than handing them to this one; set it to 1 for restarts that refuse no connection"
+                    );
+                }
             }
             let mut sockets = Vec::new();
             for _ in 0..workers {

@@ -46,6 +46,17 @@ pub fn taken_by_another(addr: SocketAddr, dual_stack: bool) -> bool {
     matches!(socket.bind(&addr.into()), Err(e) if e.kind() == std::io::ErrorKind::AddrInUse)
 }
 
+/// Does the kernel move a closing listener's pending connections to another socket of its
+/// SO_REUSEPORT group (`net.ipv4.tcp_migrate_req`, Linux 5.14 and later)? `None` when it
+/// cannot tell (an older kernel, no `/proc`). When not, a gateway that stops while another
+/// shares its address resets the connections whose handshake was not yet complete (their
+/// client's last ACK still on its way) and those past what it takes from its queue at
+/// shutdown: a restart refuses some connections after all.
+pub fn migrates_pending_connections() -> Option<bool> {
+    let v = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_migrate_req").ok()?;
+    Some(v.trim() != "0")
+}
+
 /// Binds `addr` with SO_REUSEPORT (so that each worker can bind its own socket to it),
 /// without listening yet: until it listens, the socket
 /// takes no connection (the kernel leaves it out of the port's SO_REUSEPORT group), so a
