@@ -228,6 +228,7 @@ pub fn main(args: Vec<OsString>, tailgate_exe: PathBuf) -> ExitCode {
             return ExitCode::from(e.exit_code().clamp(0, 255) as u8);
         }
     };
+    crate::scenario::procs::raise_open_files_limit();
     match bench.command {
         Command::Run(a) => run(a),
         Command::Upstream(a) => upstream(a),

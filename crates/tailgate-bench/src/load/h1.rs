@@ -58,13 +58,26 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         request: &[u8],
         head_only: bool,
     ) -> Result<Response, ErrorKind> {
+        // Bytes the last answer did not account for: what follows would be timed against
+        // the wrong request (each answer then taken for the one after it).
+        if !self.buf.is_empty() {
+            return Err(ErrorKind::Protocol);
+        }
         self.io
             .write_all(request)
             .await
             .map_err(|_| ErrorKind::Io)?;
         let (status, body, close, head_len) = loop {
-            if let Some(parsed) = parse_head(&self.buf, head_only)? {
-                break parsed;
+            match parse_head(&self.buf, head_only)? {
+                // An interim answer (`100 Continue`, `103 Early Hints`): the final one
+                // follows; taken for it, it would leave that one to be taken for the next
+                // request's, and every request after would look answered at once.
+                Some((status, _, _, head_len)) if status / 100 == 1 && status != 101 => {
+                    self.buf.advance(head_len);
+                    continue;
+                }
+                Some(parsed) => break parsed,
+                None => {}
             }
             if self.buf.len() > MAX_HEAD {
                 return Err(ErrorKind::Protocol);
@@ -182,7 +195,13 @@ fn parse_head(buf: &[u8], head_only: bool) -> Result<Option<Head>, ErrorKind> {
             let v = std::str::from_utf8(h.value).map_err(|_| ErrorKind::Protocol)?;
             length = Some(v.trim().parse::<u64>().map_err(|_| ErrorKind::Protocol)?);
         } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
-            chunked = h.value.ends_with(b"chunked");
+            // The last coding, in any case (RFC 9112 §6.1: coding names are
+            // case-insensitive).
+            chunked = h
+                .value
+                .rsplit(|&b| b == b',')
+                .next()
+                .is_some_and(|t| t.trim_ascii().eq_ignore_ascii_case(b"chunked"));
         } else if h.name.eq_ignore_ascii_case("connection") {
             if contains_token(h.value, b"close") {
                 close = true;
@@ -259,6 +278,45 @@ mod tests {
         let (r, _) =
             roundtrip(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n").await;
         assert!(r.unwrap().close);
+    }
+
+    /// An interim answer is passed over: the final one is the request's, and the next
+    /// request's answer is not taken from it.
+    #[tokio::test]
+    async fn an_interim_answer_is_not_taken_for_the_final_one() {
+        let (r, rest) = roundtrip(
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok",
+        )
+        .await;
+        assert_eq!(r.unwrap().status, 201);
+        assert_eq!(rest, b"NEXT");
+    }
+
+    #[tokio::test]
+    async fn chunked_is_a_coding_name_in_any_case() {
+        let (r, rest) = roundtrip(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, Chunked \r\n\r\n2\r\nok\r\n0\r\n\r\n",
+        )
+        .await;
+        assert_eq!(r.unwrap().status, 200);
+        assert_eq!(rest, b"NEXT");
+    }
+
+    /// Bytes left over from the last answer make the next exchange fail, not time the
+    /// next request against them.
+    #[tokio::test]
+    async fn bytes_left_over_fail_the_next_exchange() {
+        let (client, mut server) = tokio::io::duplex(256);
+        let mut c = Conn::new(client);
+        server
+            .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\n")
+            .await
+            .unwrap();
+        assert_eq!(c.exchange(b"GET ", false).await.unwrap().status, 200);
+        assert_eq!(
+            c.exchange(b"GET ", false).await.unwrap_err(),
+            ErrorKind::Protocol
+        );
     }
 
     #[tokio::test]

@@ -358,9 +358,56 @@ pub fn cpu_ns(pid: u32) -> Option<u64> {
     Some(total)
 }
 
+/// Raises this process's soft limit on open files to its hard one, before anything is
+/// started: the generator's sockets count against it, and every target it starts (nginx,
+/// HAProxy, the upstream, tailgate) inherits it. tailgate raises its own, and HAProxy sizes
+/// its own, but nginx keeps the soft limit it is given (1024 on many hosts): with more
+/// connections than that it stops accepting, and its latency would be the limit's, not its
+/// own. The same for every target.
+pub fn raise_open_files_limit() {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    if limit.current != limit.maximum {
+        let _ = setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: limit.maximum,
+                maximum: limit.maximum,
+            },
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The soft limit is raised to the hard one, and a target started after sees it (here
+    /// a shell's `ulimit -n`, as nginx would be started).
+    #[test]
+    fn the_open_files_limit_is_raised_for_the_targets_too() {
+        use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+        let limit = getrlimit(Resource::Nofile);
+        let hard = limit.maximum.expect("a finite hard limit");
+        setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: Some(hard - 1),
+                maximum: limit.maximum,
+            },
+        )
+        .expect("lowered");
+        raise_open_files_limit();
+        assert_eq!(getrlimit(Resource::Nofile).current, Some(hard));
+        let out = Command::new("sh")
+            .args(["-c", "ulimit -n"])
+            .output()
+            .expect("sh");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            hard.to_string()
+        );
+    }
 
     /// A descendant's CPU counts toward its ancestor's: a shell whose grandchild spins
     /// (under `timeout`, which ends it whatever happens to the test).
