@@ -618,7 +618,7 @@ impl EndpointPool {
     /// [`Self::checkout`] at `now`, a clock reading the caller already took (the request
     /// path's stage timing), so a request reads the clock once fewer.
     pub async fn checkout_at(self: &Arc<Self>, mut now: Instant) -> Result<Conn, ProxyError> {
-        if self.protocol != Protocol::Http1 {
+        if self.h2_possible() {
             if let Some(conn) = self.checkout_h2().await {
                 return Ok(conn);
             }
@@ -716,10 +716,22 @@ impl EndpointPool {
         }
     }
 
+    /// May a request find an HTTP/2 connection here: an `http2` endpoint, or an `auto` one
+    /// whose server has picked HTTP/2. An `auto` endpoint speaking HTTP/1.1 has none to
+    /// look at, nor to keep warm: looking woke the keeper at every request (its count of
+    /// fresh HTTP/2 connections, none, always short of `min_warm_connections`).
+    fn h2_possible(&self) -> bool {
+        self.protocol == Protocol::Http2
+            || self.protocol == Protocol::Auto && self.h2_seen.load(Ordering::Relaxed)
+    }
+
     /// A stream on an open HTTP/2 connection. While none has room and one is being opened,
     /// waits for it (up to the connect timeout in all) rather than open another: a burst
     /// on a cold endpoint shares one new connection. `None`: the caller opens one.
     async fn checkout_h2(self: &Arc<Self>) -> Option<Conn> {
+        if !self.h2_possible() {
+            return None;
+        }
         let mut deadline = None;
         loop {
             // Idle expiry is the keeper's job (`Duration::MAX` here): a request only drops
@@ -1149,5 +1161,37 @@ mod tests {
         let cancelled = tokio::time::timeout(Duration::from_millis(50), pool.checkout()).await;
         assert!(cancelled.is_err(), "the handshake never completes");
         assert_eq!(pool.h2_connecting.load(Ordering::Relaxed), 0);
+    }
+
+    /// An `auto` endpoint whose server has not picked HTTP/2 has no HTTP/2 connection to
+    /// look for: a request does not wake the keeper for HTTP/2 spares it will never keep.
+    #[tokio::test]
+    async fn an_auto_endpoint_speaking_http1_does_not_wake_the_keeper_per_request() {
+        use futures_util::FutureExt as _;
+        let ck = rcgen::generate_simple_self_signed(vec!["ca.test".to_owned()]).expect("cert");
+        let tmp = tempfile::Builder::new()
+            .prefix("tailgate-pool-")
+            .tempdir()
+            .expect("dir");
+        let dir = tmp.path();
+        std::fs::write(dir.join("ca.pem"), ck.cert.pem()).expect("write");
+        let text = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"https://127.0.0.1:9\"]\nprotocol = \"auto\"\ntls_ca = \"ca.pem\"\nmin_warm_connections = 1\n";
+        let cfg = crate::Config::parse(&dir.join("t.toml"), text).expect("valid config");
+        let gone = Arc::default();
+        let pool = Arc::new(EndpointPool::new(
+            "127.0.0.1:9".parse().expect("addr"),
+            &cfg.clusters[0],
+            &gone,
+            &mut gone.lock(),
+        ));
+        assert!(pool.checkout_h2().await.is_none());
+        assert!(
+            pool.refill.notified().now_or_never().is_none(),
+            "the keeper was woken"
+        );
+        // Once the server picked HTTP/2, its connections are looked for (and kept warm).
+        pool.h2_seen.store(true, Ordering::Relaxed);
+        assert!(pool.checkout_h2().await.is_none());
+        assert!(pool.refill.notified().now_or_never().is_some());
     }
 }
