@@ -207,14 +207,16 @@ impl InFlight<'_> {
 
     /// [`responded`](Self::responded) with the time already read by the caller.
     ///
-    /// A `5xx` counts as a failure's latency at least ([`failed`](Self::failed)): an
-    /// endpoint whose database is gone answers `500` in a fraction of a millisecond, and
-    /// that time as a sample made it the cheapest choice, drawing the traffic to itself
-    /// (all of it, over two endpoints) where outlier detection is off.
+    /// A `5xx` counts as [`FAILURE_SAMPLE`] at least: an endpoint whose database is gone
+    /// answers `500` in a fraction of a millisecond, and that time as a sample made it the
+    /// cheapest choice, drawing the traffic to itself (all of it, over two endpoints) where
+    /// outlier detection is off. Not doubled as a failure with no answer is
+    /// ([`failed`](Self::failed)): an endpoint that sheds load with a `503` between
+    /// successes is never ejected, and doubling at each would grow its estimate to minutes.
     pub fn responded_at(self, status: http::StatusCode, now: Instant) {
         let rtt = now.saturating_duration_since(self.started);
         if status.is_server_error() {
-            self.load.sample_at(rtt.max(self.penalty()), now);
+            self.load.sample_at(rtt.max(FAILURE_SAMPLE), now);
             self.load.failure_of(self.started);
         } else {
             self.load.sample_at(rtt, now);
@@ -287,10 +289,15 @@ impl Drop for InFlight<'_> {
 /// Picks an endpoint index among `n` (n ≥ 1), never one `excluded` says when another
 /// exists (a predicate, not an index: the endpoint to avoid is named by its address, which
 /// may stand in the list more than once). Ejected endpoints are skipped while at least half
-/// of those not excluded are not ejected. Under that, ejection is ignored, as Envoy's panic
-/// threshold (50 % by default) ignores health: the few left would take every other one's
-/// traffic and fail in turn, where spread over all the failing ones' share fails (and a
-/// dead one's requests are sent again elsewhere).
+/// of the cluster's endpoints are not ejected (counted over all of them, the excluded one
+/// too, as Envoy counts: a retry that avoids one healthy endpoint of two healthy and two
+/// ejected must not take the ejected ones), and one not excluded is left. Under that,
+/// ejection is ignored, as Envoy's panic threshold (50 % by default) ignores health: the
+/// few left would take every other one's traffic and fail in turn, where spread over all
+/// the failing ones' share fails (and a dead one's requests are sent again elsewhere).
+///
+/// The threshold is counted only when a drawn endpoint is ejected: the usual pick looks
+/// at its two (or one) endpoints, not at every one.
 pub fn pick<'a>(
     balance: Balance,
     n: usize,
@@ -302,21 +309,14 @@ pub fn pick<'a>(
         return 0;
     }
     let usable = |i: usize| !excluded(i) && !load(i).is_ejected();
-    let (healthy, candidates) = (0..n).fold((0, 0), |(h, c), i| {
-        if excluded(i) {
-            (h, c)
-        } else {
-            (h + usize::from(!load(i).is_ejected()), c + 1)
-        }
-    });
-    let heed_ejection = healthy > 0 && healthy * 2 >= candidates;
-    let ok = |i: usize| {
-        if heed_ejection {
-            usable(i)
-        } else {
-            !excluded(i)
-        }
+    let heed = std::cell::OnceCell::new();
+    let heed_ejection = || {
+        *heed.get_or_init(|| {
+            let healthy = (0..n).filter(|&i| !load(i).is_ejected()).count();
+            healthy * 2 >= n && (0..n).any(usable)
+        })
     };
+    let ok = |i: usize| !excluded(i) && (!load(i).is_ejected() || !heed_ejection());
     match balance {
         Balance::RoundRobin => {
             for _ in 0..n {
@@ -504,12 +504,28 @@ mod tests {
             }
             assert!(hits.iter().all(|&h| h > 100), "{balance:?}: {hits:?}");
         }
-        // With two of the ejected ones excluded, four of eight are healthy: heeded.
+        // Counted over all ten, the excluded ones too: with two of the ejected ones
+        // excluded, four of ten are healthy still, and ejection is still ignored.
         let mut hits = [0u32; 10];
         for _ in 0..4000 {
             hits[super::pick(Balance::P2c, 10, |i| &loads[i], &rr, |i| i < 2)] += 1;
         }
-        assert_eq!(hits[..6].iter().sum::<u32>(), 0, "{hits:?}");
+        assert_eq!(hits[..2].iter().sum::<u32>(), 0, "{hits:?}");
+        assert!(hits[2..6].iter().all(|&h| h > 100), "{hits:?}");
+        // Half ejected, a retry avoiding a healthy one: never to an ejected one (the
+        // excluded one counts among the healthy half); nor when the only one not
+        // excluded is ejected, unless it is the only one left.
+        let half: Vec<EndpointLoad> = (0..4)
+            .map(|_| EndpointLoad::new(1, Duration::from_secs(60)))
+            .collect();
+        half[2].failure();
+        half[3].failure();
+        for balance in [Balance::P2c, Balance::RoundRobin] {
+            for _ in 0..200 {
+                assert_eq!(super::pick(balance, 4, |i| &half[i], &rr, |i| i == 0), 1);
+            }
+            assert_eq!(super::pick(balance, 4, |i| &half[i], &rr, |i| i != 3), 3);
+        }
     }
 
     /// A `5xx` that comes back at once does not make its endpoint look cheap: with ejection
@@ -535,6 +551,13 @@ mod tests {
             .filter(|_| super::pick(Balance::P2c, 2, |i| loads[i], &rr, |_| false) == 0)
             .count();
         assert!(to_good > 500, "{to_good} of 1000 to the healthy endpoint");
+        // And a hundred of them one after another do not compound: the estimate is a
+        // failure's, not minutes.
+        assert!(
+            bad.ewma_ns() <= 1.01 * FAILURE_SAMPLE.as_nanos() as f64,
+            "{}",
+            bad.ewma_ns()
+        );
     }
 
     /// A failure's penalty starts from the estimate as the balancer saw it at the request's
