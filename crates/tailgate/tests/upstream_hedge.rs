@@ -150,6 +150,39 @@ async fn a_first_copy_hung_past_a_held_failure_counts_as_failed_and_no_hedge_won
     );
 }
 
+/// The other way round: the first copy's 5xx held while the copy hangs to the deadline.
+/// The copy timed out, and its endpoint counts a failure; it was only let go, so a hung
+/// endpoint that took hedges escaped ejection.
+#[tokio::test]
+async fn a_copy_hung_past_a_held_failure_counts_as_failed() {
+    let failing = upstream(|_| async {
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        let mut r = http::Response::new(full("down"));
+        *r.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+        r
+    })
+    .await;
+    let (hung, _) = counting(Duration::from_secs(5)).await;
+    // Round robin's first pick is the failing endpoint; the copy, 20 ms on, the hung one.
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{failing}\", \"{hung}\"]\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 1\neject_duration = \"60s\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"20ms\"\nresponse_timeout = \"300ms\"\n"
+    ));
+    assert_eq!(send(gw.addr, http::Method::GET, "/", "").await, 503);
+    let g = gw.gw.as_ref().unwrap();
+    assert_eq!(
+        g.cluster_stat(|c| c.hedges_fired.load(Ordering::Relaxed)),
+        1
+    );
+    let ejections = |addr: SocketAddr| -> u64 {
+        g.endpoint_pools()
+            .iter()
+            .filter(|p| p.addr == addr)
+            .map(|p| p.load.ejections.load(Ordering::Relaxed))
+            .sum()
+    };
+    assert_eq!(ejections(hung), 1, "the hung copy counts as a failure");
+}
+
 /// With one of two endpoints ejected, nothing is hedged to it: requests the healthy,
 /// slow endpoint sits on wait for it, no copy is sent and no hedge budget is spent.
 #[tokio::test]

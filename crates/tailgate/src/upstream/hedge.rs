@@ -185,10 +185,13 @@ impl<'a> Hedge<'a> {
         })
     }
 
-    /// Sends the copy to `pool`; records the outcome on that endpoint's load.
+    /// Sends the copy to `pool`; records the outcome on that endpoint's load. A copy with no
+    /// answer at `deadline` (the response deadline) timed out: a failure of its endpoint,
+    /// as the first copy's is, not a copy let go.
     async fn send(
         self,
         pool: Arc<EndpointPool>,
+        deadline: tokio::time::Instant,
     ) -> Result<(http::Response<UpBody>, Conn), ProxyError> {
         let in_flight = pool.load.start();
         let mut conn = match self.cluster.checkout(&pool).await {
@@ -199,17 +202,23 @@ impl<'a> Hedge<'a> {
                 return Err(e);
             }
         };
-        match conn
-            .send(self.parts, self.added, ReqBody::empty(), None)
-            .await
-        {
-            Ok(resp) => {
+        let sent = tokio::time::timeout_at(
+            deadline,
+            conn.send(self.parts, self.added, ReqBody::empty(), None),
+        )
+        .await;
+        match sent {
+            Ok(Ok(resp)) => {
                 in_flight.responded(resp.status());
                 Ok((resp, conn))
             }
-            Err(e) => {
+            Ok(Err(e)) => {
                 in_flight.failed();
                 Err(ProxyError::UpstreamReset(e.into()))
+            }
+            Err(_) => {
+                in_flight.failed();
+                Err(ProxyError::UpstreamTimeout)
             }
         }
     }
@@ -263,7 +272,7 @@ async fn race_hedged<E>(
         return Raced::Primary(primary.await);
     };
     cluster.stats.hedges_fired.fetch_add(1, Ordering::Relaxed);
-    let mut second = std::pin::pin!(hedge.send(target));
+    let mut second = std::pin::pin!(hedge.send(target, deadline));
     let failed = |r: &http::Response<UpBody>| r.status().is_server_error();
     // The copy's answer is the one used; it won only if it is no failure (a 5xx used
     // because the first copy had nothing better saved no request).
