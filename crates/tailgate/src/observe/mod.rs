@@ -32,10 +32,12 @@ pub struct StageTimings {
     /// From the start of the request to the end of the response body (of an upgrade: to
     /// the end of its tunnel).
     pub total: Duration,
-    /// How long the connection was a tunnel after its `101` (upgrades only). Left out of
-    /// the latency histograms, which take `total` without it (the handshake): a
-    /// WebSocket's hours would swamp a route's request latencies.
-    pub tunnel: Option<Duration>,
+    /// An upgrade's time to its `101` (its handshake), set before its tunnel starts. The
+    /// latency histograms take it in place of `total`, which runs to the tunnel's end: a
+    /// WebSocket's hours would swamp a route's request latencies. (Set first, it holds
+    /// however the tunnel ends: a shutdown's end of the runtime finishes the exchange
+    /// on drop.)
+    pub handshake: Option<Duration>,
 }
 
 /// Everything known about one request/response exchange.

@@ -909,9 +909,12 @@ fn forward(
                 let admitted = admitted.take();
                 // The exchange is the tunnel's to finish, when it ends (as nginx logs a
                 // WebSocket when it closes): its bytes both ways are counted, and its
-                // lifetime is its total (not its latency, see `StageTimings::tunnel`).
+                // lifetime is its total (not its latency, see `StageTimings::handshake`).
+                let handshake = rec.started().elapsed();
+                if let Some(ex) = rec.exchange_mut() {
+                    ex.timings.handshake = Some(handshake);
+                }
                 let mut rec = rec.take();
-                let opened = Instant::now();
                 tokio::spawn(async move {
                     let _hold = (tunnel_conn, admitted);
                     match client_upgrade.await {
@@ -926,11 +929,7 @@ fn forward(
                         }
                         Err(e) => tracing::debug!(error = %e, "protocol upgrade failed"),
                     }
-                    let now = Instant::now();
-                    if let Some(ex) = rec.exchange_mut() {
-                        ex.timings.tunnel = Some(now.saturating_duration_since(opened));
-                    }
-                    rec.finish_at(now);
+                    rec.finish();
                 });
             }
             headers::remove_hop_by_hop(&mut parts.headers, true);

@@ -276,8 +276,8 @@ impl WorkerMetrics {
         }
         slot.bytes_out.fetch_add(ex.bytes_out, Ordering::Relaxed);
         let t = &ex.timings;
-        // An upgrade's latency is its handshake's (see `StageTimings::tunnel`).
-        let total = t.total.saturating_sub(t.tunnel.unwrap_or_default());
+        // An upgrade's latency is its handshake's (see `StageTimings::handshake`).
+        let total = t.handshake.unwrap_or(t.total);
         slot.total.record(total);
         // Routing ran to a match (an early 400/413, or no route, has no route time).
         if ex.route.is_some() {
