@@ -1939,3 +1939,67 @@ async fn an_upload_stalled_after_the_answer_began_is_the_clients_timeout() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The other way: a client that goes on sending while the upstream, which answered at
+/// once, sends nothing of its body (a duplex exchange the upstream stalled) is waiting
+/// for the upstream, and the cut is `upstream_body_timeout`.
+#[tokio::test]
+async fn an_upstream_silent_while_the_upload_moves_is_the_upstreams_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
+        // The upload is read to its end meanwhile; the answer's body never comes.
+        tokio::spawn(async move {
+            let mut body = req.into_body();
+            while let Some(Ok(_)) = body.frame().await {}
+        });
+        type Piece = Result<hyper::body::Frame<Bytes>, Box<dyn std::error::Error + Send + Sync>>;
+        let never = http_body_util::StreamBody::new(futures_util::stream::pending::<Piece>());
+        http::Response::new(never.boxed())
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\nname = \"duplex\"\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"500ms\"\n"
+    ));
+    let admin = admin_addr(&gw);
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"POST /d HTTP/1.1\r\nHost: a\r\nContent-Length: 1000000\r\n\r\n")
+        .await
+        .unwrap();
+    // A piece every 50 ms, well past the response timeout, until the gateway cuts it.
+    let writer = tokio::spawn(async move {
+        let (mut r, mut w) = s.into_split();
+        let sending = async {
+            for _ in 0..60 {
+                if w.write_all(&[b'x'; 1000]).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        let mut sink = Vec::new();
+        let reading = r.read_to_end(&mut sink);
+        tokio::select! {
+            () = sending => {}
+            _ = reading => {}
+        }
+    });
+    let kind = |k: &'static str| [("route", "duplex"), ("kind", k)];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let ex = scrape(admin).await;
+        let count = |k| -> f64 {
+            ex.find("tailgate_request_errors_total", &kind(k))
+                .iter()
+                .map(|s| s.value)
+                .sum()
+        };
+        let (client, upstream) = (count("client_body_timeout"), count("upstream_body_timeout"));
+        if client + upstream > 0.0 {
+            assert_eq!((client, upstream), (0.0, 1.0));
+            break;
+        }
+        assert!(Instant::now() < deadline, "the exchange was never recorded");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    writer.abort();
+}

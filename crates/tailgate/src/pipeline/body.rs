@@ -85,6 +85,11 @@ impl BodyProgress {
         !self.ended.load(Ordering::Relaxed) && self.on_client.load(Ordering::Relaxed)
     }
 
+    /// When the body last moved (or the exchange started).
+    pub fn last_progress(&self) -> Instant {
+        self.since + Duration::from_nanos(self.last.load(Ordering::Relaxed))
+    }
+
     fn moved(&self) {
         let at = self.since.elapsed().as_nanos();
         self.last
@@ -439,6 +444,11 @@ impl ReadWait {
         }
     }
 
+    /// When the wait under way began (`None` between waits).
+    fn began(&self) -> Option<Instant> {
+        self.since
+    }
+
     /// A piece came: the next wait is counted afresh.
     fn got(&mut self) {
         self.since = None;
@@ -522,8 +532,16 @@ impl Body for RespBody {
                     if up.read_wait.expired(cx) {
                         // An upstream that answered before the whole upload came may be
                         // waiting for the rest of it: then the client stalled (its upload
-                        // stopped), not the upstream.
-                        let code = if up.conn.as_ref().is_some_and(Conn::client_stalled) {
+                        // stopped, and moved no more in all the wait), not the upstream.
+                        // (One that went on sending while the upstream said nothing is
+                        // waiting for the upstream, as a duplex stream's client does.)
+                        let began = up.read_wait.began();
+                        let code = if up
+                            .conn
+                            .as_ref()
+                            .zip(began)
+                            .is_some_and(|(c, at)| c.client_stalled_since(at))
+                        {
                             "client_body_timeout"
                         } else {
                             "upstream_body_timeout"

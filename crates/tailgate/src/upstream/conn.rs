@@ -298,12 +298,13 @@ impl Conn {
         }
     }
 
-    /// Is the request body still being sent, and waiting on the client for its next
-    /// piece? (HTTP/1.1: the request's task sends it while it reads the response. Over
-    /// HTTP/2 hyper's connection task sends it, unseen here: false.)
-    pub fn client_stalled(&self) -> bool {
+    /// Is the request body still being sent, waiting on the client for its next piece,
+    /// and has it not moved since `at`? (HTTP/1.1: the request's task sends it while it
+    /// reads the response. Over HTTP/2 hyper's connection task sends it, unseen here:
+    /// false.)
+    pub fn client_stalled_since(&self, at: std::time::Instant) -> bool {
         match &self.sender {
-            Sender::H1(c) => c.client_stalled(),
+            Sender::H1(c) => c.client_stalled_since(at),
             Sender::H2(_) => false,
         }
     }

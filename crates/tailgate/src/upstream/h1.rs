@@ -192,9 +192,13 @@ pub struct H1Conn {
 }
 
 impl H1Conn {
-    /// See [`Conn::client_stalled`](super::Conn::client_stalled).
-    pub(super) fn client_stalled(&self) -> bool {
-        self.sending.is_some() && self.progress.as_ref().is_some_and(|p| p.client_stalled())
+    /// See [`Conn::client_stalled_since`](super::Conn::client_stalled_since).
+    pub(super) fn client_stalled_since(&self, at: std::time::Instant) -> bool {
+        self.sending.is_some()
+            && self
+                .progress
+                .as_ref()
+                .is_some_and(|p| p.client_stalled() && p.last_progress() <= at)
     }
 
     pub fn new(io: Transport) -> H1Conn {
