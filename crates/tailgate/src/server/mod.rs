@@ -223,13 +223,16 @@ async fn first_step<F: Future>(
     let deadline = tokio::time::Instant::now() + limit;
     let mut step = std::pin::pin!(step);
     let mut reclaim = idle.and_then(|slot| Some((slot, slot.reclaim_signal()?)));
+    // Silent for a second at least (see `spawner::RECLAIM_MIN_IDLE`): a client's first
+    // bytes may be on their way.
+    let silent_from = tokio::time::Instant::now() + spawner::RECLAIM_MIN_IDLE;
     let reclaimed = async {
         match reclaim.as_mut() {
             Some((slot, rx)) => loop {
                 if rx.changed().await.is_err() {
                     std::future::pending::<()>().await;
                 }
-                if slot.take_reclaim() {
+                if tokio::time::Instant::now() >= silent_from && slot.take_reclaim() {
                     return;
                 }
             },
@@ -791,10 +794,14 @@ where
     C: Future + Unpin,
     G: FnMut(&mut C) + Unpin,
 {
-    /// No request in flight, no head coming, nothing on its way to the client.
+    /// No request in flight, no head coming, nothing on its way to the client, for
+    /// [`spawner::RECLAIM_MIN_IDLE`] at least.
     fn doing_nothing(&self) -> bool {
         let a = &self.info.activity;
-        a.idle_deadline(self.idle).is_some() && !a.reading_head() && !a.still_sending()
+        a.idle_deadline(spawner::RECLAIM_MIN_IDLE)
+            .is_some_and(|at| at <= std::time::Instant::now())
+            && !a.reading_head()
+            && !a.still_sending()
     }
 
     /// Asks the connection to close as after an idle timeout: it has one more `idle` to

@@ -6,16 +6,16 @@
 //! `server.max_connections`: at the cap the accept loops stop accepting, so that new
 //! connections wait in the kernel's listen queue (as nginx's `worker_connections` and
 //! HAProxy's `maxconn` make them) instead of taking the file descriptors and memory the
-//! open ones need. While an accept loop waits there, open connections that are doing
-//! nothing (idle between requests, or silent since their accept) are asked to close, a
-//! batch at a time, as nginx reuses its idle connections when `worker_connections` run
-//! out: otherwise a client holding the cap's worth of idle connections would keep every
-//! other client out for their whole idle timeout.
+//! open ones need. While an accept loop waits there, open connections that have been
+//! doing nothing for a second (idle between requests, or silent since their accept) are
+//! asked to close, a batch at a time ([`Reclaim`]), as nginx reuses its idle connections
+//! when `worker_connections` run out: otherwise a client holding the cap's worth of idle
+//! connections would keep every other client out for their whole idle timeout.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::pace::Every;
 
@@ -29,13 +29,8 @@ pub struct ConnCount {
     max: usize,
     /// Woken when a connection ends with the count at the cap.
     freed: tokio::sync::Notify,
-    /// Moved on when an accept loop waits at the cap: the open connections see it (see
-    /// [`ConnSlot::reclaim_signal`]), and those doing nothing close, up to
-    /// `reclaim_left` of them.
-    reclaim: tokio::sync::watch::Sender<u64>,
-    reclaim_left: AtomicUsize,
-    /// At most one call for idle connections per [`RECLAIM_EVERY`].
-    reclaim_pace: Every,
+    /// The call for idle connections to close while an accept loop waits at the cap.
+    reclaim: Reclaim,
     /// Idle connections closed to make room under the cap.
     pub reclaimed: AtomicU64,
     /// Connections accepted since the start.
@@ -58,11 +53,103 @@ pub struct ConnCount {
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
 /// While an accept loop waits at the cap: how often the open connections are asked for
-/// idle ones to close, and how many may close each time. nginx frees at most 32 of its
-/// reusable connections each time it runs out. Each call wakes every open connection
-/// once (a busy one only looks and goes on), so it is paced.
+/// idle ones to close, at first and again once one was; the most they are asked for at a
+/// time; and how long a connection must have been doing nothing to be one. Each call wakes
+/// every open connection once, on every worker (a busy one only looks and goes on; the cap
+/// is one count over every worker, so the idle ones are looked for on every worker), so a
+/// call that found none doing nothing is followed by the next one later and later (up to
+/// [`RECLAIM_EVERY_MAX`]): a gateway held at its cap by busy connections is not woken
+/// through and through for nothing. nginx frees at most 32 of its reusable
+/// connections each time it runs out, and an eighth of them when it has fewer than 256.
 const RECLAIM_EVERY: Duration = Duration::from_millis(100);
+const RECLAIM_EVERY_MAX: Duration = Duration::from_secs(5);
 const RECLAIM_BATCH: usize = 32;
+/// A connection idle for less than this is not closed to make room: its client may be
+/// about to send its next request (a close then races it, and a `POST` lost to the race is
+/// one most clients do not send again).
+pub const RECLAIM_MIN_IDLE: Duration = Duration::from_secs(1);
+
+/// The call for idle connections to close, while an accept loop waits at
+/// `server.max_connections` (see the module's doc).
+#[derive(Debug)]
+struct Reclaim {
+    /// Moved on at each call; `None`: no cap, nothing to watch.
+    signal: Option<tokio::sync::watch::Sender<u64>>,
+    /// How many of this call's connections may still close.
+    left: AtomicUsize,
+    /// How many the last call asked for.
+    batch: AtomicUsize,
+    epoch: Instant,
+    /// When the next call may be made (ms from `epoch`; 0: at once), and the pause before
+    /// the one after it.
+    next_ms: AtomicU64,
+    every_ms: AtomicU64,
+}
+
+impl Reclaim {
+    /// `capped`: the config has a `server.max_connections` (else nothing is ever asked).
+    fn new(capped: bool) -> Reclaim {
+        Reclaim {
+            signal: capped.then(|| tokio::sync::watch::Sender::new(0)),
+            left: AtomicUsize::new(0),
+            batch: AtomicUsize::new(0),
+            epoch: Instant::now(),
+            next_ms: AtomicU64::new(0),
+            every_ms: AtomicU64::new(RECLAIM_EVERY.as_millis() as u64),
+        }
+    }
+
+    /// What tells a connection that it is asked (its value moves on); `None` without a
+    /// cap, so that connections then hold and watch nothing.
+    fn signal(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.signal
+            .as_ref()
+            .map(tokio::sync::watch::Sender::subscribe)
+    }
+
+    /// Asks for idle connections to close, if a call is due: `open` connections are open.
+    fn ask(&self, open: usize) {
+        let now = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.ask_at(open, now);
+    }
+
+    fn ask_at(&self, open: usize, now_ms: u64) {
+        let Some(signal) = &self.signal else {
+            return;
+        };
+        let next = self.next_ms.load(Ordering::Relaxed);
+        if now_ms < next {
+            return;
+        }
+        // None of the last call's batch was taken: none was doing nothing then.
+        let every = if next != 0
+            && self.left.load(Ordering::Relaxed) >= self.batch.load(Ordering::Relaxed)
+        {
+            (self.every_ms.load(Ordering::Relaxed) * 2).min(RECLAIM_EVERY_MAX.as_millis() as u64)
+        } else {
+            RECLAIM_EVERY.as_millis() as u64
+        };
+        if self
+            .next_ms
+            .compare_exchange(next, now_ms + every, Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+        {
+            return;
+        }
+        self.every_ms.store(every, Ordering::Relaxed);
+        let batch = (open / 8).clamp(1, RECLAIM_BATCH);
+        self.batch.store(batch, Ordering::Relaxed);
+        self.left.store(batch, Ordering::Relaxed);
+        signal.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// One of this call's batch, if any is left.
+    fn take(&self) -> bool {
+        self.left
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok()
+    }
+}
 
 /// A connection's place in the count over every worker (and, once known, in its tenant's),
 /// given back when dropped.
@@ -90,17 +177,20 @@ impl ConnSlot {
         }
     }
 
-    /// What tells the connection an accept loop waits at `server.max_connections` (its
-    /// value moves on each time the open ones are asked for idle ones to close); `None`
-    /// without a cap, so that connections then hold and watch nothing.
+    /// What tells the connection that idle connections are asked to close (see
+    /// [`Reclaim`]); `None` without a cap, so that connections then hold and watch nothing.
     pub fn reclaim_signal(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
-        self.count.reclaim_signal()
+        self.count.reclaim.signal()
     }
 
     /// The connection, doing nothing when asked, may close to make room: true while the
     /// call's batch lasts (and then it is counted as reclaimed).
     pub fn take_reclaim(&self) -> bool {
-        self.count.take_reclaim()
+        let taken = self.count.reclaim.take();
+        if taken {
+            self.count.reclaimed.fetch_add(1, Ordering::Relaxed);
+        }
+        taken
     }
 }
 
@@ -122,9 +212,7 @@ impl ConnCount {
             open: AtomicUsize::new(0),
             max: if max == 0 { usize::MAX } else { max },
             freed: tokio::sync::Notify::new(),
-            reclaim: tokio::sync::watch::Sender::new(0),
-            reclaim_left: AtomicUsize::new(0),
-            reclaim_pace: Every::new(RECLAIM_EVERY),
+            reclaim: Reclaim::new(max != 0),
             reclaimed: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
             pauses: AtomicU64::new(0),
@@ -154,32 +242,6 @@ impl ConnCount {
         }
     }
 
-    /// See [`ConnSlot::reclaim_signal`].
-    pub fn reclaim_signal(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
-        (self.max != usize::MAX).then(|| self.reclaim.subscribe())
-    }
-
-    /// See [`ConnSlot::take_reclaim`].
-    pub fn take_reclaim(&self) -> bool {
-        let taken = self
-            .reclaim_left
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-            .is_ok();
-        if taken {
-            self.reclaimed.fetch_add(1, Ordering::Relaxed);
-        }
-        taken
-    }
-
-    /// Asks the open connections for idle ones to close (at most once per
-    /// [`RECLAIM_EVERY`], [`RECLAIM_BATCH`] of them).
-    fn ask_reclaim(&self) {
-        if self.reclaim_pace.due() {
-            self.reclaim_left.store(RECLAIM_BATCH, Ordering::Relaxed);
-            self.reclaim.send_modify(|n| *n = n.wrapping_add(1));
-        }
-    }
-
     /// A place for a connection just accepted, if one is free under the cap.
     pub fn try_take(self: &Arc<Self>) -> Option<ConnSlot> {
         self.open
@@ -202,7 +264,7 @@ impl ConnCount {
     /// warning at most every 10 s) until one is free when the cap is reached. The accept
     /// loop that calls it accepts nothing more meanwhile: further connections wait in the
     /// kernel's listen queue. Meanwhile the open connections doing nothing are asked to
-    /// close, a batch every [`RECLAIM_EVERY`] while none frees a place.
+    /// close ([`Reclaim`]).
     pub async fn take(self: &Arc<Self>, listener: &str) -> ConnSlot {
         if let Some(slot) = self.try_take() {
             return slot;
@@ -220,7 +282,7 @@ impl ConnCount {
             if let Some(slot) = self.try_take() {
                 return slot;
             }
-            self.ask_reclaim();
+            self.reclaim.ask(self.open());
             let _ = tokio::time::timeout(RECLAIM_EVERY, freed).await;
         }
     }
@@ -334,7 +396,8 @@ mod tests {
     }
 
     /// A wait at the cap asks the open connections for idle ones to close: the signal moves
-    /// on, and a batch of them may; not more. Without a cap there is no signal to watch.
+    /// on, and a batch of them may (an eighth of those open, one at least);
+    /// not more. Without a cap there is no signal to watch.
     #[tokio::test]
     async fn a_wait_at_the_cap_asks_for_a_batch_of_idle_connections() {
         let total = Arc::new(ConnCount::new(1, 0));
@@ -349,14 +412,9 @@ mod tests {
             .await
             .expect("asked")
             .unwrap();
-        let taken = (0..RECLAIM_BATCH * 2)
-            .filter(|_| open.take_reclaim())
-            .count();
-        assert_eq!(taken, RECLAIM_BATCH);
-        assert_eq!(
-            total.reclaimed.load(Ordering::Relaxed),
-            RECLAIM_BATCH as u64
-        );
+        let taken = (0..4).filter(|_| open.take_reclaim()).count();
+        assert_eq!(taken, 1);
+        assert_eq!(total.reclaimed.load(Ordering::Relaxed), 1);
         drop(open);
         let slot = tokio::time::timeout(Duration::from_secs(5), waiting)
             .await
@@ -366,5 +424,36 @@ mod tests {
         drop(slot);
         let free = Arc::new(ConnCount::new(0, 0));
         assert!(free.try_take().unwrap().reclaim_signal().is_none());
+    }
+
+    /// Calls that find no connection doing nothing come later and later, up to
+    /// `RECLAIM_EVERY_MAX`; one that finds one brings the pace back.
+    #[test]
+    fn calls_that_find_no_idle_connection_slow_down() {
+        let r = Reclaim::new(true);
+        let rx = r.signal().unwrap();
+        let asked = |r: &Reclaim, at: u64| {
+            let before = *rx.borrow();
+            r.ask_at(800, at);
+            *rx.borrow() != before
+        };
+        assert!(asked(&r, 0));
+        assert_eq!(r.left.load(Ordering::Relaxed), RECLAIM_BATCH.min(100));
+        assert!(!asked(&r, 50), "paced");
+        // Nothing taken: 200 ms, then 400 ms, ...
+        assert!(asked(&r, 100));
+        assert!(!asked(&r, 250));
+        assert!(asked(&r, 300));
+        assert!(!asked(&r, 650));
+        assert!(asked(&r, 700));
+        let mut at = 700;
+        for _ in 0..10 {
+            at += RECLAIM_EVERY_MAX.as_millis() as u64;
+            assert!(asked(&r, at));
+        }
+        // One taken: the next call 100 ms on.
+        assert!(r.take());
+        assert!(asked(&r, at + RECLAIM_EVERY_MAX.as_millis() as u64));
+        assert!(asked(&r, at + RECLAIM_EVERY_MAX.as_millis() as u64 + 100));
     }
 }
