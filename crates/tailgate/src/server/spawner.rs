@@ -8,7 +8,7 @@
 //! HAProxy's `maxconn` make them) instead of taking the file descriptors and memory the
 //! open ones need. While an accept loop waits there, open connections that have been
 //! doing nothing for a second (idle between requests, or silent since their accept) are
-//! asked to close, a batch at a time ([`Reclaim`]), as nginx reuses its idle connections
+//! asked to close, a batch at a time (`Reclaim`), as nginx reuses its idle connections
 //! when `worker_connections` run out: otherwise a client holding the cap's worth of idle
 //! connections would keep every other client out for their whole idle timeout.
 
@@ -178,7 +178,7 @@ impl ConnSlot {
     }
 
     /// What tells the connection that idle connections are asked to close (see
-    /// [`Reclaim`]); `None` without a cap, so that connections then hold and watch nothing.
+    /// `Reclaim`); `None` without a cap, so that connections then hold and watch nothing.
     pub fn reclaim_signal(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
         self.count.reclaim.signal()
     }
@@ -264,7 +264,7 @@ impl ConnCount {
     /// warning at most every 10 s) until one is free when the cap is reached. The accept
     /// loop that calls it accepts nothing more meanwhile: further connections wait in the
     /// kernel's listen queue. Meanwhile the open connections doing nothing are asked to
-    /// close ([`Reclaim`]).
+    /// close (`Reclaim`).
     pub async fn take(self: &Arc<Self>, listener: &str) -> ConnSlot {
         if let Some(slot) = self.try_take() {
             return slot;

@@ -15,7 +15,9 @@
 //!   when it is due for rotation.
 //! - Rotation: a connection is retired after `max_requests` requests or `max_lifetime`,
 //!   before the server's own limit; for HTTP/1.1 the server's limit is learned from its
-//!   closes (the same count twice in a row) and the pool then rotates one request earlier.
+//!   closes (the same count [`LEARN_AGREEMENTS`] times in a row) and the pool then rotates
+//!   one request earlier. Without warm spares, a connection's successor is opened when it
+//!   has one request left.
 //! - `https://` endpoints: TCP, then a TLS handshake with the cluster's shared client config
 //!   (see [`super::tls`]), so replacements resume the TLS session; all of the above works
 //!   the same over TLS. With [`Protocol::Auto`], ALPN picks the protocol per connection.
@@ -258,7 +260,9 @@ pub struct EndpointPool {
     /// `Some` for an `https://` endpoint.
     tls: Option<EndpointTls>,
     refill: Notify,
-    /// Uses at the last server close, to learn its limit.
+    /// Woken when a connection has one request left before its rotation and no keeper
+    /// runs to replace it (see [`Self::owe_ahead`]).
+    ahead: Notify,
     /// Uses at the last server close after a success, how many closes in a row agreed on
     /// it, and when a limit was learned (seconds since `epoch`).
     close_uses: AtomicU32,
@@ -317,6 +321,7 @@ impl EndpointPool {
             min_warm: cluster.min_warm_connections,
             tls: cluster.tls.as_ref().map(|t| EndpointTls::new(t, addr)),
             refill: Notify::new(),
+            ahead: Notify::new(),
             close_uses: AtomicU32::new(0),
             close_agreements: AtomicU32::new(0),
             learned_at_s: AtomicU64::new(0),
@@ -485,6 +490,9 @@ impl EndpointPool {
             self.owe_replacement();
             return;
         }
+        if cap > 0 && uses + 1 == cap {
+            self.owe_ahead();
+        }
         if self
             .max_lifetime
             .is_some_and(|l| conn.created.elapsed() >= l)
@@ -548,6 +556,28 @@ impl EndpointPool {
         self.refill.notify_one();
     }
 
+    /// A connection has one request left before its rotation. With no warm spares kept
+    /// (`min_warm_connections` 0, the default), nothing would open its successor before
+    /// the request after that one needs it, and that request would pay for the connect
+    /// the rotation was to spare it (seed 004's spike, one request earlier): the successor
+    /// is opened now, in the background, ready when the connection is retired. (With warm
+    /// spares the keeper replaces it, and a spare is there meanwhile.)
+    fn owe_ahead(&self) {
+        if self.min_warm > 0 {
+            return;
+        }
+        let owed = self
+            .owed
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                ((n as usize) < self.max_idle).then_some(n + 1)
+            });
+        if owed.is_ok() {
+            // The keeper of an `auto` or `http2` endpoint, or the sweeper of an `http1` one.
+            self.refill.notify_one();
+            self.ahead.notify_one();
+        }
+    }
+
     /// Takes one owed replacement, if any.
     fn take_owed(&self) -> bool {
         self.owed
@@ -558,6 +588,13 @@ impl EndpointPool {
     /// An idle connection goes to the first request queued for one, if any, else to the
     /// idle list.
     pub(super) fn put(&self, idle: Idle) {
+        self.put_at(idle, false);
+    }
+
+    /// [`put`](Self::put), as the coldest idle connection when `last`: taken after every
+    /// other (a successor opened ahead of a rotation must not take its predecessor's last
+    /// request; the predecessor, left idle short of its cap, would never be rotated).
+    fn put_at(&self, idle: Idle, last: bool) {
         let idle = match &self.limit {
             Some(limit) => match limit.hand_idle(idle) {
                 Some(idle) => idle,
@@ -579,7 +616,11 @@ impl EndpointPool {
         if list.len() >= self.max_idle {
             list.pop_front();
         }
-        list.push_back(idle);
+        if last {
+            list.push_front(idle);
+        } else {
+            list.push_back(idle);
+        }
     }
 
     /// The most recently used idle connection, and how many stay idle after it.
@@ -985,12 +1026,14 @@ impl EndpointPool {
                     Ok(Opened::H1(conn)) => {
                         self.stats.preconnects.fetch_add(1, Ordering::Relaxed);
                         let now = Instant::now();
-                        self.put(Idle {
+                        let idle = Idle {
                             conn,
                             since: now,
                             created: now,
                             uses: 0,
-                        });
+                        };
+                        // Without warm spares, opened only ahead of a rotation.
+                        self.put_at(idle, self.min_warm == 0);
                         backoff = Duration::from_millis(100);
                     }
                     Ok(Opened::H2(..)) => {
@@ -1013,16 +1056,53 @@ impl EndpointPool {
     /// and then, so that those past `idle_timeout` and those the server closed (left in
     /// CLOSE_WAIT) are closed when traffic stops, not at the next request. On a timer of its
     /// own, not woken by the requests' takes (that would be a task wake-up per request).
+    ///
+    /// Woken also, once per rotation, to open a connection's successor ahead of it
+    /// ([`Self::owe_ahead`]).
     async fn sweep_idle(self: Arc<Self>) {
         let tick = self
             .idle_timeout
             .clamp(Duration::from_millis(100), SWEEP_TICK);
         loop {
-            tokio::time::sleep(tick).await;
+            let _ = tokio::time::timeout(tick, self.ahead.notified()).await;
             if self.retired.load(Ordering::Relaxed) || self.parked_upkeep() {
                 return;
             }
             self.idle_len();
+            while !self.is_parked() && self.owed.load(Ordering::Relaxed) > 0 {
+                // A place under `max_connections_per_endpoint` too; with none free, the
+                // connections open are in use and the rotated one's place will be its
+                // successor's then.
+                let permit = match &self.limit {
+                    None => None,
+                    Some(limit) => match limit.try_take() {
+                        Some(p) => Some(p),
+                        None => break,
+                    },
+                };
+                if !self.take_owed() {
+                    break;
+                }
+                match self.open(false, permit).await {
+                    Ok(Opened::H1(conn)) => {
+                        self.stats.preconnects.fetch_add(1, Ordering::Relaxed);
+                        let now = Instant::now();
+                        let idle = Idle {
+                            conn,
+                            since: now,
+                            created: now,
+                            uses: 0,
+                        };
+                        self.put_at(idle, true);
+                    }
+                    // (An `http1` endpoint opens no HTTP/2 connection.)
+                    Ok(Opened::H2(..)) => {}
+                    Err(e) => {
+                        tracing::debug!(upstream.addr = %self.addr, error = %e, "connection opened ahead of a rotation failed");
+                        break;
+                    }
+                }
+            }
         }
     }
 
