@@ -648,6 +648,27 @@ async fn silent_connection_is_found_by_ping_and_replaced() {
     assert_eq!(*seen.processed.lock().unwrap(), ["/1", "/2"]);
 }
 
+/// Without PINGs (the default), a connection gone silent is found by a response that timed
+/// out with nothing at all read on it since its stream started: it takes no new streams,
+/// and the next request opens a fresh connection. It stayed the shared connection, and
+/// every request timed out on it, until the kernel gave up on it.
+#[tokio::test]
+async fn a_connection_silent_for_a_whole_response_timeout_takes_no_new_streams() {
+    let (up, seen, silence) = silencing_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nprotocol = \"http2\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"300ms\"\n"
+    ));
+    assert_eq!(get(gw.addr, "/1").await.status(), 200);
+    silence.notify_one();
+    // (Time for the server to take the notice and stop reading.)
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(get(gw.addr, "/2").await.status(), 504);
+    assert_eq!(get(gw.addr, "/3").await.status(), 200);
+    assert_eq!(get(gw.addr, "/4").await.status(), 200);
+    assert_eq!(seen.conns.load(Ordering::SeqCst), 2);
+    assert_eq!(*seen.processed.lock().unwrap(), ["/1", "/3", "/4"]);
+}
+
 // ---- over TLS ----------------------------------------------------------------------
 
 /// `protocol = "auto"`: ALPN offers h2 and http/1.1; an h2 server gets one multiplexed

@@ -776,6 +776,7 @@ fn forward(
             Ok(resp) => resp,
             Err(SendError::TimedOut) => {
                 in_flight.failed();
+                up.timed_out();
                 return Err(ProxyError::UpstreamTimeout);
             }
             Err(e) => {

@@ -309,6 +309,22 @@ impl Conn {
         }
     }
 
+    /// The response to this exchange did not come in time. Over HTTP/2, if nothing at all
+    /// came on the connection since the exchange's stream started (no frame of any stream,
+    /// no PING), the connection itself has gone silent (its server's host gone without a
+    /// FIN, a NAT or load balancer that dropped it while idle): it takes no new streams,
+    /// which would time out in turn until the kernel gave up on it (a quarter of an hour),
+    /// and the next request opens a fresh one. (HTTP/1.1: a connection that timed out is
+    /// never reused.)
+    pub fn timed_out(&self) {
+        if let Some(slot) = &self._slot
+            && slot.silent_since_start()
+        {
+            tracing::debug!(upstream.addr = %self.pool.addr, "HTTP/2 connection silent for a whole response timeout; no new streams on it");
+            self.pool.forget_h2(slot);
+        }
+    }
+
     /// Has an HTTP/1.1 response body ended?
     pub fn body_done(&self) -> bool {
         match &self.sender {
@@ -448,7 +464,7 @@ pub(super) async fn handshake_h2<I>(
     addr: SocketAddr,
     endpoint_limit: Arc<AtomicUsize>,
     keepalive: Option<(Duration, Duration)>,
-) -> Result<(http2::SendRequest<ReqBody>, Arc<AtomicUsize>), ProxyError>
+) -> Result<(http2::SendRequest<ReqBody>, Arc<super::multiplex::H2Live>), ProxyError>
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -473,24 +489,25 @@ where
             .keep_alive_while_idle(true);
     }
     let kick = Arc::new(AtomicWaker::new());
+    let live = Arc::new(super::multiplex::H2Live::new(assumed));
     let io = KickOnRead {
         io,
         kick: kick.clone(),
         left: KICKED_READS,
+        live: live.clone(),
     };
     let (sender, conn) = builder
         .handshake(TokioIo::new(io))
         .await
         .map_err(|e| ProxyError::UpstreamReset(e.into()))?;
-    let max_streams = Arc::new(AtomicUsize::new(assumed));
-    let published = max_streams.clone();
+    let published = live.clone();
     let mut conn = Box::pin(conn);
     tokio::spawn(async move {
         let ended = std::future::poll_fn(|cx| {
             kick.register(cx.waker());
             let r = conn.as_mut().poll(cx);
             let limit = conn.current_max_send_streams();
-            published.store(limit, Ordering::Relaxed);
+            published.max_streams.store(limit, Ordering::Relaxed);
             endpoint_limit.store(limit, Ordering::Relaxed);
             r
         })
@@ -499,18 +516,20 @@ where
             tracing::debug!(upstream.addr = %addr, error = %e, "upstream HTTP/2 connection ended with an error");
         }
     });
-    Ok((sender, max_streams))
+    Ok((sender, live))
 }
 
 /// Reads from an HTTP/2 server that wake the connection's dispatch task: enough to cover the
 /// server's first SETTINGS, few enough to cost nothing per request afterwards.
 const KICKED_READS: u8 = 4;
 
-/// A transport that wakes `kick` on its first `left` reads.
+/// A transport that wakes `kick` on its first `left` reads, and counts the reads that
+/// bring bytes in `live`.
 struct KickOnRead<I> {
     io: I,
     kick: Arc<AtomicWaker>,
     left: u8,
+    live: Arc<super::multiplex::H2Live>,
 }
 
 impl<I: AsyncRead + Unpin> AsyncRead for KickOnRead<I> {
@@ -520,10 +539,16 @@ impl<I: AsyncRead + Unpin> AsyncRead for KickOnRead<I> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let this = &mut *self;
+        let before = buf.filled().len();
         let r = Pin::new(&mut this.io).poll_read(cx, buf);
-        if this.left > 0 && matches!(r, Poll::Ready(Ok(()))) {
-            this.left -= 1;
-            this.kick.wake();
+        if matches!(r, Poll::Ready(Ok(()))) {
+            if buf.filled().len() > before {
+                this.live.reads.fetch_add(1, Ordering::Relaxed);
+            }
+            if this.left > 0 {
+                this.left -= 1;
+                this.kick.wake();
+            }
         }
         r
     }

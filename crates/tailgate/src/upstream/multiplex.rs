@@ -17,12 +17,31 @@ use hyper::client::conn::http2;
 use super::pool::PoolStats;
 use crate::pipeline::body::ReqBody;
 
+/// What an HTTP/2 connection's transport and task publish for the requests sharing it.
+#[derive(Debug)]
+pub(super) struct H2Live {
+    /// The server's concurrent-stream limit, as the connection's task last saw it.
+    pub(super) max_streams: AtomicUsize,
+    /// Reads that brought bytes from the server: a stream whose response timed out with
+    /// none since it started was on a connection gone silent (see
+    /// [`StreamSlot::silent_since_start`]).
+    pub(super) reads: AtomicU64,
+}
+
+impl H2Live {
+    pub(super) fn new(max_streams: usize) -> H2Live {
+        H2Live {
+            max_streams: AtomicUsize::new(max_streams),
+            reads: AtomicU64::new(0),
+        }
+    }
+}
+
 /// One shared HTTP/2 connection.
 pub(super) struct H2Conn {
     pub(super) sender: http2::SendRequest<ReqBody>,
     pub(super) created: Instant,
-    /// The server's concurrent-stream limit, as published by the connection's task.
-    max_concurrent: Arc<AtomicUsize>,
+    live: Arc<H2Live>,
     /// Streams started on it, for rotation.
     streams: AtomicU32,
     /// Streams in flight now.
@@ -52,6 +71,16 @@ impl H2Conn {
 /// response read to the end, or dropped).
 pub(super) struct StreamSlot {
     conn: Arc<H2Conn>,
+    /// The connection's reads when the stream started.
+    reads_at_start: u64,
+}
+
+impl StreamSlot {
+    /// Has nothing come from the server on this stream's connection since the stream
+    /// started (no frame of any stream, no PING, no SETTINGS)?
+    pub(super) fn silent_since_start(&self) -> bool {
+        self.conn.live.reads.load(Ordering::Relaxed) == self.reads_at_start
+    }
 }
 
 impl Drop for StreamSlot {
@@ -150,18 +179,14 @@ impl H2Set {
     pub(super) fn take(&self) -> Option<(http2::SendRequest<ReqBody>, StreamSlot, Instant)> {
         let list = self.conns.lock().unwrap_or_else(PoisonError::into_inner);
         let c = list.iter().find(|c| {
-            (c.active.load(Ordering::Relaxed) as usize) < c.max_concurrent.load(Ordering::Relaxed)
+            (c.active.load(Ordering::Relaxed) as usize) < c.live.max_streams.load(Ordering::Relaxed)
         })?;
         Some(Self::slot(c))
     }
 
     /// Adds a new connection; returns when it was opened.
-    pub(super) fn add(
-        &self,
-        sender: http2::SendRequest<ReqBody>,
-        max_concurrent: Arc<AtomicUsize>,
-    ) -> Instant {
-        let c = Self::new_conn(sender, max_concurrent);
+    pub(super) fn add(&self, sender: http2::SendRequest<ReqBody>, live: Arc<H2Live>) -> Instant {
+        let c = Self::new_conn(sender, live);
         let created = c.created;
         self.push(c);
         created
@@ -172,22 +197,19 @@ impl H2Set {
     pub(super) fn add_and_take(
         &self,
         sender: http2::SendRequest<ReqBody>,
-        max_concurrent: Arc<AtomicUsize>,
+        live: Arc<H2Live>,
     ) -> (http2::SendRequest<ReqBody>, StreamSlot, Instant) {
-        let c = Self::new_conn(sender, max_concurrent);
+        let c = Self::new_conn(sender, live);
         let taken = Self::slot(&c);
         self.push(c);
         taken
     }
 
-    fn new_conn(
-        sender: http2::SendRequest<ReqBody>,
-        max_concurrent: Arc<AtomicUsize>,
-    ) -> Arc<H2Conn> {
+    fn new_conn(sender: http2::SendRequest<ReqBody>, live: Arc<H2Live>) -> Arc<H2Conn> {
         Arc::new(H2Conn {
             sender,
             created: Instant::now(),
-            max_concurrent,
+            live,
             streams: AtomicU32::new(0),
             active: AtomicU32::new(0),
             last_used_ms: AtomicU64::new(0),
@@ -223,6 +245,10 @@ impl H2Set {
         c.active.fetch_add(1, Ordering::Relaxed);
         c.touch();
         c.streams.fetch_add(1, Ordering::Relaxed);
-        (c.sender.clone(), StreamSlot { conn: c.clone() }, c.created)
+        let slot = StreamSlot {
+            conn: c.clone(),
+            reads_at_start: c.live.reads.load(Ordering::Relaxed),
+        };
+        (c.sender.clone(), slot, c.created)
     }
 }

@@ -1183,10 +1183,11 @@ impl Drop for H2Connecting<'_> {
 /// A connection after its HTTP handshake.
 enum Handshaken {
     H1(Box<H1Conn>),
-    /// With the server's concurrent-stream limit as the connection task last saw it.
+    /// With what its transport and task publish (the server's concurrent-stream limit as
+    /// the task last saw it, the reads).
     H2(
         hyper::client::conn::http2::SendRequest<ReqBody>,
-        Arc<std::sync::atomic::AtomicUsize>,
+        Arc<super::multiplex::H2Live>,
     ),
 }
 
