@@ -245,6 +245,9 @@ pub struct EndpointPool {
     /// HTTP/2 connects under way, and their end (success or not).
     h2_connecting: AtomicU32,
     h2_opened: Notify,
+    /// HTTP/2-capable connects that failed (their waiters fail with them, see
+    /// [`Self::checkout_h2`]).
+    h2_failed: AtomicU64,
     /// An HTTP/2 connection was made to this endpoint (for [`Protocol::Auto`]).
     h2_seen: AtomicBool,
     /// The server's concurrent-stream limit as its connections last saw it (0: unknown).
@@ -310,6 +313,7 @@ impl EndpointPool {
             ),
             h2_connecting: AtomicU32::new(0),
             h2_opened: Notify::new(),
+            h2_failed: AtomicU64::new(0),
             h2_seen: AtomicBool::new(false),
             h2_stream_limit: Arc::default(),
             h2_keepalive_interval: cluster.http2_keepalive_interval,
@@ -660,7 +664,7 @@ impl EndpointPool {
     /// path's stage timing), so a request reads the clock once fewer.
     pub async fn checkout_at(self: &Arc<Self>, mut now: Instant) -> Result<Conn, ProxyError> {
         if self.h2_possible() {
-            if let Some(conn) = self.checkout_h2().await {
+            if let Some(conn) = self.checkout_h2().await? {
                 return Ok(conn);
             }
             // The HTTP/2 path may have waited for a connection being opened.
@@ -769,11 +773,18 @@ impl EndpointPool {
     /// A stream on an open HTTP/2 connection. While none has room and one is being opened,
     /// waits for it (up to the connect timeout in all) rather than open another: a burst
     /// on a cold endpoint shares one new connection. `None`: the caller opens one.
-    async fn checkout_h2(self: &Arc<Self>) -> Option<Conn> {
+    ///
+    /// When the connect waited for fails, or the wait reaches the connect timeout, the
+    /// request fails as that connect did (and fails over as a request whose own connect
+    /// failed): opening a connect of its own each would turn a burst on an endpoint that
+    /// hangs (a SYN dropped, a TLS handshake never answered) into a connect per request,
+    /// each request waiting twice the connect timeout.
+    async fn checkout_h2(self: &Arc<Self>) -> Result<Option<Conn>, ProxyError> {
         if !self.h2_possible() {
-            return None;
+            return Ok(None);
         }
         let mut deadline = None;
+        let failed_before = self.h2_failed.load(Ordering::Relaxed);
         loop {
             // Idle expiry is the keeper's job (`Duration::MAX` here): a request only drops
             // closed connections and hands over rotated ones.
@@ -782,12 +793,15 @@ impl EndpointPool {
                 self.refill.notify_one();
             }
             if let Some(conn) = self.take_h2_stream() {
-                return Some(conn);
+                return Ok(Some(conn));
             }
-            let h2_expected =
-                self.protocol == Protocol::Http2 || self.h2_seen.load(Ordering::Relaxed);
-            if !h2_expected || self.h2_connecting.load(Ordering::Relaxed) == 0 {
-                return None;
+            if deadline.is_some() && self.h2_failed.load(Ordering::Relaxed) != failed_before {
+                return Err(ProxyError::UpstreamConnect(std::io::Error::other(
+                    "the connection this request waited for failed to open",
+                )));
+            }
+            if self.h2_connecting.load(Ordering::Relaxed) == 0 {
+                return Ok(None);
             }
             let now = Instant::now();
             let deadline = *deadline.get_or_insert_with(|| {
@@ -798,7 +812,7 @@ impl EndpointPool {
             });
             let left = deadline.saturating_duration_since(now);
             if left.is_zero() {
-                return None;
+                return Err(ProxyError::ConnectTimeout);
             }
             // Registered before the next await, so the end of that connect is not missed
             // (this worker runs nothing else in between).
@@ -917,7 +931,13 @@ impl EndpointPool {
                     Opened::H2(s, None, created)
                 })
             }
-            Err(e) => Err(e),
+            Err(e) => {
+                // (Before the guard's drop wakes the requests waiting for it.)
+                if self.protocol != Protocol::Http1 {
+                    self.h2_failed.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e)
+            }
         }
     }
 
@@ -1244,6 +1264,60 @@ mod tests {
         assert_eq!(pool.h2_connecting.load(Ordering::Relaxed), 0);
     }
 
+    /// A burst on an endpoint that hangs (TCP accepted, TLS never answered) shares one
+    /// connect, and fails with it: the requests that waited for it did not each open one
+    /// of their own when it failed (twenty connects, each request waiting twice the
+    /// connect timeout).
+    #[tokio::test]
+    async fn a_burst_waiting_for_a_connect_that_fails_fails_with_it() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = accepted.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = l.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                held.push(s);
+            }
+        });
+        let ck = rcgen::generate_simple_self_signed(vec!["ca.test".to_owned()]).expect("cert");
+        let tmp = tempfile::Builder::new()
+            .prefix("tailgate-pool-")
+            .tempdir()
+            .expect("dir");
+        let dir = tmp.path();
+        std::fs::write(dir.join("ca.pem"), ck.cert.pem()).expect("write");
+        let text = format!(
+            "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"https://{addr}\"]\nprotocol = \"http2\"\ntls_ca = \"ca.pem\"\nconnect_timeout = \"300ms\"\n"
+        );
+        let cfg = crate::Config::parse(&dir.join("t.toml"), &text).expect("valid config");
+        let gone = Arc::default();
+        let pool = Arc::new(EndpointPool::new(
+            addr,
+            &cfg.clusters[0],
+            &gone,
+            &mut gone.lock(),
+        ));
+        let burst: Vec<_> = (0..20)
+            .map(|_| {
+                let pool = pool.clone();
+                tokio::spawn(async move { pool.checkout().await.map(|_| ()) })
+            })
+            .collect();
+        for b in burst {
+            let r = tokio::time::timeout(Duration::from_secs(5), b)
+                .await
+                .expect("ends within the connect timeout")
+                .expect("task");
+            assert!(r.as_ref().is_err_and(ProxyError::is_no_connection), "{r:?}");
+        }
+        let n = accepted.load(Ordering::SeqCst);
+        assert!(n <= 2, "{n} connects for one burst");
+    }
+
     /// An `auto` endpoint whose server has not picked HTTP/2 has no HTTP/2 connection to
     /// look for: a request does not wake the keeper for HTTP/2 spares it will never keep.
     #[tokio::test]
@@ -1265,14 +1339,14 @@ mod tests {
             &gone,
             &mut gone.lock(),
         ));
-        assert!(pool.checkout_h2().await.is_none());
+        assert!(pool.checkout_h2().await.expect("no error").is_none());
         assert!(
             pool.refill.notified().now_or_never().is_none(),
             "the keeper was woken"
         );
         // Once the server picked HTTP/2, its connections are looked for (and kept warm).
         pool.h2_seen.store(true, Ordering::Relaxed);
-        assert!(pool.checkout_h2().await.is_none());
+        assert!(pool.checkout_h2().await.expect("no error").is_none());
         assert!(pool.refill.notified().now_or_never().is_some());
     }
 }
