@@ -1231,3 +1231,26 @@ async fn a_replay_after_a_slow_upload_has_its_own_response_timeout() {
     let g = gw.gw.as_ref().unwrap();
     assert_eq!(g.pool_stat(|s| s.retries.load(Ordering::Relaxed)), 1);
 }
+
+/// Connections closed on their return because `max_idle_per_endpoint` were idle already
+/// are counted, under `idle_cap`: they were closed under no reason at all.
+#[tokio::test]
+async fn connections_past_max_idle_are_counted_when_closed() {
+    let up = raw_upstream(|_, _| Act::AnswerSlowly).await;
+    let gw = gateway(up.addr, "max_idle_per_endpoint = 1");
+    let burst: Vec<_> = (0..3)
+        .map(|i| {
+            let addr = gw.addr;
+            tokio::spawn(async move { get_on(&mut h1_client(addr).await, &format!("/{i}")).await })
+        })
+        .collect();
+    for b in burst {
+        assert_eq!(b.await.unwrap(), 200);
+    }
+    assert_eq!(up.conns.load(Ordering::SeqCst), 3);
+    let g = gw.gw.as_ref().unwrap();
+    assert_eq!(
+        g.pool_stat(|s| s.retired_idle_cap.load(Ordering::Relaxed)),
+        2
+    );
+}

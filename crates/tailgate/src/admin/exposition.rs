@@ -397,7 +397,7 @@ struct EndpointSums {
     connects_on_request: u64,
     preconnects: u64,
     reuses: u64,
-    retired: [u64; 4],
+    retired: [u64; 5],
     retries: u64,
     refused_resends: u64,
     connect_failures: u64,
@@ -444,6 +444,7 @@ impl EndpointSums {
         self.retired[1] += l(&s.retired_lifetime);
         self.retired[2] += l(&s.retired_idle);
         self.retired[3] += l(&s.closed_by_server);
+        self.retired[4] += l(&s.retired_idle_cap);
         self.retries += l(&s.retries);
         self.refused_resends += l(&s.refused_resends);
         self.connect_failures += l(&s.connect_failures);
@@ -633,9 +634,15 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
     for (c, eps, _) in &clusters {
         for e in eps {
             let l = label(c, e);
-            for (i, reason) in ["max_requests", "lifetime", "idle", "closed_by_server"]
-                .iter()
-                .enumerate()
+            for (i, reason) in [
+                "max_requests",
+                "lifetime",
+                "idle",
+                "closed_by_server",
+                "idle_cap",
+            ]
+            .iter()
+            .enumerate()
             {
                 let r = format!("reason=\"{reason}\"");
                 w.counter(

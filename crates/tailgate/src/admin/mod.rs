@@ -832,6 +832,7 @@ fn stats(state: &AdminState) -> serde_json::Value {
                             "retired_max_requests": l(&s.retired_max_requests),
                             "retired_lifetime": l(&s.retired_lifetime),
                             "retired_idle": l(&s.retired_idle),
+                            "retired_idle_cap": l(&s.retired_idle_cap),
                             "closed_by_server": l(&s.closed_by_server),
                             "retries": l(&s.retries),
                             "refused_resends": l(&s.refused_resends),

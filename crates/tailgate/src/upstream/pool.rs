@@ -73,6 +73,8 @@ pub struct PoolStats {
     pub retired_max_requests: AtomicU64,
     pub retired_lifetime: AtomicU64,
     pub retired_idle: AtomicU64,
+    /// Idle connections closed because `max_idle_per_endpoint` were idle already.
+    pub retired_idle_cap: AtomicU64,
     /// The server closed it (`Connection: close`, FIN, reset, or an HTTP/2 GOAWAY).
     pub closed_by_server: AtomicU64,
     /// Requests sent again on a fresh connection after a pooled one failed.
@@ -116,6 +118,7 @@ impl PoolStats {
         add(&self.retired_max_requests, &other.retired_max_requests);
         add(&self.retired_lifetime, &other.retired_lifetime);
         add(&self.retired_idle, &other.retired_idle);
+        add(&self.retired_idle_cap, &other.retired_idle_cap);
         add(&self.closed_by_server, &other.closed_by_server);
         add(&self.retries, &other.retries);
         add(&self.refused_resends, &other.refused_resends);
@@ -606,7 +609,11 @@ impl EndpointPool {
             },
             None => idle,
         };
-        if self.max_idle == 0 || self.retired.load(Ordering::Relaxed) {
+        if self.retired.load(Ordering::Relaxed) {
+            return;
+        }
+        if self.max_idle == 0 {
+            self.stats.retired_idle_cap.fetch_add(1, Ordering::Relaxed);
             return;
         }
         let mut list = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
@@ -619,6 +626,7 @@ impl EndpointPool {
         }
         if list.len() >= self.max_idle {
             list.pop_front();
+            self.stats.retired_idle_cap.fetch_add(1, Ordering::Relaxed);
         }
         if last {
             list.push_front(idle);
