@@ -536,17 +536,18 @@ impl Body for RespBody {
                         // (One that went on sending while the upstream said nothing is
                         // waiting for the upstream, as a duplex stream's client does.)
                         let began = up.read_wait.began();
-                        let code = if up
+                        let client = up
                             .conn
                             .as_ref()
                             .zip(began)
-                            .is_some_and(|(c, at)| c.client_stalled_since(at))
-                        {
-                            "client_body_timeout"
+                            .is_some_and(|(c, at)| c.client_stalled_since(at));
+                        // (Each code written at its `cut`, where a test of the kinds
+                        // finds it.)
+                        if client {
+                            up.cut("client_body_timeout");
                         } else {
-                            "upstream_body_timeout"
-                        };
-                        up.cut(code);
+                            up.cut("upstream_body_timeout");
+                        }
                         return Poll::Ready(Some(Err(Box::new(BodyReadTimeout))));
                     }
                     return Poll::Pending;
