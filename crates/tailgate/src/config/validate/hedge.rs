@@ -44,6 +44,19 @@ impl Checker<'_> {
             }
             return None;
         }
+        if d < Duration::from_millis(1) {
+            // Timers fire on the millisecond: a shorter delay is no delay.
+            self.err(
+                Some(v.span()),
+                field,
+                format!(
+                    "a delay of {} is shorter than the timers' 1ms tick: every request would be sent twice at once",
+                    humantime::format_duration(d)
+                ),
+                Some("write at least \"1ms\", e.g. a delay near the route's usual p95 such as \"50ms\", or \"p95\""),
+            );
+            return None;
+        }
         Some(HedgeDelay::Fixed(d))
     }
 
@@ -99,6 +112,15 @@ mod tests {
         let errs = parse(&route("31d")).expect_err("too long").to_string();
         assert!(errs.contains("longer than 30 days"), "{errs}");
         assert!(!errs.contains("longer than 0"), "{errs}");
+    }
+
+    /// Under the timers' 1 ms tick a delay is none: refused, as timeouts are.
+    #[test]
+    fn a_delay_under_a_millisecond_is_refused() {
+        let errs = parse(&route("500us")).expect_err("too short").to_string();
+        assert!(errs.contains("shorter than the timers' 1ms tick"), "{errs}");
+        assert!(errs.contains("t.toml:"), "{errs}");
+        parse(&route("1ms")).expect("valid");
     }
 
     #[test]
