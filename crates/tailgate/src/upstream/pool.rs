@@ -46,6 +46,12 @@ use crate::pipeline::error::ProxyError;
 /// Closes in a row after the same number of successful requests that teach the server's
 /// limit.
 const LEARN_AGREEMENTS: u32 = 3;
+/// A spare the server closes sooner than this after its connect, before any request was
+/// sent on it, counts against the endpoint as a failed connect does (see
+/// `EndpointPool::died_young`): a server that accepts and closes at once (at its own
+/// connection limit, say) would otherwise have the keeper reopen its spares at every
+/// request, several connects per request against a server already overloaded.
+const DIED_YOUNG: Duration = Duration::from_secs(1);
 /// How long a learned limit is trusted before it is learned again.
 const LEARNED_TTL: Duration = Duration::from_secs(600);
 /// The longest between two looks over a pool's idle connections when no keeper runs: how
@@ -251,6 +257,9 @@ pub struct EndpointPool {
     /// HTTP/2-capable connects that failed (their waiters fail with them, see
     /// [`Self::checkout_h2`]).
     h2_failed: AtomicU64,
+    /// Spares found closed by the server before their first request, within
+    /// [`DIED_YOUNG`] of their connect: the keeper backs off as after a failed connect.
+    died_young: AtomicU32,
     /// An HTTP/2 connection was made to this endpoint (for [`Protocol::Auto`]).
     h2_seen: AtomicBool,
     /// The server's concurrent-stream limit as its connections last saw it (0: unknown).
@@ -317,6 +326,7 @@ impl EndpointPool {
             h2_connecting: AtomicU32::new(0),
             h2_opened: Notify::new(),
             h2_failed: AtomicU64::new(0),
+            died_young: AtomicU32::new(0),
             h2_seen: AtomicBool::new(false),
             h2_stream_limit: Arc::default(),
             h2_keepalive_interval: cluster.http2_keepalive_interval,
@@ -687,6 +697,7 @@ impl EndpointPool {
             // without a system call).
             if idle.conn.idle_closed() {
                 self.stats.closed_by_server.fetch_add(1, Ordering::Relaxed);
+                self.note_died_young(&idle, now);
                 continue;
             }
             // Aged out while idle: never send on a connection past its lifetime.
@@ -1025,6 +1036,8 @@ impl EndpointPool {
             return self.sweep_idle().await;
         }
         let mut backoff = Duration::from_millis(100);
+        // When a spare last died young (see `died_young`).
+        let mut last_death: Option<Instant> = None;
         loop {
             if self.retired.load(Ordering::Relaxed) {
                 return;
@@ -1050,6 +1063,17 @@ impl EndpointPool {
                 if !missing && !self.take_owed() {
                     break;
                 }
+                // Spares the server closed as soon as they were opened: backed off as
+                // after a failed connect, until none has died so for a while.
+                if self.died_young.swap(0, Ordering::Relaxed) > 0 {
+                    tracing::debug!(upstream.addr = %self.addr, "warm connections closed by the server as soon as opened; backing off");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    last_death = Some(Instant::now());
+                } else if last_death.is_some_and(|at| at.elapsed() >= DIED_YOUNG * 5) {
+                    last_death = None;
+                    backoff = Duration::from_millis(100);
+                }
                 match self.open(false, permit).await {
                     Ok(Opened::H1(conn)) => {
                         self.stats.preconnects.fetch_add(1, Ordering::Relaxed);
@@ -1062,7 +1086,9 @@ impl EndpointPool {
                         };
                         // Without warm spares, opened only ahead of a rotation.
                         self.put_at(idle, self.min_warm == 0);
-                        backoff = Duration::from_millis(100);
+                        if last_death.is_none() {
+                            backoff = Duration::from_millis(100);
+                        }
                     }
                     Ok(Opened::H2(..)) => {
                         self.stats.preconnects.fetch_add(1, Ordering::Relaxed);
@@ -1159,15 +1185,25 @@ impl EndpointPool {
         idle + fresh < self.min_warm || (fresh == 0 && due > 0)
     }
 
+    /// An idle connection found closed by the server: one that never carried a request and
+    /// lived less than [`DIED_YOUNG`] is noted for the keeper's backoff.
+    fn note_died_young(&self, idle: &Idle, now: Instant) {
+        if idle.uses == 0 && now.saturating_duration_since(idle.created) < DIED_YOUNG {
+            self.died_young.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// Idle HTTP/1.1 connections held now (still open).
     /// Those the server closed count as `closed_by_server`, those past `idle_timeout` as
     /// `retired_idle`, as at a checkout.
     pub fn idle_len(&self) -> usize {
+        let now = Instant::now();
         let mut list = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         let (mut closed, mut expired) = (0u64, 0u64);
         list.retain_mut(|i| {
             if i.conn.idle_closed() {
                 closed += 1;
+                self.note_died_young(i, now);
                 false
             } else if i.since.elapsed() >= self.idle_timeout {
                 expired += 1;
