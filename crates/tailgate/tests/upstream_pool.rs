@@ -1283,3 +1283,17 @@ async fn spares_closed_as_soon_as_opened_make_the_keeper_back_off() {
         "{n} connects for {requests} requests: the keeper did not back off"
     );
 }
+
+/// An address listed twice (a crude weight) is one endpoint to a retry: a connect that
+/// failed is not tried again at the same address, with the retry budget spent on it.
+#[tokio::test]
+async fn a_failed_connect_is_not_retried_at_the_same_address_listed_twice() {
+    let held = dead_port();
+    let dead = held.addr();
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{dead}\", \"{dead}\"]\nretry_budget_percent = 100\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    assert_eq!(get_on(&mut h1_client(gw.addr).await, "/").await, 502);
+    let g = gw.gw.as_ref().unwrap();
+    assert_eq!(g.pool_stat(|s| s.retries.load(Ordering::Relaxed)), 0);
+}

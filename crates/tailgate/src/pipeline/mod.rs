@@ -641,7 +641,7 @@ fn forward(
             Err(e)
                 if (matches!(e, ProxyError::EndpointRemoved) && cluster.endpoint_count() > 0)
                     || (e.is_no_connection()
-                        && cluster.endpoint_count() > 1
+                        && cluster.has_other_address(pool.addr)
                         && cluster.try_spend_retry()) =>
             {
                 in_flight.ended_by(&e);

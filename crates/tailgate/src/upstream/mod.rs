@@ -324,6 +324,12 @@ impl ClusterPools {
         self.endpoints.load().len()
     }
 
+    /// Does the cluster have an endpoint at an address other than `avoid` (ejected or not)?
+    /// An address listed twice (a crude weight) is one endpoint to a retry.
+    pub fn has_other_address(&self, avoid: SocketAddr) -> bool {
+        self.endpoints.load().iter().any(|p| p.addr != avoid)
+    }
+
     /// A connection to `pool`; a failed connect to a resolved address asks for an early
     /// re-resolution of the cluster's names (the name may have moved: failover).
     pub async fn checkout(&self, pool: &Arc<EndpointPool>) -> Result<Conn, ProxyError> {
