@@ -1297,3 +1297,45 @@ async fn a_failed_connect_is_not_retried_at_the_same_address_listed_twice() {
     let g = gw.gw.as_ref().unwrap();
     assert_eq!(g.pool_stat(|s| s.retries.load(Ordering::Relaxed)), 0);
 }
+
+/// A request replayed on a fresh connection, after the pooled one it was sent on closed
+/// under it, has the fresh connection's connect in its connect stage (and its time to first
+/// byte counted from the resend): it was recorded as sent on a kept-alive connection with
+/// no connect, the connect and the failed send hidden in its time to first byte.
+#[tokio::test]
+async fn a_replayed_requests_connect_is_in_its_connect_stage() {
+    let up = raw_upstream(|i, _| if i == 1 { Act::Answer } else { Act::Drop }).await;
+    let gw = TestGateway::start(&format!(
+        "[admin]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{}\"]\n[[route]]\nname = \"r\"\npath_prefix = \"/\"\ncluster = \"up\"\n",
+        up.addr
+    ));
+    let g = gw.gw.as_ref().unwrap();
+    let admin = g.admin_addr().unwrap();
+    let connect_stage = || async move {
+        let (text, _) = raw(
+            admin,
+            b"GET /metrics HTTP/1.0\r\nHost: a\r\n\r\n",
+            Duration::from_secs(5),
+        )
+        .await;
+        let body = &text[text.find("\r\n\r\n").unwrap() + 4..];
+        let ex = common::prom::parse(body, false).unwrap();
+        let with = [("route", "r"), ("stage", "upstream_connect")];
+        (
+            ex.value("tailgate_request_stage_duration_seconds_count", &with),
+            ex.value("tailgate_request_stage_duration_seconds_sum", &with),
+        )
+    };
+    let mut c = h1_client(gw.addr).await;
+    assert_eq!(get_on(&mut c, "/warm").await, 200);
+    let (n1, sum1) = connect_stage().await;
+    assert_eq!(n1, 1.0);
+    assert_eq!(get_on(&mut c, "/get").await, 200);
+    assert_eq!(g.pool_stat(|s| s.retries.load(Ordering::Relaxed)), 1);
+    let (n2, sum2) = connect_stage().await;
+    assert_eq!(n2, 2.0);
+    assert!(
+        sum2 > sum1,
+        "the replay's connect was not counted: {sum1} then {sum2}"
+    );
+}

@@ -681,7 +681,7 @@ fn forward(
         // from a pool that may have waited (for an HTTP/2 connection, or in the queue of
         // `max_connections_per_endpoint`), it is read: the response deadline counts from
         // the send, not from before the wait.
-        let (t_send, connect_time) = if up.reused && !retried && pool.reuse_never_waits() {
+        let (mut t_send, connect_time) = if up.reused && !retried && pool.reuse_never_waits() {
             (t_connect, Duration::ZERO)
         } else {
             let t = Instant::now();
@@ -786,7 +786,7 @@ fn forward(
                 // nothing after an upload that moved its deadline on as it went (a slow
                 // one that kept moving), and the resend would end at once in a `504`.
                 let left = || remaining(route.response_timeout, total_deadline);
-                let (resent, moved) = match e {
+                let (resent, moved, timing) = match e {
                     // The connection closed before the request was written: sending it
                     // again on a fresh connection is always safe, whatever the method.
                     SendError::NotSent(NotSentBody(body)) if up.reused => {
@@ -827,7 +827,7 @@ fn forward(
                         pool.count_retry();
                         send_on_new(cluster, &mut up, &parts, &added, body, left(), again).await
                     }
-                    e => (Ok(Err(e)), None),
+                    e => (Ok(Err(e)), None, None),
                 };
                 // The resend went to another endpoint, since no connection to this one
                 // could be had: this one's part ends with that failure, and the other's
@@ -855,6 +855,20 @@ fn forward(
                 // streamed past what a copy holds) says the server is busy or closing, not
                 // broken: not counted against the endpoint.
                 let refused = matches!(&resent, Err(e) if e.refused_before_processing());
+                // Its time ran out on its connection, as a first send's does.
+                if matches!(resent, Err(SendError::TimedOut)) {
+                    in_flight.failed();
+                    up.timed_out();
+                    return Err(ProxyError::UpstreamTimeout);
+                }
+                // The exchange's connect and time to first byte are the resend's.
+                if let Some(t) = timing {
+                    t_send = t.sent_at;
+                    if let Some(ex) = rec.exchange_mut() {
+                        ex.timings.upstream_connect += t.connect;
+                        ex.reused_connection = up.reused;
+                    }
+                }
                 match resent.map_err(classify_send_error) {
                     Ok(resp) => resp,
                     Err(e) => {
@@ -1021,10 +1035,23 @@ type Resent = Result<Result<Response<UpBody>, SendError>, ProxyError>;
 type ResentOn = (
     Resent,
     Option<(ProxyError, Arc<crate::upstream::EndpointPool>)>,
+    Option<ResendTiming>,
 );
 
+/// When a resend was sent, and what getting its connection took (its replacement's
+/// connect, or two): the exchange's connect stage and time to first byte are the resend's,
+/// not a failed send's time taken for the upstream's.
+#[derive(Clone, Copy)]
+struct ResendTiming {
+    connect: Duration,
+    sent_at: Instant,
+}
+
 /// Sends the request again on `up`'s replacement (see `Conn::replacement`: a fresh
-/// HTTP/1.1 connection, or a shared HTTP/2 one), within `left`.
+/// HTTP/1.1 connection, or a shared HTTP/2 one), its response due within `left` from now,
+/// as a first send's is: the connection keeps the deadline, which a request body still
+/// streaming moves on as it goes (and a client that stalls it is told so), where a fixed
+/// timeout around it all cut a slow upload short with a `504` blamed on the upstream.
 ///
 /// With `again` (a second copy of the body), `up`'s HTTP/2 connection may carry it (the
 /// server reset only the request's stream); if that connection turns it away unsent (it
@@ -1049,9 +1076,35 @@ fn send_on_new<'a>(
 ) -> std::pin::Pin<Box<impl std::future::Future<Output = ResentOn> + 'a>> {
     Box::pin(async move {
         let mut moved = None;
-        let resend = async {
-            *up = replace_or_move(cluster, up, again.is_some(), &mut moved).await?;
-            let sent = up.send(parts, added, body, None).await;
+        let mut timing: Option<ResendTiming> = None;
+        let deadline = Instant::now() + left;
+        // The connection, within what is left of the time (a connect that would outlast it
+        // is cut short there).
+        let connect =
+            async |up: &mut crate::upstream::Conn,
+                   keep_h2: bool,
+                   moved: &mut Option<(ProxyError, Arc<crate::upstream::EndpointPool>)>,
+                   timing: &mut Option<ResendTiming>|
+                   -> Result<(), ProxyError> {
+                let t0 = Instant::now();
+                let replaced = tokio::time::timeout_at(
+                    deadline.into(),
+                    replace_or_move(cluster, up, keep_h2, moved),
+                )
+                .await
+                .unwrap_or(Err(ProxyError::UpstreamTimeout))?;
+                *up = replaced;
+                let t1 = Instant::now();
+                let before = timing.map_or(Duration::ZERO, |t| t.connect);
+                *timing = Some(ResendTiming {
+                    connect: before + (t1 - t0),
+                    sent_at: t1,
+                });
+                Ok(())
+            };
+        let resent = async {
+            connect(up, again.is_some(), &mut moved, &mut timing).await?;
+            let sent = up.send(parts, added, body, Some(deadline)).await;
             match sent {
                 Err(e) if matches!(e, SendError::NotSent(_)) || e.refused_before_processing() => {
                     // (The copy is made only now.)
@@ -1062,16 +1115,14 @@ fn send_on_new<'a>(
                     if e.refused_before_processing() {
                         up.pool.count_refused_resend();
                     }
-                    *up = replace_or_move(cluster, up, false, &mut moved).await?;
-                    Ok(up.send(parts, added, body, None).await)
+                    connect(up, false, &mut moved, &mut timing).await?;
+                    Ok(up.send(parts, added, body, Some(deadline)).await)
                 }
                 sent => Ok(sent),
             }
-        };
-        let resent = tokio::time::timeout(left, resend)
-            .await
-            .unwrap_or(Err(ProxyError::UpstreamTimeout));
-        (resent, moved)
+        }
+        .await;
+        (resent, moved, timing)
     })
 }
 
