@@ -697,7 +697,7 @@ impl EndpointPool {
             // without a system call).
             if idle.conn.idle_closed() {
                 self.stats.closed_by_server.fetch_add(1, Ordering::Relaxed);
-                self.note_died_young(&idle, now);
+                self.note_died_young(&idle);
                 continue;
             }
             // Aged out while idle: never send on a connection past its lifetime.
@@ -1186,9 +1186,10 @@ impl EndpointPool {
     }
 
     /// An idle connection found closed by the server: one that never carried a request and
-    /// lived less than [`DIED_YOUNG`] is noted for the keeper's backoff.
-    fn note_died_young(&self, idle: &Idle, now: Instant) {
-        if idle.uses == 0 && now.saturating_duration_since(idle.created) < DIED_YOUNG {
+    /// lived less than [`DIED_YOUNG`] is noted for the keeper's backoff. (The clock is read
+    /// only for such a one: `idle_len` runs at each wake of the keeper.)
+    fn note_died_young(&self, idle: &Idle) {
+        if idle.uses == 0 && idle.created.elapsed() < DIED_YOUNG {
             self.died_young.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -1197,13 +1198,12 @@ impl EndpointPool {
     /// Those the server closed count as `closed_by_server`, those past `idle_timeout` as
     /// `retired_idle`, as at a checkout.
     pub fn idle_len(&self) -> usize {
-        let now = Instant::now();
         let mut list = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         let (mut closed, mut expired) = (0u64, 0u64);
         list.retain_mut(|i| {
             if i.conn.idle_closed() {
                 closed += 1;
-                self.note_died_young(i, now);
+                self.note_died_young(i);
                 false
             } else if i.since.elapsed() >= self.idle_timeout {
                 expired += 1;
