@@ -1963,21 +1963,28 @@ async fn an_upload_stalled_after_the_answer_began_is_the_clients_timeout() {
         "{:?}",
         String::from_utf8_lossy(&got[..got.len().min(200)])
     );
-    let kind = |k: &'static str| [("route", "echo"), ("kind", k)];
+    assert_eq!(body_timeouts(admin, "echo").await, (1.0, 0.0));
+}
+
+/// Once a route's exchange is recorded with one of them: its `client_body_timeout` and
+/// `upstream_body_timeout` counts.
+async fn body_timeouts(admin: SocketAddr, route: &str) -> (f64, f64) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let ex = scrape(admin).await;
         // (A kind never counted has no series.)
         let count = |k| -> f64 {
-            ex.find("tailgate_request_errors_total", &kind(k))
-                .iter()
-                .map(|s| s.value)
-                .sum()
+            ex.find(
+                "tailgate_request_errors_total",
+                &[("route", route), ("kind", k)],
+            )
+            .iter()
+            .map(|s| s.value)
+            .sum()
         };
-        let (client, upstream) = (count("client_body_timeout"), count("upstream_body_timeout"));
-        if client + upstream > 0.0 {
-            assert_eq!((client, upstream), (1.0, 0.0));
-            break;
+        let counts = (count("client_body_timeout"), count("upstream_body_timeout"));
+        if counts.0 + counts.1 > 0.0 {
+            return counts;
         }
         assert!(Instant::now() < deadline, "the exchange was never recorded");
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -2027,23 +2034,6 @@ async fn an_upstream_silent_while_the_upload_moves_is_the_upstreams_timeout() {
             _ = reading => {}
         }
     });
-    let kind = |k: &'static str| [("route", "duplex"), ("kind", k)];
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let ex = scrape(admin).await;
-        let count = |k| -> f64 {
-            ex.find("tailgate_request_errors_total", &kind(k))
-                .iter()
-                .map(|s| s.value)
-                .sum()
-        };
-        let (client, upstream) = (count("client_body_timeout"), count("upstream_body_timeout"));
-        if client + upstream > 0.0 {
-            assert_eq!((client, upstream), (0.0, 1.0));
-            break;
-        }
-        assert!(Instant::now() < deadline, "the exchange was never recorded");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    assert_eq!(body_timeouts(admin, "duplex").await, (0.0, 1.0));
     writer.abort();
 }

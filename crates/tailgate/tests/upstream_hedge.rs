@@ -80,6 +80,15 @@ async fn slow_and_failing(delay: Duration, response_timeout: &str) -> TestGatewa
     ))
 }
 
+/// Times the endpoint at `addr` was ejected, over every worker.
+fn ejections_of(g: &tailgate::Gateway, addr: SocketAddr) -> u64 {
+    g.endpoint_pools()
+        .iter()
+        .filter(|p| p.addr == addr)
+        .map(|p| p.load.ejections.load(Ordering::Relaxed))
+        .sum()
+}
+
 /// A hedge's fast 5xx does not beat the first copy's slower success: a request the slow,
 /// healthy endpoint sits on is hedged to one that fails at once with 503, and still gets
 /// the slow endpoint's 200.
@@ -131,13 +140,7 @@ async fn a_first_copy_hung_past_a_held_failure_counts_as_failed_and_no_hedge_won
         1
     );
     assert_eq!(g.cluster_stat(|c| c.hedges_won.load(Ordering::Relaxed)), 0);
-    let ejections = |addr: SocketAddr| -> u64 {
-        g.endpoint_pools()
-            .iter()
-            .filter(|p| p.addr == addr)
-            .map(|p| p.load.ejections.load(Ordering::Relaxed))
-            .sum()
-    };
+    let ejections = |addr| ejections_of(g, addr);
     assert_eq!(
         ejections(failing),
         1,
@@ -173,13 +176,7 @@ async fn a_copy_hung_past_a_held_failure_counts_as_failed() {
         g.cluster_stat(|c| c.hedges_fired.load(Ordering::Relaxed)),
         1
     );
-    let ejections = |addr: SocketAddr| -> u64 {
-        g.endpoint_pools()
-            .iter()
-            .filter(|p| p.addr == addr)
-            .map(|p| p.load.ejections.load(Ordering::Relaxed))
-            .sum()
-    };
+    let ejections = |addr| ejections_of(g, addr);
     assert_eq!(ejections(hung), 1, "the hung copy counts as a failure");
 }
 

@@ -1270,6 +1270,29 @@ enum Opened {
 mod tests {
     use super::*;
 
+    /// A pool for `https://{addr}` with `extra` cluster settings (a CA of its own, which
+    /// no server here speaks); the directory holds the CA file while the pool lives.
+    fn tls_pool(addr: SocketAddr, extra: &str) -> (Arc<EndpointPool>, tempfile::TempDir) {
+        let ck = rcgen::generate_simple_self_signed(vec!["ca.test".to_owned()]).expect("cert");
+        let tmp = tempfile::Builder::new()
+            .prefix("tailgate-pool-")
+            .tempdir()
+            .expect("dir");
+        std::fs::write(tmp.path().join("ca.pem"), ck.cert.pem()).expect("write");
+        let text = format!(
+            "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"https://{addr}\"]\ntls_ca = \"ca.pem\"\n{extra}\n"
+        );
+        let cfg = crate::Config::parse(&tmp.path().join("t.toml"), &text).expect("valid config");
+        let gone = Arc::default();
+        let pool = Arc::new(EndpointPool::new(
+            addr,
+            &cfg.clusters[0],
+            &gone,
+            &mut gone.lock(),
+        ));
+        (pool, tmp)
+    }
+
     /// A request that goes away while its connect is under way must not leave the pool
     /// believing a connect is still coming (later requests would wait for it in vain).
     #[tokio::test]
@@ -1285,24 +1308,7 @@ mod tests {
                 held.push(s);
             }
         });
-        let ck = rcgen::generate_simple_self_signed(vec!["ca.test".to_owned()]).expect("cert");
-        let tmp = tempfile::Builder::new()
-            .prefix("tailgate-pool-")
-            .tempdir()
-            .expect("dir");
-        let dir = tmp.path();
-        std::fs::write(dir.join("ca.pem"), ck.cert.pem()).expect("write");
-        let text = format!(
-            "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"https://{addr}\"]\nprotocol = \"http2\"\ntls_ca = \"ca.pem\"\nconnect_timeout = \"10s\"\n"
-        );
-        let cfg = crate::Config::parse(&dir.join("t.toml"), &text).expect("valid config");
-        let gone = Arc::default();
-        let pool = Arc::new(EndpointPool::new(
-            addr,
-            &cfg.clusters[0],
-            &gone,
-            &mut gone.lock(),
-        ));
+        let (pool, _ca) = tls_pool(addr, "protocol = \"http2\"\nconnect_timeout = \"10s\"");
         let cancelled = tokio::time::timeout(Duration::from_millis(50), pool.checkout()).await;
         assert!(cancelled.is_err(), "the handshake never completes");
         assert_eq!(pool.h2_connecting.load(Ordering::Relaxed), 0);
@@ -1327,24 +1333,7 @@ mod tests {
                 held.push(s);
             }
         });
-        let ck = rcgen::generate_simple_self_signed(vec!["ca.test".to_owned()]).expect("cert");
-        let tmp = tempfile::Builder::new()
-            .prefix("tailgate-pool-")
-            .tempdir()
-            .expect("dir");
-        let dir = tmp.path();
-        std::fs::write(dir.join("ca.pem"), ck.cert.pem()).expect("write");
-        let text = format!(
-            "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"https://{addr}\"]\nprotocol = \"http2\"\ntls_ca = \"ca.pem\"\nconnect_timeout = \"300ms\"\n"
-        );
-        let cfg = crate::Config::parse(&dir.join("t.toml"), &text).expect("valid config");
-        let gone = Arc::default();
-        let pool = Arc::new(EndpointPool::new(
-            addr,
-            &cfg.clusters[0],
-            &gone,
-            &mut gone.lock(),
-        ));
+        let (pool, _ca) = tls_pool(addr, "protocol = \"http2\"\nconnect_timeout = \"300ms\"");
         let burst: Vec<_> = (0..20)
             .map(|_| {
                 let pool = pool.clone();
@@ -1367,22 +1356,8 @@ mod tests {
     #[tokio::test]
     async fn an_auto_endpoint_speaking_http1_does_not_wake_the_keeper_per_request() {
         use futures_util::FutureExt as _;
-        let ck = rcgen::generate_simple_self_signed(vec!["ca.test".to_owned()]).expect("cert");
-        let tmp = tempfile::Builder::new()
-            .prefix("tailgate-pool-")
-            .tempdir()
-            .expect("dir");
-        let dir = tmp.path();
-        std::fs::write(dir.join("ca.pem"), ck.cert.pem()).expect("write");
-        let text = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"https://127.0.0.1:9\"]\nprotocol = \"auto\"\ntls_ca = \"ca.pem\"\nmin_warm_connections = 1\n";
-        let cfg = crate::Config::parse(&dir.join("t.toml"), text).expect("valid config");
-        let gone = Arc::default();
-        let pool = Arc::new(EndpointPool::new(
-            "127.0.0.1:9".parse().expect("addr"),
-            &cfg.clusters[0],
-            &gone,
-            &mut gone.lock(),
-        ));
+        let addr = "127.0.0.1:9".parse().expect("addr");
+        let (pool, _ca) = tls_pool(addr, "protocol = \"auto\"\nmin_warm_connections = 1");
         assert!(pool.checkout_h2().await.expect("no error").is_none());
         assert!(
             pool.refill.notified().now_or_never().is_none(),
