@@ -1076,16 +1076,8 @@ impl EndpointPool {
                 }
                 match self.open(false, permit).await {
                     Ok(Opened::H1(conn)) => {
-                        self.stats.preconnects.fetch_add(1, Ordering::Relaxed);
-                        let now = Instant::now();
-                        let idle = Idle {
-                            conn,
-                            since: now,
-                            created: now,
-                            uses: 0,
-                        };
                         // Without warm spares, opened only ahead of a rotation.
-                        self.put_at(idle, self.min_warm == 0);
+                        self.put_spare(conn, self.min_warm == 0);
                         if last_death.is_none() {
                             backoff = Duration::from_millis(100);
                         }
@@ -1138,17 +1130,7 @@ impl EndpointPool {
                     break;
                 }
                 match self.open(false, permit).await {
-                    Ok(Opened::H1(conn)) => {
-                        self.stats.preconnects.fetch_add(1, Ordering::Relaxed);
-                        let now = Instant::now();
-                        let idle = Idle {
-                            conn,
-                            since: now,
-                            created: now,
-                            uses: 0,
-                        };
-                        self.put_at(idle, true);
-                    }
+                    Ok(Opened::H1(conn)) => self.put_spare(conn, true),
                     // (An `http1` endpoint opens no HTTP/2 connection.)
                     Ok(Opened::H2(..)) => {}
                     Err(e) => {
@@ -1158,6 +1140,20 @@ impl EndpointPool {
                 }
             }
         }
+    }
+
+    /// A connection opened ahead of need goes idle (counted as a preconnect); `last`: taken
+    /// after every other (see [`Self::put_at`]).
+    fn put_spare(&self, conn: Box<H1Conn>, last: bool) {
+        self.stats.preconnects.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        let idle = Idle {
+            conn,
+            since: now,
+            created: now,
+            uses: 0,
+        };
+        self.put_at(idle, last);
     }
 
     /// How often the keeper looks without being woken: often enough to see idle expiry and,
