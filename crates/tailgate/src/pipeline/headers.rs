@@ -73,10 +73,9 @@ fn lower_eq(raw: &[u8], lower: &[u8]) -> bool {
 pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) -> bool {
     // Most messages carry none of these: one pass over the names (cheap comparisons for
     // standard headers, stopping at the first found) spares a dozen hashed removals per
-    // message. Many carry one or two (`Connection: keep-alive` from Python's and Java's
-    // clients, and with `Keep-Alive` from Node's servers): a second pass then finds which,
-    // and only those are removed. (One pass that found which at once cost the usual
-    // message, with none, 140 instructions more: `scripts/footprint.py`.)
+    // message, as before. Many carry one or two (`Connection: keep-alive` from Python's
+    // and Java's clients, and with `Keep-Alive` from Node's servers): a second pass then
+    // finds which, and only those are removed.
     if !has_hop_by_hop(headers) {
         if keep_upgrade {
             headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
