@@ -669,6 +669,50 @@ async fn a_connection_silent_for_a_whole_response_timeout_takes_no_new_streams()
     assert_eq!(*seen.processed.lock().unwrap(), ["/1", "/3", "/4"]);
 }
 
+/// A response cut off by what the route's total deadline left of its response timeout (a
+/// few milliseconds of a healthy server's thinking) does not take its connection out of
+/// use: only silence for a whole response timeout does.
+#[tokio::test]
+async fn a_response_cut_by_the_total_deadline_keeps_its_connection() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    let conns = Arc::new(AtomicUsize::new(0));
+    let counted = conns.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(tcp).await else {
+                    return;
+                };
+                while let Some(Ok((req, mut respond))) = conn.accept().await {
+                    tokio::spawn(async move {
+                        // `/slow` thinks for 300 ms; anything else answers at once.
+                        if req.uri().path() == "/slow" {
+                            tokio::time::sleep(Duration::from_millis(300)).await;
+                        }
+                        if let Ok(mut body) = respond.send_response(http::Response::new(()), false)
+                        {
+                            let _ = body.send_data(Bytes::from_static(b"ok"), true);
+                        }
+                    });
+                }
+            });
+        }
+    });
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nprotocol = \"http2\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"5s\"\ntotal_timeout = \"100ms\"\n"
+    ));
+    assert_eq!(get(gw.addr, "/1").await.status(), 200);
+    assert_eq!(get(gw.addr, "/slow").await.status(), 504);
+    assert_eq!(get(gw.addr, "/2").await.status(), 200);
+    assert_eq!(
+        conns.load(Ordering::SeqCst),
+        1,
+        "the connection was taken out of use"
+    );
+}
+
 // ---- over TLS ----------------------------------------------------------------------
 
 /// `protocol = "auto"`: ALPN offers h2 and http/1.1; an h2 server gets one multiplexed

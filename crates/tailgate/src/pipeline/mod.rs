@@ -776,7 +776,11 @@ fn forward(
             Ok(resp) => resp,
             Err(SendError::TimedOut) => {
                 in_flight.failed();
-                up.timed_out();
+                // Silent for a whole response timeout, not for what the total deadline
+                // left of one (a few milliseconds of a healthy server's thinking).
+                if response_timeout >= route.response_timeout {
+                    up.timed_out();
+                }
                 return Err(ProxyError::UpstreamTimeout);
             }
             Err(e) => {
@@ -858,7 +862,11 @@ fn forward(
                 // Its time ran out on its connection, as a first send's does.
                 if matches!(resent, Err(SendError::TimedOut)) {
                     in_flight.failed();
-                    up.timed_out();
+                    // (A whole response timeout only without a total deadline, which may
+                    // have cut the resend's short.)
+                    if total_deadline.is_none() {
+                        up.timed_out();
+                    }
                     return Err(ProxyError::UpstreamTimeout);
                 }
                 // The exchange's connect and time to first byte are the resend's.

@@ -635,8 +635,12 @@ impl EndpointPool {
             self.stats.retired_idle.fetch_add(1, Ordering::Relaxed);
         }
         if list.len() >= self.max_idle {
-            list.pop_front();
             self.stats.retired_idle_cap.fetch_add(1, Ordering::Relaxed);
+            // A spare opened ahead, with the list full of warm ones, is not needed.
+            if last {
+                return;
+            }
+            list.pop_front();
         }
         if last {
             list.push_front(idle);
@@ -793,17 +797,21 @@ impl EndpointPool {
     /// waits for it (up to the connect timeout in all) rather than open another: a burst
     /// on a cold endpoint shares one new connection. `None`: the caller opens one.
     ///
-    /// When the connect waited for fails, or the wait reaches the connect timeout, the
-    /// request fails as that connect did (and fails over as a request whose own connect
-    /// failed): opening a connect of its own each would turn a burst on an endpoint that
-    /// hangs (a SYN dropped, a TLS handshake never answered) into a connect per request,
-    /// each request waiting twice the connect timeout.
+    /// When the connects waited for failed (none is under way any more, and one failed
+    /// meanwhile), or the wait reaches the connect timeout with one failed, the request
+    /// fails as that connect did (and fails over as a request whose own connect failed):
+    /// opening a connect of its own each would turn a burst on an endpoint that hangs (a
+    /// SYN dropped, a TLS handshake never answered) into a connect per request, each
+    /// request waiting twice the connect timeout. A wait that reaches the connect timeout
+    /// while connects succeed (a burst past a connection's stream limit opens one after
+    /// another) waits again for the one under way.
     async fn checkout_h2(self: &Arc<Self>) -> Result<Option<Conn>, ProxyError> {
         if !self.h2_possible() {
             return Ok(None);
         }
-        let mut deadline = None;
+        let mut deadline: Option<Instant> = None;
         let failed_before = self.h2_failed.load(Ordering::Relaxed);
+        let failed = || self.h2_failed.load(Ordering::Relaxed) != failed_before;
         loop {
             // Idle expiry is the keeper's job (`Duration::MAX` here): a request only drops
             // closed connections and hands over rotated ones.
@@ -814,24 +822,30 @@ impl EndpointPool {
             if let Some(conn) = self.take_h2_stream() {
                 return Ok(Some(conn));
             }
-            if deadline.is_some() && self.h2_failed.load(Ordering::Relaxed) != failed_before {
-                return Err(ProxyError::UpstreamConnect(std::io::Error::other(
-                    "the connection this request waited for failed to open",
-                )));
-            }
             if self.h2_connecting.load(Ordering::Relaxed) == 0 {
+                // (A spare of the keeper's that failed while the request's connect was
+                // under way is no reason: only once none is left.)
+                if deadline.is_some() && failed() {
+                    return Err(ProxyError::UpstreamConnect(std::io::Error::other(
+                        "the connection this request waited for failed to open",
+                    )));
+                }
                 return Ok(None);
             }
             let now = Instant::now();
-            let deadline = *deadline.get_or_insert_with(|| {
+            if deadline.is_none() {
                 self.stats
                     .h2_waits_for_connect
                     .fetch_add(1, Ordering::Relaxed);
-                now + self.connect_timeout
-            });
-            let left = deadline.saturating_duration_since(now);
+            }
+            let until = *deadline.get_or_insert(now + self.connect_timeout);
+            let mut left = until.saturating_duration_since(now);
             if left.is_zero() {
-                return Err(ProxyError::ConnectTimeout);
+                if failed() {
+                    return Err(ProxyError::ConnectTimeout);
+                }
+                deadline = Some(now + self.connect_timeout);
+                left = self.connect_timeout;
             }
             // Registered before the next await, so the end of that connect is not missed
             // (this worker runs nothing else in between).
@@ -1050,6 +1064,19 @@ impl EndpointPool {
                 if !missing && self.owed.load(Ordering::Relaxed) == 0 {
                     break;
                 }
+                // Spares the server closed as soon as they were opened: backed off as
+                // after a failed connect, until none has died so for a while. (Before a
+                // place is taken: none is held while it sleeps.)
+                if self.died_young.swap(0, Ordering::Relaxed) > 0 {
+                    tracing::debug!(upstream.addr = %self.addr, "warm connections closed by the server as soon as opened; backing off");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    last_death = Some(Instant::now());
+                    continue;
+                } else if last_death.is_some_and(|at| at.elapsed() >= DIED_YOUNG * 5) {
+                    last_death = None;
+                    backoff = Duration::from_millis(100);
+                }
                 // Spares take a place under `max_connections_per_endpoint` too; with none
                 // free, the connections open are in use, and none is missing (an owed
                 // replacement is kept for when one is).
@@ -1062,17 +1089,6 @@ impl EndpointPool {
                 };
                 if !missing && !self.take_owed() {
                     break;
-                }
-                // Spares the server closed as soon as they were opened: backed off as
-                // after a failed connect, until none has died so for a while.
-                if self.died_young.swap(0, Ordering::Relaxed) > 0 {
-                    tracing::debug!(upstream.addr = %self.addr, "warm connections closed by the server as soon as opened; backing off");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
-                    last_death = Some(Instant::now());
-                } else if last_death.is_some_and(|at| at.elapsed() >= DIED_YOUNG * 5) {
-                    last_death = None;
-                    backoff = Duration::from_millis(100);
                 }
                 match self.open(false, permit).await {
                     Ok(Opened::H1(conn)) => {
@@ -1118,12 +1134,16 @@ impl EndpointPool {
             while !self.is_parked() && self.owed.load(Ordering::Relaxed) > 0 {
                 // A place under `max_connections_per_endpoint` too; with none free, the
                 // connections open are in use and the rotated one's place will be its
-                // successor's then.
+                // successor's then: the debt is let go (kept, it would open a connection
+                // nobody needs later).
                 let permit = match &self.limit {
                     None => None,
                     Some(limit) => match limit.try_take() {
                         Some(p) => Some(p),
-                        None => break,
+                        None => {
+                            self.take_owed();
+                            break;
+                        }
                     },
                 };
                 if !self.take_owed() {
@@ -1345,6 +1365,34 @@ mod tests {
         }
         let n = accepted.load(Ordering::SeqCst);
         assert!(n <= 2, "{n} connects for one burst");
+    }
+
+    /// A connect that fails while another is still under way (a keeper's spare beside the
+    /// request's own) does not fail the requests waiting: only once none is left.
+    #[tokio::test]
+    async fn a_waiter_fails_only_once_no_connect_is_left() {
+        use futures_util::FutureExt as _;
+        let addr = "127.0.0.1:9".parse().expect("addr");
+        let (pool, _ca) = tls_pool(addr, "protocol = \"http2\"\nconnect_timeout = \"10s\"");
+        let under_way = H2Connecting::start(&pool);
+        let mut waiter = Box::pin(pool.checkout_h2());
+        assert!(
+            (&mut waiter).now_or_never().is_none(),
+            "waits for the connect"
+        );
+        // Another connect, ended in failure.
+        let other = H2Connecting::start(&pool);
+        pool.h2_failed.fetch_add(1, Ordering::Relaxed);
+        drop(other);
+        assert!(
+            (&mut waiter).now_or_never().is_none(),
+            "failed with a connect still under way"
+        );
+        drop(under_way);
+        let r = (&mut waiter)
+            .now_or_never()
+            .expect("ends once none is left");
+        assert!(r.is_err_and(|e| e.is_no_connection()));
     }
 
     /// An `auto` endpoint whose server has not picked HTTP/2 has no HTTP/2 connection to
