@@ -107,8 +107,8 @@ pub struct ConnActivity {
     /// whose body the connection's close ends is on its way, and a close before its whole
     /// is written must be a reset. [`SEND_TIMED_OUT`]: the client was cut off for taking no
     /// bytes. [`TUNNELLED`]: the connection was switched to another protocol, and its bytes
-    /// are copied both ways (see [`set_tunnelled`](Self::set_tunnelled)). One byte beside a 32-bit count: the whole, with its `Arc`, stays in one
-    /// 64-byte line.
+    /// are copied both ways (see [`set_tunnelled`](Self::set_tunnelled)). One byte beside a
+    /// 32-bit count: the whole, with its `Arc`, stays in one 64-byte line.
     sending: AtomicU8,
 }
 

@@ -153,36 +153,17 @@ const HOP_PROXY: u8 = 64;
 /// [`is_hop_by_hop`]).
 const HOP_HTTP2_SETTINGS: u8 = 128;
 
-/// Which hop-by-hop headers the message carries (`HOP_*` bits; 0: none, `HTTP2-Settings`
-/// alone included). One pass over the names, no lookup.
+/// Which hop-by-hop headers the message carries (`HOP_*` bits), once one is known to be
+/// there ([`has_hop_by_hop`]). One pass over the names, no lookup.
 fn hop_by_hop_found(headers: &HeaderMap) -> u8 {
-    let mut found = 0;
-    for n in headers.keys() {
-        found |= if n == header::CONNECTION {
-            HOP_CONNECTION
-        } else if n == header::TE {
-            HOP_TE
-        } else if n == header::TRAILER {
-            HOP_TRAILER
-        } else if n == header::TRANSFER_ENCODING {
-            HOP_TRANSFER_ENCODING
-        } else if n == header::UPGRADE {
-            HOP_UPGRADE
-        } else if n == KEEP_ALIVE {
-            HOP_KEEP_ALIVE
-        } else if n == HTTP2_SETTINGS {
-            HOP_HTTP2_SETTINGS
-        } else if is_proxy(n) {
-            HOP_PROXY
-        } else {
-            0
-        };
-    }
-    if found == HOP_HTTP2_SETTINGS {
-        0
-    } else {
+    headers.keys().fold(0, |found, n| {
         found
-    }
+            | if n == HTTP2_SETTINGS {
+                HOP_HTTP2_SETTINGS
+            } else {
+                hop_bit(n)
+            }
+    })
 }
 
 /// Does the message carry any hop-by-hop header? One pass over the names, no lookup.
@@ -193,13 +174,30 @@ pub fn has_hop_by_hop(headers: &HeaderMap) -> bool {
 /// Is `n` a hop-by-hop header, removed from every message the gateway passes on?
 #[inline]
 pub fn is_hop_by_hop(n: &HeaderName) -> bool {
-    n == header::CONNECTION
-        || n == header::TE
-        || n == header::TRAILER
-        || n == header::TRANSFER_ENCODING
-        || n == header::UPGRADE
-        || n == KEEP_ALIVE
-        || is_proxy(n)
+    hop_bit(n) != 0
+}
+
+/// The `HOP_*` bit of a hop-by-hop header, 0 for any other (`HTTP2-Settings` too: it is
+/// removed only beside one of these).
+#[inline]
+fn hop_bit(n: &HeaderName) -> u8 {
+    if n == header::CONNECTION {
+        HOP_CONNECTION
+    } else if n == header::TE {
+        HOP_TE
+    } else if n == header::TRAILER {
+        HOP_TRAILER
+    } else if n == header::TRANSFER_ENCODING {
+        HOP_TRANSFER_ENCODING
+    } else if n == header::UPGRADE {
+        HOP_UPGRADE
+    } else if n == KEEP_ALIVE {
+        HOP_KEEP_ALIVE
+    } else if is_proxy(n) {
+        HOP_PROXY
+    } else {
+        0
+    }
 }
 
 /// `Proxy` or `Proxy-*`: meant for a proxy, never passed on. Not `Proxy-Status` (RFC 9209),
