@@ -20,6 +20,12 @@ const FAILURE_CAP: Duration = Duration::from_secs(1);
 /// `eject_duration`, when that is longer: the first ejection is never cut short).
 const MAX_EJECTION: Duration = Duration::from_secs(30);
 
+/// What is left of a sample's weight after `idle_ns` nanoseconds without another
+/// (τ = [`DECAY`]).
+fn decay(idle_ns: u64) -> f64 {
+    (-(idle_ns as f64) / DECAY.as_nanos() as f64).exp()
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Balance {
     P2c,
@@ -97,7 +103,7 @@ impl EndpointLoad {
         let idle = self
             .now_ns()
             .saturating_sub(self.last_sample_ns.load(Ordering::Relaxed));
-        let decayed = ewma * (-(idle as f64) / DECAY.as_nanos() as f64).exp();
+        let decayed = ewma * decay(idle);
         decayed * f64::from(self.in_flight.load(Ordering::Relaxed) + 1)
     }
 
@@ -137,7 +143,7 @@ impl EndpointLoad {
         let next = if rtt > prev {
             rtt
         } else {
-            let w = (-((now.saturating_sub(last)) as f64) / DECAY.as_nanos() as f64).exp();
+            let w = decay(now.saturating_sub(last));
             prev * w + rtt * (1.0 - w)
         };
         self.ewma_ns.store(next.to_bits(), Ordering::Relaxed);
@@ -271,8 +277,7 @@ impl InFlight<'_> {
             .started
             .saturating_duration_since(self.load.epoch)
             .as_nanos() as u64;
-        let idle = started_ns.saturating_sub(self.sampled_at) as f64;
-        let at_start = self.estimate * (-idle / DECAY.as_nanos() as f64).exp();
+        let at_start = self.estimate * decay(started_ns.saturating_sub(self.sampled_at));
         let at_start = Duration::from_nanos(at_start as u64);
         (at_start * 2)
             .min(at_start + FAILURE_CAP)
