@@ -1137,7 +1137,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 Ok(normal) => c.err(
                     Some(r.path_prefix.span()),
                     format!("route[{i}].path_prefix"),
-                    format!("`{path_prefix}` is not in normal form, so no request would match it: paths are matched with `;` parameters dropped, `%XX` of unreserved characters decoded, bytes above 0x7F (raw UTF-8) percent-encoded, `.` and `..` resolved and `//` merged"),
+                    format!("`{path_prefix}` is not in normal form, so no request would match it: paths are matched with `;` parameters dropped, `%XX` decoded (but for `/`, `;`, `?`, `#` and `%`), bytes above 0x7F (raw UTF-8) percent-encoded, `.` and `..` resolved and `//` merged"),
                     Some(&format!(
                         "write \"{}\"",
                         if params {
@@ -1164,6 +1164,18 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                     format!("route[{i}].path_prefix"),
                     format!("`{path_prefix}` has a `.` or `..` segment with `;` parameters; such paths are refused with 400"),
                     Some("write the prefix without `.` or `..` segments"),
+                ),
+                Err(BadPath::Nul) => c.err(
+                    Some(r.path_prefix.span()),
+                    format!("route[{i}].path_prefix"),
+                    format!("`{path_prefix}` has an encoded NUL; such paths are refused with 400"),
+                    Some("write the prefix without `%00`"),
+                ),
+                Err(BadPath::SlashInParams) => c.err(
+                    Some(r.path_prefix.span()),
+                    format!("route[{i}].path_prefix"),
+                    format!("`{path_prefix}` has a `;` parameter with an encoded slash or a backslash in it; such paths are refused with 400"),
+                    Some("write the prefix without `%2F`, `%5C` or `\\` after a `;`"),
                 ),
             }
         }
@@ -1796,7 +1808,7 @@ mod tests {
             "/api/v",
             "/static/.",
             "/a.b/",
-            "/x%3A",
+            "/x:",
             "/~u/",
             // Non-ASCII, escaped as requests are matched (raw, `check` asks for this).
             "/caf%C3%A9/",
@@ -1951,6 +1963,14 @@ mod tests {
             (
                 format!("{TAIL}[[route]]\npath_prefix = \"/a/..;v=1/b\"\ncluster = \"c\"\n"),
                 "`/a/..;v=1/b` has a `.` or `..` segment with `;` parameters",
+            ),
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/v1/items%3Apurge\"\ncluster = \"c\"\n"),
+                "help: write \"/v1/items:purge\"",
+            ),
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/a;p=%2F../b\"\ncluster = \"c\"\n"),
+                "`/a;p=%2F../b` has a `;` parameter with an encoded slash or a backslash in it",
             ),
             (
                 format!("[[tenant]]\nname = \"t\"\nhosts = [\"api.test.\"]\n{TAIL}"),

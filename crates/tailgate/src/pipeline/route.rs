@@ -499,11 +499,12 @@ const HOST_BYTES: [HostByte; 256] = {
     t
 };
 
-/// The path as routes match it, as nginx reads a path before it matches a location:
+/// The path as routes match it, read so that no server behind can read it otherwise:
 /// each segment's `;` parameters dropped first, from the raw bytes, up to the next `/`
-/// (`/admin;jsessionid=1/x` is `/admin/x`, and `/admin;%2F..%2Fx/y` is `/admin/y`, as
-/// Tomcat and Jetty read them); then percent-encoded unreserved bytes
-/// decoded (`%2e` is `.`, `%41` is `A`), an encoded slash or backslash (`%2F`, `%5C`) and a
+/// (`/admin;jsessionid=1/x` is `/admin/x`, as Tomcat and Jetty read it; nginx keeps them,
+/// but a prefix without `;` matches alike); then percent-encoded unreserved bytes
+/// and reserved ones other than `;`, `?`, `#` and `%` decoded (`%2e` is `.`, `%41` is `A`,
+/// `%3A` is `:`, as nginx decodes them), an encoded slash or backslash (`%2F`, `%5C`) and a
 /// backslash read as `/`, other escapes kept (their hex in upper case), and bytes above
 /// 0x7F (raw UTF-8) written as escapes, as most clients send them; `.` and `..`
 /// segments resolved (RFC 3986 §5.2.4), and repeated slashes merged. Whatever an upstream
@@ -519,7 +520,10 @@ const HOST_BYTES: [HostByte; 256] = {
 /// `/a//x/../../b`), which servers resolve differently (`/b` once slashes are merged, `/a/b`
 /// by RFC 3986 and in Jetty, which refuses it since version 10),
 /// [`BadPath::DotsWithParams`] for a `.` or `..` segment with `;` parameters (`..;x` is
-/// `..` to Tomcat, a segment of its own to nginx). A target that is not a path (`*` of
+/// `..` to Tomcat, a segment of its own to nginx), [`BadPath::SlashInParams`] for a
+/// parameter with an encoded slash or a backslash in it (`/public;%2F..%2Finternal/x` is
+/// `/public/x` to Tomcat, `/internal/x` to nginx), [`BadPath::Nul`] for a `%00`. A target
+/// that is not a path (`*` of
 /// `OPTIONS *`) is returned as it is.
 pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
     let b = path.as_bytes();
@@ -554,10 +558,19 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
             if seg == b"." || seg == b".." {
                 return Err(BadPath::DotsWithParams);
             }
-            i += b[i..]
-                .iter()
-                .position(|&c| c == b'/')
-                .unwrap_or(b.len() - i);
+            let param = &b[i..];
+            let param = &param[..param.iter().position(|&c| c == b'/').unwrap_or(param.len())];
+            // A slash inside a parameter (`/public;%2F..%2Finternal/x`) is part of it to
+            // Tomcat and Jetty, and a slash to nginx, Envoy or Node, which decode it before
+            // the `..`: `/public/x` to one, `/internal/x` to the other.
+            if param.contains(&b'\\')
+                || param
+                    .windows(3)
+                    .any(|w| w[0] == b'%' && matches!(&w[1..], b"2F" | b"2f" | b"5C" | b"5c"))
+            {
+                return Err(BadPath::SlashInParams);
+            }
+            i += param.len();
             continue;
         }
         if c == b'%'
@@ -567,7 +580,34 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
             )
         {
             let v = hi << 4 | lo;
-            if v.is_ascii_alphanumeric() || matches!(v, b'-' | b'.' | b'_' | b'~') {
+            // A NUL ends a path where a server behind reads it as a C string (nginx refuses
+            // it with 400 too).
+            if v == 0 {
+                return Err(BadPath::Nul);
+            }
+            // Unreserved characters, and the reserved ones whose escape every server
+            // decodes alike (`%3A` is `:` to nginx, Envoy and the frameworks behind them):
+            // not `;`, `?`, `#` or `%`, which would change the path's structure.
+            if v.is_ascii_alphanumeric()
+                || matches!(
+                    v,
+                    b'-' | b'.'
+                        | b'_'
+                        | b'~'
+                        | b':'
+                        | b'@'
+                        | b'!'
+                        | b'$'
+                        | b'&'
+                        | b'\''
+                        | b'('
+                        | b')'
+                        | b'*'
+                        | b'+'
+                        | b','
+                        | b'='
+                )
+            {
                 decoded.push(v);
             } else if v == b'/' || v == b'\\' {
                 decoded.push(b'/');
@@ -672,6 +712,11 @@ pub enum BadPath {
     DotsAfterEmpty,
     /// A `.` or `..` segment with `;` parameters, which servers read differently.
     DotsWithParams,
+    /// A `;` parameter with an encoded slash or a backslash in it, which servers read
+    /// differently.
+    SlashInParams,
+    /// An encoded NUL (`%00`).
+    Nul,
 }
 
 impl BadPath {
@@ -684,6 +729,10 @@ impl BadPath {
             }
             BadPath::DotsWithParams => {
                 "the path has a `.` or `..` segment with `;` parameters (`..;x`), which servers read differently"
+            }
+            BadPath::Nul => "the path has an encoded NUL (`%00`)",
+            BadPath::SlashInParams => {
+                "the path has a `;` parameter with an encoded slash or a backslash in it (`;%2F..`), which servers read differently"
             }
         }
     }
@@ -927,16 +976,19 @@ endpoints = ["127.0.0.1:1"]
             ("/a%2Fb", "/a/b"),
             ("/a%5cb", "/a/b"),
             ("/a\\b", "/a/b"),
-            ("/a%3ab", "/a%3Ab"),
+            ("/a%3ab", "/a:b"),
+            ("/v1/items%3Apurge", "/v1/items:purge"),
+            ("/%40me/%21%24%26%27%28%29%2A%2B%2C%3D", "/@me/!$&'()*+,="),
+            // Escapes that would change the path's structure stay escaped.
+            ("/a%3fb%23c%25d", "/a%3Fb%23c%25d"),
             ("/x/..%2fz", "/z"),
             ("/x/;y", "/x/"),
             ("/admin;jsessionid=1/keys", "/admin/keys"),
             ("/a;x=1;y=2/b;c", "/a/b"),
             ("/a/;x/b", "/a/b"),
             ("/a%3Bb", "/a%3Bb"),
-            // A parameter runs to the next `/` as sent, encoded slashes and dots included.
-            ("/admin;%2F..%2Fpublic/x", "/admin/x"),
-            ("/admin;\\..\\public/x", "/admin/x"),
+            // A parameter runs to the next `/` as sent, encoded dots included.
+            ("/admin;%2E%2E/x", "/admin/x"),
             ("/;", "/"),
             ("/a;", "/a"),
             ("/a%2", "/a%2"),
@@ -951,7 +1003,7 @@ endpoints = ["127.0.0.1:1"]
             assert_eq!(normal_path(raw).as_deref(), Ok(normal), "{raw}");
         }
         // Already normal, with `%` or `/.` in it: no allocation.
-        for same in ["/a%3Ab", "/.well-known/x", "/a.b/.c"] {
+        for same in ["/a%3Bb", "/.well-known/x", "/a.b/.c"] {
             assert!(
                 matches!(normal_path(same), Ok(Cow::Borrowed(p)) if p == same),
                 "{same}"
@@ -992,6 +1044,19 @@ endpoints = ["127.0.0.1:1"]
                 Err(BadPath::DotsWithParams),
                 "{params}"
             );
+        }
+        // A slash inside a parameter: part of it to Tomcat, a slash to nginx.
+        for slash in [
+            "/admin;%2F..%2Fpublic/x",
+            "/admin;%2f..%2fpublic/x",
+            "/admin;x%5C..%5cpublic/x",
+            "/admin;\\..\\public/x",
+            "/a/b;p=%2F",
+        ] {
+            assert_eq!(normal_path(slash), Err(BadPath::SlashInParams), "{slash}");
+        }
+        for nul in ["/a%00", "/a%00/../b", "/%00.txt"] {
+            assert_eq!(normal_path(nul), Err(BadPath::Nul), "{nul}");
         }
     }
 

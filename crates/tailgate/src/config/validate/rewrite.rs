@@ -38,13 +38,14 @@ impl Checker<'_> {
                 (Ok(a), Ok(b)) if a == *to && b == format!("{to}x") => None,
                 (Ok(a), _) => Some((
                     format!(
-                        "`{to}` is not in normal form (`;` parameters, `%XX` of unreserved characters, `.` and `..` segments or `//`)"
+                        "`{to}` is not in normal form (`;` parameters, `%XX` that is decoded, `.` and `..` segments or `//`)"
                     ),
                     format!("write \"{a}\""),
                 )),
-                (Err(_), _) => Some((
-                    format!("`{to}` climbs above `/` or has `..` after an empty segment"),
-                    "write the prefix without `..` segments".to_owned(),
+                (Err(e), _) => Some((
+                    format!("`{to}` cannot be sent upstream: {}", e.message()),
+                    "write the prefix without `.` or `..` segments, `//`, or `;` parameters"
+                        .to_owned(),
                 )),
             }
         };
@@ -163,7 +164,14 @@ mod tests {
             ("/api/", "/v2/./", "not in normal form", "write \"/v2/\""),
             ("/api/", "/a//b/", "not in normal form", "write \"/a/b/\""),
             ("/api/", "/%7Ev2/", "not in normal form", "write \"/~v2/\""),
-            ("/api/", "/../", "climbs above", "without `..`"),
+            ("/api/", "/../", "climbs above", "without `.` or `..`"),
+            (
+                "/api/",
+                "/.;/",
+                "segment with `;` parameters",
+                "or `;` parameters",
+            ),
+            ("/api/", "/a;%2F/", "encoded slash", "or `;` parameters"),
             ("/api/", "/v2", "ends with `/`", "write \"/v2/\""),
         ] {
             let e = parse(prefix, to).expect_err(to);
