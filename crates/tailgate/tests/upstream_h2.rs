@@ -635,7 +635,7 @@ async fn silent_connection_is_found_by_ping_and_replaced() {
     let (up, seen, silence) = silencing_upstream().await;
     let gw = gateway(
         up,
-        "http2_keepalive_interval = \"200ms\"\nconnect_timeout = \"300ms\"",
+        "http2_keepalive_interval = \"1s\"\nconnect_timeout = \"300ms\"",
     );
     assert_eq!(get(gw.addr, "/1").await.status(), 200);
     silence.notify_one();

@@ -476,6 +476,15 @@ fn config_errors_name_the_place_and_the_fix() {
         e.contains("cluster[0].protocol: `h3` is not an upstream protocol"),
         "{e}"
     );
+    // A refused protocol is the field at fault: the pings that go with HTTP/2 are not
+    // said to have no effect.
+    let e =
+        t("endpoints = [\"127.0.0.1:1\"]\nprotocol = \"HTTP2\"\nhttp2_keepalive_interval = \"5s\"");
+    assert!(
+        e.contains("cluster[0].protocol: `HTTP2` is not an upstream protocol"),
+        "{e}"
+    );
+    assert!(!e.contains("http2_keepalive_interval"), "{e}");
 
     let e = t("endpoints = [\"ftp://127.0.0.1:1\"]");
     assert!(

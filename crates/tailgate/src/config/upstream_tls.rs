@@ -84,7 +84,11 @@ pub(super) fn http2_keepalive(
 ) -> Option<Duration> {
     let field = format!("cluster[{i}].http2_keepalive_interval");
     match &cl.http2_keepalive_interval {
-        Some(v) if protocol == Protocol::Http1 => {
+        // (Not after a `protocol` refused: it was the field at fault, not this one.)
+        Some(v)
+            if protocol == Protocol::Http1
+                && cl.protocol.as_ref().is_none_or(|p| p.get_ref() == "http1") =>
+        {
             c.err(
                 Some(v.span()),
                 field,
@@ -93,7 +97,27 @@ pub(super) fn http2_keepalive(
             );
             None
         }
-        v => Some(c.duration(v, field, Duration::ZERO)).filter(|d| !d.is_zero()),
+        v => {
+            let d = c.duration(v, field.clone(), Duration::ZERO);
+            // A ping is sent this long after the last frame read, the answer to the last
+            // one included: under a second, pings follow each other at the round trip's
+            // pace, which servers answer by closing the connection.
+            if !d.is_zero()
+                && d < Duration::from_secs(1)
+                && let Some(v) = v
+            {
+                c.err(
+                    Some(v.span()),
+                    field,
+                    format!(
+                        "`{}` would ping the server about as fast as it answers; servers close such a connection (GOAWAY `too_many_pings`)",
+                        v.get_ref()
+                    ),
+                    Some("write \"1s\" or more (gRPC clients wait at least \"10s\"), or \"0s\" for no pings"),
+                );
+            }
+            Some(d).filter(|d| !d.is_zero())
+        }
     }
 }
 

@@ -41,7 +41,40 @@ const RESERVED_ID_HEADERS: &[&str] = &[
     "set-cookie",
     "authorization",
     "www-authenticate",
+    // Headers with a meaning of their own in a request or an answer, which the id would
+    // overwrite on every message: a redirect's target, a range, a cache's validators and
+    // rules, a WebSocket handshake's key (with `sec-` and `if-` below).
+    "location",
+    "content-location",
+    "content-range",
+    "content-language",
+    "content-disposition",
+    "range",
+    "accept-ranges",
+    "etag",
+    "last-modified",
+    "vary",
+    "cache-control",
+    "pragma",
+    "expires",
+    "age",
+    "retry-after",
+    "allow",
+    "origin",
+    "referer",
+    "link",
+    "alt-svc",
+    "accept",
+    "accept-encoding",
+    "accept-language",
+    "strict-transport-security",
+    "content-security-policy",
+    "http2-settings",
 ];
+
+/// Prefixes of header families [`RESERVED_ID_HEADERS`] refuses too: conditional requests,
+/// fetch metadata and WebSocket handshakes, CORS.
+const RESERVED_ID_PREFIXES: &[&str] = &["proxy-", "x-forwarded-", "if-", "sec-", "access-control-"];
 
 /// The longest duration a setting takes (longer ones would overflow deadline arithmetic).
 const MAX_DURATION: Duration = Duration::from_secs(30 * 24 * 3600);
@@ -521,26 +554,61 @@ fn key_at(text: &str, line: usize, col: usize) -> String {
         return String::new();
     };
     let before: String = this.chars().take(col.saturating_sub(1)).collect();
+    // On a table's header (`[server]` repeated, say): the table.
+    if let Some(header) = this.trim_start().strip_prefix('[') {
+        let name = header.trim_start_matches('[');
+        return name[..name.find(']').unwrap_or(name.len())]
+            .trim()
+            .to_owned();
+    }
     if before.contains('=') {
         // The last `key =` before the column, under the keys of the inline tables it is in.
         let (mut tables, mut key, mut word, mut quoted) =
             (Vec::new(), String::new(), String::new(), false);
+        // The brackets open at each point: a `,` in an inline table starts a new key, one
+        // in an array another value of the key before.
+        let mut open = Vec::new();
         for ch in before.chars() {
             match ch {
                 '"' => quoted = !quoted,
                 _ if quoted => {}
                 '=' => key = std::mem::take(&mut word).trim().to_owned(),
                 '{' => {
-                    tables.push(key.clone());
+                    open.push('{');
+                    tables.push(std::mem::take(&mut key));
                     word.clear();
                 }
                 '}' => {
-                    tables.pop();
+                    open.pop();
+                    // The key whose value the table was, for another table in its array.
+                    key = tables.pop().unwrap_or_default();
                     word.clear();
                 }
-                ',' | '[' => word.clear(),
+                '[' => {
+                    open.push('[');
+                    word.clear();
+                }
+                ']' => {
+                    open.pop();
+                    word.clear();
+                }
+                ',' => {
+                    if open.last() == Some(&'{') {
+                        key.clear();
+                    }
+                    word.clear();
+                }
                 c => word.push(c),
             }
+        }
+        if key.is_empty() {
+            // At a key of an inline table not yet followed by its `=`: the key under the
+            // column (`kee` of `tls = { cert = "a", kee = "b" }`).
+            key = this
+                .chars()
+                .skip(col.saturating_sub(1))
+                .take_while(|&c| !matches!(c, '=' | ',' | '}' | '{') && !c.is_whitespace())
+                .collect();
         }
         tables.push(key);
         let key = tables.join(".");
@@ -616,14 +684,15 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             Ok(n)
                 if crate::pipeline::headers::is_hop_by_hop(&n)
                     || RESERVED_ID_HEADERS.contains(&n.as_str())
-                    || n.as_str().starts_with("proxy-")
-                    || n.as_str().starts_with("x-forwarded-") =>
+                    || RESERVED_ID_PREFIXES
+                        .iter()
+                        .any(|p| n.as_str().starts_with(p)) =>
             {
                 c.err(
                     Some(h.span()),
                     "server.request_id_header".into(),
                     format!(
-                        "`{}` frames, routes or is removed from every message, is set by the gateway, or carries credentials; it cannot carry the request id",
+                        "`{}` frames, routes or is removed from every message, is set by the gateway, carries credentials, or means something of its own that the id would overwrite; it cannot carry the request id",
                         h.get_ref()
                     ),
                     Some("write a header of its own, such as \"x-request-id\""),
@@ -1327,12 +1396,14 @@ fn pool_limits(c: &mut Checker<'_>, raw: &super::file::RawCluster, i: usize, cl:
             Some("keep min_warm_connections at or below max_connections_per_endpoint"),
         );
     }
-    if cl.min_warm_connections > 0 && cl.idle_timeout.is_zero() {
+    // A spare that expires before the next is open keeps the keeper opening them without
+    // a pause; one that expires within a tick of it, replacing them all at each tick.
+    if cl.min_warm_connections > 0 && cl.idle_timeout < Duration::from_millis(100) {
         let idle_at = raw.idle_timeout.as_ref().map(|v| v.span()).or(warm_at);
         c.err(
             idle_at,
             format!("cluster[{i}].idle_timeout"),
-            "warm connections with an idle timeout of 0 would expire as soon as they open".into(),
+            "warm connections with an idle timeout under 100ms would expire about as soon as they open, and be opened again without end".into(),
             Some("write an idle timeout such as \"4s\", or remove min_warm_connections"),
         );
     }
@@ -1614,6 +1685,41 @@ mod tests {
             cfg.clusters[0].http2_keepalive_interval,
             Some(Duration::from_secs(30))
         );
+        // Under a second, pings would follow each other at the round trip's pace.
+        let errs = parse_and_validate(
+            Path::new("t.toml"),
+            &cluster("http2_keepalive_interval = \"1us\"\n"),
+        )
+        .expect_err("a flood of pings")
+        .to_string();
+        assert!(
+            errs.contains("t.toml:7:28: cluster[0].http2_keepalive_interval: `1us` would ping the server about as fast as it answers"),
+            "{errs}"
+        );
+    }
+
+    /// The field an error of the TOML reader names is the key at its place: in an inline
+    /// table after another key, in the second table of an inline array, on a table's
+    /// header.
+    #[test]
+    fn a_reader_error_names_the_key_at_its_place() {
+        for (text, want) in [
+            (
+                "[[listener]]\naddress = \"127.0.0.1:0\"\ntls = { cert = \"a.pem\", kee = \"b\" }\n".to_owned(),
+                "t.toml:3:25: tls.kee: unknown field `kee`",
+            ),
+            (
+                "listener = [ { address = \"127.0.0.1:1\" }, { address = \"127.0.0.1:2\", tls = { cert = \"a\", kee = \"b\" } } ]\n".to_owned(),
+                ": listener.tls.kee: unknown field `kee`",
+            ),
+            (
+                format!("[server]\nworkers = 2\n[server]\n{TAIL}"),
+                "t.toml:3:2: server: ",
+            ),
+        ] {
+            let errs = errors_of(&text);
+            assert!(errs.contains(want), "{text}\n{errs}");
+        }
     }
 
     /// A mistyped key is refused in every table, at its place, not taken silently (a
@@ -1842,7 +1948,15 @@ mod tests {
             ),
             (
                 format!("[server]\nrequest_id_header = \"Cookie\"\n{TAIL}"),
-                "server.request_id_header: `Cookie` frames, routes or is removed from every message, is set by the gateway, or carries credentials",
+                "server.request_id_header: `Cookie` frames, routes or is removed from every message, is set by the gateway, carries credentials, or means something",
+            ),
+            (
+                format!("[server]\nrequest_id_header = \"Location\"\n{TAIL}"),
+                "server.request_id_header: `Location` frames, routes or is removed from every message, is set by the gateway, carries credentials, or means something of its own that the id would overwrite",
+            ),
+            (
+                format!("[server]\nrequest_id_header = \"sec-websocket-accept\"\n{TAIL}"),
+                "server.request_id_header: `sec-websocket-accept` frames",
             ),
             (
                 "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"999.1.1.1:80\"]\n".to_owned(),
@@ -2048,6 +2162,18 @@ mod tests {
             ),
             "{errs}"
         );
+        // Spares that expire about as soon as they open.
+        for idle in ["0s", "1ns", "50ms"] {
+            let text = format!(
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\nmin_warm_connections = 1\nidle_timeout = \"{idle}\"\n"
+            );
+            let errs = parse_and_validate(Path::new("t.toml"), &text)
+                .expect_err("looping keeper")
+                .to_string();
+            assert!(errs.contains("t.toml:7:16: cluster[0].idle_timeout: warm connections with an idle timeout under 100ms"), "{idle}: {errs}");
+        }
+        let text = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\nmin_warm_connections = 1\nidle_timeout = \"100ms\"\n";
+        parse_and_validate(Path::new("t.toml"), text).expect("100ms is enough");
     }
 
     #[test]
