@@ -56,6 +56,10 @@ pub(super) struct Framing {
     pub(super) head_done: bool,
     /// How much of the head in progress was looked at.
     pub(super) head_scan: head::HeadScan,
+    /// The head refused asked with `HEAD`: its stand-in does too, so that its answer has no
+    /// body. Taken from the head's own bytes when it is refused, wherever they lie (in
+    /// hyper's buffer when the guard reads straight into it).
+    pub(super) refused_asks_head: bool,
     /// The hand-off was for a request that asked to switch protocols (`Upgrade`, `CONNECT`),
     /// not for HTTP/2: its connection still ends with a lingering close (after a refusal,
     /// or a tunnel's end), as a plain HTTP/1 one does.
@@ -69,6 +73,12 @@ impl Framing {
         self.refused = Some(why);
         self.state = State::Refused { fed: 0 };
         self.head_done = true;
+    }
+
+    /// Refuses the head that starts `pending`.
+    pub(super) fn refuse_head(&mut self, fault: HeadFault, pending: &[u8]) {
+        self.refused_asks_head = head::asks_head(pending);
+        self.refuse(Refusal::Head(fault));
     }
 
     /// Looks at `pending`, the bytes after the last released one. `Some(n)`: the first `n`
@@ -104,13 +114,13 @@ impl Framing {
             Ok(httparse::Status::Partial) if pending.len() <= self.max_head => return None,
             Ok(httparse::Status::Complete(len)) if len <= self.max_head => len,
             Ok(_) => {
-                self.refuse(Refusal::Head(head::over_limit(pending, self.max_head)));
+                self.refuse_head(head::over_limit(pending, self.max_head), pending);
                 return Some(0);
             }
             // Not a head hyper takes either: refused here, so that no difference between
             // the two parsers can ever let later bytes past unchecked.
             Err(e) => {
-                self.refuse(Refusal::Head(head::parse_fault(e)));
+                self.refuse_head(head::parse_fault(e), pending);
                 return Some(0);
             }
         };
@@ -139,7 +149,7 @@ impl Framing {
             .and_then(|()| head::long_name(len, req.headers))
             .and_then(|()| body.check(req.version == Some(0)));
         if let Err(f) = checked {
-            self.refuse(Refusal::Head(f));
+            self.refuse_head(f, pending);
             return Some(0);
         }
         self.upgrade_asked |= upgrade;

@@ -92,6 +92,7 @@ impl<T> H1Guard<T> {
                 refused: None,
                 head_done: false,
                 head_scan: Default::default(),
+                refused_asks_head: false,
                 upgrade_asked: false,
             },
             header_timeout,
@@ -219,7 +220,7 @@ impl<T> H1Guard<T> {
                     error: fault.into(),
                 });
                 // A HEAD's refusal has no body: the stand-in asks as it did.
-                let method = if super::head::asks_head(&self.buf[self.release..self.end]) {
+                let method = if self.framing.refused_asks_head {
                     "HEAD"
                 } else {
                     "GET"
@@ -397,8 +398,10 @@ impl<T: AsyncRead + Unpin> AsyncRead for H1Guard<T> {
                 if grown <= this.buf.len() {
                     // A head longer than the limit (the framing refuses one before the
                     // buffer is this full; never hand hyper bytes no one checked).
-                    this.framing
-                        .refuse(Refusal::Head(crate::server::head::OVER_LIMIT));
+                    this.framing.refuse_head(
+                        crate::server::head::OVER_LIMIT,
+                        &this.buf[this.release..this.end],
+                    );
                     this.settle_head();
                     continue;
                 }
