@@ -686,6 +686,41 @@ async fn a_refused_upgrade_is_answered_while_the_client_still_sends() {
     }
 }
 
+/// A client that never stops sending after a refused upgrade is read for the lingering
+/// close's bounds once (5 s), not twice: the connection's shut lingered already, and a
+/// second linger after it kept the connection for 10 s.
+#[tokio::test]
+async fn a_refused_upgrade_lingers_once() {
+    let (up, _) = counting_upstream().await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nmax_body_bytes = 100000\n");
+    let s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let (mut rd, mut wr) = s.into_split();
+    wr.write_all(b"POST /up HTTP/1.1\r\nHost: a\r\nConnection: upgrade\r\nUpgrade: websocket\r\nContent-Length: 10000000\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = [0u8; 12];
+    rd.read_exact(&mut answer).await.unwrap();
+    assert_eq!(&answer[..], b"HTTP/1.1 413");
+    let answered = std::time::Instant::now();
+    // The gateway shuts its side at once and reads what comes; once it closes the socket,
+    // a write gets a reset, and the next one fails. A byte every 100 ms until then.
+    let mut failed = false;
+    for _ in 0..150 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if wr.write_all(b"y").await.is_err() {
+            failed = true;
+            break;
+        }
+    }
+    let took = answered.elapsed();
+    assert!(failed, "never closed");
+    // (A lower bound the host cannot break, and an upper one far from it.)
+    assert!(
+        took >= Duration::from_secs(4) && took < Duration::from_secs(9),
+        "closed {took:?} after the answer"
+    );
+}
+
 /// The same behind the smuggling guard, on a connection hyper's server took over (its first
 /// request was chunked).
 #[tokio::test]

@@ -485,11 +485,11 @@ fn close_after_refused_upgrade(
             let hold = conn.clone();
             tokio::spawn(async move {
                 let _hold = hold;
+                // The shut is the guard's lingering close (the connection asked for an
+                // upgrade and is no tunnel): no second linger after it.
                 if let Ok(io) = on.await {
                     let mut io = TokioIo::new(io);
-                    if tokio::io::AsyncWriteExt::shutdown(&mut io).await.is_ok() {
-                        crate::server::linger(&mut io).await;
-                    }
+                    let _ = tokio::io::AsyncWriteExt::shutdown(&mut io).await;
                 }
             });
         }

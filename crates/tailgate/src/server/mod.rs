@@ -7,7 +7,6 @@ pub mod h1_inline;
 mod h2_head;
 pub mod head;
 mod linger;
-pub(crate) use linger::linger;
 pub mod send_timeout;
 pub mod spawner;
 pub mod stream_stall;
