@@ -760,7 +760,10 @@ where
                 && this.info.slot.as_ref().is_some_and(|s| s.take_reclaim())
             {
                 tracing::debug!(client.addr = %this.info.client, "idle connection closed to make room under server.max_connections");
-                this.close_as_idle();
+                // Not a whole idle timeout to end: an HTTP/2 client that never answers the
+                // close's PING (or never sent its preface) would keep the room it makes
+                // for that long.
+                this.close_as_idle_within(SHUTDOWN_CLOSE_WAIT);
                 continue;
             }
             if this.idle_timer.as_mut().poll(&mut side_cx).is_pending() {
@@ -806,11 +809,16 @@ where
     /// Asks the connection to close as after an idle timeout: it has one more `idle` to
     /// end (then, with no request in flight, it is dropped).
     fn close_as_idle(&mut self) {
+        self.close_as_idle_within(self.idle);
+    }
+
+    /// [`Self::close_as_idle`] with `within` to end in place of `idle`.
+    fn close_as_idle_within(&mut self, within: Duration) {
         self.closing = true;
         self.close_deadline = true;
         self.idle_timer
             .as_mut()
-            .reset(tokio::time::Instant::now() + self.idle);
+            .reset(tokio::time::Instant::now() + within);
         (self.graceful)(&mut self.conn);
     }
 
