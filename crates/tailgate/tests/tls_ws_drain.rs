@@ -902,6 +902,82 @@ async fn an_h2_stream_the_client_stopped_reading_is_reset_alone() {
     assert_eq!(e.reason(), Some(h2::Reason::CANCEL), "{e}");
 }
 
+/// The same for a response whose last piece waits for the client's window: it is reset
+/// too. It was not watched, and held its stream for as long as the client kept the
+/// connection busy. (A response's only piece, a body read whole with its head, is watched
+/// the same way while hyper holds it for a window at 0; one that finds the window open is
+/// given to h2 whole, and waits in h2's buffer, where no stream task is left to end.)
+#[tokio::test]
+async fn an_h2_stream_stalled_on_its_last_piece_is_reset() {
+    let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
+        if req.uri().path() == "/last" {
+            // Two pieces of 1 KiB with a length: the first fills the client's window, the
+            // last (the body's end) waits for it.
+            http::Response::builder()
+                .header("content-length", "2048")
+                .body(trickle(2, 1024, Duration::from_millis(200), None))
+                .unwrap()
+        } else {
+            http::Response::new(trickle(15, 512, Duration::from_millis(200), None))
+        }
+    })
+    .await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"1s\"\n");
+    let tcp = TcpStream::connect(gw.addr).await.unwrap();
+    // Streams' windows of 1 KiB.
+    let (client, conn) = h2::client::Builder::new()
+        .initial_connection_window_size(16 << 20)
+        .initial_window_size(1024)
+        .handshake::<_, Bytes>(tcp)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let mut client = client.ready().await.unwrap();
+    let get = |path: &str| {
+        http::Request::get(format!("http://a{path}"))
+            .body(())
+            .unwrap()
+    };
+    let (whole, _) = client.send_request(get("/last"), true).unwrap();
+    let mut client = client.ready().await.unwrap();
+    let (drip, _) = client.send_request(get("/drip"), true).unwrap();
+    let (whole, drip) = (whole.await.unwrap(), drip.await.unwrap());
+    assert_eq!(
+        (whole.status().as_u16(), drip.status().as_u16()),
+        (200, 200)
+    );
+    let stalled = tokio::spawn(async move {
+        let mut body = whole.into_body();
+        loop {
+            match body.data().await {
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Some(e),
+                None => return None,
+            }
+        }
+    });
+    let mut body = drip.into_body();
+    let mut got = 0;
+    let mut reset_while_reading = false;
+    while let Some(piece) = body.data().await {
+        let piece = piece.expect("the read stream ends well");
+        got += piece.len();
+        let _ = body.flow_control().release_capacity(piece.len());
+        reset_while_reading |= stalled.is_finished();
+    }
+    assert_eq!(got, 15 * 512, "the read stream came whole");
+    assert!(
+        reset_while_reading,
+        "the stalled stream was not ended while the other was read"
+    );
+    let e = stalled
+        .await
+        .unwrap()
+        .expect("the stalled stream was reset");
+    assert!(e.is_reset(), "{e}");
+    assert_eq!(e.reason(), Some(h2::Reason::CANCEL), "{e}");
+}
+
 /// A route's `total_timeout` cuts an HTTP/2 stream whose client keeps its window shut
 /// (hyper does not poll its body then, so the body cannot cut itself off): the stream is
 /// reset at the deadline, well before the connection's `idle_timeout`.

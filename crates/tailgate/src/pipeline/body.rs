@@ -502,7 +502,15 @@ impl Body for RespBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match self.get_mut() {
-            RespBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            RespBody::Full(b) => {
+                let piece = b.take();
+                // Its one piece may wait for an HTTP/2 client's window as any other:
+                // watched, so that the stream is reset if the client never takes it.
+                if piece.is_some() {
+                    crate::server::stream_stall::handed(None);
+                }
+                Poll::Ready(piece.map(|b| Ok(Frame::data(b))))
+            }
             RespBody::Upstream(up) => {
                 let up = &mut **up;
                 if std::mem::take(&mut up.handed)
@@ -560,6 +568,11 @@ impl Body for RespBody {
                         }
                         if up.ended() {
                             up.finish();
+                            // The last piece may wait for an HTTP/2 client's window too
+                            // (the exchange is over: not counted as the connection's).
+                            crate::server::stream_stall::handed(
+                                up.deadline.as_ref().map(|d| d.deadline()),
+                            );
                         } else if let Some(a) = up.recorder.activity() {
                             up.handed = true;
                             a.piece_handed();
