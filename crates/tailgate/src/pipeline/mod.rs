@@ -572,7 +572,7 @@ fn forward(
         // connection drops it for HTTP/1.1 ones, where TE is hop-by-hop.
         let te_trailers = hop && headers::te_has_trailers(&parts.headers);
         // A `Connection` header may name `Host`: then it is put back below.
-        let removed = hop && headers::remove_hop_by_hop(&mut parts.headers, upgrade);
+        let removed = hop && spare::remove_hop_by_hop(&mut parts.headers, upgrade);
         if te_trailers {
             parts
                 .headers

@@ -77,6 +77,19 @@ pub fn give_head(mut head: Box<Parts>) {
     keep(&HEADS, head);
 }
 
+/// Removes a request head's hop-by-hop headers ([`super::headers::remove_hop_by_hop`]).
+/// A map too large to keep before keeps the store of the values removed, which its `len`
+/// and `capacity` no longer show (a client's `proxy-x` sent hundreds of times, a byte each
+/// once HPACK has it): its index is grown past what is kept, so [`give_head`] lets it go.
+pub fn remove_hop_by_hop(map: &mut HeaderMap, keep_upgrade: bool) -> bool {
+    let large = too_large(map);
+    let removed = super::headers::remove_hop_by_hop(map, keep_upgrade);
+    if large && !too_large(map) {
+        map.reserve(MAP_KEEP + 1);
+    }
+    removed
+}
+
 /// Keeps `item` on the worker's `stack` if it has room ([`KEEP`]); otherwise it is let go.
 /// The one way the worker's stacks (these, and the inline server's buffers) grow.
 pub fn keep<T>(stack: &'static LocalKey<RefCell<Vec<T>>>, item: T) {
@@ -177,6 +190,28 @@ mod tests {
         give_head(head);
         assert_eq!(HEADS.with_borrow(Vec::len), kept, "not kept");
         give_head(take_head(2));
+        assert_eq!(HEADS.with_borrow(Vec::len), kept + 1, "a small one is");
+    }
+
+    /// A head whose many values were hop-by-hop headers, removed before it is given back,
+    /// is let go too: the store of its values stayed as large.
+    #[test]
+    fn a_head_whose_many_values_were_removed_is_let_go() {
+        let mut head = take_head(2);
+        head.headers.insert("host", HeaderValue::from_static("a"));
+        for i in 0..=MAP_KEEP * 4 {
+            head.headers.append("proxy-x", HeaderValue::from(i));
+        }
+        assert!(remove_hop_by_hop(&mut head.headers, false));
+        assert_eq!(head.headers.len(), 1);
+        let kept = HEADS.with_borrow(Vec::len);
+        give_head(head);
+        assert_eq!(HEADS.with_borrow(Vec::len), kept, "not kept");
+        // A small one, with one to remove, is kept.
+        let mut head = take_head(2);
+        head.headers.insert("te", HeaderValue::from_static("x"));
+        assert!(remove_hop_by_hop(&mut head.headers, false));
+        give_head(head);
         assert_eq!(HEADS.with_borrow(Vec::len), kept + 1, "a small one is");
     }
 
