@@ -4,8 +4,12 @@
 //! Lines are written by a background thread (`tracing-appender`'s non-blocking writer), so a
 //! worker never blocks on stderr (DESIGN.md rule 1): each event goes into a bounded queue
 //! and, when the queue is full, is dropped and counted (`tailgate_queue_dropped_total{queue="log"}`).
+//! A line stderr refuses (a full disk, a closed pipe) is counted there too: the writer
+//! thread would drop it silently.
 
+use std::io::Write;
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use tracing_appender::non_blocking::{ErrorCounter, NonBlockingBuilder, WorkerGuard};
 use tracing_subscriber::EnvFilter;
@@ -19,6 +23,50 @@ use crate::config::{LogFormat, LogSettings};
 const QUEUE_LINES: usize = 16 * 1024;
 
 static DROPPED: OnceLock<ErrorCounter> = OnceLock::new();
+
+/// Lines stderr refused.
+static WRITE_FAILED: AtomicU64 = AtomicU64::new(0);
+
+/// The log thread's writer: counts each line the one below refuses, and ends a line cut
+/// short by the refusal with a newline if it can, so the next line is not joined to half
+/// of it (a JSON reader would lose both).
+struct Counted<W>(W);
+
+impl<W: Write> Write for Counted<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.write(buf)
+    }
+
+    fn write_all(&mut self, mut line: &[u8]) -> std::io::Result<()> {
+        let mut written = 0;
+        while !line.is_empty() {
+            match self.0.write(line) {
+                Ok(0) => return Err(self.failed(written, std::io::ErrorKind::WriteZero.into())),
+                Ok(n) => {
+                    written += n;
+                    line = &line[n..];
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.failed(written, e)),
+            }
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
+}
+
+impl<W: Write> Counted<W> {
+    fn failed(&mut self, written: usize, e: std::io::Error) -> std::io::Error {
+        WRITE_FAILED.fetch_add(1, Ordering::Relaxed);
+        if written > 0 {
+            let _ = self.0.write(b"\n");
+        }
+        e
+    }
+}
 
 /// Installs the global subscriber (once; later calls are no-ops). Keep the guard until
 /// exit: dropping it flushes the queued lines.
@@ -37,7 +85,7 @@ pub fn init(settings: &LogSettings) -> Option<WorkerGuard> {
         .buffered_lines_limit(QUEUE_LINES)
         .lossy(true)
         .thread_name("tailgate-log")
-        .finish(std::io::stderr());
+        .finish(Counted(std::io::stderr()));
     let counter = writer.error_counter();
     // Colours only for a terminal: files and journald get plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
@@ -60,7 +108,53 @@ pub fn init(settings: &LogSettings) -> Option<WorkerGuard> {
     Some(guard)
 }
 
-/// Log lines dropped because the queue was full.
+/// Log lines dropped because the queue was full, or because stderr refused them.
 pub fn dropped_lines() -> u64 {
-    DROPPED.get().map_or(0, |c| c.dropped_lines() as u64)
+    DROPPED.get().map_or(0, |c| c.dropped_lines() as u64) + WRITE_FAILED.load(Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Takes `room` bytes, then refuses all but a newline.
+    struct Full {
+        got: Vec<u8>,
+        room: usize,
+    }
+
+    impl Write for Full {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            if buf == b"\n" {
+                self.got.push(b'\n');
+                return Ok(1);
+            }
+            let n = buf.len().min(self.room);
+            if n == 0 {
+                return Err(std::io::Error::other("no space left on device"));
+            }
+            self.room -= n;
+            self.got.extend_from_slice(&buf[..n]);
+            Ok(n)
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_refused_line_is_counted_and_a_cut_one_ended() {
+        let before = WRITE_FAILED.load(Ordering::Relaxed);
+        let mut w = Counted(Full {
+            got: Vec::new(),
+            room: 14,
+        });
+        w.write_all(b"{\"a\":1}\n").expect("fits");
+        assert!(w.write_all(b"{\"b\":22}\n").is_err());
+        assert!(w.write_all(b"{\"c\":3}\n").is_err());
+        assert_eq!(WRITE_FAILED.load(Ordering::Relaxed) - before, 2);
+        // The cut line is ended, and the next refused whole adds nothing.
+        assert_eq!(w.0.got, b"{\"a\":1}\n{\"b\":2\n");
+    }
 }
