@@ -518,7 +518,17 @@ cluster = "web"
         ("/v1/users/7", "/api/v1/users/7", "the-api", Some("/v1")),
         ("/old", "/new/", "the-api", Some("/old")),
         ("/old/x", "/new/x", "the-api", Some("/old")),
+        // The path goes up in its normal form: escapes of what may stand raw decoded, as
+        // nginx's `proxy_pass` with a URI sends them; others kept.
+        (
+            "/old/a%2Bb%3D%7C/%20%25",
+            "/new/a+b=|/%20%25",
+            "the-api",
+            Some("/old"),
+        ),
         ("/x/./y?q", "/x/./y?q", "web", None),
+        // Without a rewrite, the target as the client sent it.
+        ("/x/a%2Bb", "/x/a%2Bb", "web", None),
     ] {
         let resp = common::get(gw.addr, target).await;
         assert_eq!(resp.status(), 200, "{target}");

@@ -1206,7 +1206,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 Ok(normal) => c.err(
                     Some(r.path_prefix.span()),
                     format!("route[{i}].path_prefix"),
-                    format!("`{path_prefix}` is not in normal form, so no request would match it: paths are matched with `;` parameters dropped, `%XX` decoded (but for `/`, `;`, `?`, `#` and `%`), bytes above 0x7F (raw UTF-8) percent-encoded, `.` and `..` resolved and `//` merged"),
+                    format!("`{path_prefix}` is not in normal form, so no request would match it: paths are matched with `;` parameters dropped, `%XX` decoded where the byte may stand raw in a path (not `;` or `%`), bytes above 0x7F (raw UTF-8) percent-encoded, `.` and `..` resolved and `//` merged"),
                     Some(&format!(
                         "write \"{}\"",
                         if params {

@@ -502,9 +502,9 @@ const HOST_BYTES: [HostByte; 256] = {
 /// The path as routes match it, read so that no server behind can read it otherwise:
 /// each segment's `;` parameters dropped first, from the raw bytes, up to the next `/`
 /// (`/admin;jsessionid=1/x` is `/admin/x`, as Tomcat and Jetty read it; nginx keeps them,
-/// but a prefix without `;` matches alike); then percent-encoded unreserved bytes
-/// and reserved ones other than `;`, `?`, `#` and `%` decoded (`%2e` is `.`, `%41` is `A`,
-/// `%3A` is `:`, as nginx decodes them), an encoded slash or backslash (`%2F`, `%5C`) and a
+/// but a prefix without `;` matches alike); then percent-encoded bytes that may stand raw
+/// in a path, but `;` and `%`, decoded (`%2e` is `.`, `%41` is `A`, `%3A` is `:`, as nginx
+/// decodes them), an encoded slash or backslash (`%2F`, `%5C`) and a
 /// backslash read as `/`, other escapes kept (their hex in upper case), and bytes above
 /// 0x7F (raw UTF-8) written as escapes, as most clients send them; `.` and `..`
 /// segments resolved (RFC 3986 §5.2.4), and repeated slashes merged. Whatever an upstream
@@ -570,6 +570,9 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
             {
                 return Err(BadPath::SlashInParams);
             }
+            if param.windows(3).any(|w| w == b"%00") {
+                return Err(BadPath::Nul);
+            }
             i += param.len();
             continue;
         }
@@ -585,29 +588,11 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
             if v == 0 {
                 return Err(BadPath::Nul);
             }
-            // Unreserved characters, and the reserved ones whose escape every server
-            // decodes alike (`%3A` is `:` to nginx, Envoy and the frameworks behind them):
-            // not `;`, `?`, `#` or `%`, which would change the path's structure.
-            if v.is_ascii_alphanumeric()
-                || matches!(
-                    v,
-                    b'-' | b'.'
-                        | b'_'
-                        | b'~'
-                        | b':'
-                        | b'@'
-                        | b'!'
-                        | b'$'
-                        | b'&'
-                        | b'\''
-                        | b'('
-                        | b')'
-                        | b'*'
-                        | b'+'
-                        | b','
-                        | b'='
-                )
-            {
+            // Every byte that may stand raw in a path (as `http` takes it), as nginx, Tomcat,
+            // Go or Node decode it: `%41` is `A`, `%3A` is `:`, `%7C` is `|`. Not `;` or
+            // `%`, which would change the path's structure (nor `?`, `#`, a space or a
+            // control byte, which cannot stand raw).
+            if v != b'%' && v != b'/' && v != b'\\' && raw_in_path(v) {
                 decoded.push(v);
             } else if v == b'/' || v == b'\\' {
                 decoded.push(b'/');
@@ -671,6 +656,12 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
 }
 
 const HEX: &[u8; 16] = b"0123456789ABCDEF";
+
+/// Can `v` stand raw in a request's path? What `http` takes in one, but `;`: parameters are
+/// dropped from the raw bytes, so an escaped one is not one.
+fn raw_in_path(v: u8) -> bool {
+    matches!(v, 0x21 | 0x24..=0x3A | 0x3D | 0x40..=0x5F | 0x61..=0x7A | 0x7C | 0x7E | b'"' | b'{' | b'}')
+}
 
 /// The target sent upstream on a route with a `rewrite_prefix`: the path in normal form,
 /// as the route matched it, with the route's `path_prefix` replaced by `to`, and the query
@@ -979,8 +970,11 @@ endpoints = ["127.0.0.1:1"]
             ("/a%3ab", "/a:b"),
             ("/v1/items%3Apurge", "/v1/items:purge"),
             ("/%40me/%21%24%26%27%28%29%2A%2B%2C%3D", "/@me/!$&'()*+,="),
-            // Escapes that would change the path's structure stay escaped.
+            ("/a%7Cb/%5B1%5D/%7B%22k%22%7D/%5e", "/a|b/[1]/{\"k\"}/^"),
+            // Escapes that would change the path's structure, or of bytes that cannot
+            // stand raw, stay escaped.
             ("/a%3fb%23c%25d", "/a%3Fb%23c%25d"),
+            ("/a%20b%3C%3e%60%7f%0A", "/a%20b%3C%3E%60%7F%0A"),
             ("/x/..%2fz", "/z"),
             ("/x/;y", "/x/"),
             ("/admin;jsessionid=1/keys", "/admin/keys"),
@@ -1055,7 +1049,7 @@ endpoints = ["127.0.0.1:1"]
         ] {
             assert_eq!(normal_path(slash), Err(BadPath::SlashInParams), "{slash}");
         }
-        for nul in ["/a%00", "/a%00/../b", "/%00.txt"] {
+        for nul in ["/a%00", "/a%00/../b", "/%00.txt", "/a;%00/b"] {
             assert_eq!(normal_path(nul), Err(BadPath::Nul), "{nul}");
         }
     }
