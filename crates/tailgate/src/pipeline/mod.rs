@@ -955,19 +955,20 @@ fn forward(
                     rec.finish();
                 });
             }
-            headers::remove_hop_by_hop(&mut parts.headers, true);
-            parts
-                .headers
-                .insert(settings.request_id_header.clone(), request_id.clone());
+            spare::shrinking(&mut parts.headers, |h| {
+                headers::remove_hop_by_hop(h, true);
+                h.insert(settings.request_id_header.clone(), request_id.clone());
+            });
             rec.finish();
             return Ok(Response::from_parts(parts, RespBody::empty()));
         }
 
         let (mut parts, body) = resp.into_parts();
-        headers::remove_hop_by_hop(&mut parts.headers, false);
-        parts
-            .headers
-            .insert(settings.request_id_header.clone(), request_id.clone());
+        // (The map goes back to the worker once the head is written.)
+        spare::shrinking(&mut parts.headers, |h| {
+            headers::remove_hop_by_hop(h, false);
+            h.insert(settings.request_id_header.clone(), request_id.clone());
+        });
         let ended = match &body {
             UpBody::Hyper(b) => http_body::Body::is_end_stream(b),
             UpBody::H1 => up.body_done(),

@@ -57,14 +57,14 @@ impl Rewrite {
         if let Some(to) = &self.to {
             parts.uri = rewrite_target(&parts.uri, prefix, to)?;
             let name = &super::headers::X_FORWARDED_PREFIX;
-            match &self.forwarded_prefix {
+            super::spare::shrinking(&mut parts.headers, |h| match &self.forwarded_prefix {
                 Some(p) => {
-                    parts.headers.insert(name, p.clone());
+                    h.insert(name, p.clone());
                 }
                 None => {
-                    parts.headers.remove(name);
+                    h.remove(name);
                 }
-            }
+            });
         }
         if let Some(h) = &self.host {
             parts.headers.insert(http::header::HOST, h.clone());

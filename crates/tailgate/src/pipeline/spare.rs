@@ -77,17 +77,24 @@ pub fn give_head(mut head: Box<Parts>) {
     keep(&HEADS, head);
 }
 
-/// Removes a request head's hop-by-hop headers ([`super::headers::remove_hop_by_hop`]).
-/// A map too large to keep before keeps the store of the values removed, which its `len`
-/// and `capacity` no longer show (a client's `proxy-x` sent hundreds of times, a byte each
-/// once HPACK has it): its index is grown past what is kept, so [`give_head`] lets it go.
-pub fn remove_hop_by_hop(map: &mut HeaderMap, keep_upgrade: bool) -> bool {
+/// Runs `f` on a map that may be given back ([`give_head`], [`give_headers`]), which may
+/// remove or replace values. A map too large to keep before keeps the store of the values
+/// `remove` or `insert` dropped, which its `len` and `capacity` no longer show (a client's
+/// `proxy-x` sent hundreds of times, a byte each once HPACK has it; an upstream's repeated
+/// request id header): its index is grown past what is kept, so that it is let go.
+pub fn shrinking<R>(map: &mut HeaderMap, f: impl FnOnce(&mut HeaderMap) -> R) -> R {
     let large = too_large(map);
-    let removed = super::headers::remove_hop_by_hop(map, keep_upgrade);
+    let r = f(map);
     if large && !too_large(map) {
         map.reserve(MAP_KEEP + 1);
     }
-    removed
+    r
+}
+
+/// Removes a request head's hop-by-hop headers ([`super::headers::remove_hop_by_hop`]),
+/// [`shrinking`] its map.
+pub fn remove_hop_by_hop(map: &mut HeaderMap, keep_upgrade: bool) -> bool {
+    shrinking(map, |m| super::headers::remove_hop_by_hop(m, keep_upgrade))
 }
 
 /// Keeps `item` on the worker's `stack` if it has room ([`KEEP`]); otherwise it is let go.
@@ -213,6 +220,17 @@ mod tests {
         assert!(remove_hop_by_hop(&mut head.headers, false));
         give_head(head);
         assert_eq!(HEADS.with_borrow(Vec::len), kept + 1, "a small one is");
+        // Many values of one name replaced by one (`insert`): a map let go as well.
+        let mut map = take_headers(2);
+        for i in 0..=MAP_KEEP * 4 {
+            map.append("x-request-id", HeaderValue::from(i));
+        }
+        shrinking(&mut map, |m| {
+            m.insert("x-request-id", HeaderValue::from_static("1"));
+        });
+        assert_eq!(map.len(), 1);
+        give_headers(map);
+        assert_eq!(take_headers(0).capacity(), 0, "not kept");
     }
 
     #[test]
