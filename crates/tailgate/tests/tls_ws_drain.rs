@@ -904,21 +904,39 @@ async fn an_h2_stream_the_client_stopped_reading_is_reset_alone() {
 
 /// The same for a response whose last piece waits for the client's window: it is reset
 /// too. It was not watched, and held its stream for as long as the client kept the
-/// connection busy. (A response's only piece, a body read whole with its head, is watched
-/// the same way while hyper holds it for a window at 0; one that finds the window open is
-/// given to h2 whole, and waits in h2's buffer, where no stream task is left to end.)
+/// connection busy. (A piece hyper finds the window open for, at least a byte of it, is
+/// given to h2 whole and waits in h2's buffer, where no stream task is left to end.)
 #[tokio::test]
 async fn an_h2_stream_stalled_on_its_last_piece_is_reset() {
-    let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
-        if req.uri().path() == "/last" {
-            // Two pieces of 1 KiB with a length: the first fills the client's window, the
-            // last (the body's end) waits for it.
-            http::Response::builder()
-                .header("content-length", "2048")
-                .body(trickle(2, 1024, Duration::from_millis(200), None))
-                .unwrap()
-        } else {
-            http::Response::new(trickle(15, 512, Duration::from_millis(200), None))
+    // `/last`: 1 KiB, then, once the client has it, its last 1 KiB (with a length, so
+    // that the gateway knows it for the last). The first fills the client's window.
+    let next = Arc::new(tokio::sync::Notify::new());
+    let go = next.clone();
+    let up = upstream(move |req: http::Request<hyper::body::Incoming>| {
+        let go = go.clone();
+        async move {
+            if req.uri().path() == "/last" {
+                let pieces = futures_util::stream::unfold(0, move |i| {
+                    let go = go.clone();
+                    async move {
+                        match i {
+                            0 => {}
+                            1 => go.notified().await,
+                            _ => return None,
+                        }
+                        let piece = hyper::body::Frame::data(Bytes::from(vec![b'x'; 1024]));
+                        Some((Ok(piece), i + 1))
+                    }
+                });
+                http::Response::builder()
+                    .header("content-length", "2048")
+                    .body(http_body_util::BodyExt::boxed(
+                        http_body_util::StreamBody::new(pieces),
+                    ))
+                    .unwrap()
+            } else {
+                http::Response::new(trickle(15, 512, Duration::from_millis(200), None))
+            }
         }
     })
     .await;
@@ -938,19 +956,24 @@ async fn an_h2_stream_stalled_on_its_last_piece_is_reset() {
             .body(())
             .unwrap()
     };
-    let (whole, _) = client.send_request(get("/last"), true).unwrap();
+    let (last, _) = client.send_request(get("/last"), true).unwrap();
     let mut client = client.ready().await.unwrap();
     let (drip, _) = client.send_request(get("/drip"), true).unwrap();
-    let (whole, drip) = (whole.await.unwrap(), drip.await.unwrap());
-    assert_eq!(
-        (whole.status().as_u16(), drip.status().as_u16()),
-        (200, 200)
-    );
+    let (last, drip) = (last.await.unwrap(), drip.await.unwrap());
+    assert_eq!((last.status().as_u16(), drip.status().as_u16()), (200, 200));
     let stalled = tokio::spawn(async move {
-        let mut body = whole.into_body();
+        let mut body = last.into_body();
+        let mut got = 0;
         loop {
             match body.data().await {
-                Some(Ok(_)) => {}
+                Some(Ok(piece)) => {
+                    got += piece.len();
+                    // The first piece is here (its window never given back): the last
+                    // may come.
+                    if got == 1024 {
+                        next.notify_one();
+                    }
+                }
                 Some(Err(e)) => return Some(e),
                 None => return None,
             }
@@ -976,6 +999,47 @@ async fn an_h2_stream_stalled_on_its_last_piece_is_reset() {
         .expect("the stalled stream was reset");
     assert!(e.is_reset(), "{e}");
     assert_eq!(e.reason(), Some(h2::Reason::CANCEL), "{e}");
+}
+
+/// A response whose one piece (a body read whole with its head) waits for a client whose
+/// windows are all shut is reset after `idle_timeout`, while another stream keeps the
+/// connection busy (its upstream still thinking).
+#[tokio::test]
+async fn an_h2_stream_stalled_on_its_only_piece_is_reset() {
+    let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
+        if req.uri().path() == "/slow" {
+            tokio::time::sleep(Duration::from_secs(4)).await;
+        }
+        http::Response::new(full(vec![b'x'; 4 << 10]))
+    })
+    .await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"1s\"\n");
+    let tcp = TcpStream::connect(gw.addr).await.unwrap();
+    let (client, conn) = h2::client::Builder::new()
+        .initial_window_size(0)
+        .handshake::<_, Bytes>(tcp)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let mut client = client.ready().await.unwrap();
+    let get = |path: &str| {
+        http::Request::get(format!("http://a{path}"))
+            .body(())
+            .unwrap()
+    };
+    let (whole, _) = client.send_request(get("/whole"), true).unwrap();
+    let mut client = client.ready().await.unwrap();
+    let (slow, _) = client.send_request(get("/slow"), true).unwrap();
+    let whole = whole.await.unwrap();
+    assert_eq!(whole.status().as_u16(), 200);
+    let e = tokio::time::timeout(Duration::from_secs(3), whole.into_body().data())
+        .await
+        .expect("the stalled stream was not reset while the other was in flight")
+        .expect("an end")
+        .expect_err("no data can come through a shut window");
+    assert!(e.is_reset(), "{e}");
+    assert_eq!(e.reason(), Some(h2::Reason::CANCEL), "{e}");
+    drop(slow);
 }
 
 /// A route's `total_timeout` cuts an HTTP/2 stream whose client keeps its window shut

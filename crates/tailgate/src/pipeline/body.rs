@@ -567,12 +567,13 @@ impl Body for RespBody {
                             up.recorder.add_bytes_out(data.len() as u64);
                         }
                         if up.ended() {
-                            up.finish();
                             // The last piece may wait for an HTTP/2 client's window too
-                            // (the exchange is over: not counted as the connection's).
+                            // (the exchange is over: not counted as the connection's);
+                            // the deadline read before `finish` lets it go.
                             crate::server::stream_stall::handed(
                                 up.deadline.as_ref().map(|d| d.deadline()),
                             );
+                            up.finish();
                         } else if let Some(a) = up.recorder.activity() {
                             up.handed = true;
                             a.piece_handed();

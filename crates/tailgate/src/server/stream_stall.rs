@@ -57,8 +57,8 @@ impl Waiting {
 /// The response body being polled handed the client a piece, and waits to be asked for
 /// the next; `total` is the route's total deadline, if any (a stream whose client keeps
 /// its window shut is not polled, so the body cannot cut itself off at it). Outside an
-/// HTTP/2 stream's task (HTTP/1), nothing but a thread-local check, paid per piece of a
-/// multi-piece body only (a one-piece answer never hands a piece to wait on).
+/// HTTP/2 stream's task (HTTP/1), nothing but a thread-local check, paid per piece (one
+/// for a one-piece answer).
 pub fn handed(total: Option<Instant>) {
     let _ = STREAM.try_with(|w| {
         w.since_ms.store(w.ms(Instant::now()), Ordering::Relaxed);
