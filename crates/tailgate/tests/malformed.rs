@@ -714,9 +714,10 @@ async fn a_refused_upgrade_lingers_once() {
     }
     let took = answered.elapsed();
     assert!(failed, "never closed");
-    // (A lower bound the host cannot break, and an upper one far from it.)
+    // One linger is 5 s at most; two were 10 s. (No lower bound: a test task held up for
+    // a second ends the linger early, by its wait for each read.)
     assert!(
-        took >= Duration::from_secs(4) && took < Duration::from_secs(9),
+        took < Duration::from_secs(9),
         "closed {took:?} after the answer"
     );
 }
