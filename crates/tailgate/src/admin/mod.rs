@@ -415,6 +415,76 @@ struct OpenConn {
     idle_since: AtomicU64,
     /// Asks the connection to close (it does once idle).
     close: tokio::sync::Notify,
+    /// Its last write found the socket full: hyper still holds response bytes to write,
+    /// though the response's body is done (hyper lets the body go once it is in its write
+    /// buffer, up to some hundreds of KiB). Not idle until they are written.
+    unsent: AtomicBool,
+}
+
+impl OpenConn {
+    /// A response under way, or its bytes not all written yet.
+    fn in_use(&self) -> bool {
+        self.busy.load(Ordering::Relaxed) > 0 || self.unsent.load(Ordering::Relaxed)
+    }
+}
+
+/// An admin connection's socket, noting in its [`OpenConn`] (on a full slot) whether the
+/// last write found the socket full.
+struct WriteWatch {
+    inner: tokio::net::TcpStream,
+    conn: Option<Arc<OpenConn>>,
+}
+
+impl WriteWatch {
+    fn note<T>(&self, r: &Poll<std::io::Result<T>>) {
+        if let Some(c) = &self.conn {
+            c.unsent.store(r.is_pending(), Ordering::Relaxed);
+        }
+    }
+}
+
+impl tokio::io::AsyncRead for WriteWatch {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for WriteWatch {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.note(&r);
+        r
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.note(&r);
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 impl Open {
@@ -434,6 +504,7 @@ impl Open {
             busy: AtomicU32::new(0),
             idle_since: AtomicU64::new(self.now()),
             close: tokio::sync::Notify::new(),
+            unsent: AtomicBool::new(false),
         });
         self.lock().push(conn.clone());
         conn
@@ -444,13 +515,13 @@ impl Open {
     }
 
     /// Asks the connection idle the longest to close, and takes it off the list; false when
-    /// every connection is in the middle of a response.
+    /// every connection is in the middle of a response (or of writing its last bytes).
     fn close_idlest(&self) -> bool {
         let mut conns = self.lock();
         let idlest = conns
             .iter()
             .enumerate()
-            .filter(|(_, c)| c.busy.load(Ordering::Relaxed) == 0)
+            .filter(|(_, c)| !c.in_use())
             .min_by_key(|(_, c)| c.idle_since.load(Ordering::Relaxed))
             .map(|(i, _)| i);
         match idlest {
@@ -582,7 +653,13 @@ async fn serve(
         .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_secs(10))
         .keep_alive(keep_alive)
-        .serve_connection(TokioIo::new(stream), svc);
+        .serve_connection(
+            TokioIo::new(WriteWatch {
+                inner: stream,
+                conn: close.clone(),
+            }),
+            svc,
+        );
     let mut conn = std::pin::pin!(conn);
     let (lifetime, drain) = match slot {
         Slot::Full(_) => (CONNECTION_LIFETIME, LIFETIME_DRAIN),
@@ -609,7 +686,7 @@ async fn serve(
             // a moment. hyper's close waits for a head part-way in (its 10 s), and slots
             // held so by half-sent heads would keep every new connection, a health probe
             // too, out meanwhile.
-            let busy = || close.as_ref().is_some_and(|c| c.busy.load(Ordering::Relaxed) > 0);
+            let busy = || close.as_ref().is_some_and(|c| c.in_use());
             let grace = if busy() { LIFETIME_DRAIN } else { EVICT_GRACE };
             match tokio::time::timeout(grace, conn.as_mut()).await {
                 Ok(r) => r,
@@ -982,5 +1059,48 @@ mod tests {
         assert!(!h("gzip;q=0"));
         assert!(!h("identity"));
         assert!(!accepts_gzip(&http::HeaderMap::new()));
+    }
+
+    /// A connection whose last write found its socket full is in use, and not closed for a
+    /// new one, until its bytes are written: then it is idle again.
+    #[tokio::test]
+    async fn a_connection_still_writing_is_not_taken_for_a_new_one() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let mut client = tokio::net::TcpStream::connect(l.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (server, _) = l.accept().await.expect("accept");
+        let open = Open::new();
+        let conn = open.add();
+        let mut w = WriteWatch {
+            inner: server,
+            conn: Some(conn.clone()),
+        };
+        // Written until the socket is full (the client reads nothing).
+        let piece = vec![b'x'; 64 * 1024];
+        let mut sent = 0usize;
+        loop {
+            match tokio::time::timeout(Duration::from_millis(200), w.write(&piece)).await {
+                Ok(n) => sent += n.expect("write"),
+                Err(_) => break,
+            }
+        }
+        assert!(conn.in_use(), "{sent} bytes sent, the socket full");
+        assert!(!open.close_idlest(), "a connection still writing was taken");
+        // The client reads; the rest goes, and the connection is idle.
+        let reader = tokio::spawn(async move {
+            let mut buf = vec![0u8; 64 * 1024];
+            let mut got = 0;
+            while got < sent + 10 {
+                got += client.read(&mut buf).await.expect("read");
+            }
+        });
+        w.write_all(b"0123456789").await.expect("the last bytes");
+        reader.await.expect("read all");
+        assert!(!conn.in_use());
+        assert!(open.close_idlest());
     }
 }
