@@ -1082,11 +1082,8 @@ mod tests {
         // Written until the socket is full (the client reads nothing).
         let piece = vec![b'x'; 64 * 1024];
         let mut sent = 0usize;
-        loop {
-            match tokio::time::timeout(Duration::from_millis(200), w.write(&piece)).await {
-                Ok(n) => sent += n.expect("write"),
-                Err(_) => break,
-            }
+        while let Ok(n) = tokio::time::timeout(Duration::from_millis(200), w.write(&piece)).await {
+            sent += n.expect("write");
         }
         assert!(conn.in_use(), "{sent} bytes sent, the socket full");
         assert!(!open.close_idlest(), "a connection still writing was taken");
