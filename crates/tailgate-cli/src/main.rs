@@ -13,13 +13,23 @@ use clap::{Parser, Subcommand};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// `tailgate --version`: the version, and `(profile-guided build)` when the binary was
-/// compiled with a profile (`-Cprofile-use`, as `scripts/pgo.sh` builds it; `build.rs`
-/// looks at the flags), so a benchmark report can say which build it measured.
+/// `tailgate --version`: the version, the commit built, and `profile-guided build` when the
+/// binary was compiled with a profile (`-Cprofile-use`, as `scripts/pgo.sh` builds it;
+/// `build.rs` looks at the flags), so a benchmark report can say which build it measured.
 const VERSION: &str = if option_env!("TAILGATE_PROFILE_GUIDED").is_some() {
-    concat!(env!("CARGO_PKG_VERSION"), " (profile-guided build)")
+    concat!(
+        env!("CARGO_PKG_VERSION"),
+        " (",
+        env!("TAILGATE_COMMIT"),
+        ", profile-guided build)"
+    )
 } else {
-    env!("CARGO_PKG_VERSION")
+    concat!(
+        env!("CARGO_PKG_VERSION"),
+        " (",
+        env!("TAILGATE_COMMIT"),
+        ")"
+    )
 };
 
 #[derive(Parser)]

@@ -47,6 +47,30 @@ fn check(text: &str) -> (bool, String) {
 
 const BASE: &str = "[[listener]]\naddress = \"127.0.0.1:8080\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"127.0.0.1:9000\"]\n";
 
+/// `--version` names the commit built (where the source is a git checkout), so that a
+/// benchmark report says which code it measured.
+#[test]
+fn the_version_names_the_commit_built() {
+    let out = Command::new(BIN).arg("--version").output().unwrap();
+    assert!(out.status.success());
+    let version = String::from_utf8_lossy(&out.stdout).into_owned();
+    let head = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
+    match head {
+        // (Built from this checkout's HEAD: the build script runs again at each commit.)
+        Some(head) => assert!(
+            version.starts_with(&format!("tailgate {} ({head}", env!("CARGO_PKG_VERSION"))),
+            "{version:?}, HEAD {head}"
+        ),
+        None => assert!(version.contains("(unknown commit"), "{version:?}"),
+    }
+}
+
 #[test]
 fn check_accepts_the_example_config() {
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/tailgate.toml");

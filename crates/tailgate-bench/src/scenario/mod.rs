@@ -132,6 +132,29 @@ pub struct Row {
     pub cpu_per_upstream_cpu: Option<f64>,
 }
 
+/// The two-sided sign test's p-value of `k` rounds of `n` going one way, were each round
+/// as likely to go either way: how often chance alone gives a count at least as far from
+/// half.
+fn sign_test_p(k: usize, n: usize) -> f64 {
+    if n == 0 {
+        return 1.0;
+    }
+    // P(X = i) for X ~ Binomial(n, 1/2), summed over the tail beyond k on its side.
+    let pmf = |i: usize| -> f64 {
+        let mut c = 1.0f64;
+        for j in 0..i {
+            c = c * (n - j) as f64 / (j + 1) as f64;
+        }
+        c * 0.5f64.powi(n as i32)
+    };
+    let tail: f64 = if 2 * k <= n {
+        (0..=k).map(pmf).sum()
+    } else {
+        (k..=n).map(pmf).sum()
+    };
+    (2.0 * tail).min(1.0)
+}
+
 /// One line of the `targets` array: a goal and whether this run met it.
 #[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct Check {
@@ -553,7 +576,8 @@ impl Outcome {
              p99 excl. lag (open loop) = p99 without the generator's lag in sending, still corrected for coordinated omission; \
              CPU/req = CPU time (user + system) the target's processes used per request, and in brackets ÷ its upstream's in the same runs \
              (the upstream does the same work for every target, so this ratio compares targets measured while the machine's speed drifted); \
-             rounds met (p99 goals) = in how many rounds the goal's two sides, measured in the same pass, met it on their own.\n",
+             rounds met (p99 goals) = in how many rounds the goal's two sides, measured in the same pass, met it on their own; \
+             inconclusive = a count chance would give as often (two-sided sign test, p > 0.05): the verdict is the medians', and the rounds do not settle it.\n",
             self.rounds
         );
         let _ = writeln!(
@@ -608,9 +632,13 @@ impl Outcome {
                 (false, Some(e)) => format!("**no** ({e} errors)"),
                 (false, None) => "**no**".to_string(),
             };
-            let rounds = c
-                .rounds_met
-                .map_or("–".to_string(), |[k, n]| format!("{k} of {n}"));
+            let rounds = c.rounds_met.map_or("–".to_string(), |[k, n]| {
+                if sign_test_p(k, n) > 0.05 {
+                    format!("{k} of {n} (inconclusive)")
+                } else {
+                    format!("{k} of {n}")
+                }
+            });
             let _ = writeln!(out, "| {} | {v} | {} | {met} | {rounds} |", c.name, c.goal);
         }
         out
@@ -928,6 +956,20 @@ mod tests {
         assert_eq!(o.json()["targets"][0]["errors"], json!(5));
     }
 
+    /// The sign test's p-values, against the binomial tables.
+    #[test]
+    fn the_sign_test_says_how_often_chance_gives_a_count() {
+        let near = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        assert!(near(sign_test_p(5, 5), 0.0625));
+        assert!(near(sign_test_p(0, 5), 0.0625));
+        assert!(near(sign_test_p(10, 12), 0.03857421875));
+        assert!(near(sign_test_p(9, 12), 0.14599609375));
+        assert!(near(sign_test_p(6, 12), 1.0));
+        assert!(near(sign_test_p(0, 0), 1.0));
+        // So 5 rounds never settle a goal; 12 do at 10 of them.
+        assert!(sign_test_p(10, 12) <= 0.05 && sign_test_p(2, 12) <= 0.05);
+    }
+
     #[test]
     fn the_goal_table_shows_the_rounds_met() {
         let tailgate = rounds_row(&[1.0, 3.0, 2.0]);
@@ -948,7 +990,10 @@ mod tests {
             t.contains("| goal | value | goal | met | rounds met |"),
             "{t}"
         );
-        assert!(t.contains("| p99 ≤ | 1.000 | 1 | yes | 2 of 3 |"), "{t}");
+        assert!(
+            t.contains("| p99 ≤ | 1.000 | 1 | yes | 2 of 3 (inconclusive) |"),
+            "{t}"
+        );
         assert!(t.contains("| rps ≥ | 2.000 | 1 | yes | – |"), "{t}");
         let v = o.json();
         assert_eq!(v["targets"][0]["rounds_met"], json!([2, 3]));

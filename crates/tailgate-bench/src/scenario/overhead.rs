@@ -76,9 +76,10 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
         get(&outcome, "tailgate", &open_many),
         get(&outcome, "nginx", &open_many),
     );
-    let (fc, fo) = (
+    let (fc, fo, fm) = (
         get(&outcome, "nginx-fwd", &closed),
         get(&outcome, "nginx-fwd", &open),
+        get(&outcome, "nginx-fwd", &open_many),
     );
     outcome.checks = vec![
         check(
@@ -121,6 +122,14 @@ pub fn run(opts: &Options, tailgate_exe: &Path) -> Result<Outcome, ScenarioError
             true,
         )
         .by_round(to.as_ref(), fo.as_ref()),
+        check(
+            format!("tailgate p99 ÷ nginx-fwd p99, same header work ({open_many}) ≤"),
+            tm.as_ref().map(|r| r.latency_ms.p99),
+            fm.as_ref().map(|r| r.latency_ms.p99),
+            1.0,
+            true,
+        )
+        .by_round(tm.as_ref(), fm.as_ref()),
     ];
     Ok(outcome)
 }

@@ -90,7 +90,15 @@ cluster = "up"
     );
     let path = env.write(&format!("{name}.toml"), &config)?;
     let path = path.to_string_lossy().into_owned();
-    env.spawn(name, exe, &["serve", "--config", &path], addr)?;
+    // The config's log level, not the caller's RUST_LOG (which would override it, and
+    // make the gateway measured log what nginx and HAProxy do not).
+    env.spawn_with_env(
+        name,
+        exe,
+        &["serve", "--config", &path],
+        &[("RUST_LOG", None)],
+        addr,
+    )?;
     Ok(addr)
 }
 

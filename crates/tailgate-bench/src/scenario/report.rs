@@ -132,7 +132,8 @@ The machine is shared and noisy: read the ratios, not the absolute numbers.\n",
 }
 
 /// Which build each tailgate target ran, as its `--version` says (`` `tailgate` is tailgate
-/// 0.1.0 (profile-guided build) ``), then the compared builds, then the build that was the
+/// 0.1.0 (4a5c40689b1e, profile-guided build) ``: its commit, and how it was built), then
+/// the compared builds, then the build that was the
 /// load generator and the upstream.
 fn builds(tailgate_exe: &Path, opts: &Options) -> String {
     let version = |exe: &Path| {
