@@ -43,11 +43,14 @@ pub struct StageTimings {
 /// Everything known about one request/response exchange.
 #[derive(Debug, Clone)]
 pub struct Exchange {
+    /// Empty when no observer takes exchanges (only observers read it, and it would be a
+    /// reference taken and dropped per request for nothing).
     pub request_id: HeaderValue,
     pub client: IpAddr,
     pub tenant: Option<usize>,
     pub route: Option<usize>,
     pub method: http::Method,
+    /// `/` when no observer takes exchanges, as [`request_id`](Self::request_id).
     pub uri: http::Uri,
     pub version: http::Version,
     pub status: u16,
@@ -73,6 +76,11 @@ pub struct Observers(Arc<[Arc<dyn Observer>]>);
 impl Observers {
     pub fn new(list: Vec<Arc<dyn Observer>>) -> Observers {
         Observers(list.into())
+    }
+
+    /// None configured (no access log): exchanges need not carry what only observers read.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 
     fn emit(&self, ex: &Exchange) {

@@ -205,7 +205,7 @@ pub fn refuse_request(
         Exchange {
             tenant,
             route,
-            ..exchange_of(worker, info, &parts, id.clone())
+            ..exchange_of(worker, info, &parts, &id)
         },
         started,
         worker.observers.clone(),
@@ -223,15 +223,25 @@ fn exchange_of(
     worker: &Worker,
     conn: &ConnInfo,
     parts: &Parts,
-    request_id: HeaderValue,
+    request_id: &HeaderValue,
 ) -> Exchange {
+    // The id and the target are for observers alone (the access log): not copied without.
+    let observed = !worker.observers.is_empty();
     Exchange {
-        request_id,
+        request_id: if observed {
+            request_id.clone()
+        } else {
+            HeaderValue::from_static("")
+        },
         client: conn.client.ip(),
         tenant: conn.tenant,
         route: None,
         method: parts.method.clone(),
-        uri: parts.uri.clone(),
+        uri: if observed {
+            parts.uri.clone()
+        } else {
+            http::Uri::default()
+        },
         version: parts.version,
         status: 0,
         bytes_out: 0,
@@ -373,7 +383,7 @@ pub fn handle(
         let request_id = worker
             .ids
             .keep_or_new(parts.headers.get(&settings.request_id_header));
-        let exchange = exchange_of(&worker, &conn, &parts, request_id.clone());
+        let exchange = exchange_of(&worker, &conn, &parts, &request_id);
         let mut rec = ExchangeRecorder::new(
             exchange,
             started,
@@ -987,9 +997,10 @@ fn forward(
             && let Some(whole) = up.take_whole_body()
         {
             rec.add_bytes_out(whole.len() as u64);
-            let now = Instant::now();
-            up.release_at(now, admitted.take());
-            rec.finish_at(now);
+            // The body came with the head: the head's reading ends the exchange too (no
+            // clock read more for it).
+            up.release_at(t_head, admitted.take());
+            rec.finish_at(t_head);
             return Ok(Response::from_parts(parts, RespBody::full(whole)));
         }
         let deadline = total_deadline.map(|d| Box::pin(tokio::time::sleep_until(d.into())));

@@ -23,7 +23,15 @@ const MAX_EJECTION: Duration = Duration::from_secs(30);
 /// What is left of a sample's weight after `idle_ns` nanoseconds without another
 /// (τ = [`DECAY`]).
 fn decay(idle_ns: u64) -> f64 {
-    (-(idle_ns as f64) / DECAY.as_nanos() as f64).exp()
+    const DECAY_NS: f64 = DECAY.as_nanos() as f64;
+    let x = idle_ns as f64 / DECAY_NS;
+    // Samples come microseconds to milliseconds apart against a τ of seconds: there the
+    // series' first terms are exact to 1e-10, and spare the call into libm.
+    if x < 1e-3 {
+        1.0 - x + x * x * 0.5
+    } else {
+        (-x).exp()
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -374,6 +382,25 @@ pub fn pick<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The series taken for short idle times agrees with the exponential it stands for.
+    #[test]
+    fn decay_agrees_with_the_exponential() {
+        let tau = DECAY.as_nanos() as f64;
+        for idle_ns in [
+            0u64,
+            1,
+            1_000,
+            200_000,
+            9_999_999,
+            10_000_000,
+            10_000_001,
+            1 << 40,
+        ] {
+            let exact = (-(idle_ns as f64) / tau).exp();
+            assert!((decay(idle_ns) - exact).abs() < 1e-9, "{idle_ns}");
+        }
+    }
 
     /// How long the endpoint stays ejected from now.
     fn ejected_for(l: &EndpointLoad) -> Duration {
