@@ -843,6 +843,35 @@ async fn h2_client_wide_window(addr: std::net::SocketAddr) -> h2::client::SendRe
     client.ready().await.unwrap()
 }
 
+/// Reads a stream's frames without giving its window back, until it ends: its error, if
+/// it was reset.
+async fn read_unreleased(mut body: h2::RecvStream) -> Option<h2::Error> {
+    loop {
+        match body.data().await {
+            Some(Ok(_)) => {}
+            Some(Err(e)) => return Some(e),
+            None => return None,
+        }
+    }
+}
+
+/// Reads a stream whole, giving its window back as each piece comes: how much came, and
+/// whether `stalled` ended meanwhile.
+async fn read_released(
+    mut body: h2::RecvStream,
+    stalled: &tokio::task::JoinHandle<Option<h2::Error>>,
+) -> (usize, bool) {
+    let mut got = 0;
+    let mut ended_meanwhile = false;
+    while let Some(piece) = body.data().await {
+        let piece = piece.expect("the read stream ends well");
+        got += piece.len();
+        let _ = body.flow_control().release_capacity(piece.len());
+        ended_meanwhile |= stalled.is_finished();
+    }
+    (got, ended_meanwhile)
+}
+
 /// One HTTP/2 stream whose client stopped taking its data (its window left shut) is reset
 /// after `idle_timeout`, while another stream on the same connection, which the client
 /// keeps reading, goes on to its end: the one read does not hide the one stalled, and the
@@ -870,26 +899,9 @@ async fn an_h2_stream_the_client_stopped_reading_is_reset_alone() {
     let (big, drip) = (big.await.unwrap(), drip.await.unwrap());
     assert_eq!((big.status().as_u16(), drip.status().as_u16()), (200, 200));
     // The stalled stream: its frames read, its window never given back.
-    let stalled = tokio::spawn(async move {
-        let mut body = big.into_body();
-        loop {
-            match body.data().await {
-                Some(Ok(_)) => {}
-                Some(Err(e)) => return Some(e),
-                None => return None,
-            }
-        }
-    });
+    let stalled = tokio::spawn(read_unreleased(big.into_body()));
     // The read one: every piece taken (its window given back) as it comes.
-    let mut body = drip.into_body();
-    let mut got = 0;
-    let mut reset_while_reading = false;
-    while let Some(piece) = body.data().await {
-        let piece = piece.expect("the read stream ends well");
-        got += piece.len();
-        let _ = body.flow_control().release_capacity(piece.len());
-        reset_while_reading |= stalled.is_finished();
-    }
+    let (got, reset_while_reading) = read_released(drip.into_body(), &stalled).await;
     assert_eq!(got, 15 * 1024, "the read stream came whole");
     assert!(
         reset_while_reading,
@@ -979,15 +991,7 @@ async fn an_h2_stream_stalled_on_its_last_piece_is_reset() {
             }
         }
     });
-    let mut body = drip.into_body();
-    let mut got = 0;
-    let mut reset_while_reading = false;
-    while let Some(piece) = body.data().await {
-        let piece = piece.expect("the read stream ends well");
-        got += piece.len();
-        let _ = body.flow_control().release_capacity(piece.len());
-        reset_while_reading |= stalled.is_finished();
-    }
+    let (got, reset_while_reading) = read_released(drip.into_body(), &stalled).await;
     assert_eq!(got, 15 * 512, "the read stream came whole");
     assert!(
         reset_while_reading,
@@ -1058,18 +1062,9 @@ async fn an_h2_stream_stalled_past_its_total_timeout_is_reset() {
     let big = big.await.unwrap();
     assert_eq!(big.status().as_u16(), 200);
     // Its frames read, its window never given back.
-    let mut body = big.into_body();
-    let ended = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            match body.data().await {
-                Some(Ok(_)) => {}
-                Some(Err(e)) => return Some(e),
-                None => return None,
-            }
-        }
-    })
-    .await
-    .expect("the stalled stream was not cut by its total timeout within 10 s");
+    let ended = tokio::time::timeout(Duration::from_secs(10), read_unreleased(big.into_body()))
+        .await
+        .expect("the stalled stream was not cut by its total timeout within 10 s");
     let e = ended.expect("the stalled stream was reset, not ended");
     assert_eq!(e.reason(), Some(h2::Reason::CANCEL), "{e}");
 }
