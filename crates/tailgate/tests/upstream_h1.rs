@@ -555,6 +555,41 @@ async fn each_request_on_a_reused_connection_gets_its_own_deadline() {
     );
 }
 
+/// A request sent on a reused connection before the last one's deadline passed is not cut
+/// at that deadline: the connection's timer, armed for the earlier one, is moved on to
+/// this request's own when it fires.
+#[tokio::test]
+async fn a_deadline_left_from_the_last_request_does_not_cut_the_next() {
+    let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
+        let wait = match req.uri().path() {
+            "/mid" => 700,
+            "/hang" => 5_000,
+            _ => 0,
+        };
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        http::Response::new(full("ok"))
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[server]\nworkers = 1\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"1s\"\n"
+    ));
+    let mut c = h1_client(gw.addr).await;
+    assert_eq!(fetch(&mut c, "GET", "/fast").await.unwrap().status(), 200);
+    // Half-way to the first request's deadline; answered 200 ms past it, 300 ms before
+    // its own.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(fetch(&mut c, "GET", "/mid").await.unwrap().status(), 200);
+    assert_eq!(fetch(&mut c, "GET", "/hang").await.unwrap().status(), 504);
+    assert!(
+        gw.gw
+            .as_ref()
+            .unwrap()
+            .pool_stat(|s| s.reuses.load(Ordering::Relaxed))
+            >= 2,
+        "the requests went on the first request's connection"
+    );
+}
+
 // ---- review-h1: regression tests for defects found in review ----
 
 /// Sends raw `request` through a gateway to an upstream that answers `200 ok`; returns the

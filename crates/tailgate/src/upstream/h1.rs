@@ -180,10 +180,13 @@ pub struct H1Conn {
     /// Bytes of `rbuf` already looked at for the response head's end; at most 1: the next
     /// look parses whatever is there (none yet in this exchange, or only empty lines).
     head_scanned: usize,
-    /// The response deadline, re-armed for each request: moving a registered timer later
-    /// is one atomic update, where a new timer per request costs a registration in the
-    /// runtime's timer wheel and a removal (about 1,400 instructions).
+    /// The response deadline's timer: one per connection, where a new timer per request
+    /// costs a registration in the runtime's timer wheel and a removal (about 1,400
+    /// instructions). A later deadline does not move it (most requests' is later than the
+    /// last one's): it fires at the earlier one and is moved on to [`due`](Self::due) then.
     timer: Option<Pin<Box<Sleep>>>,
+    /// This exchange's response deadline, which `timer` may be armed before.
+    due: Option<tokio::time::Instant>,
     /// This exchange's request body's progress, which moves the response deadline on while
     /// the body is being sent (none for a request without a body).
     progress: Option<Arc<BodyProgress>>,
@@ -217,6 +220,7 @@ impl H1Conn {
             interim: 0,
             head_scanned: 0,
             timer: None,
+            due: None,
             progress: None,
             permit: None,
         }
@@ -293,13 +297,16 @@ impl H1Conn {
             self.interim = 0;
             self.head_scanned = 0;
             self.progress = body.progress();
-            let timed = match (deadline, self.timer.as_mut()) {
+            self.due = deadline.map(Into::into);
+            let timed = match (self.due, self.timer.as_mut()) {
+                // Armed before this deadline and not fired: it is moved on when it fires.
+                (Some(d), Some(t)) if t.deadline() <= d && !t.is_elapsed() => true,
                 (Some(d), Some(t)) => {
-                    t.as_mut().reset(d.into());
+                    t.as_mut().reset(d);
                     true
                 }
                 (Some(d), None) => {
-                    self.timer = Some(Box::pin(tokio::time::sleep_until(d.into())));
+                    self.timer = Some(Box::pin(tokio::time::sleep_until(d)));
                     true
                 }
                 (None, _) => false,
@@ -394,8 +401,18 @@ impl H1Conn {
             if Pin::new(&mut polled).poll(cx).is_pending() {
                 return false;
             }
-            match self.progress.as_ref().and_then(|p| p.later()) {
-                Some(due) => t.as_mut().reset(due.into()),
+            // Fired at a deadline earlier than this exchange's (the last one's): moved on.
+            let later = match self.due {
+                Some(due) if due > t.deadline() => Some(due),
+                _ => None,
+            };
+            match later.or_else(|| {
+                self.progress
+                    .as_ref()
+                    .and_then(|p| p.later())
+                    .map(Into::into)
+            }) {
+                Some(due) => t.as_mut().reset(due),
                 None => return true,
             }
         }
