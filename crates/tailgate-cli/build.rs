@@ -13,27 +13,45 @@ fn main() {
     }
     println!("cargo::rerun-if-env-changed=CARGO_ENCODED_RUSTFLAGS");
     // The commit built, so that a benchmark report says which code it measured: from git
-    // where the source is a checkout, `unknown commit` elsewhere (a source archive).
-    let commit = std::process::Command::new("git")
-        .args(["rev-parse", "--short=12", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .map(|s| s.trim().to_owned())
-        .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_hexdigit()))
+    // where the source is this workspace's own checkout (not a repository it was unpacked
+    // into), `unknown commit` elsewhere (a source archive). Uncommitted edits are not
+    // shown.
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .map(|s| s.trim().to_owned())
+            .filter(|s| !s.is_empty())
+    };
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let ours = git(&["rev-parse", "--show-toplevel"])
+        .is_some_and(|top| std::fs::canonicalize(&top).ok() == std::fs::canonicalize(&root).ok());
+    let commit = ours
+        .then(|| git(&["rev-parse", "--short=12", "HEAD"]))
+        .flatten()
+        .filter(|s| s.bytes().all(|b| b.is_ascii_hexdigit()))
         .unwrap_or_else(|| "unknown commit".to_owned());
     println!("cargo::rustc-env=TAILGATE_COMMIT={commit}");
-    // A new commit or checkout moves HEAD's log; the build script runs again then.
-    if let Some(git) = std::process::Command::new("git")
-        .args(["rev-parse", "--absolute-git-dir"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-    {
-        let git = git.trim();
-        println!("cargo::rerun-if-changed={git}/HEAD");
-        println!("cargo::rerun-if-changed={git}/logs/HEAD");
+    // Runs again when HEAD moves: its file (a checkout), its log and its branch's ref (a
+    // commit), the packed refs. Only files that exist: cargo reruns a script for a missing
+    // one.
+    if ours {
+        let mut watch = Vec::new();
+        for path in ["HEAD", "logs/HEAD", "packed-refs"] {
+            watch.extend(git(&["rev-parse", "--git-path", path]));
+        }
+        if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {
+            watch.extend(git(&["rev-parse", "--git-path", &branch]));
+        }
+        for path in watch {
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path);
+            if path.exists() {
+                println!("cargo::rerun-if-changed={}", path.display());
+            }
+        }
     }
 }

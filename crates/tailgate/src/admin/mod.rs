@@ -419,6 +419,8 @@ struct OpenConn {
     /// though the response's body is done (hyper lets the body go once it is in its write
     /// buffer, up to some hundreds of KiB). Not idle until they are written.
     unsent: AtomicBool,
+    /// [`Open::epoch`], for the write watch to set `idle_since` when the last bytes go.
+    epoch: Instant,
 }
 
 impl OpenConn {
@@ -438,7 +440,12 @@ struct WriteWatch {
 impl WriteWatch {
     fn note<T>(&self, r: &Poll<std::io::Result<T>>) {
         if let Some(c) = &self.conn {
-            c.unsent.store(r.is_pending(), Ordering::Relaxed);
+            let pending = r.is_pending();
+            // Its last bytes written: idle from now, not from when its body was done.
+            if c.unsent.swap(pending, Ordering::Relaxed) && !pending {
+                c.idle_since
+                    .store(c.epoch.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
         }
     }
 }
@@ -505,6 +512,7 @@ impl Open {
             idle_since: AtomicU64::new(self.now()),
             close: tokio::sync::Notify::new(),
             unsent: AtomicBool::new(false),
+            epoch: self.epoch,
         });
         self.lock().push(conn.clone());
         conn
@@ -1095,9 +1103,12 @@ mod tests {
                 got += client.read(&mut buf).await.expect("read");
             }
         });
+        let before = conn.idle_since.load(Ordering::Relaxed);
         w.write_all(b"0123456789").await.expect("the last bytes");
         reader.await.expect("read all");
         assert!(!conn.in_use());
+        // Idle from when its last bytes went, not from before.
+        assert!(conn.idle_since.load(Ordering::Relaxed) > before);
         assert!(open.close_idlest());
     }
 }

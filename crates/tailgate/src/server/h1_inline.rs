@@ -1017,7 +1017,7 @@ mod tests {
         (p, buf)
     }
 
-    /// The `date` line is the time now (to the second, from the coarse clock), as HTTP
+    /// The `date` line is the time now (to the second), as HTTP
     /// writes it.
     #[test]
     fn the_date_line_is_now() {

@@ -26,7 +26,7 @@ fn decay(idle_ns: u64) -> f64 {
     const DECAY_NS: f64 = DECAY.as_nanos() as f64;
     let x = idle_ns as f64 / DECAY_NS;
     // Samples come microseconds to milliseconds apart against a τ of seconds: there the
-    // series' first terms are exact to 1e-10, and spare the call into libm.
+    // series' first terms are within 2e-10 of it, and spare the call into libm.
     if x < 1e-3 {
         1.0 - x + x * x * 0.5
     } else {

@@ -23,9 +23,9 @@
 //! that answered before the request body ended, and keeps the connection, still gets the
 //! rest of the body first (see `Conn::release_at`).
 //!
-//! A response deadline is kept per connection as one `Sleep`, re-armed for each request
-//! (moving a registered timer later is an atomic update; a timer per request cost a
-//! registration in the runtime's timer wheel and a removal).
+//! A response deadline is kept per connection as one `Sleep` (a timer per request cost a
+//! registration in the runtime's timer wheel and a removal). It is moved only for an
+//! earlier deadline than it has; for a later one it fires first and is moved on then.
 //!
 //! HTTP/2 upstreams stay on hyper (`conn.rs`): multiplexing needs a task per connection.
 
