@@ -872,6 +872,33 @@ async fn read_released(
     (got, ended_meanwhile)
 }
 
+/// Two GETs on one h2c connection whose streams' windows are `window` bytes (its own
+/// window wide): their responses to come.
+async fn two_streams(
+    addr: std::net::SocketAddr,
+    window: u32,
+    paths: [&str; 2],
+) -> [h2::client::ResponseFuture; 2] {
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (client, conn) = h2::client::Builder::new()
+        .initial_connection_window_size(16 << 20)
+        .initial_window_size(window)
+        .handshake::<_, Bytes>(tcp)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let mut client = client.ready().await.unwrap();
+    let get = |path: &str| {
+        http::Request::get(format!("http://a{path}"))
+            .body(())
+            .unwrap()
+    };
+    let (first, _) = client.send_request(get(paths[0]), true).unwrap();
+    let mut client = client.ready().await.unwrap();
+    let (second, _) = client.send_request(get(paths[1]), true).unwrap();
+    [first, second]
+}
+
 /// One HTTP/2 stream whose client stopped taking its data (its window left shut) is reset
 /// after `idle_timeout`, while another stream on the same connection, which the client
 /// keeps reading, goes on to its end: the one read does not hide the one stalled, and the
@@ -953,24 +980,8 @@ async fn an_h2_stream_stalled_on_its_last_piece_is_reset() {
     })
     .await;
     let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"1s\"\n");
-    let tcp = TcpStream::connect(gw.addr).await.unwrap();
     // Streams' windows of 1 KiB.
-    let (client, conn) = h2::client::Builder::new()
-        .initial_connection_window_size(16 << 20)
-        .initial_window_size(1024)
-        .handshake::<_, Bytes>(tcp)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let mut client = client.ready().await.unwrap();
-    let get = |path: &str| {
-        http::Request::get(format!("http://a{path}"))
-            .body(())
-            .unwrap()
-    };
-    let (last, _) = client.send_request(get("/last"), true).unwrap();
-    let mut client = client.ready().await.unwrap();
-    let (drip, _) = client.send_request(get("/drip"), true).unwrap();
+    let [last, drip] = two_streams(gw.addr, 1024, ["/last", "/drip"]).await;
     let (last, drip) = (last.await.unwrap(), drip.await.unwrap());
     assert_eq!((last.status().as_u16(), drip.status().as_u16()), (200, 200));
     let stalled = tokio::spawn(async move {
@@ -1018,22 +1029,7 @@ async fn an_h2_stream_stalled_on_its_only_piece_is_reset() {
     })
     .await;
     let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"1s\"\n");
-    let tcp = TcpStream::connect(gw.addr).await.unwrap();
-    let (client, conn) = h2::client::Builder::new()
-        .initial_window_size(0)
-        .handshake::<_, Bytes>(tcp)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let mut client = client.ready().await.unwrap();
-    let get = |path: &str| {
-        http::Request::get(format!("http://a{path}"))
-            .body(())
-            .unwrap()
-    };
-    let (whole, _) = client.send_request(get("/whole"), true).unwrap();
-    let mut client = client.ready().await.unwrap();
-    let (slow, _) = client.send_request(get("/slow"), true).unwrap();
+    let [whole, slow] = two_streams(gw.addr, 0, ["/whole", "/slow"]).await;
     let whole = whole.await.unwrap();
     assert_eq!(whole.status().as_u16(), 200);
     let e = tokio::time::timeout(Duration::from_secs(3), whole.into_body().data())

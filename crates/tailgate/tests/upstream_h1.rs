@@ -519,14 +519,13 @@ async fn the_request_goes_out_in_origin_form_with_its_framing() {
     );
 }
 
-/// The response deadline is re-armed for each request on a reused connection: a request
-/// later on the same connection gets its own full timeout (not what was left of the
-/// first one's), and one that overruns it gets a 504.
-#[tokio::test]
-async fn each_request_on_a_reused_connection_gets_its_own_deadline() {
+/// One worker in front of an upstream that answers `/slow` after 200 ms, `/mid` after
+/// 700 ms, `/hang` after 5 s and anything else at once, with `response_timeout`.
+async fn deadline_gateway(response_timeout: &str) -> TestGateway {
     let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
         let wait = match req.uri().path() {
             "/slow" => 200,
+            "/mid" => 700,
             "/hang" => 5_000,
             _ => 0,
         };
@@ -534,9 +533,17 @@ async fn each_request_on_a_reused_connection_gets_its_own_deadline() {
         http::Response::new(full("ok"))
     })
     .await;
-    let gw = TestGateway::start(&format!(
-        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"400ms\"\n"
-    ));
+    TestGateway::start(&format!(
+        "[server]\nworkers = 1\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"{response_timeout}\"\n"
+    ))
+}
+
+/// The response deadline is re-armed for each request on a reused connection: a request
+/// later on the same connection gets its own full timeout (not what was left of the
+/// first one's), and one that overruns it gets a 504.
+#[tokio::test]
+async fn each_request_on_a_reused_connection_gets_its_own_deadline() {
+    let gw = deadline_gateway("400ms").await;
     let mut c = h1_client(gw.addr).await;
     assert_eq!(fetch(&mut c, "GET", "/fast").await.unwrap().status(), 200);
     // Past the first request's deadline: the next one must not inherit it.
@@ -560,19 +567,7 @@ async fn each_request_on_a_reused_connection_gets_its_own_deadline() {
 /// this request's own when it fires.
 #[tokio::test]
 async fn a_deadline_left_from_the_last_request_does_not_cut_the_next() {
-    let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
-        let wait = match req.uri().path() {
-            "/mid" => 700,
-            "/hang" => 5_000,
-            _ => 0,
-        };
-        tokio::time::sleep(Duration::from_millis(wait)).await;
-        http::Response::new(full("ok"))
-    })
-    .await;
-    let gw = TestGateway::start(&format!(
-        "[server]\nworkers = 1\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"1s\"\n"
-    ));
+    let gw = deadline_gateway("1s").await;
     let mut c = h1_client(gw.addr).await;
     assert_eq!(fetch(&mut c, "GET", "/fast").await.unwrap().status(), 200);
     // Half-way to the first request's deadline; answered 200 ms past it, 300 ms before
