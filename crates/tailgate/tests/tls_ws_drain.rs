@@ -899,6 +899,21 @@ async fn two_streams(
     [first, second]
 }
 
+/// The stalled stream's reset, asserting it came while the other stream was being read.
+async fn reset_while_the_other_was_read(
+    reset_while_reading: bool,
+    stalled: tokio::task::JoinHandle<Option<h2::Error>>,
+) -> h2::Error {
+    assert!(
+        reset_while_reading,
+        "the stalled stream was not ended while the other was read"
+    );
+    stalled
+        .await
+        .unwrap()
+        .expect("the stalled stream was reset")
+}
+
 /// One HTTP/2 stream whose client stopped taking its data (its window left shut) is reset
 /// after `idle_timeout`, while another stream on the same connection, which the client
 /// keeps reading, goes on to its end: the one read does not hide the one stalled, and the
@@ -930,14 +945,7 @@ async fn an_h2_stream_the_client_stopped_reading_is_reset_alone() {
     // The read one: every piece taken (its window given back) as it comes.
     let (got, reset_while_reading) = read_released(drip.into_body(), &stalled).await;
     assert_eq!(got, 15 * 1024, "the read stream came whole");
-    assert!(
-        reset_while_reading,
-        "the stalled stream was not ended while the other was read"
-    );
-    let e = stalled
-        .await
-        .unwrap()
-        .expect("the stalled stream was reset");
+    let e = reset_while_the_other_was_read(reset_while_reading, stalled).await;
     assert_eq!(e.reason(), Some(h2::Reason::CANCEL), "{e}");
 }
 
@@ -1004,14 +1012,7 @@ async fn an_h2_stream_stalled_on_its_last_piece_is_reset() {
     });
     let (got, reset_while_reading) = read_released(drip.into_body(), &stalled).await;
     assert_eq!(got, 15 * 512, "the read stream came whole");
-    assert!(
-        reset_while_reading,
-        "the stalled stream was not ended while the other was read"
-    );
-    let e = stalled
-        .await
-        .unwrap()
-        .expect("the stalled stream was reset");
+    let e = reset_while_the_other_was_read(reset_while_reading, stalled).await;
     assert!(e.is_reset(), "{e}");
     assert_eq!(e.reason(), Some(h2::Reason::CANCEL), "{e}");
 }

@@ -519,6 +519,14 @@ async fn the_request_goes_out_in_origin_form_with_its_framing() {
     );
 }
 
+/// Upstream connections the gateway's pools reused.
+fn reuses(gw: &TestGateway) -> u64 {
+    gw.gw
+        .as_ref()
+        .unwrap()
+        .pool_stat(|s| s.reuses.load(Ordering::Relaxed))
+}
+
 /// One worker in front of an upstream that answers `/slow` after 200 ms, `/mid` after
 /// 700 ms, `/hang` after 5 s and anything else at once, with `response_timeout`.
 async fn deadline_gateway(response_timeout: &str) -> TestGateway {
@@ -553,11 +561,7 @@ async fn each_request_on_a_reused_connection_gets_its_own_deadline() {
     assert_eq!(fetch(&mut c, "GET", "/hang").await.unwrap().status(), 504);
     assert_eq!(fetch(&mut c, "GET", "/fast").await.unwrap().status(), 200);
     assert!(
-        gw.gw
-            .as_ref()
-            .unwrap()
-            .pool_stat(|s| s.reuses.load(Ordering::Relaxed))
-            >= 2,
+        reuses(&gw) >= 2,
         "the slow requests went on the first request's connection"
     );
 }
@@ -576,11 +580,7 @@ async fn a_deadline_left_from_the_last_request_does_not_cut_the_next() {
     assert_eq!(fetch(&mut c, "GET", "/mid").await.unwrap().status(), 200);
     assert_eq!(fetch(&mut c, "GET", "/hang").await.unwrap().status(), 504);
     assert!(
-        gw.gw
-            .as_ref()
-            .unwrap()
-            .pool_stat(|s| s.reuses.load(Ordering::Relaxed))
-            >= 2,
+        reuses(&gw) >= 2,
         "the requests went on the first request's connection"
     );
 }
