@@ -1916,13 +1916,17 @@ async fn a_tunnels_bytes_are_counted_when_it_ends_and_its_latency_is_the_handsha
     let deadline = Instant::now() + Duration::from_secs(10);
     let ex = loop {
         let ex = scrape(admin).await;
-        // (No series until the first exchange is recorded.)
-        let recorded: f64 = ex
-            .find("tailgate_request_duration_seconds_count", &route)
-            .iter()
-            .map(|s| s.value)
-            .sum();
-        if recorded == 1.0 {
+        // (No series until the first exchange is recorded; a scrape may fall between the
+        // series one recording writes, so each is waited for.)
+        let sum = |name: &str, labels: &[(&str, &str)]| -> f64 {
+            ex.find(name, labels).iter().map(|s| s.value).sum()
+        };
+        if sum("tailgate_request_duration_seconds_count", &route) == 1.0
+            && sum(
+                "tailgate_requests_total",
+                &[("route", "ws"), ("status_class", "1xx")],
+            ) == 1.0
+        {
             break ex;
         }
         assert!(
