@@ -1216,36 +1216,36 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                         }
                     )),
                 ),
-                Err(BadPath::AboveRoot) => c.err(
-                    Some(r.path_prefix.span()),
-                    format!("route[{i}].path_prefix"),
-                    format!("`{path_prefix}` climbs above `/` with `..`"),
-                    Some("write the prefix without `..` segments"),
-                ),
-                Err(BadPath::DotsAfterEmpty) => c.err(
-                    Some(r.path_prefix.span()),
-                    format!("route[{i}].path_prefix"),
-                    format!("`{path_prefix}` has a `..` that takes off an empty segment; such paths are refused with 400"),
-                    Some("write the prefix without `//` or `..` segments"),
-                ),
-                Err(BadPath::DotsWithParams) => c.err(
-                    Some(r.path_prefix.span()),
-                    format!("route[{i}].path_prefix"),
-                    format!("`{path_prefix}` has a `.` or `..` segment with `;` parameters; such paths are refused with 400"),
-                    Some("write the prefix without `.` or `..` segments"),
-                ),
-                Err(BadPath::Nul) => c.err(
-                    Some(r.path_prefix.span()),
-                    format!("route[{i}].path_prefix"),
-                    format!("`{path_prefix}` has an encoded NUL; such paths are refused with 400"),
-                    Some("write the prefix without `%00`"),
-                ),
-                Err(BadPath::SlashInParams) => c.err(
-                    Some(r.path_prefix.span()),
-                    format!("route[{i}].path_prefix"),
-                    format!("`{path_prefix}` has a `;` parameter with an encoded slash or a backslash in it; such paths are refused with 400"),
-                    Some("write the prefix without `%2F`, `%5C` or `\\` after a `;`"),
-                ),
+                Err(bad) => {
+                    let (what, help) = match bad {
+                        BadPath::AboveRoot => (
+                            "climbs above `/` with `..`",
+                            "write the prefix without `..` segments",
+                        ),
+                        BadPath::DotsAfterEmpty => (
+                            "has a `..` that takes off an empty segment; such paths are refused with 400",
+                            "write the prefix without `//` or `..` segments",
+                        ),
+                        BadPath::DotsWithParams => (
+                            "has a `.` or `..` segment with `;` parameters; such paths are refused with 400",
+                            "write the prefix without `.` or `..` segments",
+                        ),
+                        BadPath::Nul => (
+                            "has an encoded NUL; such paths are refused with 400",
+                            "write the prefix without `%00`",
+                        ),
+                        BadPath::SlashInParams => (
+                            "has a `;` parameter with an encoded slash or a backslash in it; such paths are refused with 400",
+                            "write the prefix without `%2F`, `%5C` or `\\` after a `;`",
+                        ),
+                    };
+                    c.err(
+                        Some(r.path_prefix.span()),
+                        format!("route[{i}].path_prefix"),
+                        format!("`{path_prefix}` {what}"),
+                        Some(help),
+                    );
+                }
             }
         }
         let host = route_host(c, r, i, tenant, &tenants, &owners);
