@@ -20,6 +20,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
@@ -28,7 +29,9 @@ use std::time::Duration;
 use hickory_resolver::TokioResolver;
 use hickory_resolver::config::{NameServerConfig, ResolverConfig, ResolverOpts};
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
+use hickory_resolver::proto::rr::Name;
 use hickory_resolver::proto::rr::RecordType;
+use hickory_resolver::system_conf::read_system_conf;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
@@ -214,6 +217,9 @@ struct Target {
 
 /// One name's resolution state.
 struct NameState {
+    /// The names its lookups try, in order ([`Search`]); an error if the name does not
+    /// parse as a DNS name (every lookup fails with it).
+    candidates: Result<Vec<Name>, String>,
     addrs: Vec<IpAddr>,
     /// What the last answer had that no connect can use ([`unusable`]).
     unusable: Vec<IpAddr>,
@@ -240,9 +246,60 @@ pub fn check_resolver(config: &Config) -> Result<(), crate::gateway::StartError>
         .map_err(crate::gateway::StartError::Dns)
 }
 
-fn build_resolver(s: &DnsSettings) -> Result<TokioResolver, String> {
-    let mut builder = if s.nameservers.is_empty() {
-        TokioResolver::builder_tokio().map_err(|e| e.to_string())?
+/// The names a lookup of one host name tries, in order, built as the resolver builds them
+/// from `/etc/resolv.conf`'s `search`, `domain` and `ndots`; a fully qualified name (written
+/// with its trailing dot) is tried alone. tailgate walks this list itself rather than let
+/// the resolver do it: the resolver answers with the last name's result, so a name server
+/// failing the real name (`SERVFAIL`) while the next candidate does not exist (`NXDOMAIN`)
+/// would read as "the name has no address" and remove the name's endpoints in the very
+/// outage that keeping them is for. As glibc's resolver does, a failure of any name tried
+/// makes the lookup a failure unless a later name answers.
+#[derive(Debug, Clone, Default)]
+struct Search {
+    domain: Option<Name>,
+    search: Vec<Name>,
+    ndots: usize,
+}
+
+impl Search {
+    fn candidates(&self, host: &str) -> Result<Vec<Name>, String> {
+        let name = Name::from_str(host).map_err(|e| format!("{host}: {e}"))?;
+        if name.is_fqdn() {
+            return Ok(vec![name]);
+        }
+        let mut fqdn = name.clone();
+        fqdn.set_fqdn(true);
+        let raw_first = usize::from(name.num_labels()) > self.ndots || name.is_localhost();
+        let mut names = Vec::with_capacity(self.search.len() + 2);
+        if raw_first {
+            names.push(fqdn.clone());
+        }
+        for d in self.domain.iter().chain(&self.search) {
+            // A name too long with this domain is not a candidate (as for the resolver).
+            if let Ok(n) = name.clone().append_domain(d)
+                && !names.contains(&n)
+            {
+                names.push(n);
+            }
+        }
+        if !raw_first && !names.contains(&fqdn) {
+            names.push(fqdn);
+        }
+        Ok(names)
+    }
+}
+
+/// The resolver, with no search list of its own ([`Search`] has it).
+fn build_resolver(s: &DnsSettings) -> Result<(TokioResolver, Search), String> {
+    let (config, mut opts, search) = if s.nameservers.is_empty() {
+        let (config, opts) = read_system_conf().map_err(|e| e.to_string())?;
+        let (domain, list, servers) = config.into_parts();
+        let search = Search {
+            domain,
+            search: list,
+            ndots: opts.ndots,
+        };
+        (ResolverConfig::from_name_servers(servers), opts, search)
     } else {
         let servers = s
             .nameservers
@@ -255,18 +312,21 @@ fn build_resolver(s: &DnsSettings) -> Result<TokioResolver, String> {
                 ns
             })
             .collect();
-        TokioResolver::builder_with_config(
+        (
             ResolverConfig::from_name_servers(servers),
-            TokioRuntimeProvider::default(),
+            ResolverOpts::default(),
+            Search::default(),
         )
     };
-    let opts: &mut ResolverOpts = builder.options_mut();
     opts.timeout = s.query_timeout;
     opts.attempts = 1;
     // Our refresh schedule is the cache that matters; the resolver's must not outlive it.
     opts.positive_max_ttl = Some(s.max_refresh);
     opts.negative_max_ttl = Some(s.min_refresh);
-    builder.build().map_err(|e| e.to_string())
+    let mut builder = TokioResolver::builder_with_config(config, TokioRuntimeProvider::default());
+    *builder.options_mut() = opts;
+    let resolver = builder.build().map_err(|e| e.to_string())?;
+    Ok((resolver, search))
 }
 
 fn run(
@@ -282,7 +342,7 @@ fn run(
         return;
     };
     rt.block_on(async move {
-        let resolver = match build_resolver(&settings) {
+        let (resolver, search) = match build_resolver(&settings) {
             Ok(r) => r,
             Err(e) => {
                 let _ = ready.send(Err(e));
@@ -293,7 +353,8 @@ fn run(
         let mut names: HashMap<String, NameState> = HashMap::new();
         for t in &targets {
             for (host, _) in &t.names {
-                names.entry(host.clone()).or_insert(NameState {
+                names.entry(host.clone()).or_insert_with(|| NameState {
+                    candidates: search.candidates(host),
                     addrs: Vec::new(),
                     unusable: Vec::new(),
                     resolved: false,
@@ -333,11 +394,13 @@ fn run(
                         stats.early_refreshes.fetch_add(1, Ordering::Relaxed);
                         tracing::debug!(cluster = %t.name, "connect failure; re-resolving the cluster's names early");
                         for (host, _) in &t.names {
-                            // Ask the name servers again, not the resolver's cache.
-                            for rt in [RecordType::A, RecordType::AAAA] {
-                                resolver.clear_lookup_cache(host.as_str(), rt);
-                            }
                             if let Some(n) = names.get_mut(host) {
+                                // Ask the name servers again, not the resolver's cache.
+                                for name in n.candidates.iter().flatten() {
+                                    for rt in [RecordType::A, RecordType::AAAA] {
+                                        resolver.clear_lookup_cache(name.clone(), rt);
+                                    }
+                                }
                                 let earliest = n.last.map_or(now, |l| l + settings.min_refresh);
                                 n.due = n.due.min(earliest.max(now));
                             }
@@ -371,25 +434,21 @@ async fn refresh_due(
         .filter(|(_, n)| n.due <= now)
         .map(|(h, _)| h.clone())
         .collect();
+    let known = &*names;
     let lookups = due.iter().map(|host| async move {
+        let candidates = known.get(host).map(|n| &n.candidates);
         // A and AAAA apart, so that one family's failure is seen as one: the resolver's
         // dual lookup answers with the other family alone, and the failed family's
         // endpoints would be dropped as if the name no longer had them.
         let family = |rt| async move {
-            match tokio::time::timeout(timeout, resolver.lookup(host.as_str(), rt)).await {
-                Ok(Ok(l)) => {
-                    let ips: Vec<IpAddr> = l
-                        .answers()
-                        .iter()
-                        .filter_map(|r| r.data.ip_addr())
-                        .collect();
-                    Family::Answered(ips, Instant::from_std(l.valid_until()))
-                }
-                // No such name, or no record of this family: an answer, of none.
-                Ok(Err(e)) if e.is_no_records_found() => Family::None,
-                Ok(Err(e)) => Family::Failed(e.to_string()),
-                Err(_) => Family::Failed(format!("no answer within {timeout:?}")),
-            }
+            let candidates = match candidates {
+                Some(Ok(c)) => c.as_slice(),
+                Some(Err(e)) => return Family::Failed(e.clone()),
+                None => &[],
+            };
+            tokio::time::timeout(timeout, lookup_family(resolver, candidates, rt))
+                .await
+                .unwrap_or_else(|_| Family::Failed(format!("no answer within {timeout:?}")))
         };
         let (v4, v6) =
             futures_util::future::join(family(RecordType::A), family(RecordType::AAAA)).await;
@@ -452,6 +511,34 @@ async fn refresh_due(
             }
         }
     }
+}
+
+/// One family's lookup (A or AAAA) of a name: its candidates in turn ([`Search`]) until one
+/// has an address. No address anywhere is `None` only when every candidate said so (no such
+/// name, or none of this family); a candidate the name servers failed on (or an error
+/// sending it) makes it `Failed`, as glibc's resolver answers `TRY_AGAIN` then.
+async fn lookup_family(resolver: &TokioResolver, candidates: &[Name], rt: RecordType) -> Family {
+    let mut failed: Option<String> = None;
+    for name in candidates {
+        match resolver.lookup(name.clone(), rt).await {
+            Ok(l) => {
+                let ips: Vec<IpAddr> = l
+                    .answers()
+                    .iter()
+                    .filter_map(|r| r.data.ip_addr())
+                    .collect();
+                if !ips.is_empty() {
+                    return Family::Answered(ips, Instant::from_std(l.valid_until()));
+                }
+            }
+            // No such name, or no record of this family: an answer, of none.
+            Err(e) if e.is_no_records_found() => {}
+            Err(e) => {
+                failed.get_or_insert_with(|| format!("{name}: {e}"));
+            }
+        }
+    }
+    failed.map_or(Family::None, Family::Failed)
 }
 
 /// What one family's lookup (A or AAAA) of a name gave.
@@ -556,5 +643,144 @@ fn publish(targets: &[Target], names: &HashMap<String, NameState>, stats: &DnsSt
             stats.changes.fetch_add(1, Ordering::Relaxed);
             tracing::info!(cluster = %t.name, endpoints = ?addrs, "cluster endpoints changed (DNS)");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hickory_resolver::proto::op::{Message, ResponseCode};
+    use hickory_resolver::proto::rr::rdata::A;
+    use hickory_resolver::proto::rr::{RData, Record};
+
+    fn name(s: &str) -> Name {
+        Name::from_str(s).expect("a DNS name")
+    }
+
+    #[test]
+    fn candidates_are_tried_in_the_resolvers_order() {
+        let search = Search {
+            domain: None,
+            search: vec![name("a.test."), name("b.test.")],
+            ndots: 1,
+        };
+        let got = |h: &str| search.candidates(h).expect("candidates");
+        // More dots than `ndots`: the name itself first.
+        assert_eq!(
+            got("svc.example"),
+            [
+                name("svc.example."),
+                name("svc.example.a.test."),
+                name("svc.example.b.test.")
+            ]
+        );
+        // No more than `ndots`: the search list first.
+        assert_eq!(
+            got("svc"),
+            [name("svc.a.test."), name("svc.b.test."), name("svc.")]
+        );
+        // Fully qualified: alone.
+        assert_eq!(got("svc.example."), [name("svc.example.")]);
+        assert_eq!(
+            Search::default().candidates("svc").expect("candidates"),
+            [name("svc.")]
+        );
+    }
+
+    /// A name server on its own thread: `SERVFAIL` for `broken.example.`, an A record
+    /// (10.0.0.2) for `svc.a.test.`, `NXDOMAIN` for every other name.
+    fn name_server() -> SocketAddr {
+        let sock = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let addr = sock.local_addr().expect("addr");
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 2048];
+            while let Ok((n, peer)) = sock.recv_from(&mut buf) {
+                let Ok(q) = Message::from_vec(&buf[..n]) else {
+                    continue;
+                };
+                let mut resp = Message::response(q.metadata.id, q.metadata.op_code);
+                resp.metadata.recursion_desired = q.metadata.recursion_desired;
+                resp.metadata.recursion_available = true;
+                resp.metadata.response_code = ResponseCode::NXDomain;
+                for query in &q.queries {
+                    resp.add_query(query.clone());
+                    match query.name().to_string().as_str() {
+                        "broken.example." => {
+                            resp.metadata.response_code = ResponseCode::ServFail;
+                        }
+                        "svc.a.test." => {
+                            resp.metadata.response_code = ResponseCode::NoError;
+                            if query.query_type() == RecordType::A {
+                                resp.add_answer(Record::from_rdata(
+                                    query.name().clone(),
+                                    60,
+                                    RData::A(A::new(10, 0, 0, 2)),
+                                ));
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                if let Ok(bytes) = resp.to_vec() {
+                    let _ = sock.send_to(&bytes, peer);
+                }
+            }
+        });
+        addr
+    }
+
+    fn state(candidates: Vec<Name>, addr: IpAddr) -> NameState {
+        NameState {
+            candidates: Ok(candidates),
+            addrs: vec![addr],
+            unusable: Vec::new(),
+            resolved: true,
+            due: Instant::now(),
+            last: None,
+            failures_in_row: 0,
+        }
+    }
+
+    /// The real name's name server fails while a search-list candidate does not exist: a
+    /// failure (the last addresses stay), not "no address" (they would be removed).
+    #[tokio::test]
+    async fn a_failing_name_server_is_a_failure_whatever_a_later_candidate_says() {
+        let settings = DnsSettings {
+            nameservers: vec![name_server()],
+            min_refresh: Duration::from_secs(1),
+            max_refresh: Duration::from_secs(60),
+            query_timeout: Duration::from_secs(5),
+            startup_timeout: Duration::from_secs(5),
+        };
+        let (resolver, _) = build_resolver(&settings).expect("resolver");
+        let search = Search {
+            domain: None,
+            search: vec![name("a.test.")],
+            ndots: 1,
+        };
+        let old: IpAddr = [10, 0, 0, 1].into();
+        let mut names = HashMap::new();
+        for host in ["broken.example", "gone.example", "svc"] {
+            let candidates = search.candidates(host).expect("candidates");
+            names.insert(host.to_string(), state(candidates, old));
+        }
+        let stats = DnsStats::default();
+        refresh_due(
+            &resolver,
+            &settings,
+            &mut names,
+            &stats,
+            settings.query_timeout,
+        )
+        .await;
+        // SERVFAIL, then NXDOMAIN for `broken.example.a.test.`: kept.
+        assert_eq!(names["broken.example"].addrs, [old]);
+        assert_eq!(names["broken.example"].failures_in_row, 1);
+        // NXDOMAIN for every candidate: the name has no address now.
+        assert!(names["gone.example"].addrs.is_empty());
+        assert_eq!(names["gone.example"].failures_in_row, 0);
+        // NXDOMAIN for none of the candidates but the search list's: its answer.
+        assert_eq!(names["svc"].addrs, [IpAddr::from([10, 0, 0, 2])]);
+        assert_eq!(stats.failures.load(Ordering::Relaxed), 1);
     }
 }
