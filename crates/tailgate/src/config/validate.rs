@@ -1980,7 +1980,7 @@ mod tests {
             ),
             (
                 format!("[dns]\nnameservers = [\"[fe80::1]:53\"]\n{TAIL}"),
-                "dns.nameservers[0]: `[fe80::1]:53` is link-local, with no interface named",
+                "dns.nameservers[0]: `[fe80::1]:53` is link-local: the resolver cannot send to an interface's link-local address",
             ),
             (
                 format!("[metrics]\nmax_consumers = -1\n{TAIL}"),
@@ -2298,15 +2298,17 @@ total_timeout = "999us"
         ] {
             assert!(errs.contains(want), "missing {want:?} in:\n{errs}");
         }
-        // A link-local name server names its interface as an endpoint does.
-        let cfg = parse_and_validate(
+        // A link-local name server, even with its interface: the resolver sends to the
+        // address alone, which the kernel refuses without one.
+        let errs = parse_and_validate(
             Path::new("t.toml"),
             &format!("[dns]\nnameservers = [\"[fe80::1%lo]:53\"]\n{TAIL}"),
         )
-        .expect("a zoned name server");
-        assert_eq!(
-            cfg.dns.nameservers,
-            ["[fe80::1%1]:53".parse::<SocketAddr>().expect("address")]
+        .expect_err("a link-local name server")
+        .to_string();
+        assert!(
+            errs.contains("t.toml:2:16: dns.nameservers[0]: `[fe80::1%lo]:53` is link-local"),
+            "{errs}"
         );
     }
 

@@ -83,8 +83,7 @@ impl Checker<'_> {
         let mut nameservers = Vec::new();
         for (i, ns) in raw.nameservers.iter().enumerate() {
             let text = ns.get_ref();
-            // As an endpoint's address (a link-local one names its interface, by name or
-            // index: `[fe80::1%eth0]:53`), or an IP literal alone (port 53).
+            // As an endpoint's address, or an IP literal alone (port 53).
             let parsed = super::socket_addr(text)
                 .ok()
                 .ok_or(())
@@ -103,7 +102,17 @@ impl Checker<'_> {
                         "write the IP address of a name server".to_owned(),
                     ));
                 }
-                super::unzoned_link_local(a, text)
+                // The resolver connects to the address alone: a zone (an interface) would
+                // be dropped, and the kernel refuses a link-local address without one.
+                if let SocketAddr::V6(v6) = a
+                    && v6.ip().is_unicast_link_local()
+                {
+                    return Some((
+                        format!("`{text}` is link-local: the resolver cannot send to an interface's link-local address"),
+                        "write a global or unique-local address of the name server, or a local resolver's (\"127.0.0.1\")".to_owned(),
+                    ));
+                }
+                None
             });
             match parsed {
                 Ok(_) if let Some((message, hint)) = unusable => self.err(
