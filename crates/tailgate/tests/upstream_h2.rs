@@ -844,6 +844,27 @@ async fn idle_h2_connections_expire() {
     assert_eq!(seen.conns.load(Ordering::SeqCst), 4);
 }
 
+/// With `idle_timeout = "0s"` an HTTP/2 connection a stream is on is not idle: the keeper
+/// leaves it open, and the next request shares it instead of opening another.
+#[tokio::test]
+async fn a_zero_idle_timeout_never_closes_an_h2_connection_a_stream_is_on() {
+    let gate = Gate::new(2);
+    let (up, seen) = h2c_upstream(gate.clone(), 0, 100).await;
+    let gw = gateway(up, "idle_timeout = \"0s\"");
+    let addr = gw.addr;
+    let first = tokio::spawn(async move { get(addr, "/held").await.status() });
+    wait_for("the first request to reach the upstream", || {
+        gate.in_flight.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    // The keeper's ticks meanwhile.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(get(gw.addr, "/second").await.status(), 200);
+    assert_eq!(first.await.unwrap(), 200);
+    assert_eq!(seen.conns.load(Ordering::SeqCst), 1);
+    assert_eq!(stat(&gw, |s| s.retired_idle.load(Ordering::Relaxed)), 0);
+}
+
 /// The headers the gateway sets reach an HTTP/2 upstream too (put into its copy of the
 /// client's headers): X-Forwarded-For appended, Via, the client's request id, and no
 /// `Expect`.

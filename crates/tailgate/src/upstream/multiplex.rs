@@ -56,14 +56,13 @@ impl H2Conn {
             .store(self.created.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
 
-    /// How long it has had no stream (zero while one is in flight).
-    fn idle_for(&self) -> Duration {
-        if self.active.load(Ordering::Relaxed) > 0 {
-            return Duration::ZERO;
-        }
-        self.created.elapsed().saturating_sub(Duration::from_millis(
-            self.last_used_ms.load(Ordering::Relaxed),
-        ))
+    /// Has it had no stream for `timeout`? Never while one is in flight, even with a
+    /// timeout of zero.
+    fn idle_past(&self, timeout: Duration) -> bool {
+        self.active.load(Ordering::Relaxed) == 0
+            && self.created.elapsed().saturating_sub(Duration::from_millis(
+                self.last_used_ms.load(Ordering::Relaxed),
+            )) >= timeout
     }
 }
 
@@ -142,11 +141,11 @@ impl H2Set {
             .fetch_add((before - list.len()) as u64, Ordering::Relaxed);
         // Idle expiry beyond the warm ones. Requests take the first connection with room,
         // so the idle ones are those traffic no longer needs; the first of them are kept.
-        let busy = list.iter().filter(|c| c.idle_for() < idle_timeout).count();
+        let busy = list.iter().filter(|c| !c.idle_past(idle_timeout)).count();
         let mut idle_kept = keep.saturating_sub(busy);
         let mut expired = 0;
         list.retain(|c| {
-            if c.idle_for() < idle_timeout {
+            if !c.idle_past(idle_timeout) {
                 return true;
             }
             if idle_kept > 0 {
