@@ -844,6 +844,31 @@ async fn idle_h2_connections_expire() {
     assert_eq!(seen.conns.load(Ordering::SeqCst), 4);
 }
 
+/// An HTTP/2 server that closes every connection as soon as it takes it (an HTTP/1.1-only
+/// server, or one draining): the keeper backs off as for HTTP/1.1 spares that die so,
+/// rather than opening its spares again as fast as connects go.
+#[tokio::test]
+async fn h2_spares_closed_as_soon_as_opened_make_the_keeper_back_off() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counted = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            drop(s);
+        }
+    });
+    let _gw = gateway(addr, "min_warm_connections = 2\neject_after_failures = 0");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let n = accepted.load(Ordering::SeqCst);
+    // Backing off from 100 ms, doubling: a handful in a second.
+    assert!(
+        n < 20,
+        "{n} connects in a second: the keeper did not back off"
+    );
+}
+
 /// With `idle_timeout = "0s"` an HTTP/2 connection a stream is on is not idle: the keeper
 /// leaves it open, and the next request shares it instead of opening another.
 #[tokio::test]

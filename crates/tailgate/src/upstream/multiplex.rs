@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use hyper::client::conn::http2;
 
-use super::pool::PoolStats;
+use super::pool::{DIED_YOUNG, PoolStats};
 use crate::pipeline::body::ReqBody;
 
 /// What an HTTP/2 connection's transport and task publish for the requests sharing it.
@@ -132,10 +132,23 @@ impl H2Set {
         stats: &PoolStats,
         idle_timeout: Duration,
         keep: usize,
+        died_young: &AtomicU32,
     ) -> (usize, usize) {
         let mut list = self.conns.lock().unwrap_or_else(PoisonError::into_inner);
         let before = list.len();
-        list.retain(|c| !c.sender.is_closed());
+        list.retain(|c| {
+            if !c.sender.is_closed() {
+                return true;
+            }
+            // Closed before it carried a stream, soon after its connect (a server that
+            // takes the preface and closes, or sends GOAWAY to every new connection): the
+            // keeper backs off, as for an HTTP/1.1 spare that died so, instead of opening
+            // the next at once, and the next, as fast as connects go.
+            if c.streams.load(Ordering::Relaxed) == 0 && c.created.elapsed() < DIED_YOUNG {
+                died_young.fetch_add(1, Ordering::Relaxed);
+            }
+            false
+        });
         stats
             .closed_by_server
             .fetch_add((before - list.len()) as u64, Ordering::Relaxed);

@@ -51,7 +51,7 @@ const LEARN_AGREEMENTS: u32 = 3;
 /// `EndpointPool::died_young`): a server that accepts and closes at once (at its own
 /// connection limit, say) would otherwise have the keeper reopen its spares at every
 /// request, several connects per request against a server already overloaded.
-const DIED_YOUNG: Duration = Duration::from_secs(1);
+pub(super) const DIED_YOUNG: Duration = Duration::from_secs(1);
 /// How long a learned limit is trusted before it is learned again.
 const LEARNED_TTL: Duration = Duration::from_secs(600);
 /// The longest between two looks over a pool's idle connections when no keeper runs: how
@@ -257,8 +257,9 @@ pub struct EndpointPool {
     /// HTTP/2-capable connects that failed (their waiters fail with them, see
     /// [`Self::checkout_h2`]).
     h2_failed: AtomicU64,
-    /// Spares found closed by the server before their first request, within
-    /// [`DIED_YOUNG`] of their connect: the keeper backs off as after a failed connect.
+    /// Connections found closed by the server before their first request (HTTP/1.1 spares,
+    /// HTTP/2 connections before their first stream), within [`DIED_YOUNG`] of their
+    /// connect: the keeper backs off as after a failed connect.
     died_young: AtomicU32,
     /// An HTTP/2 connection was made to this endpoint (for [`Protocol::Auto`]).
     h2_seen: AtomicBool,
@@ -412,7 +413,8 @@ impl EndpointPool {
         }
         self.idle_len();
         if self.protocol != Protocol::Http1 {
-            self.h2.tidy(&self.stats, self.idle_timeout, 0);
+            self.h2
+                .tidy(&self.stats, self.idle_timeout, 0, &self.died_young);
         }
         false
     }
@@ -815,7 +817,9 @@ impl EndpointPool {
         loop {
             // Idle expiry is the keeper's job (`Duration::MAX` here): a request only drops
             // closed connections and hands over rotated ones.
-            let (fresh, due) = self.h2.tidy(&self.stats, Duration::MAX, self.min_warm);
+            let (fresh, due) =
+                self.h2
+                    .tidy(&self.stats, Duration::MAX, self.min_warm, &self.died_young);
             if fresh < self.min_warm || (fresh == 0 && due > 0) {
                 self.refill.notify_one();
             }
@@ -1191,7 +1195,12 @@ impl EndpointPool {
         let (fresh, due) = if self.protocol == Protocol::Http1 {
             (0, 0)
         } else {
-            self.h2.tidy(&self.stats, self.idle_timeout, self.min_warm)
+            self.h2.tidy(
+                &self.stats,
+                self.idle_timeout,
+                self.min_warm,
+                &self.died_young,
+            )
         };
         let idle = if self.protocol == Protocol::Http2 {
             0
