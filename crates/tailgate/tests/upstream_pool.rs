@@ -347,6 +347,30 @@ async fn connections_are_rotated_after_max_requests() {
     assert!(waited <= 2, "{waited} requests waited for a connect");
 }
 
+/// A warm spare past `max_connection_lifetime` is no spare: the keeper replaces it before
+/// a request comes, so the request neither connects on its path nor finds it aged out.
+#[tokio::test]
+async fn a_spare_past_its_lifetime_is_replaced_ahead_of_the_next_request() {
+    let up = raw_upstream(|_, _| Act::Answer).await;
+    let gw = gateway(
+        up.addr,
+        "min_warm_connections = 1\nidle_timeout = \"60s\"\nmax_connection_lifetime = \"1s\"",
+    );
+    let g = gw.gw.as_ref().unwrap();
+    // The keeper looks every half lifetime.
+    wait_for("the aged spare replaced", || {
+        g.pool_stat(|s| s.retired_lifetime.load(Ordering::Relaxed)) >= 1
+            && up.conns.load(Ordering::SeqCst) >= 2
+    })
+    .await;
+    assert_eq!(get_on(&mut h1_client(gw.addr).await, "/").await, 200);
+    assert_eq!(
+        g.pool_stat(|s| s.connects_on_request.load(Ordering::Relaxed)),
+        0,
+        "the request connected on its path"
+    );
+}
+
 /// Without warm spares there is no keeper sweeping the idle list: the checkout itself must
 /// not send on a connection idle past the cluster's `idle_timeout`, nor on one past its
 /// `max_connection_lifetime`, and must reuse one that is neither.

@@ -1219,24 +1219,39 @@ impl EndpointPool {
         }
     }
 
-    /// Idle HTTP/1.1 connections held now (still open).
+    /// Idle HTTP/1.1 connections held now (still open, and usable by a checkout).
     /// Those the server closed count as `closed_by_server`, those past `idle_timeout` as
-    /// `retired_idle`, as at a checkout.
+    /// `retired_idle`, those past `max_connection_lifetime` as `retired_lifetime`, as at a
+    /// checkout.
     pub fn idle_len(&self) -> usize {
         let mut list = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        let (mut closed, mut expired) = (0u64, 0u64);
+        let (mut closed, mut expired, mut aged) = (0u64, 0u64, 0u64);
+        let now = Instant::now();
         list.retain_mut(|i| {
             if i.conn.idle_closed() {
                 closed += 1;
                 self.note_died_young(i);
                 false
-            } else if i.since.elapsed() >= self.idle_timeout {
+            } else if now.saturating_duration_since(i.since) >= self.idle_timeout {
                 expired += 1;
+                false
+            } else if self
+                .max_lifetime
+                .is_some_and(|l| now.saturating_duration_since(i.created) >= l)
+            {
+                // A checkout would not send on it: not a spare (the keeper opens one in
+                // its place).
+                aged += 1;
                 false
             } else {
                 true
             }
         });
+        if aged > 0 {
+            self.stats
+                .retired_lifetime
+                .fetch_add(aged, Ordering::Relaxed);
+        }
         if closed > 0 {
             self.stats
                 .closed_by_server
