@@ -347,6 +347,33 @@ async fn connections_are_rotated_after_max_requests() {
     assert!(waited <= 2, "{waited} requests waited for a connect");
 }
 
+/// Spares do not lapse between the keeper's ticks: a connection given back by a request
+/// counts as warm until it expires, and when it does the keeper replaces it then, so a
+/// request after a pause longer than `idle_timeout` still finds one.
+#[tokio::test]
+async fn an_expiring_spare_is_replaced_when_it_expires_not_at_the_next_tick() {
+    let up = raw_upstream(|_, _| Act::Answer).await;
+    let gw = gateway(up.addr, "min_warm_connections = 1\nidle_timeout = \"2s\"");
+    let g = gw.gw.as_ref().unwrap();
+    wait_for("the warm spare", || {
+        g.pool_stat(|s| s.preconnects.load(Ordering::Relaxed)) >= 1
+    })
+    .await;
+    let start = tokio::time::Instant::now();
+    // Takes the spare (the keeper opens another), then one of the two: given back at
+    // 1.4 s, it expires at 3.4 s, the other at 2.2 s; the keeper's tick (2 s) next
+    // comes at about 4.2 s.
+    for at in [200, 1400, 3800] {
+        tokio::time::sleep_until(start + Duration::from_millis(at)).await;
+        assert_eq!(get_on(&mut h1_client(gw.addr).await, "/").await, 200);
+    }
+    assert_eq!(
+        g.pool_stat(|s| s.connects_on_request.load(Ordering::Relaxed)),
+        0,
+        "a request connected on its path"
+    );
+}
+
 /// A warm spare past `max_connection_lifetime` is no spare: the keeper replaces it before
 /// a request comes, so the request neither connects on its path nor finds it aged out.
 #[tokio::test]

@@ -276,6 +276,10 @@ pub struct EndpointPool {
     /// `Some` for an `https://` endpoint.
     tls: Option<EndpointTls>,
     refill: Notify,
+    /// When the first idle HTTP/1.1 connection expires (idle timeout or lifetime), in ms
+    /// after `epoch`, as [`Self::idle_len`] last saw (`u64::MAX`: none idle): the keeper
+    /// wakes then, so a spare that expires is replaced at once, not at its next tick.
+    idle_next_ms: AtomicU64,
     /// Woken when a connection has one request left before its rotation and no keeper
     /// runs to replace it (see [`Self::owe_ahead`]).
     ahead: Notify,
@@ -344,6 +348,7 @@ impl EndpointPool {
             close_agreements: AtomicU32::new(0),
             learned_at_s: AtomicU64::new(0),
             epoch: Instant::now(),
+            idle_next_ms: AtomicU64::new(u64::MAX),
             owed: AtomicU32::new(0),
             retired: AtomicBool::new(false),
             parked_at_ms: AtomicU64::new(u64::MAX),
@@ -1113,8 +1118,9 @@ impl EndpointPool {
                     }
                 }
             }
-            // Woken on every take, retirement and close; the tick catches idle expiry.
-            let _ = tokio::time::timeout(self.keeper_tick(), self.refill.notified()).await;
+            // Woken when a take leaves too few spares, at a retirement and a close, and when
+            // the first idle connection expires; the tick catches the rest.
+            let _ = tokio::time::timeout(self.keeper_wait(), self.refill.notified()).await;
         }
     }
 
@@ -1189,6 +1195,18 @@ impl EndpointPool {
             .max(Duration::from_millis(100))
     }
 
+    /// How long the keeper sleeps unless woken: its tick, or until the first idle
+    /// connection expires if sooner.
+    fn keeper_wait(&self) -> Duration {
+        let tick = self.keeper_tick();
+        let next = self.idle_next_ms.load(Ordering::Relaxed);
+        if next == u64::MAX {
+            return tick;
+        }
+        let now = self.epoch.elapsed().as_millis() as u64;
+        tick.min(Duration::from_millis(next.saturating_sub(now).max(1)))
+    }
+
     /// Does the keeper need to open a connection: fewer than `min_warm` ready, or an HTTP/2
     /// connection due for rotation with no successor yet?
     fn warm_missing(&self) -> bool {
@@ -1227,6 +1245,7 @@ impl EndpointPool {
         let mut list = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         let (mut closed, mut expired, mut aged) = (0u64, 0u64, 0u64);
         let now = Instant::now();
+        let mut next: Option<Instant> = None;
         list.retain_mut(|i| {
             if i.conn.idle_closed() {
                 closed += 1;
@@ -1244,9 +1263,17 @@ impl EndpointPool {
                 aged += 1;
                 false
             } else {
+                let at = i.since + self.idle_timeout;
+                let at = self.max_lifetime.map_or(at, |l| at.min(i.created + l));
+                next = Some(next.map_or(at, |n| n.min(at)));
                 true
             }
         });
+        // Rounded up: woken then, the connection has expired.
+        let next_ms = next.map_or(u64::MAX, |n| {
+            n.saturating_duration_since(self.epoch).as_millis() as u64 + 1
+        });
+        self.idle_next_ms.store(next_ms, Ordering::Relaxed);
         if aged > 0 {
             self.stats
                 .retired_lifetime
