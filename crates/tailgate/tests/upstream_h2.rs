@@ -869,6 +869,35 @@ async fn h2_spares_closed_as_soon_as_opened_make_the_keeper_back_off() {
     );
 }
 
+/// A client's request trailers reach an HTTP/2 upstream without the fields no trailer may
+/// carry: a connection-specific one (which the HTTP/2 layer refuses to send, so the stream
+/// was never ended and the request timed out as the endpoint's failure) or one the gateway
+/// vouches for in the head.
+#[tokio::test]
+async fn request_trailers_reach_an_http2_upstream_without_forbidden_fields() {
+    use http_body_util::BodyExt;
+    let up = h2c_upstream_with(|req| async move {
+        let body = req.into_body().collect().await.unwrap();
+        let mut names: Vec<String> = body
+            .trailers()
+            .map(|t| t.keys().map(|k| k.to_string()).collect())
+            .unwrap_or_default();
+        names.sort();
+        http::Response::new(full(names.join(",")))
+    })
+    .await;
+    let gw = gateway(up, "");
+    let (out, closed) = raw(
+        gw.addr,
+        b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\nConnection: x\r\nX-Forwarded-For: 6.6.6.6\r\nProxy-Connection: x\r\nX-Sum: 1\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(closed, "{out}");
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    assert!(out.ends_with("\r\n\r\nx-sum"), "{out}");
+}
+
 /// With `idle_timeout = "0s"` an HTTP/2 connection a stream is on is not idle: the keeper
 /// leaves it open, and the next request shares it instead of opening another.
 #[tokio::test]

@@ -373,6 +373,13 @@ impl ReqBody {
                             .add_bytes_in(data.len() as u64);
                     }
                 }
+                let frame = match frame.into_trailers() {
+                    Ok(mut trailers) => {
+                        strip_trailers(&mut trailers);
+                        Frame::trailers(trailers)
+                    }
+                    Err(frame) => frame,
+                };
                 Poll::Ready(Some(Ok(frame)))
             }
             Some(Err(e)) => Poll::Ready(Some(Err(e.into()))),
@@ -382,6 +389,49 @@ impl ReqBody {
                 }
                 Poll::Ready(None)
             }
+        }
+    }
+}
+
+/// Leaves out of a request's trailers (sent on to HTTP/2 upstreams only; an HTTP/1.1
+/// upstream gets none) the fields no trailer may carry, as nginx's and Envoy's HTTP/2
+/// codecs refuse them: connection-specific ones, which the HTTP/2 layer refuses to send
+/// (it then neither ends nor resets the stream, so the upstream waited for the body's end
+/// until the response timeout, and the endpoint was blamed for it), framing, routing and
+/// credentials (RFC 9110 §6.5.1), and those the gateway vouches for in the head
+/// (`Forwarded`, `Via`, `X-Forwarded-*`), which a trailer would pass on unchecked.
+pub(crate) fn strip_trailers(trailers: &mut http::HeaderMap) {
+    fn refused(name: &str) -> bool {
+        matches!(
+            name,
+            "connection"
+                | "keep-alive"
+                | "te"
+                | "trailer"
+                | "transfer-encoding"
+                | "upgrade"
+                | "http2-settings"
+                | "content-length"
+                | "content-type"
+                | "content-encoding"
+                | "content-range"
+                | "host"
+                | "expect"
+                | "authorization"
+                | "cookie"
+                | "forwarded"
+                | "via"
+        ) || name.starts_with("proxy-")
+            || name.starts_with("x-forwarded-")
+    }
+    if trailers.keys().any(|n| refused(n.as_str())) {
+        let names: Vec<http::HeaderName> = trailers
+            .keys()
+            .filter(|n| refused(n.as_str()))
+            .cloned()
+            .collect();
+        for n in names {
+            trailers.remove(n);
         }
     }
 }
