@@ -110,9 +110,11 @@ async fn a_clients_forwarded_host_never_reaches_the_upstream() {
     assert!(!lower.contains("evil"), "{resp}");
 }
 
-/// A client's `Forwarded` and `X-Forwarded-Port` never reach the upstream, over either
-/// upstream protocol: frameworks take a host, scheme or port from them before (or beside)
-/// the `X-Forwarded-*` the gateway writes, so a client's would pass for the gateway's word.
+/// A client's `Forwarded`, `X-Forwarded-Port` and other claims only a proxy may make
+/// (`X-Forwarded-Ssl`, `X-Forwarded-Scheme`, `X-Real-IP`, `True-Client-IP`) never reach the
+/// upstream, over either upstream protocol: frameworks take a host, scheme, port or client
+/// address from them before (or beside) the `X-Forwarded-*` the gateway writes, so a
+/// client's would pass for the gateway's word. Its `X-Forwarded-Prefix` goes on.
 #[tokio::test]
 async fn a_clients_forwarded_and_forwarded_port_never_reach_the_upstream() {
     let h1 = echo_upstream().await;
@@ -134,7 +136,9 @@ async fn a_clients_forwarded_and_forwarded_port_never_reach_the_upstream() {
     for path in ["/one", "/two"] {
         let req = format!(
             "GET {path} HTTP/1.1\r\nHost: api.test\r\nForwarded: for=6.6.6.6;host=evil.test;proto=https\r\n\
-             X-Forwarded-Port: 6666\r\nConnection: close\r\n\r\n"
+             X-Forwarded-Port: 6666\r\nX-Forwarded-Ssl: on\r\nX-Forwarded-Scheme: https\r\n\
+             X-Real-IP: 6.6.6.7\r\nTrue-Client-IP: 6.6.6.8\r\nX-Forwarded-Prefix: /kept\r\n\
+             Connection: close\r\n\r\n"
         );
         let (resp, _) = raw(gw.addr, req.as_bytes(), Duration::from_secs(5)).await;
         let lower = resp.to_ascii_lowercase();
@@ -144,13 +148,18 @@ async fn a_clients_forwarded_and_forwarded_port_never_reach_the_upstream() {
             lower.contains("x-forwarded-host") && lower.contains("api.test"),
             "{resp}"
         );
+        assert!(lower.contains("/kept"), "{resp}");
         for gone in [
             "evil.test",
-            "6.6.6.6",
+            "6.6.6.",
             "6666",
             "forwarded: ",
             "forwarded=",
             "x-forwarded-port",
+            "x-forwarded-ssl",
+            "x-forwarded-scheme",
+            "x-real-ip",
+            "true-client-ip",
         ] {
             assert!(
                 !lower.contains(gone),

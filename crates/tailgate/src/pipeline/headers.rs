@@ -15,7 +15,6 @@ static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
-static X_FORWARDED_PORT: HeaderName = HeaderName::from_static("x-forwarded-port");
 /// Set on routes with a `rewrite_prefix` ([`super::route::Rewrite`]).
 pub static X_FORWARDED_PREFIX: HeaderName = HeaderName::from_static("x-forwarded-prefix");
 
@@ -288,19 +287,15 @@ impl<'a> Added<'a> {
     /// none is sent then: the upstream must never take a host from the client for one the
     /// gateway vouches for (links built from it, such as a password reset's).
     ///
-    /// For the same reason a client's `Forwarded` (RFC 7239) and `X-Forwarded-Port` are
-    /// left out, and none is written: frameworks read them before, or beside, the
-    /// `X-Forwarded-*` the gateway writes (Spring and Rack take `Forwarded`'s `host=` and
-    /// `proto=` first; Spring and Django the port), so a client's would pass for the
-    /// gateway's word.
+    /// For the same reason a client's `Forwarded` (RFC 7239) and its other claims of what
+    /// only a proxy may say ([`proxys_word`]) are left out, and none is written:
+    /// frameworks read them before, or beside, the `X-Forwarded-*` the gateway writes, so
+    /// a client's would pass for the gateway's word.
     pub fn replaces(&self, name: &HeaderName) -> bool {
         *name == header::EXPECT
-            || *name == X_FORWARDED_FOR
-            || *name == X_FORWARDED_PROTO
-            || *name == X_FORWARDED_HOST
             || *name == header::FORWARDED
-            || *name == X_FORWARDED_PORT
             || name == self.request_id.0
+            || proxys_word(name)
     }
 
     /// The headers to add, in order.
@@ -319,9 +314,12 @@ impl<'a> Added<'a> {
     pub fn apply(&self, headers: &mut HeaderMap) {
         headers.remove(header::EXPECT);
         headers.remove(header::FORWARDED);
-        headers.remove(&X_FORWARDED_PORT);
-        if self.host.is_none() {
-            headers.remove(&X_FORWARDED_HOST);
+        if headers.keys().any(proxys_word) {
+            let claims: Vec<HeaderName> =
+                headers.keys().filter(|n| proxys_word(n)).cloned().collect();
+            for n in claims {
+                headers.remove(n);
+            }
         }
         for (name, value) in self.iter() {
             if *name == VIA {
@@ -330,6 +328,20 @@ impl<'a> Added<'a> {
                 headers.insert(name, value.clone());
             }
         }
+    }
+}
+
+/// A header only a proxy may send, which a client's request loses: every `X-Forwarded-*`
+/// but `X-Forwarded-Prefix` (the gateway writes its own `-For`, `-Proto` and `-Host`;
+/// Spring and Django read `-Port`, Rack `-Ssl` and `-Scheme` before `-Proto`), and the
+/// client address headers `X-Real-IP` and `True-Client-IP` (chi's and Gin's client IP).
+/// A client's `X-Forwarded-Prefix` goes on, as nginx and Envoy pass it (a rewrite route
+/// writes its own in its place).
+fn proxys_word(name: &HeaderName) -> bool {
+    let n = name.as_str();
+    match n.strip_prefix("x-forwarded-") {
+        Some(rest) => rest != "prefix",
+        None => n == "x-real-ip" || n == "true-client-ip",
     }
 }
 
@@ -590,6 +602,10 @@ mod tests {
             "x-forwarded-host",
             "forwarded",
             "x-forwarded-port",
+            "x-forwarded-ssl",
+            "x-forwarded-scheme",
+            "x-real-ip",
+            "true-client-ip",
         ] {
             assert!(
                 added.replaces(&HeaderName::from_static(replaced)),
@@ -597,6 +613,7 @@ mod tests {
             );
         }
         assert!(!added.replaces(&HeaderName::from_static("via")));
+        assert!(!added.replaces(&HeaderName::from_static("x-forwarded-prefix")));
         added.apply(&mut h);
         let xff: Vec<_> = h.get_all("x-forwarded-for").iter().collect();
         assert_eq!(xff, ["10.0.0.1, 10.0.0.2, 192.0.2.7"]);
