@@ -86,10 +86,10 @@ async fn untrusted_upstream_certificate_is_a_502_and_a_connect_failure() {
     assert_eq!(resp.status(), 502);
     let body = json(&resp);
     assert_eq!(body["error"], "upstream_tls_failed");
-    let message = body["message"].as_str().unwrap();
-    assert!(
-        message.contains("certificate") && message.contains("UnknownIssuer"),
-        "{message}"
+    // The reason is the operator's, in the log, not the client's.
+    assert_eq!(
+        body["message"],
+        "upstream TLS handshake failed (the gateway's log says why)"
     );
     assert_eq!(stat(&gw, |s| s.connect_failures.load(Ordering::Relaxed)), 1);
     assert_eq!(
@@ -139,7 +139,8 @@ async fn tls_failure_is_tried_on_another_endpoint() {
 }
 
 /// The certificate must match `tls_server_name` (which is also the SNI); without it, the
-/// endpoint's IP must be one of the certificate's IP SANs.
+/// endpoint's IP must be one of the certificate's IP SANs. A mismatch's 502 tells the
+/// client nothing of either.
 #[tokio::test]
 async fn upstream_certificate_must_match_the_server_name() {
     let pki = Pki::new();
@@ -148,11 +149,18 @@ async fn upstream_certificate_must_match_the_server_name() {
     let wrong = https_gateway(&pki, up, "tls_server_name = \"elsewhere.test\"");
     let resp = get(wrong.addr, "/").await;
     assert_eq!(resp.status(), 502);
-    let message = json(&resp)["message"].as_str().unwrap().to_owned();
-    assert!(
-        message.contains("not valid for name \"elsewhere.test\""),
-        "{message}"
-    );
+    // Neither the server name asked for nor the certificate's names and addresses reach
+    // the client.
+    let text = String::from_utf8_lossy(resp.body()).into_owned();
+    assert_eq!(json(&resp)["error"], "upstream_tls_failed");
+    for hidden in [
+        "elsewhere.test",
+        "upstream.test",
+        "127.0.0.1",
+        "certificate",
+    ] {
+        assert!(!text.contains(hidden), "{hidden:?} in {text}");
+    }
     assert_eq!(
         stat(&wrong, |s| s.connect_failures.load(Ordering::Relaxed)),
         1

@@ -133,6 +133,18 @@ impl ProxyError {
         )
     }
 
+    /// What the client is told: the error's text, but for a failed TLS handshake with an
+    /// upstream, whose reason names the upstream certificate's names and addresses (and
+    /// the cluster's `tls_server_name`), which are the operator's to read, in the log.
+    fn client_message(&self) -> std::borrow::Cow<'static, str> {
+        match self {
+            ProxyError::UpstreamTls(_) => {
+                "upstream TLS handshake failed (the gateway's log says why)".into()
+            }
+            e => e.to_string().into(),
+        }
+    }
+
     /// The response for this error: status, JSON body with the request id.
     pub fn to_response(
         &self,
@@ -141,7 +153,7 @@ impl ProxyError {
     ) -> http::Response<Bytes> {
         let body = serde_json::json!({
             "error": self.code(),
-            "message": self.to_string(),
+            "message": self.client_message(),
             "request_id": request_id.to_str().unwrap_or(""),
         });
         let mut resp = http::Response::new(Bytes::from(body.to_string()));

@@ -275,6 +275,8 @@ pub struct EndpointPool {
     min_warm: usize,
     /// `Some` for an `https://` endpoint.
     tls: Option<EndpointTls>,
+    /// Its handshake failures' warning, at most every 10 s.
+    tls_warned: crate::pace::Every,
     refill: Notify,
     /// When the first idle HTTP/1.1 connection expires (idle timeout or lifetime), in ms
     /// after `epoch`, as [`Self::idle_len`] last saw (`u64::MAX`: none idle): the keeper
@@ -342,6 +344,7 @@ impl EndpointPool {
             max_lifetime: cluster.max_connection_lifetime,
             min_warm: cluster.min_warm_connections,
             tls: cluster.tls.as_ref().map(|t| EndpointTls::new(t, addr)),
+            tls_warned: crate::pace::Every::new(Duration::from_secs(10)),
             refill: Notify::new(),
             ahead: Notify::new(),
             close_uses: AtomicU32::new(0),
@@ -1044,7 +1047,13 @@ impl EndpointPool {
                 self.stats
                     .tls_handshake_failures
                     .fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(upstream.addr = %self.addr, error = %e, "upstream TLS handshake failed");
+                // The reason is the operator's (a client's 502 does not carry it): a
+                // warning, at most every 10 s per endpoint, the rest at debug.
+                if self.tls_warned.due() {
+                    tracing::warn!(upstream.addr = %self.addr, error = %e, "upstream TLS handshake failed");
+                } else {
+                    tracing::debug!(upstream.addr = %self.addr, error = %e, "upstream TLS handshake failed");
+                }
                 Err(ProxyError::UpstreamTls(e))
             }
         }
