@@ -556,6 +556,41 @@ fn a_second_gateway_on_the_same_address_warns_that_it_shares_it() {
     assert!(status.success(), "exit status {status:?}");
 }
 
+/// An address held by a socket that does not share it (another program's, without
+/// SO_REUSEPORT): the start fails saying it cannot listen there, exit 1, and says nothing of
+/// sharing it (that warning is for a gateway that binds beside another one).
+#[test]
+fn an_address_another_program_holds_stops_the_start_without_talk_of_sharing() {
+    let dir = tmpdir();
+    let up = slow_upstream(Duration::ZERO);
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port();
+    let cfg = serve_config(dir.path(), port, up, "");
+    let log = std::fs::File::create(dir.path().join("gw.log")).unwrap();
+    let mut p = serve(&cfg, Stdio::from(log));
+    let status = exit_within(&mut p, Duration::from_secs(15), "no exit");
+    assert_eq!(status.code(), Some(1));
+    let text = std::fs::read_to_string(dir.path().join("gw.log")).unwrap();
+    assert!(text.contains(&format!("127.0.0.1:{port}")), "{text}");
+    assert!(text.contains("in use"), "{text}");
+    assert!(!text.contains("shared with it"), "{text}");
+    // The same for the admin address.
+    let cfg = serve_config(
+        dir.path(),
+        free_port(),
+        up,
+        &format!("[admin]\naddress = \"127.0.0.1:{port}\"\n"),
+    );
+    let log = std::fs::File::create(dir.path().join("gw.log")).unwrap();
+    let mut p = serve(&cfg, Stdio::from(log));
+    let status = exit_within(&mut p, Duration::from_secs(15), "no exit");
+    assert_eq!(status.code(), Some(1));
+    let text = std::fs::read_to_string(dir.path().join("gw.log")).unwrap();
+    assert!(text.contains("in use"), "{text}");
+    assert!(!text.contains("shared with it"), "{text}");
+    drop(held);
+}
+
 /// The soft limit on open files is raised to the hard one at start (1024 would refuse
 /// connections long before a service's hard limit).
 #[test]

@@ -110,11 +110,15 @@ impl Gateway {
         let admin_bound = match &config.admin {
             Some(settings) => {
                 let addr = settings.address;
-                if listener::taken_by_another(addr, true) {
-                    tracing::warn!(admin.addr = %addr, "another process already listens on the admin address: scrapes and probes are shared with it (SO_REUSEPORT) until it stops; stop it, unless this gateway is starting to replace it");
-                }
+                let shared = listener::taken_by_another(addr, true);
                 let bound = crate::admin::bind(addr)
                     .map_err(|source| StartError::Admin { addr, source })?;
+                // Only once bound beside it: one that does not share its address (without
+                // SO_REUSEPORT, or another user's) fails the bind instead, and that error
+                // is the one to read.
+                if shared {
+                    tracing::warn!(admin.addr = %addr, "another process already listens on the admin address: scrapes and probes are shared with it (SO_REUSEPORT) until it stops; stop it, unless this gateway is starting to replace it");
+                }
                 Some((addr, bound))
             }
             None => None,
@@ -146,19 +150,7 @@ impl Gateway {
                 None => None,
             };
             let mut addr = l.address;
-            if listener::taken_by_another(addr, false) {
-                tracing::warn!(
-                    listener.name = %l.name,
-                    listener.addr = %addr,
-                    "another process already listens on this address: new connections are shared with it (SO_REUSEPORT) until it stops; stop it, unless this gateway is starting to replace it"
-                );
-                if listener::migrates_pending_connections() == Some(false) {
-                    tracing::warn!(
-                        listener.name = %l.name,
-                        "net.ipv4.tcp_migrate_req is 0: when the other process stops, the kernel resets the connections still in its handshake queue (and any it leaves in its accept queue) rather than handing them to this one; set it to 1 for restarts that refuse no connection"
-                    );
-                }
-            }
+            let shared = listener::taken_by_another(addr, false);
             let mut sockets = Vec::new();
             for _ in 0..workers {
                 let s =
@@ -181,6 +173,20 @@ impl Gateway {
                         })?;
                 }
                 sockets.push(s);
+            }
+            // Only once bound beside it (as for the admin address above).
+            if shared {
+                tracing::warn!(
+                    listener.name = %l.name,
+                    listener.addr = %addr,
+                    "another process already listens on this address: new connections are shared with it (SO_REUSEPORT) until it stops; stop it, unless this gateway is starting to replace it"
+                );
+                if listener::migrates_pending_connections() == Some(false) {
+                    tracing::warn!(
+                        listener.name = %l.name,
+                        "net.ipv4.tcp_migrate_req is 0: when the other process stops, the kernel resets the connections still in its handshake queue (and any it leaves in its accept queue) rather than handing them to this one; set it to 1 for restarts that refuse no connection"
+                    );
+                }
             }
             let bound = Arc::new(BoundListener {
                 name: l.name.clone(),
