@@ -71,16 +71,7 @@ impl<W: Write> Counted<W> {
 /// Installs the global subscriber (once; later calls are no-ops). Keep the guard until
 /// exit: dropping it flushes the queued lines.
 pub fn init(settings: &LogSettings) -> Option<WorkerGuard> {
-    // The access log is asked for on its own (`access_log`), as nginx's `access_log` is
-    // apart from its `error_log` level: a `level` of `warn` must not silence it. `RUST_LOG`,
-    // when set, decides everything.
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        let filter = EnvFilter::new(&settings.level);
-        match settings.access_log.then(|| "tailgate::access=info".parse()) {
-            Some(Ok(access)) => filter.add_directive(access),
-            _ => filter,
-        }
-    });
+    let (filter, refused) = filter(std::env::var("RUST_LOG").ok(), settings);
     let (writer, guard) = NonBlockingBuilder::default()
         .buffered_lines_limit(QUEUE_LINES)
         .lossy(true)
@@ -104,8 +95,36 @@ pub fn init(settings: &LogSettings) -> Option<WorkerGuard> {
     if installed.is_err() {
         return None;
     }
+    if let Some(why) = refused {
+        tracing::warn!("{why}");
+    }
     let _ = DROPPED.set(counter);
     Some(guard)
+}
+
+/// The filter: `RUST_LOG` when it is set to a valid filter (it then decides everything),
+/// else `log.level` with the access log asked for on its own (`access_log`), as nginx's
+/// `access_log` is apart from its `error_log` level: a `level` of `warn` must not silence
+/// it. An empty `RUST_LOG` (`RUST_LOG=` in an environment file) counts as unset, not as a
+/// filter that lets nothing through; an invalid one is said why, in the second value.
+fn filter(rust_log: Option<String>, settings: &LogSettings) -> (EnvFilter, Option<String>) {
+    let mut refused = None;
+    if let Some(v) = rust_log.filter(|v| !v.trim().is_empty()) {
+        match EnvFilter::try_new(&v) {
+            Ok(f) => return (f, None),
+            Err(e) => {
+                refused = Some(format!(
+                    "RUST_LOG `{v}` is not a valid filter ({e}); logging as log.level says"
+                ));
+            }
+        }
+    }
+    let filter = EnvFilter::new(&settings.level);
+    let filter = match settings.access_log.then(|| "tailgate::access=info".parse()) {
+        Some(Ok(access)) => filter.add_directive(access),
+        _ => filter,
+    };
+    (filter, refused)
 }
 
 /// Log lines dropped because the queue was full, or because stderr refused them.
@@ -116,6 +135,29 @@ pub fn dropped_lines() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rust_log_empty_is_unset_and_invalid_is_said() {
+        let settings = LogSettings {
+            level: "info".into(),
+            format: LogFormat::Text,
+            access_log: true,
+        };
+        let from_config = filter(None, &settings).0.to_string();
+        assert!(
+            from_config.contains("tailgate::access=info"),
+            "{from_config}"
+        );
+        let (f, refused) = filter(Some(" ".into()), &settings);
+        assert_eq!(f.to_string(), from_config);
+        assert!(refused.is_none());
+        let (f, refused) = filter(Some("tailgate=dbug".into()), &settings);
+        assert_eq!(f.to_string(), from_config);
+        assert!(refused.is_some_and(|r| r.contains("RUST_LOG `tailgate=dbug`")));
+        let (f, refused) = filter(Some("tailgate=debug".into()), &settings);
+        assert_eq!(f.to_string(), "tailgate=debug");
+        assert!(refused.is_none());
+    }
 
     /// Takes `room` bytes, then refuses all but a newline.
     struct Full {
