@@ -556,6 +556,79 @@ fn a_second_gateway_on_the_same_address_warns_that_it_shares_it() {
     assert!(status.success(), "exit status {status:?}");
 }
 
+/// Two gateways share a demo address (a restart on the example config: the new one started,
+/// then the old one stopped): the old one's demo, stopping, finishes what it is answering
+/// for the new one (its upstream connections land on either demo, SO_REUSEPORT) instead of
+/// cutting it.
+#[test]
+fn a_stopping_gateways_demo_finishes_what_it_answers_for_the_next_one() {
+    let dir = tmpdir();
+    let demo_port = free_port();
+    let config = |name: &str, port: u16| {
+        let path = dir.path().join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "[server]\nworkers = 1\n[log]\naccess_log = false\n[[demo]]\naddress = \"127.0.0.1:{demo_port}\"\n[[listener]]\naddress = \"127.0.0.1:{port}\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"127.0.0.1:{demo_port}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let (old_port, new_port) = (free_port(), free_port());
+    let mut old = serve(config("old.toml", old_port), Stdio::null());
+    wait_listening(format!("127.0.0.1:{old_port}").parse().unwrap());
+    let _new = serve(config("new.toml", new_port), Stdio::null());
+    let new: SocketAddr = format!("127.0.0.1:{new_port}").parse().unwrap();
+    wait_listening(new);
+    // Uploads through the new gateway that take 2 s to send, echoed by a demo: about half
+    // of them by the old one's.
+    let uploads: Vec<_> = (0..8)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let mut s = TcpStream::connect(new).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+                // Chunked: a small body with a length would be read whole before the
+                // request goes upstream.
+                write!(
+                    s,
+                    "POST /up HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+                )
+                .unwrap();
+                for b in b"0123456789" {
+                    std::thread::sleep(Duration::from_millis(200));
+                    s.write_all(&[b'1', b'\r', b'\n', *b, b'\r', b'\n'])
+                        .unwrap();
+                }
+                s.write_all(b"0\r\n\r\n").unwrap();
+                let mut out = String::new();
+                let _ = s.read_to_string(&mut out);
+                out
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(700));
+    let t0 = Instant::now();
+    kill("-TERM", &old.0.id().to_string());
+    let _ = exit_within(&mut old, Duration::from_secs(15), "x");
+    eprintln!("DEBUG old exited after {:?}", t0.elapsed());
+    for u in uploads {
+        let out = u.join().unwrap();
+        assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+        // The echo, chunk by chunk.
+        let body = out.split("\r\n\r\n").nth(1).unwrap_or("");
+        let echoed: String = body.split("\r\n").skip(1).step_by(2).collect();
+        assert_eq!(echoed, "0123456789", "{out}");
+    }
+    let status = exit_within(
+        &mut old,
+        Duration::from_secs(15),
+        "the old one did not stop",
+    );
+    assert!(status.success(), "{status:?}");
+    eprintln!("DEBUG exit at {:?}", t0.elapsed());
+}
+
 /// An address held by a socket that does not share it (another program's, without
 /// SO_REUSEPORT): the start fails saying it cannot listen there, exit 1, and says nothing of
 /// sharing it (that warning is for a gateway that binds beside another one).

@@ -57,8 +57,16 @@ async fn answer(req: Request<Incoming>) -> Result<Response<DemoBody>, Infallible
 /// How long the demo waits for a request head.
 const HEAD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Serves the demo on `socket` until `shutdown` turns true.
+/// How long the demo's stop waits for the requests it is answering: within the margin the
+/// gateway's stop allows past `shutdown_grace` (the demo stops after the workers drained).
+const DRAIN: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// Serves the demo on `socket` until `shutdown` turns true; then stops as the gateway's
+/// listeners do: the connections already queued for it are taken and served (a second
+/// gateway sharing its address, SO_REUSEPORT, sent them here), idle connections are closed,
+/// and the requests being answered finish (for up to [`DRAIN`]) rather than being cut.
 pub async fn serve(socket: tokio::net::TcpListener, mut shutdown: watch::Receiver<bool>) {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     // A client that sends no (whole) head for this long is cut off, the next head on a
     // kept-alive connection included: the demo's descriptors are the gateway's too.
@@ -68,7 +76,7 @@ pub async fn serve(socket: tokio::net::TcpListener, mut shutdown: watch::Receive
         .header_read_timeout(HEAD_TIMEOUT);
     loop {
         tokio::select! {
-            _ = shutdown.wait_for(|s| *s) => return,
+            _ = shutdown.wait_for(|s| *s) => break,
             accepted = socket.accept() => {
                 let Ok((stream, _)) = accepted else {
                     // Out of file descriptors (shared with the gateway) and the like: back
@@ -76,21 +84,53 @@ pub async fn serve(socket: tokio::net::TcpListener, mut shutdown: watch::Receive
                     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     continue;
                 };
-                let _ = stream.set_nodelay(true);
-                let builder = builder.clone();
-                tokio::spawn(async move {
-                    // Its first bytes (which pick HTTP/1 or HTTP/2) within the head timeout
-                    // too: the protocol's own timer starts only once one is picked.
-                    let mut first = [0u8; 1];
-                    let peeked = tokio::time::timeout(HEAD_TIMEOUT, stream.peek(&mut first));
-                    if !matches!(peeked.await, Ok(Ok(n)) if n > 0) {
-                        return;
-                    }
-                    let _ = builder.serve_connection(TokioIo::new(stream), service_fn(answer)).await;
-                });
+                tokio::spawn(connection(builder.clone(), stream, Some(graceful.watcher())));
             }
         }
     }
+    // Those queued: each answers its first request and closes (a graceful stop's signal
+    // would close them before they read it).
+    let mut queued = tokio::task::JoinSet::new();
+    let mut last = builder.clone();
+    last.http1().keep_alive(false);
+    if let Ok(socket) = socket.into_std() {
+        while let Ok((stream, _)) = socket.accept() {
+            if stream.set_nonblocking(true).is_err() {
+                continue;
+            }
+            if let Ok(stream) = tokio::net::TcpStream::from_std(stream) {
+                queued.spawn(connection(last.clone(), stream, None));
+            }
+        }
+    }
+    let _ = tokio::time::timeout(DRAIN, async {
+        graceful.shutdown().await;
+        while queued.join_next().await.is_some() {}
+    })
+    .await;
+}
+
+/// Serves one connection; `watcher`, if any, closes it gracefully at the demo's stop.
+async fn connection(
+    builder: auto::Builder<TokioExecutor>,
+    stream: tokio::net::TcpStream,
+    watcher: Option<hyper_util::server::graceful::Watcher>,
+) {
+    let _ = stream.set_nodelay(true);
+    // Its first bytes (which pick HTTP/1 or HTTP/2) within the head timeout too: the
+    // protocol's own timer starts only once one is picked.
+    let mut first = [0u8; 1];
+    let peeked = tokio::time::timeout(HEAD_TIMEOUT, stream.peek(&mut first));
+    if !matches!(peeked.await, Ok(Ok(n)) if n > 0) {
+        return;
+    }
+    let conn = builder
+        .serve_connection(TokioIo::new(stream), service_fn(answer))
+        .into_owned();
+    let _ = match watcher {
+        Some(w) => w.watch(conn).await,
+        None => conn.await,
+    };
 }
 
 /// Runs the demo on the current thread with its own runtime.

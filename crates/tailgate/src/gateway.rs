@@ -80,24 +80,21 @@ impl Gateway {
         // at a shutdown may be waiting on it.
         let (demo_stop, demo_stop_rx) = watch::channel(false);
         let mut demos = Vec::new();
+        // Bound here, listening only with the listeners (below): a start that fails takes
+        // no connection on a demo address a running gateway shares.
+        let mut demo_sockets = Vec::new();
         for (i, &addr) in config.demos.iter().enumerate() {
             // Shared with SO_REUSEPORT as the listeners are, dual-stack as the admin socket
             // is: a second gateway started on a running one's config (a restart that refuses
             // no connection) serves its demo beside the first one's.
-            let socket = crate::listener::bind_unlistened(addr, true)
-                .and_then(crate::listener::listen)
-                .map_err(|source| StartError::Bind {
+            let socket = crate::listener::bind_unlistened(addr, true).map_err(|source| {
+                StartError::Bind {
                     name: format!("demo[{i}]"),
                     addr,
                     source,
-                })?;
-            let rx = demo_stop_rx.clone();
-            demos.push(
-                std::thread::Builder::new()
-                    .name("tailgate-demo".into())
-                    .spawn(move || crate::demo::run_blocking(socket, rx))
-                    .map_err(StartError::Thread)?,
-            );
+                }
+            })?;
+            demo_sockets.push((i, addr, socket));
         }
 
         // Host-name endpoints: resolved once here (bounded wait), then refreshed on the
@@ -198,6 +195,21 @@ impl Gateway {
                 unlistened[w].push((s, bound.clone()));
             }
             listeners.push((l.name.clone(), addr));
+        }
+        // The demos first: the workers' warm connections and first requests go to them.
+        for (i, addr, socket) in demo_sockets {
+            let socket = crate::listener::listen(socket).map_err(|source| StartError::Bind {
+                name: format!("demo[{i}]"),
+                addr,
+                source,
+            })?;
+            let rx = demo_stop_rx.clone();
+            demos.push(
+                std::thread::Builder::new()
+                    .name("tailgate-demo".into())
+                    .spawn(move || crate::demo::run_blocking(socket, rx))
+                    .map_err(StartError::Thread)?,
+            );
         }
         let mut per_worker: Vec<Vec<(std::net::TcpListener, Arc<BoundListener>)>> =
             (0..workers).map(|_| Vec::new()).collect();
