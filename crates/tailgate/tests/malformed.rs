@@ -735,6 +735,31 @@ async fn a_refused_head_behind_the_guard_is_answered_while_the_client_still_send
     );
 }
 
+/// An HTTP/2 client that sends its preface and SETTINGS, then nothing (it answers neither
+/// requests nor the close's PING): closed a second after its idle timeout, not after two.
+#[tokio::test]
+async fn a_silent_http2_client_is_closed_a_second_after_its_idle_timeout() {
+    let (up, _hits) = counting_upstream().await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"3s\"");
+    let mut c = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    c.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    let start = tokio::time::Instant::now();
+    let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut buf = [0u8; 4096];
+        while !matches!(c.read(&mut buf).await, Ok(0) | Err(_)) {}
+    })
+    .await;
+    assert!(closed.is_ok(), "never closed");
+    let after = start.elapsed();
+    // 3 s idle, then at most a second for the close: 6 s before.
+    assert!(
+        after >= Duration::from_millis(2900) && after < Duration::from_millis(5000),
+        "closed after {after:?}"
+    );
+}
+
 /// HTTP/2 Rapid Reset (CVE-2023-44487): a client that opens streams and cancels them at
 /// once, as fast as it can write, gets a GOAWAY `ENHANCE_YOUR_CALM` and a closed
 /// connection. (It guards the limit on streams reset before they are taken, whoever sets

@@ -669,7 +669,8 @@ where
                 // A client that answers no PING went on past it for as long as a request
                 // of its own was in flight.)
                 if !this.closing {
-                    this.close_as_idle();
+                    let idle = this.idle;
+                    this.close_as_idle_within(idle);
                     this.side.woken.store(true, Ordering::Release);
                     continue;
                 }
@@ -806,10 +807,13 @@ where
             && !a.still_sending()
     }
 
-    /// Asks the connection to close as after an idle timeout: it has one more `idle` to
-    /// end (then, with no request in flight, it is dropped).
+    /// Asks the connection to close after its idle timeout: it has
+    /// [`SHUTDOWN_CLOSE_WAIT`] to end (then, with no request in flight, it is dropped), not
+    /// one more idle timeout: an HTTP/2 client that never answers the close's PING (or
+    /// never sent its preface) would be held twice as long as `idle_timeout` says. A
+    /// client that does answer, or an HTTP/1.1 one, is closed at once.
     fn close_as_idle(&mut self) {
-        self.close_as_idle_within(self.idle);
+        self.close_as_idle_within(SHUTDOWN_CLOSE_WAIT);
     }
 
     /// [`Self::close_as_idle`] with `within` to end in place of `idle`.
