@@ -204,6 +204,35 @@ async fn closing_every_80_without_warm_spares_opens_each_successor_ahead() {
     );
 }
 
+/// A server that closes every second response teaches a limit of two: each connection
+/// then carries one request, and its successor is opened as it is retired, so the requests
+/// after the learning do not wait for a connect either (each did).
+#[tokio::test]
+async fn a_learned_limit_of_two_still_opens_each_successor_ahead() {
+    let up = raw_upstream(|i, _| {
+        if i % 2 == 0 {
+            Act::AnswerAndClose
+        } else {
+            Act::Answer
+        }
+    })
+    .await;
+    let gw = gateway(up.addr, "");
+    let g = gw.gw.as_ref().unwrap();
+    let mut c = h1_client(gw.addr).await;
+    for i in 0..200 {
+        assert_eq!(get_on(&mut c, &format!("/r{i}")).await, 200, "request {i}");
+    }
+    assert_eq!(
+        g.pool_stat(|s| s.learned_limit.load(Ordering::Relaxed) as u64),
+        2
+    );
+    // The first request and those after the closes that teach the limit, and a few more
+    // on a host so loaded that a successor's connect took longer than a request.
+    let waited = g.pool_stat(|s| s.connects_on_request.load(Ordering::Relaxed));
+    assert!(waited <= 20, "{waited} requests waited for a connect");
+}
+
 /// Concurrent bursts against a server that closes every 10th response: the pool grows to
 /// the burst's size once, and every connection rotated or closed after that is replaced in
 /// the background, so later bursts never wait for a connect.

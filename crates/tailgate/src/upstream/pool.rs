@@ -514,6 +514,11 @@ impl EndpointPool {
             self.stats
                 .retired_max_requests
                 .fetch_add(1, Ordering::Relaxed);
+            // A cap of one (`max_requests_per_connection = 1`, or a learned limit of two):
+            // no use came before the last to open the successor ahead, so it is opened now.
+            if cap == 1 {
+                self.owe_ahead();
+            }
             self.owe_replacement();
             return;
         }
