@@ -448,6 +448,56 @@ async fn an_answer_before_the_body_ends_reaches_the_client() {
     assert!(text.ends_with("too much"), "{text}");
 }
 
+/// An upstream that answers early and says it closes (a whole answer of its own, such as a
+/// refusal) is not cut short when the rest of the client's body then fails (here, past
+/// `max_body_bytes`): that body is no longer the server's business, so the gateway stops
+/// sending it, and the client gets the whole answer.
+#[tokio::test]
+async fn an_early_answer_that_closes_is_not_cut_by_the_rest_of_the_clients_body() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut buf = Vec::new();
+        read_head(&mut s, &mut buf).await.unwrap();
+        s.write_all(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 200000\r\n\r\n")
+            .await
+            .unwrap();
+        for _ in 0..10 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if s.write_all(&[b'y'; 20000]).await.is_err() {
+                return;
+            }
+        }
+        // Reads what comes until the gateway is done, then closes.
+        let mut sink = [0u8; 4096];
+        while matches!(
+            tokio::time::timeout(Duration::from_millis(200), s.read(&mut sink)).await,
+            Ok(Ok(n)) if n > 0
+        ) {}
+    });
+    let gw = TestGateway::to(addr, "[server]\nworkers = 1\nmax_body_bytes = 1000");
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"POST /up HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n")
+        .await
+        .unwrap();
+    let chunk = [b"100\r\n".to_vec(), vec![b'x'; 256], b"\r\n".to_vec()].concat();
+    s.write_all(&chunk).await.unwrap();
+    let mut got = Vec::new();
+    let head_end = read_head(&mut s, &mut got).await.unwrap();
+    assert!(got.starts_with(b"HTTP/1.1 200"), "{got:?}");
+    // Past the limit, while the answer comes.
+    for _ in 0..4 {
+        if s.write_all(&chunk).await.is_err() {
+            break;
+        }
+    }
+    let (rest, closed) = read_until_close(&mut s, Duration::from_secs(10)).await;
+    assert!(closed);
+    let body = got.len() - head_end + rest.len();
+    assert_eq!(body, 200000, "the answer was cut");
+}
+
 #[tokio::test]
 async fn the_request_goes_out_in_origin_form_with_its_framing() {
     let up = ok_upstream().await;

@@ -831,9 +831,19 @@ impl H1Conn {
     /// request body meanwhile.
     pub fn poll_body(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, H1Error>>> {
         loop {
-            if let Err(e) = self.drive_sending(cx) {
-                self.keep_alive = false;
-                return Poll::Ready(Some(Err(e)));
+            match self.drive_sending(cx) {
+                Ok(()) => {}
+                // The server answered and said it closes (a whole answer of its own, such as
+                // a refusal): the rest of the request body is no longer its business, and
+                // that body's failure (past the size limit, the client gone) does not cut
+                // the answer. The connection is not kept (`peer_closed`).
+                Err(H1Error::Body(e)) if self.peer_closed => {
+                    tracing::debug!(error = %e, "the request body failed after an answer that closes; the answer goes on");
+                }
+                Err(e) => {
+                    self.keep_alive = false;
+                    return Poll::Ready(Some(Err(e)));
+                }
             }
             let step = match self.framing {
                 Framing::Done => return Poll::Ready(None),
