@@ -235,11 +235,10 @@ async fn rotated_connections_resume_the_tls_session() {
     for i in 0..5 {
         assert_eq!(get(gw.addr, "/").await.status(), 200, "request {i}");
     }
-    assert_eq!(
-        seen.conns.load(Ordering::SeqCst),
-        5,
-        "one connection per request"
-    );
+    // One connection per request, and each one's successor opened as it is retired (the
+    // last may still be under way, and a request may have opened its own meanwhile).
+    let conns = seen.conns.load(Ordering::SeqCst);
+    assert!(conns >= 5, "{conns} connections");
     assert_eq!(
         stat(&gw, |s| s.retired_max_requests.load(Ordering::Relaxed)),
         5
@@ -248,19 +247,12 @@ async fn rotated_connections_resume_the_tls_session() {
         stat(&gw, |s| s.tls_full_handshakes.load(Ordering::Relaxed)),
         1
     );
-    assert_eq!(
-        stat(&gw, |s| s.tls_resumed_handshakes.load(Ordering::Relaxed)),
-        4
-    );
-    assert_eq!(
-        seen.kinds(),
-        [
-            HandshakeKind::Full,
-            HandshakeKind::Resumed,
-            HandshakeKind::Resumed,
-            HandshakeKind::Resumed,
-            HandshakeKind::Resumed
-        ]
+    assert!(stat(&gw, |s| s.tls_resumed_handshakes.load(Ordering::Relaxed)) >= 4);
+    let kinds = seen.kinds();
+    assert_eq!(kinds[0], HandshakeKind::Full);
+    assert!(
+        kinds[1..].iter().all(|k| *k == HandshakeKind::Resumed),
+        "{kinds:?}"
     );
 }
 
