@@ -64,7 +64,7 @@ const DRAIN: std::time::Duration = std::time::Duration::from_secs(3);
 /// Serves the demo on `socket` until `shutdown` turns true; then stops as the gateway's
 /// listeners do: the connections already queued for it are taken and served (a second
 /// gateway sharing its address, SO_REUSEPORT, sent them here), idle connections are closed,
-/// and the requests being answered finish (for up to [`DRAIN`]) rather than being cut.
+/// and the requests being answered finish (for up to 3 s) rather than being cut.
 pub async fn serve(socket: tokio::net::TcpListener, mut shutdown: watch::Receiver<bool>) {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
