@@ -288,7 +288,8 @@ impl<'a> Added<'a> {
     /// gateway vouches for (links built from it, such as a password reset's).
     ///
     /// For the same reason a client's `Forwarded` (RFC 7239) and its other claims of what
-    /// only a proxy may say ([`proxys_word`]) are left out, and none is written:
+    /// only a proxy may say (every `X-Forwarded-*` but `-Prefix`, `X-Real-IP`,
+    /// `True-Client-IP`) are left out, and none is written:
     /// frameworks read them before, or beside, the `X-Forwarded-*` the gateway writes, so
     /// a client's would pass for the gateway's word.
     pub fn replaces(&self, name: &HeaderName) -> bool {
