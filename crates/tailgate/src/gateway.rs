@@ -80,8 +80,7 @@ impl Gateway {
         // at a shutdown may be waiting on it.
         let (demo_stop, demo_stop_rx) = watch::channel(false);
         let mut demos = Vec::new();
-        // Bound here, listening only with the listeners (below): a start that fails takes
-        // no connection on a demo address a running gateway shares.
+        // Bound here, listening only once the listeners do (below).
         let mut demo_sockets = Vec::new();
         for (i, &addr) in config.demos.iter().enumerate() {
             // Shared with SO_REUSEPORT as the listeners are, dual-stack as the admin socket
@@ -196,7 +195,21 @@ impl Gateway {
             }
             listeners.push((l.name.clone(), addr));
         }
-        // The demos first: the workers' warm connections and first requests go to them.
+        let mut per_worker: Vec<Vec<(std::net::TcpListener, Arc<BoundListener>)>> =
+            (0..workers).map(|_| Vec::new()).collect();
+        for (w, sockets) in unlistened.into_iter().enumerate() {
+            for (s, bound) in sockets {
+                let l = listener::listen(s).map_err(|source| StartError::Bind {
+                    name: bound.name.clone(),
+                    addr: bound.addr,
+                    source,
+                })?;
+                per_worker[w].push((l, bound));
+            }
+        }
+        // The demos last of all the sockets: a start that fails on one before takes no
+        // connection on a demo address a running gateway shares. (The workers, whose warm
+        // connections and first requests go to them, start after this.)
         for (i, addr, socket) in demo_sockets {
             let socket = crate::listener::listen(socket).map_err(|source| StartError::Bind {
                 name: format!("demo[{i}]"),
@@ -210,18 +223,6 @@ impl Gateway {
                     .spawn(move || crate::demo::run_blocking(socket, rx))
                     .map_err(StartError::Thread)?,
             );
-        }
-        let mut per_worker: Vec<Vec<(std::net::TcpListener, Arc<BoundListener>)>> =
-            (0..workers).map(|_| Vec::new()).collect();
-        for (w, sockets) in unlistened.into_iter().enumerate() {
-            for (s, bound) in sockets {
-                let l = listener::listen(s).map_err(|source| StartError::Bind {
-                    name: bound.name.clone(),
-                    addr: bound.addr,
-                    source,
-                })?;
-                per_worker[w].push((l, bound));
-            }
         }
         for (_, b) in per_worker.first().into_iter().flatten() {
             tracing::info!(listener.name = %b.name, listener.addr = %b.addr, tls = b.tls.is_some(), "listening");
