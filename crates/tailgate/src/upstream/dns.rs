@@ -219,7 +219,7 @@ struct Target {
 struct NameState {
     /// The names its lookups try, in order ([`Search`]); an error if the name does not
     /// parse as a DNS name (every lookup fails with it).
-    candidates: Result<Vec<Name>, String>,
+    candidates: Result<Candidates, String>,
     addrs: Vec<IpAddr>,
     /// What the last answer had that no connect can use ([`unusable`]).
     unusable: Vec<IpAddr>,
@@ -252,8 +252,8 @@ pub fn check_resolver(config: &Config) -> Result<(), crate::gateway::StartError>
 /// the resolver do it: the resolver answers with the last name's result, so a name server
 /// failing the real name (`SERVFAIL`) while the next candidate does not exist (`NXDOMAIN`)
 /// would read as "the name has no address" and remove the name's endpoints in the very
-/// outage that keeping them is for. As glibc's resolver does, a failure of any name tried
-/// makes the lookup a failure unless a later name answers.
+/// outage that keeping them is for. The outcome is decided as glibc's `res_nsearch` decides
+/// it ([`lookup_family`]).
 #[derive(Debug, Clone, Default)]
 struct Search {
     domain: Option<Name>,
@@ -261,31 +261,45 @@ struct Search {
     ndots: usize,
 }
 
+/// A host name's candidates ([`Search`]).
+#[derive(Debug, Clone, PartialEq)]
+struct Candidates {
+    names: Vec<Name>,
+    /// The first is the name as written (it has more labels than `ndots`): its outcome is
+    /// the lookup's when no name answers.
+    as_is_first: bool,
+}
+
 impl Search {
-    fn candidates(&self, host: &str) -> Result<Vec<Name>, String> {
+    /// As hickory's `build_names`: built last first (it pops them), each name once at the
+    /// place it took first in that order; a name too long with a domain is no candidate.
+    fn candidates(&self, host: &str) -> Result<Candidates, String> {
         let name = Name::from_str(host).map_err(|e| format!("{host}: {e}"))?;
         if name.is_fqdn() {
-            return Ok(vec![name]);
+            return Ok(Candidates {
+                names: vec![name],
+                as_is_first: true,
+            });
         }
         let mut fqdn = name.clone();
         fqdn.set_fqdn(true);
-        let raw_first = usize::from(name.num_labels()) > self.ndots || name.is_localhost();
+        let as_is_first = usize::from(name.num_labels()) > self.ndots || name.is_localhost();
         let mut names = Vec::with_capacity(self.search.len() + 2);
-        if raw_first {
+        if !as_is_first {
             names.push(fqdn.clone());
         }
-        for d in self.domain.iter().chain(&self.search) {
-            // A name too long with this domain is not a candidate (as for the resolver).
+        for d in self.search.iter().rev().chain(&self.domain) {
             if let Ok(n) = name.clone().append_domain(d)
                 && !names.contains(&n)
             {
                 names.push(n);
             }
         }
-        if !raw_first && !names.contains(&fqdn) {
+        if as_is_first {
             names.push(fqdn);
         }
-        Ok(names)
+        names.reverse();
+        Ok(Candidates { names, as_is_first })
     }
 }
 
@@ -396,7 +410,8 @@ fn run(
                         for (host, _) in &t.names {
                             if let Some(n) = names.get_mut(host) {
                                 // Ask the name servers again, not the resolver's cache.
-                                for name in n.candidates.iter().flatten() {
+                                let names = n.candidates.iter().flat_map(|c| &c.names);
+                                for name in names {
                                     for rt in [RecordType::A, RecordType::AAAA] {
                                         resolver.clear_lookup_cache(name.clone(), rt);
                                     }
@@ -442,9 +457,9 @@ async fn refresh_due(
         // endpoints would be dropped as if the name no longer had them.
         let family = |rt| async move {
             let candidates = match candidates {
-                Some(Ok(c)) => c.as_slice(),
+                Some(Ok(c)) => c,
                 Some(Err(e)) => return Family::Failed(e.clone()),
-                None => &[],
+                None => return Family::None,
             };
             tokio::time::timeout(timeout, lookup_family(resolver, candidates, rt))
                 .await
@@ -514,13 +529,22 @@ async fn refresh_due(
 }
 
 /// One family's lookup (A or AAAA) of a name: its candidates in turn ([`Search`]) until one
-/// has an address. No address anywhere is `None` only when every candidate said so (no such
-/// name, or none of this family); a candidate the name servers failed on (or an error
-/// sending it) makes it `Failed`, as glibc's resolver answers `TRY_AGAIN` then.
-async fn lookup_family(resolver: &TokioResolver, candidates: &[Name], rt: RecordType) -> Family {
+/// has an address. If none has, the outcome is decided as glibc's `res_nsearch` decides it:
+/// the name as written, when it was tried first, says (a name server failing it is a
+/// failure, however the search list's names answered; its not existing is an answer of
+/// none, however they failed); else one that exists without this family's records (NODATA)
+/// says none; else one the name servers failed on (`SERVFAIL`, `REFUSED`, no answer) makes it
+/// a failure; else none exists: an answer of none.
+async fn lookup_family(
+    resolver: &TokioResolver,
+    candidates: &Candidates,
+    rt: RecordType,
+) -> Family {
+    let mut first: Option<Family> = None;
+    let mut nodata = false;
     let mut failed: Option<String> = None;
-    for name in candidates {
-        match resolver.lookup(name.clone(), rt).await {
+    for (i, name) in candidates.names.iter().enumerate() {
+        let outcome = match resolver.lookup(name.clone(), rt).await {
             Ok(l) => {
                 let ips: Vec<IpAddr> = l
                     .answers()
@@ -530,15 +554,30 @@ async fn lookup_family(resolver: &TokioResolver, candidates: &[Name], rt: Record
                 if !ips.is_empty() {
                     return Family::Answered(ips, Instant::from_std(l.valid_until()));
                 }
+                nodata = true;
+                Family::None
             }
-            // No such name, or no record of this family: an answer, of none.
-            Err(e) if e.is_no_records_found() => {}
+            // No such name (NXDOMAIN), or no record of this family (NODATA).
+            Err(e) if e.is_no_records_found() => {
+                nodata |= !e.is_nx_domain();
+                Family::None
+            }
             Err(e) => {
-                failed.get_or_insert_with(|| format!("{name}: {e}"));
+                let e = format!("{name}: {e}");
+                failed.get_or_insert_with(|| e.clone());
+                Family::Failed(e)
             }
+        };
+        if i == 0 && candidates.as_is_first {
+            first = Some(outcome);
         }
     }
-    failed.map_or(Family::None, Family::Failed)
+    match (first, nodata, failed) {
+        (Some(first), _, _) => first,
+        (None, true, _) => Family::None,
+        (None, false, Some(e)) => Family::Failed(e),
+        (None, false, None) => Family::None,
+    }
 }
 
 /// What one family's lookup (A or AAAA) of a name gave.
@@ -666,8 +705,10 @@ mod tests {
         };
         let got = |h: &str| search.candidates(h).expect("candidates");
         // More dots than `ndots`: the name itself first.
+        let c = got("svc.example");
+        assert!(c.as_is_first);
         assert_eq!(
-            got("svc.example"),
+            c.names,
             [
                 name("svc.example."),
                 name("svc.example.a.test."),
@@ -675,20 +716,54 @@ mod tests {
             ]
         );
         // No more than `ndots`: the search list first.
+        let c = got("svc");
+        assert!(!c.as_is_first);
         assert_eq!(
-            got("svc"),
+            c.names,
             [name("svc.a.test."), name("svc.b.test."), name("svc.")]
         );
         // Fully qualified: alone.
-        assert_eq!(got("svc.example."), [name("svc.example.")]);
+        assert_eq!(got("svc.example.").names, [name("svc.example.")]);
         assert_eq!(
-            Search::default().candidates("svc").expect("candidates"),
+            Search::default()
+                .candidates("svc")
+                .expect("candidates")
+                .names,
             [name("svc.")]
+        );
+        // The domain (the host's, without a `domain` line) is tried before the search list,
+        // but where the search list has it, in its place there, as glibc tries them.
+        let search = Search {
+            domain: Some(name("corp.example.")),
+            search: vec![name("eng.corp.example."), name("corp.example.")],
+            ndots: 1,
+        };
+        assert_eq!(
+            search.candidates("api").expect("candidates").names,
+            [
+                name("api.eng.corp.example."),
+                name("api.corp.example."),
+                name("api.")
+            ]
+        );
+        let search = Search {
+            domain: Some(name("corp.example.")),
+            search: vec![name("eng.corp.example.")],
+            ndots: 1,
+        };
+        assert_eq!(
+            search.candidates("api").expect("candidates").names,
+            [
+                name("api.corp.example."),
+                name("api.eng.corp.example."),
+                name("api.")
+            ]
         );
     }
 
-    /// A name server on its own thread: `SERVFAIL` for `broken.example.`, an A record
-    /// (10.0.0.2) for `svc.a.test.`, `NXDOMAIN` for every other name.
+    /// A name server on its own thread: `SERVFAIL` for `broken.example.` and every name
+    /// under `fail.test.`, an A record (10.0.0.2) for `svc.a.test.`, no A record (NODATA)
+    /// for `bare.a.test.`, `NXDOMAIN` for every other name.
     fn name_server() -> SocketAddr {
         let sock = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
         let addr = sock.local_addr().expect("addr");
@@ -704,21 +779,20 @@ mod tests {
                 resp.metadata.response_code = ResponseCode::NXDomain;
                 for query in &q.queries {
                     resp.add_query(query.clone());
-                    match query.name().to_string().as_str() {
-                        "broken.example." => {
-                            resp.metadata.response_code = ResponseCode::ServFail;
+                    let asked = query.name().to_string();
+                    if asked == "broken.example." || asked.ends_with(".fail.test.") {
+                        resp.metadata.response_code = ResponseCode::ServFail;
+                    } else if asked == "bare.a.test." {
+                        resp.metadata.response_code = ResponseCode::NoError;
+                    } else if asked == "svc.a.test." {
+                        resp.metadata.response_code = ResponseCode::NoError;
+                        if query.query_type() == RecordType::A {
+                            resp.add_answer(Record::from_rdata(
+                                query.name().clone(),
+                                60,
+                                RData::A(A::new(10, 0, 0, 2)),
+                            ));
                         }
-                        "svc.a.test." => {
-                            resp.metadata.response_code = ResponseCode::NoError;
-                            if query.query_type() == RecordType::A {
-                                resp.add_answer(Record::from_rdata(
-                                    query.name().clone(),
-                                    60,
-                                    RData::A(A::new(10, 0, 0, 2)),
-                                ));
-                            }
-                        }
-                        _ => {}
                     }
                 }
                 if let Ok(bytes) = resp.to_vec() {
@@ -729,7 +803,7 @@ mod tests {
         addr
     }
 
-    fn state(candidates: Vec<Name>, addr: IpAddr) -> NameState {
+    fn state(candidates: Candidates, addr: IpAddr) -> NameState {
         NameState {
             candidates: Ok(candidates),
             addrs: vec![addr],
@@ -741,10 +815,11 @@ mod tests {
         }
     }
 
-    /// The real name's name server fails while a search-list candidate does not exist: a
-    /// failure (the last addresses stay), not "no address" (they would be removed).
+    /// With no address from any candidate, the outcome is glibc's: the name as written
+    /// says, when it was tried first; else NODATA says none; else a failure is one (the last
+    /// addresses stay); else none exists.
     #[tokio::test]
-    async fn a_failing_name_server_is_a_failure_whatever_a_later_candidate_says() {
+    async fn the_outcome_of_a_search_is_glibcs() {
         let settings = DnsSettings {
             nameservers: vec![name_server()],
             min_refresh: Duration::from_secs(1),
@@ -753,14 +828,25 @@ mod tests {
             startup_timeout: Duration::from_secs(5),
         };
         let (resolver, _) = build_resolver(&settings).expect("resolver");
-        let search = Search {
-            domain: None,
-            search: vec![name("a.test.")],
-            ndots: 1,
-        };
         let old: IpAddr = [10, 0, 0, 1].into();
         let mut names = HashMap::new();
-        for host in ["broken.example", "gone.example", "svc"] {
+        for (host, list) in [
+            // SERVFAIL, then NXDOMAIN for `broken.example.a.test.`: a failure.
+            ("broken.example", ["a.test.", "b.test."]),
+            // NXDOMAIN, then SERVFAIL for `gone.example.fail.test.`: none.
+            ("gone.example", ["a.test.", "fail.test."]),
+            // The search list's answer.
+            ("svc", ["a.test.", "b.test."]),
+            // SERVFAIL for `nope.fail.test.`, then NXDOMAIN: a failure.
+            ("nope", ["fail.test.", "a.test."]),
+            // SERVFAIL for `bare.fail.test.`, NODATA for `bare.a.test.`: none.
+            ("bare", ["fail.test.", "a.test."]),
+        ] {
+            let search = Search {
+                domain: None,
+                search: list.map(name).to_vec(),
+                ndots: 1,
+            };
             let candidates = search.candidates(host).expect("candidates");
             names.insert(host.to_string(), state(candidates, old));
         }
@@ -773,14 +859,13 @@ mod tests {
             settings.query_timeout,
         )
         .await;
-        // SERVFAIL, then NXDOMAIN for `broken.example.a.test.`: kept.
         assert_eq!(names["broken.example"].addrs, [old]);
         assert_eq!(names["broken.example"].failures_in_row, 1);
-        // NXDOMAIN for every candidate: the name has no address now.
         assert!(names["gone.example"].addrs.is_empty());
         assert_eq!(names["gone.example"].failures_in_row, 0);
-        // NXDOMAIN for none of the candidates but the search list's: its answer.
         assert_eq!(names["svc"].addrs, [IpAddr::from([10, 0, 0, 2])]);
-        assert_eq!(stats.failures.load(Ordering::Relaxed), 1);
+        assert_eq!(names["nope"].addrs, [old]);
+        assert!(names["bare"].addrs.is_empty());
+        assert_eq!(stats.failures.load(Ordering::Relaxed), 2);
     }
 }
