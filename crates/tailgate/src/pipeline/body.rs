@@ -399,7 +399,8 @@ impl ReqBody {
 /// (it then neither ends nor resets the stream, so the upstream waited for the body's end
 /// until the response timeout, and the endpoint was blamed for it), framing, routing and
 /// credentials (RFC 9110 §6.5.1), and those the gateway vouches for in the head
-/// (`Forwarded`, `Via`, `X-Forwarded-*`), which a trailer would pass on unchecked.
+/// (`Forwarded`, `Via`, `X-Forwarded-*`, `X-Real-IP`, `True-Client-IP`), which a trailer
+/// would pass on unchecked.
 pub(crate) fn strip_trailers(trailers: &mut http::HeaderMap) {
     fn refused(name: &str) -> bool {
         matches!(
@@ -421,15 +422,13 @@ pub(crate) fn strip_trailers(trailers: &mut http::HeaderMap) {
                 | "cookie"
                 | "forwarded"
                 | "via"
+                | "x-forwarded-prefix"
         ) || name.starts_with("proxy-")
-            || name.starts_with("x-forwarded-")
     }
-    if trailers.keys().any(|n| refused(n.as_str())) {
-        let names: Vec<http::HeaderName> = trailers
-            .keys()
-            .filter(|n| refused(n.as_str()))
-            .cloned()
-            .collect();
+    let refused = |n: &http::HeaderName| refused(n.as_str()) || super::headers::proxys_word(n);
+    if trailers.keys().any(refused) {
+        let names: Vec<http::HeaderName> =
+            trailers.keys().filter(|n| refused(n)).cloned().collect();
         for n in names {
             trailers.remove(n);
         }

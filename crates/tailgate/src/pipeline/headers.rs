@@ -338,7 +338,7 @@ impl<'a> Added<'a> {
 /// client address headers `X-Real-IP` and `True-Client-IP` (chi's and Gin's client IP).
 /// A client's `X-Forwarded-Prefix` goes on, as nginx and Envoy pass it (a rewrite route
 /// writes its own in its place).
-fn proxys_word(name: &HeaderName) -> bool {
+pub(crate) fn proxys_word(name: &HeaderName) -> bool {
     let n = name.as_str();
     match n.strip_prefix("x-forwarded-") {
         Some(rest) => rest != "prefix",
