@@ -835,10 +835,15 @@ impl H1Conn {
                 Ok(()) => {}
                 // The server answered and said it closes (a whole answer of its own, such as
                 // a refusal): the rest of the request body is no longer its business, and
-                // that body's failure (past the size limit, the client gone) does not cut
-                // the answer. The connection is not kept (`peer_closed`).
-                Err(H1Error::Body(e)) if self.peer_closed => {
+                // that body's failure (past the size limit, stalled) does not cut the
+                // answer. Its write side is shut, so a server still reading the body sees
+                // its end at once rather than wait for it. (A client gone is no one to
+                // answer: cut, as before.) The connection is not kept (`peer_closed`).
+                Err(H1Error::Body(e))
+                    if self.peer_closed && !matches!(e, ReqBodyError::Client(_)) =>
+                {
                     tracing::debug!(error = %e, "the request body failed after an answer that closes; the answer goes on");
+                    let _ = Pin::new(&mut self.io).poll_shutdown(cx);
                 }
                 Err(e) => {
                     self.keep_alive = false;

@@ -17,7 +17,7 @@
 //!   before the server's own limit; for HTTP/1.1 the server's limit is learned from its
 //!   closes (the same count [`LEARN_AGREEMENTS`] times in a row) and the pool then rotates
 //!   one request earlier. Without warm spares, a connection's successor is opened when it
-//!   has one request left.
+//!   has one request left (when it is retired, under a cap of one request).
 //! - `https://` endpoints: TCP, then a TLS handshake with the cluster's shared client config
 //!   (see [`super::tls`]), so replacements resume the TLS session; all of the above works
 //!   the same over TLS. With [`Protocol::Auto`], ALPN picks the protocol per connection.
@@ -275,15 +275,16 @@ pub struct EndpointPool {
     min_warm: usize,
     /// `Some` for an `https://` endpoint.
     tls: Option<EndpointTls>,
-    /// Its handshake failures' warning, at most every 10 s.
+    /// Its handshake failures' warning, at most every 10 s (per endpoint and worker: each
+    /// worker has its own pool).
     tls_warned: crate::pace::Every,
     refill: Notify,
     /// When the first idle HTTP/1.1 connection expires (idle timeout or lifetime), in ms
     /// after `epoch`, as [`Self::idle_len`] last saw (`u64::MAX`: none idle): the keeper
     /// wakes then, so a spare that expires is replaced at once, not at its next tick.
     idle_next_ms: AtomicU64,
-    /// Woken when a connection has one request left before its rotation and no keeper
-    /// runs to replace it (see [`Self::owe_ahead`]).
+    /// Woken when a connection has one request left before its rotation (or is retired,
+    /// under a cap of one) and no keeper runs to replace it (see [`Self::owe_ahead`]).
     ahead: Notify,
     /// Uses at the last server close after a success, how many closes in a row agreed on
     /// it, and when a limit was learned (seconds since `epoch`).
@@ -593,7 +594,8 @@ impl EndpointPool {
     /// the request after that one needs it, and that request would pay for the connect
     /// the rotation was to spare it (seed 004's spike, one request earlier): the successor
     /// is opened now, in the background, ready when the connection is retired. (With warm
-    /// spares the keeper replaces it, and a spare is there meanwhile.)
+    /// spares the keeper replaces it, and a spare is there meanwhile.) Under a cap of one
+    /// request, called when the connection is retired: no use came before the last.
     fn owe_ahead(&self) {
         if self.min_warm > 0 {
             return;
@@ -1123,7 +1125,11 @@ impl EndpointPool {
                     }
                     Ok(Opened::H2(..)) => {
                         self.stats.preconnects.fetch_add(1, Ordering::Relaxed);
-                        backoff = Duration::from_millis(100);
+                        // (A handshake is done once the preface is written: one the server
+                        // closes at once is seen later, as one that died young.)
+                        if last_death.is_none() {
+                            backoff = Duration::from_millis(100);
+                        }
                     }
                     Err(e) => {
                         tracing::debug!(upstream.addr = %self.addr, error = %e, "warm connection failed");
