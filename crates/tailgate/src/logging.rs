@@ -95,8 +95,9 @@ pub fn init(settings: &LogSettings) -> Option<WorkerGuard> {
     if installed.is_err() {
         return None;
     }
+    // On stderr whatever the filter: `log.level = "error"` would hide the warning.
     if let Some(why) = refused {
-        tracing::warn!("{why}");
+        eprintln!("warning: {why}");
     }
     let _ = DROPPED.set(counter);
     Some(guard)

@@ -595,7 +595,7 @@ struct Drive<'a, C, G> {
     info: &'a ConnInfo,
     idle: Duration,
     /// `server.max_requests_per_connection` (`u64::MAX`: no cap). Once the connection has
-    /// taken that many, it is asked to close as after an idle timeout: those in flight are
+    /// taken that many, it is asked to close, with `idle` to end: those in flight are
     /// answered (the last HTTP/1.1 one with `Connection: close`; HTTP/2 sends GOAWAY).
     max_requests: u64,
     graceful: G,
@@ -707,7 +707,8 @@ where
                 }
                 let mut side_cx = Context::from_waker(&this.side_waker);
                 // A shutdown while a close for idleness or the request cap runs (its
-                // deadline `idle` away): the close has what a shutdown's has, at most. An
+                // deadline a second or `idle` away): the close has what a shutdown's has,
+                // at most. An
                 // HTTP/2 client that never answers the close's PING held the drain for the
                 // whole grace period.
                 if !this.shut && this.stop.as_mut().poll(&mut side_cx).is_ready() {
@@ -816,7 +817,8 @@ where
         self.close_as_idle_within(SHUTDOWN_CLOSE_WAIT);
     }
 
-    /// [`Self::close_as_idle`] with `within` to end in place of `idle`.
+    /// Asks the connection to close, with `within` to end (then, with no request in
+    /// flight, it is dropped).
     fn close_as_idle_within(&mut self, within: Duration) {
         self.closing = true;
         self.close_deadline = true;
