@@ -1046,7 +1046,7 @@ async fn tls_handshakes_to_upstreams_are_exported() {
     assert_eq!(tls("full"), 1.0);
     // Each connection carries one request, and its successor is opened as it is retired
     // (one may still be under way, and a request may have opened its own meanwhile).
-    assert!(tls("resumed") >= 2.0, "{}", tls("resumed"));
+    assert!((2.0..=5.0).contains(&tls("resumed")), "{}", tls("resumed"));
     assert_eq!(tls("failed"), 0.0);
     assert_eq!(
         ex.value(

@@ -382,7 +382,7 @@ async fn connections_are_rotated_after_max_requests() {
 #[tokio::test]
 async fn an_expiring_spare_is_replaced_when_it_expires_not_at_the_next_tick() {
     let up = raw_upstream(|_, _| Act::Answer).await;
-    let gw = gateway(up.addr, "min_warm_connections = 1\nidle_timeout = \"2s\"");
+    let gw = gateway(up.addr, "min_warm_connections = 1\nidle_timeout = \"3s\"");
     let g = gw.gw.as_ref().unwrap();
     wait_for("the warm spare", || {
         g.pool_stat(|s| s.preconnects.load(Ordering::Relaxed)) >= 1
@@ -390,9 +390,9 @@ async fn an_expiring_spare_is_replaced_when_it_expires_not_at_the_next_tick() {
     .await;
     let start = tokio::time::Instant::now();
     // Takes the spare (the keeper opens another), then one of the two: given back at
-    // 1.4 s, it expires at 3.4 s, the other at 2.2 s; the keeper's tick (2 s) next
-    // comes at about 4.2 s.
-    for at in [200, 1400, 3800] {
+    // 1.4 s, it expires at 4.4 s, the other at 3.2 s, when the keeper's tick (3 s) sees
+    // one left; its next tick comes at about 6.2 s. (Counted from the first request.)
+    for at in [200, 1400, 5000] {
         tokio::time::sleep_until(start + Duration::from_millis(at)).await;
         assert_eq!(get_on(&mut h1_client(gw.addr).await, "/").await, 200);
     }

@@ -238,7 +238,7 @@ async fn rotated_connections_resume_the_tls_session() {
     // One connection per request, and each one's successor opened as it is retired (the
     // last may still be under way, and a request may have opened its own meanwhile).
     let conns = seen.conns.load(Ordering::SeqCst);
-    assert!(conns >= 5, "{conns} connections");
+    assert!((5..=10).contains(&conns), "{conns} connections");
     assert_eq!(
         stat(&gw, |s| s.retired_max_requests.load(Ordering::Relaxed)),
         5
@@ -247,7 +247,8 @@ async fn rotated_connections_resume_the_tls_session() {
         stat(&gw, |s| s.tls_full_handshakes.load(Ordering::Relaxed)),
         1
     );
-    assert!(stat(&gw, |s| s.tls_resumed_handshakes.load(Ordering::Relaxed)) >= 4);
+    let resumed = stat(&gw, |s| s.tls_resumed_handshakes.load(Ordering::Relaxed));
+    assert!((4..=9).contains(&resumed), "{resumed}");
     let kinds = seen.kinds();
     assert_eq!(kinds[0], HandshakeKind::Full);
     assert!(
