@@ -113,7 +113,7 @@ RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-use=$dir/tailgate.profdata" \
   cargo build --release --locked -p tailgate-cli --target-dir "$dir/build"
 version=$("$dir/build/release/tailgate" --version)
 case $version in
-  *", profile-guided build)") ;;
+  *"profile-guided build"*) ;;
   *)
     echo "pgo: the optimized build does not say it is profile-guided: $version" >&2
     exit 1
