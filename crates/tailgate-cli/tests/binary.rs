@@ -71,6 +71,42 @@ fn the_version_names_the_commit_built() {
     }
 }
 
+/// `scripts/pgo.sh` refuses an optimized build whose `--version` does not say it is
+/// profile-guided: its check must match what such a build prints (it stopped matching once
+/// the commit was added to the version, and the README's benchmark run failed on it).
+#[test]
+fn the_pgo_scripts_check_matches_a_profile_guided_version() {
+    let out = Command::new(BIN).arg("--version").output().unwrap();
+    let plain = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    // As `main.rs` prints it for a build with a profile: its mark before the last `)`.
+    let guided = format!(
+        "{}, profile-guided build)",
+        plain.strip_suffix(')').expect("ends with )")
+    );
+    let script =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/pgo.sh"))
+            .unwrap();
+    let mut lines = script.lines();
+    lines
+        .find(|l| l.trim() == "case $version in")
+        .expect("the script's check");
+    let pattern = lines.next().expect("its pattern").trim();
+    let matches = |version: &str| {
+        Command::new("bash")
+            .args([
+                "-c",
+                &format!("case \"$1\" in {pattern} *) exit 1 ;; esac"),
+                "pgo",
+                version,
+            ])
+            .status()
+            .unwrap()
+            .success()
+    };
+    assert!(matches(&guided), "{pattern} does not match {guided:?}");
+    assert!(!matches(&plain), "{pattern} matches {plain:?}");
+}
+
 #[test]
 fn check_accepts_the_example_config() {
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/tailgate.toml");
