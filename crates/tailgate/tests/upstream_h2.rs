@@ -849,16 +849,7 @@ async fn idle_h2_connections_expire() {
 /// rather than opening its spares again as fast as connects go.
 #[tokio::test]
 async fn h2_spares_closed_as_soon_as_opened_make_the_keeper_back_off() {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    let accepted = Arc::new(AtomicUsize::new(0));
-    let counted = accepted.clone();
-    tokio::spawn(async move {
-        while let Ok((s, _)) = l.accept().await {
-            counted.fetch_add(1, Ordering::SeqCst);
-            drop(s);
-        }
-    });
+    let (addr, accepted) = closing_listener().await;
     let _gw = gateway(addr, "min_warm_connections = 2\neject_after_failures = 0");
     tokio::time::sleep(Duration::from_secs(3)).await;
     let n = accepted.load(Ordering::SeqCst);

@@ -1340,16 +1340,7 @@ async fn connections_past_max_idle_are_counted_when_closed() {
 /// spares at every request (each request then cost the server up to five connects).
 #[tokio::test]
 async fn spares_closed_as_soon_as_opened_make_the_keeper_back_off() {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    let accepted = Arc::new(AtomicUsize::new(0));
-    let counted = accepted.clone();
-    tokio::spawn(async move {
-        while let Ok((s, _)) = l.accept().await {
-            counted.fetch_add(1, Ordering::SeqCst);
-            drop(s);
-        }
-    });
+    let (addr, accepted) = closing_listener().await;
     let gw = gateway(addr, "min_warm_connections = 4\neject_after_failures = 0");
     let requests = 50;
     for i in 0..requests {

@@ -275,6 +275,22 @@ pub async fn echo_upstream() -> SocketAddr {
     .await
 }
 
+/// A listener that closes every connection as soon as it accepts it (a server at its own
+/// connection limit, say); counts them.
+pub async fn closing_listener() -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            drop(s);
+        }
+    });
+    (addr, accepted)
+}
+
 /// Sends raw bytes and reads everything until the server closes (or `wait` passes).
 pub async fn raw(addr: SocketAddr, bytes: &[u8], wait: Duration) -> (String, bool) {
     let mut s = TcpStream::connect(addr).await.unwrap();
