@@ -375,7 +375,7 @@ impl ReqBody {
                 }
                 let frame = match frame.into_trailers() {
                     Ok(mut trailers) => {
-                        strip_trailers(&mut trailers);
+                        super::headers::strip_trailers(&mut trailers);
                         Frame::trailers(trailers)
                     }
                     Err(frame) => frame,
@@ -389,48 +389,6 @@ impl ReqBody {
                 }
                 Poll::Ready(None)
             }
-        }
-    }
-}
-
-/// Leaves out of a request's trailers (sent on to HTTP/2 upstreams only; an HTTP/1.1
-/// upstream gets none) the fields no trailer may carry, as nginx's and Envoy's HTTP/2
-/// codecs refuse them: connection-specific ones, which the HTTP/2 layer refuses to send
-/// (it then neither ends nor resets the stream, so the upstream waited for the body's end
-/// until the response timeout, and the endpoint was blamed for it), framing, routing and
-/// credentials (RFC 9110 §6.5.1), and those the gateway vouches for in the head
-/// (`Forwarded`, `Via`, `X-Forwarded-*`, `X-Real-IP`, `True-Client-IP`), which a trailer
-/// would pass on unchecked.
-pub(crate) fn strip_trailers(trailers: &mut http::HeaderMap) {
-    fn refused(name: &str) -> bool {
-        matches!(
-            name,
-            "connection"
-                | "keep-alive"
-                | "te"
-                | "trailer"
-                | "transfer-encoding"
-                | "upgrade"
-                | "http2-settings"
-                | "content-length"
-                | "content-type"
-                | "content-encoding"
-                | "content-range"
-                | "host"
-                | "expect"
-                | "authorization"
-                | "cookie"
-                | "forwarded"
-                | "via"
-                | "x-forwarded-prefix"
-        ) || name.starts_with("proxy-")
-    }
-    let refused = |n: &http::HeaderName| refused(n.as_str()) || super::headers::proxys_word(n);
-    if trailers.keys().any(refused) {
-        let names: Vec<http::HeaderName> =
-            trailers.keys().filter(|n| refused(n)).cloned().collect();
-        for n in names {
-            trailers.remove(n);
         }
     }
 }

@@ -128,10 +128,7 @@ pub fn remove_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) -> bool {
     // `Proxy-*`; also `Proxy` itself, which CGI-style upstreams turn into `HTTP_PROXY`
     // (httpoxy, CVE-2016-5385).
     if found & HOP_PROXY != 0 {
-        let proxy: Vec<HeaderName> = headers.keys().filter(|n| is_proxy(n)).cloned().collect();
-        for n in proxy {
-            headers.remove(n);
-        }
+        remove_where(headers, is_proxy);
     }
     if keep_upgrade {
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
@@ -315,13 +312,7 @@ impl<'a> Added<'a> {
     pub fn apply(&self, headers: &mut HeaderMap) {
         headers.remove(header::EXPECT);
         headers.remove(header::FORWARDED);
-        if headers.keys().any(proxys_word) {
-            let claims: Vec<HeaderName> =
-                headers.keys().filter(|n| proxys_word(n)).cloned().collect();
-            for n in claims {
-                headers.remove(n);
-            }
-        }
+        remove_where(headers, proxys_word);
         for (name, value) in self.iter() {
             if *name == VIA {
                 headers.append(name, value.clone());
@@ -332,13 +323,54 @@ impl<'a> Added<'a> {
     }
 }
 
+/// Removes every header whose name `pred` picks: one pass over the names when none is
+/// there (most messages), the names copied only when some are.
+fn remove_where(headers: &mut HeaderMap, pred: impl Fn(&HeaderName) -> bool) {
+    if headers.keys().any(&pred) {
+        let names: Vec<HeaderName> = headers.keys().filter(|n| pred(n)).cloned().collect();
+        for n in names {
+            headers.remove(n);
+        }
+    }
+}
+
+/// Leaves out of a request's trailers (sent on to HTTP/2 upstreams only; an HTTP/1.1
+/// upstream gets none) the fields no trailer may carry, as nginx's and Envoy's HTTP/2
+/// codecs refuse them: the hop-by-hop ones ([`is_hop_by_hop`], and `HTTP2-Settings`),
+/// which the HTTP/2 layer refuses to send (it then neither ends nor resets the stream, so
+/// the upstream waited for the body's end until the response timeout, and the endpoint
+/// was blamed for it); framing, routing and credentials (RFC 9110 §6.5.1); and those the
+/// gateway vouches for in the head ([`proxys_word`], `Forwarded`, `Via`,
+/// `X-Forwarded-Prefix`), which a trailer would pass on unchecked.
+pub fn strip_trailers(trailers: &mut HeaderMap) {
+    remove_where(trailers, |n| {
+        is_hop_by_hop(n)
+            || *n == HTTP2_SETTINGS
+            || proxys_word(n)
+            || matches!(
+                n.as_str(),
+                "content-length"
+                    | "content-type"
+                    | "content-encoding"
+                    | "content-range"
+                    | "host"
+                    | "expect"
+                    | "authorization"
+                    | "cookie"
+                    | "forwarded"
+                    | "via"
+                    | "x-forwarded-prefix"
+            )
+    });
+}
+
 /// A header only a proxy may send, which a client's request loses: every `X-Forwarded-*`
 /// but `X-Forwarded-Prefix` (the gateway writes its own `-For`, `-Proto` and `-Host`;
 /// Spring and Django read `-Port`, Rack `-Ssl` and `-Scheme` before `-Proto`), and the
 /// client address headers `X-Real-IP` and `True-Client-IP` (chi's and Gin's client IP).
 /// A client's `X-Forwarded-Prefix` goes on, as nginx and Envoy pass it (a rewrite route
 /// writes its own in its place).
-pub(crate) fn proxys_word(name: &HeaderName) -> bool {
+fn proxys_word(name: &HeaderName) -> bool {
     let n = name.as_str();
     match n.strip_prefix("x-forwarded-") {
         Some(rest) => rest != "prefix",
