@@ -422,8 +422,7 @@ impl EndpointPool {
         }
         self.idle_len();
         if self.protocol != Protocol::Http1 {
-            self.h2
-                .tidy(&self.stats, self.idle_timeout, 0, &self.died_young);
+            self.tidy_h2(self.idle_timeout, 0);
         }
         false
     }
@@ -526,10 +525,7 @@ impl EndpointPool {
         if cap > 0 && uses + 1 == cap {
             self.owe_ahead();
         }
-        if self
-            .max_lifetime
-            .is_some_and(|l| conn.created.elapsed() >= l)
-        {
+        if self.past_lifetime(conn.created, now) {
             self.stats.retired_lifetime.fetch_add(1, Ordering::Relaxed);
             self.owe_replacement();
             return;
@@ -722,10 +718,7 @@ impl EndpointPool {
                 continue;
             }
             // Aged out while idle: never send on a connection past its lifetime.
-            if self
-                .max_lifetime
-                .is_some_and(|l| now.saturating_duration_since(idle.created) >= l)
-            {
+            if self.past_lifetime(idle.created, now) {
                 self.stats.retired_lifetime.fetch_add(1, Ordering::Relaxed);
                 self.owe_replacement();
                 continue;
@@ -832,9 +825,7 @@ impl EndpointPool {
         loop {
             // Idle expiry is the keeper's job (`Duration::MAX` here): a request only drops
             // closed connections and hands over rotated ones.
-            let (fresh, due) =
-                self.h2
-                    .tidy(&self.stats, Duration::MAX, self.min_warm, &self.died_young);
+            let (fresh, due) = self.tidy_h2(Duration::MAX, self.min_warm);
             if fresh < self.min_warm || (fresh == 0 && due > 0) {
                 self.refill.notify_one();
             }
@@ -1215,6 +1206,20 @@ impl EndpointPool {
             .max(Duration::from_millis(100))
     }
 
+    /// Is a connection opened at `created` past `max_connection_lifetime` at `now`?
+    fn past_lifetime(&self, created: Instant, now: Instant) -> bool {
+        self.max_lifetime
+            .is_some_and(|l| now.saturating_duration_since(created) >= l)
+    }
+
+    /// The HTTP/2 connections tidied ([`H2Set::tidy`]): those closed dropped (counted as
+    /// died young before their first stream), those idle past `idle_timeout` beyond `keep`;
+    /// how many are fresh and how many due for rotation.
+    fn tidy_h2(&self, idle_timeout: Duration, keep: usize) -> (usize, usize) {
+        self.h2
+            .tidy(&self.stats, idle_timeout, keep, &self.died_young)
+    }
+
     /// How long the keeper sleeps unless woken: its tick, or until the first idle
     /// connection expires if sooner.
     fn keeper_wait(&self) -> Duration {
@@ -1233,12 +1238,7 @@ impl EndpointPool {
         let (fresh, due) = if self.protocol == Protocol::Http1 {
             (0, 0)
         } else {
-            self.h2.tidy(
-                &self.stats,
-                self.idle_timeout,
-                self.min_warm,
-                &self.died_young,
-            )
+            self.tidy_h2(self.idle_timeout, self.min_warm)
         };
         let idle = if self.protocol == Protocol::Http2 {
             0
@@ -1274,10 +1274,7 @@ impl EndpointPool {
             } else if now.saturating_duration_since(i.since) >= self.idle_timeout {
                 expired += 1;
                 false
-            } else if self
-                .max_lifetime
-                .is_some_and(|l| now.saturating_duration_since(i.created) >= l)
-            {
+            } else if self.past_lifetime(i.created, now) {
                 // A checkout would not send on it: not a spare (the keeper opens one in
                 // its place).
                 aged += 1;
