@@ -5,7 +5,6 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
 use http::{Request, Response, header};
@@ -133,11 +132,11 @@ async fn connection(
     if !peeked {
         return;
     }
-    let asked = Arc::new((AtomicBool::new(false), tokio::sync::Notify::new()));
+    // Its first request leaves a permit here, which the stop takes at once.
+    let asked = Arc::new(tokio::sync::Notify::new());
     let seen = asked.clone();
     let service = service_fn(move |req| {
-        seen.0.store(true, Ordering::Relaxed);
-        seen.1.notify_one();
+        seen.notify_one();
         answer(req)
     });
     let conn = builder
@@ -150,11 +149,9 @@ async fn connection(
             _ = stop.wait_for(|s| *s) => {}
         }
     }
-    if !asked.0.load(Ordering::Relaxed) {
-        tokio::select! {
-            _ = conn.as_mut() => return,
-            _ = asked.1.notified() => {}
-        }
+    tokio::select! {
+        _ = conn.as_mut() => return,
+        _ = asked.notified() => {}
     }
     conn.as_mut().graceful_shutdown();
     let _ = conn.await;
