@@ -670,27 +670,25 @@ fn an_address_another_program_holds_stops_the_start_without_talk_of_sharing() {
     let up = slow_upstream(Duration::ZERO);
     let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = held.local_addr().unwrap().port();
-    let cfg = serve_config(dir.path(), port, up, "");
-    let log = std::fs::File::create(dir.path().join("gw.log")).unwrap();
-    let mut p = serve(&cfg, Stdio::from(log));
-    let status = exit_within(&mut p, Duration::from_secs(15), "no exit");
-    assert_eq!(status.code(), Some(1));
-    let text = std::fs::read_to_string(dir.path().join("gw.log")).unwrap();
+    // Its log, once it has exited 1.
+    let refused = |cfg: PathBuf| {
+        let log = std::fs::File::create(dir.path().join("gw.log")).unwrap();
+        let mut p = serve(&cfg, Stdio::from(log));
+        let status = exit_within(&mut p, Duration::from_secs(15), "no exit");
+        assert_eq!(status.code(), Some(1));
+        std::fs::read_to_string(dir.path().join("gw.log")).unwrap()
+    };
+    let text = refused(serve_config(dir.path(), port, up, ""));
     assert!(text.contains(&format!("127.0.0.1:{port}")), "{text}");
     assert!(text.contains("in use"), "{text}");
     assert!(!text.contains("shared with it"), "{text}");
     // The same for the admin address.
-    let cfg = serve_config(
+    let text = refused(serve_config(
         dir.path(),
         free_port(),
         up,
         &format!("[admin]\naddress = \"127.0.0.1:{port}\"\n"),
-    );
-    let log = std::fs::File::create(dir.path().join("gw.log")).unwrap();
-    let mut p = serve(&cfg, Stdio::from(log));
-    let status = exit_within(&mut p, Duration::from_secs(15), "no exit");
-    assert_eq!(status.code(), Some(1));
-    let text = std::fs::read_to_string(dir.path().join("gw.log")).unwrap();
+    ));
     assert!(text.contains("in use"), "{text}");
     assert!(!text.contains("shared with it"), "{text}");
     drop(held);

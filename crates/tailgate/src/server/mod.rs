@@ -708,9 +708,8 @@ where
                 let mut side_cx = Context::from_waker(&this.side_waker);
                 // A shutdown while a close for idleness or the request cap runs (its
                 // deadline a second or `idle` away): the close has what a shutdown's has,
-                // at most. An
-                // HTTP/2 client that never answers the close's PING held the drain for the
-                // whole grace period.
+                // at most. An HTTP/2 client that never answers the close's PING held the
+                // drain for the whole grace period.
                 if !this.shut && this.stop.as_mut().poll(&mut side_cx).is_ready() {
                     this.shut = true;
                     let cut = tokio::time::Instant::now() + SHUTDOWN_CLOSE_WAIT;
