@@ -340,7 +340,7 @@ fn remove_where(headers: &mut HeaderMap, pred: impl Fn(&HeaderName) -> bool) {
 /// which the HTTP/2 layer refuses to send (it then neither ends nor resets the stream, so
 /// the upstream waited for the body's end until the response timeout, and the endpoint
 /// was blamed for it); framing, routing and credentials (RFC 9110 §6.5.1); and those the
-/// gateway vouches for in the head ([`proxys_word`], `Forwarded`, `Via`,
+/// gateway vouches for in the head (those a client's head loses, `Forwarded`, `Via`,
 /// `X-Forwarded-Prefix`), which a trailer would pass on unchecked.
 pub fn strip_trailers(trailers: &mut HeaderMap) {
     remove_where(trailers, |n| {
