@@ -276,6 +276,16 @@ impl ReqBody {
         (self, copy)
     }
 
+    /// Puts back `data`, the frame last taken (which no byte of was sent): the next poll
+    /// returns it again, not counted, copied or checked against the limit a second time.
+    pub fn unread(&mut self, data: Bytes) {
+        debug_assert!(
+            self.buffered.is_none(),
+            "only the frame last taken is put back"
+        );
+        self.buffered = Some(data);
+    }
+
     /// Counts the body's bytes into `counter` as they pass.
     pub fn counting(mut self, counter: BytesIn) -> ReqBody {
         self.counter = Some(counter);

@@ -311,12 +311,43 @@ impl H1Conn {
                 }
                 (None, _) => false,
             };
+            let mut body = body;
             let bodiless = body.is_end_stream();
             let chunked = self.encode_head(parts, added, &body, bodiless, addr);
+            // A body read whole with its head (or a replay's copy) goes out in the head's
+            // write, as one segment the server reads at once, not in a second write after
+            // it. Taken from the body as any frame is (counted, copied, timed), and put back
+            // if none of the request went out.
+            let joined = if !bodiless && !chunked && !body.streams() {
+                match Pin::new(&mut body).poll_frame(&mut Context::from_waker(Waker::noop())) {
+                    Poll::Ready(Some(Ok(frame))) => frame.into_data().ok(),
+                    Poll::Ready(Some(Err(e))) => return Err(SendError::H1(H1Error::Body(e))),
+                    Poll::Ready(None) | Poll::Pending => None,
+                }
+            } else {
+                None
+            };
+            let bodiless = body.is_end_stream();
+            let head_len = self.wbuf.len();
+            let whole = head_len + joined.as_ref().map_or(0, Bytes::len);
             let mut written = 0;
             let wrote = std::future::poll_fn(|cx| {
-                while written < self.wbuf.len() {
-                    match Pin::new(&mut self.io).poll_write(cx, &self.wbuf[written..]) {
+                while written < whole {
+                    let polled = match &joined {
+                        Some(data) if written < head_len => Pin::new(&mut self.io)
+                            .poll_write_vectored(
+                                cx,
+                                &[
+                                    io::IoSlice::new(&self.wbuf[written..]),
+                                    io::IoSlice::new(data),
+                                ],
+                            ),
+                        Some(data) => {
+                            Pin::new(&mut self.io).poll_write(cx, &data[written - head_len..])
+                        }
+                        None => Pin::new(&mut self.io).poll_write(cx, &self.wbuf[written..]),
+                    };
+                    match polled {
                         Poll::Ready(Ok(0)) => {
                             return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
                         }
@@ -337,17 +368,31 @@ impl H1Conn {
                 }
             })
             .await;
-            if let Err(e) = wrote {
+            // The head went out and the body's write failed: the response, read next, says
+            // why (a server that refused the body and closed), as when the body goes in
+            // writes of its own (`drive_sending`).
+            let body_failed = joined.is_some()
+                && written >= head_len
+                && wrote
+                    .as_ref()
+                    .is_err_and(|e| e.kind() != io::ErrorKind::TimedOut);
+            if body_failed {
+                self.keep_alive = false;
+                self.body_write_failed = true;
+            } else if let Err(e) = wrote {
                 self.keep_alive = false;
                 return Err(if e.kind() == io::ErrorKind::TimedOut {
                     SendError::TimedOut
                 } else if written == 0 {
+                    if let Some(data) = joined {
+                        body.unread(data);
+                    }
                     SendError::NotSent(NotSentBody(body))
                 } else {
                     SendError::H1(e.into())
                 });
             }
-            if !bodiless {
+            if !bodiless && !body_failed {
                 self.sending = Some(Sending {
                     left: (!chunked).then(|| body.size_hint().exact()).flatten(),
                     body,
@@ -560,11 +605,23 @@ impl H1Conn {
         };
         let io = &mut self.io;
         loop {
-            while let Some(front) = s.out.front_mut() {
-                match Pin::new(&mut *io).poll_write(cx, front) {
-                    Poll::Ready(Ok(n)) if n > 0 => {
-                        front.advance(n);
-                        if front.is_empty() {
+            while !s.out.is_empty() {
+                // In one write: a chunk's size line, data and CRLF, and whatever else is
+                // queued.
+                let mut slices = [io::IoSlice::new(&[]); 8];
+                let mut n = 0;
+                for (slot, b) in slices.iter_mut().zip(&s.out) {
+                    *slot = io::IoSlice::new(b);
+                    n += 1;
+                }
+                match Pin::new(&mut *io).poll_write_vectored(cx, &slices[..n]) {
+                    Poll::Ready(Ok(mut n)) if n > 0 => {
+                        while let Some(front) = s.out.front_mut() {
+                            if n < front.len() {
+                                front.advance(n);
+                                break;
+                            }
+                            n -= front.len();
                             s.out.pop_front();
                         }
                     }
@@ -1193,6 +1250,86 @@ mod tests {
         let (client, server) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());
         let conn = H1Conn::new(Transport::Tcp(client.expect("connect")));
         (conn, server.expect("accept").0)
+    }
+
+    /// Sends a POST of `body` on `conn` with a response deadline of 5 s.
+    async fn post(conn: &mut H1Conn, body: ReqBody) -> Result<Response<UpBody>, SendError> {
+        let (parts, ()) = http::Request::post("/p")
+            .header(header::HOST, "up")
+            .body(())
+            .expect("request")
+            .into_parts();
+        let client = HeaderValue::from_static("192.0.2.1");
+        let id = HeaderValue::from_static("id-1");
+        let name = header::HeaderName::from_static("x-request-id");
+        let added = Added::new(
+            &parts.headers,
+            Version::HTTP_11,
+            &client,
+            false,
+            None,
+            (&name, &id),
+        );
+        let addr = SocketAddr::from(([127, 0, 0, 1], 1));
+        let deadline = Instant::now() + std::time::Duration::from_secs(5);
+        conn.send(&parts, &added, body, addr, Some(deadline)).await
+    }
+
+    /// A body read whole with its head goes out in the head's write: the server has both
+    /// from one read, before the gateway writes anything else.
+    #[tokio::test]
+    async fn a_whole_body_goes_out_with_its_head() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let (mut conn, mut server) = connected().await;
+        let serve = async {
+            let mut buf = vec![0; 64 * 1024];
+            let n = server.read(&mut buf).await.expect("read");
+            let got = String::from_utf8_lossy(&buf[..n]).into_owned();
+            server
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                .await
+                .expect("write");
+            got
+        };
+        let body = "x".repeat(3000);
+        let (sent, got) = tokio::join!(
+            post(&mut conn, ReqBody::whole(Bytes::from(body.clone()), 0)),
+            serve
+        );
+        assert_eq!(sent.map(|r| r.status()).ok(), Some(StatusCode::OK));
+        assert!(got.starts_with("POST /p HTTP/1.1\r\n"), "{got}");
+        assert!(got.contains("content-length: 3000\r\n"), "{got}");
+        assert!(
+            got.ends_with(&format!("\r\n\r\n{body}")),
+            "the body came apart from its head: {got}"
+        );
+        assert!(conn.sending.is_none(), "nothing is left to send");
+    }
+
+    /// A request none of which went out (the server had reset the connection) gives its
+    /// body back whole, for a resend on a new connection.
+    #[tokio::test]
+    async fn a_request_not_sent_keeps_its_body() {
+        let (mut conn, server) = connected().await;
+        // A reset, not a close: the next write fails at once.
+        socket2::SockRef::from(&server)
+            .set_linger(Some(std::time::Duration::ZERO))
+            .expect("linger");
+        drop(server);
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let Err(SendError::NotSent(NotSentBody(mut body))) = post(
+            &mut conn,
+            ReqBody::whole(Bytes::from_static(b"the body"), 0),
+        )
+        .await
+        else {
+            panic!("the request counts as not sent");
+        };
+        assert_eq!(body.size_hint().exact(), Some(8));
+        let frame = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await;
+        let data = frame.and_then(|f| f.ok()).and_then(|f| f.into_data().ok());
+        assert_eq!(data.as_deref(), Some(&b"the body"[..]));
+        assert!(body.is_end_stream());
     }
 
     /// Trailers are dropped, within a line length and a total: a line longer than
