@@ -184,6 +184,43 @@ async fn stalled_handshakes_hold_up_no_other_client() {
     drop(stalled);
 }
 
+/// At `server.max_connections`, TLS connections that have sent nothing yet (not even
+/// their hello) make room, as plain silent ones do: a client holding the cap's worth of
+/// them keeps no one else out for the handshake timeout.
+#[tokio::test]
+async fn at_max_connections_silent_tls_connections_make_room() {
+    let cert = test_cert(&["acme.test"]);
+    let up = echo_upstream().await;
+    let gw = tls_gateway_with(
+        &cert,
+        up,
+        "[server]\nworkers = 1\nmax_connections = 2\nheader_read_timeout = \"30s\"\n",
+    );
+    let mut silent = Vec::new();
+    for _ in 0..2 {
+        silent.push(TcpStream::connect(gw.addr).await.unwrap());
+    }
+    // Accepted (the one worker takes its queue in order) before the next comes.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let resp = tokio::time::timeout(
+        Duration::from_secs(10),
+        tls_h1_get(gw.addr, &cert, "acme.test", "/x", "acme.test"),
+    )
+    .await
+    .expect("served long before the 30 s handshake timeout");
+    assert_eq!(resp.status(), 200);
+    // One of them was closed to make room.
+    let mut closed = 0;
+    for mut s in silent {
+        let mut buf = [0u8; 64];
+        if let Ok(Ok(0)) = tokio::time::timeout(Duration::from_millis(500), s.read(&mut buf)).await
+        {
+            closed += 1;
+        }
+    }
+    assert!(closed >= 1, "no silent connection was closed");
+}
+
 #[tokio::test]
 async fn tls_h2_by_alpn() {
     let cert = test_cert(&["acme.test"]);

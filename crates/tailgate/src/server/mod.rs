@@ -126,14 +126,42 @@ async fn serve_tls(
     stream: TcpStream,
     peer: SocketAddr,
 ) {
-    let activity = Arc::new(ConnActivity::default());
-    let stream = stream.prepare(ctx.worker.shared.settings.idle_timeout, &activity);
     let handshake_timeout = ctx.worker.shared.settings.header_read_timeout;
-    // At shutdown, a handshake gets a second at most (see `first_step`).
-    let accepted = first_step(
+    let accepted_at = tokio::time::Instant::now();
+    // The client's first bytes (its hello) are waited for as a plain connection's first
+    // request is: a call for idle connections to close (an accept loop waits at
+    // `server.max_connections`) cuts one that has sent nothing yet, as nginx reuses a TLS
+    // connection that has sent no data. The handshake under way is not cut (it is bounded
+    // by the same timeout, counted from the accept).
+    let mut first = [0u8; 1];
+    let hello = first_step(
         &ctx.shutdown,
         handshake_timeout,
         handshake_timeout.min(QUEUED_WAIT),
+        ctx.slot.as_ref(),
+        stream.peek(&mut first),
+    )
+    .await;
+    match hello {
+        Ok(Ok(n)) if n > 0 => {}
+        Ok(_) => return,
+        Err(Cut::Reclaimed) => {
+            tracing::debug!(client.addr = %peer, "silent connection closed before its TLS handshake to make room under server.max_connections");
+            return;
+        }
+        Err(Cut::TimedOut) => {
+            tracing::debug!(client.addr = %peer, "TLS handshake timed out (no hello)");
+            return;
+        }
+    }
+    let left = handshake_timeout.saturating_sub(accepted_at.elapsed());
+    let activity = Arc::new(ConnActivity::default());
+    let stream = stream.prepare(ctx.worker.shared.settings.idle_timeout, &activity);
+    // At shutdown, a handshake gets a second at most (see `first_step`).
+    let accepted = first_step(
+        &ctx.shutdown,
+        left,
+        left.min(QUEUED_WAIT),
         None,
         acceptor.accept(stream),
     )
@@ -239,6 +267,8 @@ async fn first_step<F: Future>(
         }
     };
     tokio::select! {
+        // The step first: bytes that came together with a call to close are read, not cut.
+        biased;
         r = tokio::time::timeout_at(deadline, &mut step) => return r.map_err(|_| Cut::TimedOut),
         _ = shutdown.wait_for(|stop| *stop) => {}
         () = reclaimed => return Err(Cut::Reclaimed),
