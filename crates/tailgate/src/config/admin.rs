@@ -28,6 +28,7 @@ pub(super) fn check(
         let address = c
             .address(&a.address, "admin.address".into())
             .filter(|ad| c.bindable(*ad, &a.address, "admin.address".into(), true));
+        let found = c.errors_found();
         let lag_probe_interval = c.duration(
             &a.lag_probe_interval,
             "admin.lag_probe_interval".into(),
@@ -50,7 +51,7 @@ pub(super) fn check(
         );
         // Checked on the effective values: a probe interval above the default threshold
         // would make every worker look stalled between two ticks.
-        if stall_threshold < lag_probe_interval * 2 {
+        if stall_threshold < lag_probe_interval * 2 && c.errors_found() == found {
             let (span, field) = match (&a.stall_threshold, &a.lag_probe_interval) {
                 (Some(v), _) => (Some(v.span()), "admin.stall_threshold"),
                 (None, Some(v)) => (Some(v.span()), "admin.lag_probe_interval"),
@@ -148,6 +149,8 @@ mod tests {
             "{errs}"
         );
         assert!(errs.contains("help: "), "{errs}");
+        // The refused interval is not judged again against the stall threshold.
+        assert!(!errs.contains("stall_threshold"), "{errs}");
     }
 
     #[test]

@@ -90,6 +90,12 @@ pub(super) struct Checker<'a> {
 }
 
 impl Checker<'_> {
+    /// Errors found so far: a cross-check of two values skips when either was refused
+    /// (it would judge a default the user never wrote, or the refused value again).
+    pub(super) fn errors_found(&self) -> usize {
+        self.errors.len()
+    }
+
     pub(super) fn err(
         &mut self,
         span: Option<Range<usize>>,
@@ -1275,6 +1281,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 .or_default()
                 .push((methods.clone(), span));
         }
+        let found = c.errors_found();
         let response_timeout = c.timeout(
             &r.response_timeout,
             format!("route[{i}].response_timeout"),
@@ -1287,18 +1294,24 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 Duration::from_secs(60),
             )
         });
+        let timeouts_refused = c.errors_found() > found;
         let hedge_delay = r
             .hedge_delay
             .as_ref()
             .and_then(|v| c.hedge_delay(v, format!("route[{i}].hedge_delay")));
-        if let (Some(d), Some(v)) = (&hedge_delay, &r.hedge_delay) {
+        if let (Some(d), Some(v)) = (&hedge_delay, &r.hedge_delay)
+            && !timeouts_refused
+        {
             c.hedge_reachable(d, v, i, response_timeout, total_timeout);
         }
         let rewrite_prefix = c.rewrite_prefix(r, i, &path_prefix);
         let host_rewrite = c.host_rewrite(r, i);
+        // Named whatever its cluster: a name used twice is reported with an unknown
+        // cluster, not only once that is mended.
+        let name = route_name(c, r, i, &mut route_names);
         if let Some(cluster) = cluster {
             routes.push(Route {
-                name: route_name(c, r, i, &mut route_names),
+                name,
                 tenant,
                 host,
                 path_prefix,
@@ -2407,6 +2420,21 @@ total_timeout = "999us"
             .to_string();
         assert!(
             errs.contains("t.toml:7:8: route[0].name: route name `route1` is used twice"),
+            "{errs}"
+        );
+    }
+
+    /// Every mistake at once: a route name used twice is reported beside the unknown
+    /// cluster of one of the routes, not only once that is mended.
+    #[test]
+    fn a_route_name_used_twice_is_reported_with_an_unknown_cluster() {
+        let text = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\"]\n[[route]]\nname = \"a\"\npath_prefix = \"/x\"\ncluster = \"nope\"\n[[route]]\nname = \"a\"\npath_prefix = \"/y\"\ncluster = \"c\"\n";
+        let errs = parse_and_validate(Path::new("t.toml"), text)
+            .expect_err("two mistakes")
+            .to_string();
+        assert!(errs.contains("no cluster named"), "{errs}");
+        assert!(
+            errs.contains("t.toml:11:8: route[1].name: route name `a` is used twice"),
             "{errs}"
         );
     }

@@ -130,6 +130,7 @@ impl Checker<'_> {
                 ),
             }
         }
+        let found = self.errors_found();
         let min_refresh = self.duration(
             &raw.min_refresh,
             "dns.min_refresh".into(),
@@ -140,6 +141,7 @@ impl Checker<'_> {
             "dns.max_refresh".into(),
             Duration::from_secs(300),
         );
+        let refused = self.errors_found() > found;
         if min_refresh < Duration::from_millis(10) {
             self.err(
                 raw.min_refresh.as_ref().map(Spanned::span),
@@ -148,7 +150,7 @@ impl Checker<'_> {
                 Some("a name is re-resolved at most this often; \"1s\" is a good default"),
             );
         }
-        if max_refresh < min_refresh {
+        if max_refresh < min_refresh && !refused {
             // At the field that was written: with only min_refresh set, it is the one
             // above the other's default.
             match (&raw.max_refresh, &raw.min_refresh) {
@@ -237,6 +239,13 @@ mod tests {
             "{e}"
         );
         assert!(e.contains("help:"), "{e}");
+        // A refused max_refresh is not then judged, as its default, against min_refresh.
+        let e = errors("[dns]\nmin_refresh = \"10m\"\nmax_refresh = \"31d\"\n");
+        assert!(
+            e.contains("t.toml:5:15: dns.max_refresh: `31d` is longer than 30 days"),
+            "{e}"
+        );
+        assert_eq!(e.matches("dns.m").count(), 1, "one mistake, one error: {e}");
         // Only min_refresh written: the error is at it, about it.
         let e = errors("[dns]\nmin_refresh = \"10m\"\n");
         assert!(

@@ -160,6 +160,14 @@ mod tests {
             parse(&format!("{}total_timeout = \"2s\"\n", route("5s"))).expect_err("past the total");
         assert!(e.contains("the route's total_timeout of 2s"), "{e}");
         parse(&format!("{}response_timeout = \"2s\"\n", route("1999ms"))).expect("just under");
+        // A refused response_timeout is not judged, as its default, against the delay.
+        let e = parse(&format!("{}response_timeout = \"0s\"\n", route("40s")))
+            .expect_err("a zero timeout");
+        assert!(
+            e.contains("route[0].response_timeout: a timeout of 0"),
+            "{e}"
+        );
+        assert!(!e.contains("never goes"), "{e}");
         let e = parse("hedge_budget_percent = 150\n").expect_err("over 100");
         assert!(
             e.contains("t.toml:6:24: cluster[0].hedge_budget_percent"),
