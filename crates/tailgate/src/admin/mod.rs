@@ -67,6 +67,12 @@ const EVICT_WAIT: Duration = Duration::from_secs(1);
 /// How long a connection closed for a new one, with no response under way, may take to
 /// end by itself before it is dropped.
 const EVICT_GRACE: Duration = Duration::from_millis(100);
+/// At the stop: the connections already queued for the admin socket taken and answered
+/// (one request each), at most this many, rather than reset by its close.
+const QUEUED_AT_STOP: usize = 64;
+/// At the stop: how long the responses under way, and those to the queued connections, may
+/// take before the admin thread ends (and drops whatever is left).
+const STOP_WAIT: Duration = Duration::from_secs(1);
 
 /// What the admin plane reads: the config, every worker (their metrics and pools), and
 /// whether the gateway is draining. Built once per gateway.
@@ -340,6 +346,9 @@ fn run(
         let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         let probe_permits = Arc::new(tokio::sync::Semaphore::new(PROBE_CONNECTIONS));
         let open = Arc::new(Open::new());
+        // The notes on a full plane, at most every 10 s: a connect flood on the admin port
+        // must not fill the log queue the access log shares.
+        let noted = Arc::new(crate::pace::Every::new(Duration::from_secs(10)));
         loop {
             tokio::select! {
                 accepted = listener.accept() => match accepted {
@@ -355,17 +364,19 @@ fn run(
                         // gets `EVICT_GRACE` to finish it. Past `EVICT_WAIT` the new one
                         // gets a probe slot.
                         Err(_) if open.close_idlest() => {
-                            tracing::info!(client = %peer, limit = MAX_CONNECTIONS, "admin connections all taken; the longest idle one is closed for this one");
+                            if noted.due() {
+                                tracing::info!(client = %peer, limit = MAX_CONNECTIONS, "admin connections all taken; the longest idle one is closed for this one (noted at most every 10 s)");
+                            }
                             let (permits, probe_permits) = (permits.clone(), probe_permits.clone());
-                            let (state, open) = (state.clone(), open.clone());
+                            let (state, open, noted) = (state.clone(), open.clone(), noted.clone());
                             tokio::spawn(async move {
                                 match tokio::time::timeout(EVICT_WAIT, permits.acquire_owned()).await {
                                     Ok(Ok(permit)) => serve(stream, state, permit, Slot::Full(open)).await,
-                                    _ => serve_probe(stream, peer, state, &probe_permits),
+                                    _ => serve_probe(stream, peer, state, &probe_permits, &noted),
                                 }
                             });
                         }
-                        Err(_) => serve_probe(stream, peer, state.clone(), &probe_permits),
+                        Err(_) => serve_probe(stream, peer, state.clone(), &probe_permits, &noted),
                     },
                     Err(e) => {
                         tracing::debug!(error = %e, "admin accept failed");
@@ -375,24 +386,74 @@ fn run(
                 _ = stop.wait_for(|s| *s) => break,
             }
         }
+        stop_serving(listener, &state, &open, &permits, &probe_permits).await;
     });
 }
 
+/// The admin plane's stop: the connections queued for the socket are answered (one request
+/// each: a restart's probes and scrapes that came just before get an answer, not a reset),
+/// the open ones are asked to close (at once when idle, after their response otherwise),
+/// and all of them get up to [`STOP_WAIT`] in all.
+async fn stop_serving(
+    listener: tokio::net::TcpListener,
+    state: &Arc<AdminState>,
+    open: &Arc<Open>,
+    permits: &Arc<tokio::sync::Semaphore>,
+    probe_permits: &Arc<tokio::sync::Semaphore>,
+) {
+    let last = Arc::new(tokio::sync::Semaphore::new(QUEUED_AT_STOP));
+    if let Ok(listener) = listener.into_std() {
+        for _ in 0..QUEUED_AT_STOP {
+            let stream = match listener.accept() {
+                Ok((stream, _)) => stream,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => {
+                    tracing::debug!(error = %e, "admin accept at the stop failed");
+                    break;
+                }
+            };
+            let stream = stream
+                .set_nonblocking(true)
+                .and_then(|()| tokio::net::TcpStream::from_std(stream));
+            if let (Ok(stream), Ok(permit)) = (stream, last.clone().try_acquire_owned()) {
+                tokio::spawn(serve(stream, state.clone(), permit, Slot::Last));
+            }
+        }
+        // Closed here: what comes after goes to another gateway sharing the address.
+        drop(listener);
+    }
+    open.close_all();
+    let all_ended = async {
+        let _ = permits.acquire_many(MAX_CONNECTIONS as u32).await;
+        let _ = probe_permits.acquire_many(PROBE_CONNECTIONS as u32).await;
+        let _ = last.acquire_many(QUEUED_AT_STOP as u32).await;
+    };
+    if tokio::time::timeout(STOP_WAIT, all_ended).await.is_err() {
+        tracing::debug!("admin connections still open at the stop are dropped");
+    }
+}
+
 /// Serves `stream` on a probe slot (health probes only, one request), or drops it when
-/// those are all taken too.
+/// those are all taken too. Logged when `noted` is due.
 fn serve_probe(
     stream: tokio::net::TcpStream,
     peer: SocketAddr,
     state: Arc<AdminState>,
     probe_permits: &Arc<tokio::sync::Semaphore>,
+    noted: &crate::pace::Every,
 ) {
+    let note = noted.due();
     match probe_permits.clone().try_acquire_owned() {
         Ok(permit) => {
-            tracing::warn!(client = %peer, limit = MAX_CONNECTIONS, "admin connections all busy; this one may ask for /healthz or /readyz only");
+            if note {
+                tracing::warn!(client = %peer, limit = MAX_CONNECTIONS, "admin connections all busy; this one may ask for /healthz or /readyz only (noted at most every 10 s)");
+            }
             tokio::spawn(serve(stream, state, permit, Slot::Probe));
         }
         Err(_) => {
-            tracing::warn!(client = %peer, limit = MAX_CONNECTIONS, "admin connection refused: too many open");
+            if note {
+                tracing::warn!(client = %peer, limit = MAX_CONNECTIONS, "admin connection refused: too many open (noted at most every 10 s)");
+            }
         }
     }
 }
@@ -404,6 +465,9 @@ fn serve_probe(
 struct Open {
     conns: std::sync::Mutex<Vec<Arc<OpenConn>>>,
     epoch: Instant,
+    /// The admin plane is stopping: a connection that starts now is asked to close at once
+    /// (it answers the request it may already have sent).
+    stopping: AtomicBool,
 }
 
 /// One admin connection on a full slot.
@@ -499,6 +563,7 @@ impl Open {
         Open {
             conns: std::sync::Mutex::new(Vec::with_capacity(MAX_CONNECTIONS)),
             epoch: Instant::now(),
+            stopping: AtomicBool::new(false),
         }
     }
 
@@ -514,7 +579,12 @@ impl Open {
             unsent: AtomicBool::new(false),
             epoch: self.epoch,
         });
-        self.lock().push(conn.clone());
+        let mut conns = self.lock();
+        if self.stopping.load(Ordering::Relaxed) {
+            conn.close.notify_one();
+        } else {
+            conns.push(conn.clone());
+        }
         conn
     }
 
@@ -538,6 +608,16 @@ impl Open {
                 true
             }
             None => false,
+        }
+    }
+
+    /// Asks every connection to close (each does once its response is done), and takes them
+    /// off the list.
+    fn close_all(&self) {
+        let mut conns = self.lock();
+        self.stopping.store(true, Ordering::Relaxed);
+        for c in conns.drain(..) {
+            c.close.notify_one();
         }
     }
 
@@ -623,6 +703,8 @@ enum Slot {
     Full(Arc<Open>),
     /// One of [`PROBE_CONNECTIONS`]: one health probe within [`PROBE_DEADLINE`].
     Probe,
+    /// Queued for the socket at the stop: one request, any endpoint, within [`STOP_WAIT`].
+    Last,
 }
 
 async fn serve(
@@ -635,8 +717,9 @@ async fn serve(
     // On a full slot: this connection in the list of open ones, taken off when it ends.
     let tracked = match &slot {
         Slot::Full(open) => Some((open.add(), open.clone())),
-        Slot::Probe => None,
+        Slot::Probe | Slot::Last => None,
     };
+    let probes_only = matches!(slot, Slot::Probe);
     let _listed = tracked.as_ref().map(|(conn, open)| Listed {
         conn: conn.clone(),
         open: open.clone(),
@@ -648,7 +731,7 @@ async fn serve(
         let busy = tracked.as_ref().map(|(conn, open)| Busy::new(conn, open));
         async move {
             let resp = match busy {
-                None if !matches!(req.uri().path(), "/healthz" | "/readyz") => json(
+                None if probes_only && !matches!(req.uri().path(), "/healthz" | "/readyz") => json(
                     StatusCode::SERVICE_UNAVAILABLE,
                     &serde_json::json!({"error": "too_many_connections", "message": "every admin connection is busy; only /healthz and /readyz are answered"}),
                 ),
@@ -672,6 +755,7 @@ async fn serve(
     let (lifetime, drain) = match slot {
         Slot::Full(_) => (CONNECTION_LIFETIME, LIFETIME_DRAIN),
         Slot::Probe => (PROBE_DEADLINE, Duration::ZERO),
+        Slot::Last => (STOP_WAIT, Duration::ZERO),
     };
     let closed = async {
         match &close {
@@ -832,9 +916,11 @@ fn accepts_gzip(h: &http::HeaderMap) -> bool {
         .any(|item| {
             let mut parts = item.split(';').map(str::trim);
             let coding = parts.next().unwrap_or("");
+            // (The parameter's name is case-insensitive: `Q=0` refuses too.)
             let zero_q = parts.any(|p| {
-                p.strip_prefix("q=")
-                    .and_then(|q| q.parse::<f32>().ok())
+                p.split_once('=')
+                    .filter(|(name, _)| name.trim().eq_ignore_ascii_case("q"))
+                    .and_then(|(_, q)| q.trim().parse::<f32>().ok())
                     .is_some_and(|q| q == 0.0)
             });
             coding.eq_ignore_ascii_case("gzip") && !zero_q
@@ -1055,6 +1141,53 @@ impl Body for AdminBody {
 mod tests {
     use super::*;
 
+    /// Connections queued for the admin socket when it stops (a restart's probes and
+    /// scrapes that came just before) get their request answered, not a reset; so does one
+    /// the admin thread took just before the stop.
+    #[test]
+    fn connections_queued_at_the_stop_are_answered() {
+        use std::io::{Read as _, Write as _};
+        let config = Arc::new(
+            Config::parse(
+                std::path::Path::new("t.toml"),
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n",
+            )
+            .expect("config"),
+        );
+        let plan = Arc::new(MetricsPlan::new(&config));
+        let state = Arc::new(AdminState::new(
+            config,
+            plan,
+            Vec::new(),
+            Arc::new(crate::upstream::dns::DnsStats::default()),
+        ));
+        let bound = bind(SocketAddr::from(([127, 0, 0, 1], 0))).expect("bind");
+        let listener = crate::listener::listen(bound.listener).expect("listen");
+        let addr = listener.local_addr().expect("addr");
+        // Connected, and their requests sent, before the admin thread runs: queued.
+        let clients: Vec<std::net::TcpStream> = (0..5)
+            .map(|_| {
+                let mut c = std::net::TcpStream::connect(addr).expect("connect");
+                c.write_all(b"GET /healthz HTTP/1.1\r\nhost: admin\r\n\r\n")
+                    .expect("write");
+                c
+            })
+            .collect();
+        let (_stop, stop_rx) = watch::channel(true);
+        // Stopped from the start: it takes what is queued, answers, and returns.
+        run(listener, bound.runtime, state, stop_rx);
+        for mut c in clients {
+            c.set_read_timeout(Some(Duration::from_secs(5)))
+                .expect("timeout");
+            let mut got = Vec::new();
+            let read = c.read_to_end(&mut got);
+            let got = String::from_utf8_lossy(&got);
+            assert!(read.is_ok(), "{read:?} after {got:?}");
+            assert!(got.starts_with("HTTP/1.1 200 OK\r\n"), "{got}");
+            assert!(got.contains("\"ok\""), "{got}");
+        }
+    }
+
     #[test]
     fn gzip_is_accepted_unless_refused() {
         let h = |v: &'static str| {
@@ -1065,6 +1198,8 @@ mod tests {
         assert!(h("gzip"));
         assert!(h("br, GZIP;q=0.5"));
         assert!(!h("gzip;q=0"));
+        assert!(!h("gzip; Q=0"));
+        assert!(!h("gzip;q = 0.000"));
         assert!(!h("identity"));
         assert!(!accepts_gzip(&http::HeaderMap::new()));
     }
