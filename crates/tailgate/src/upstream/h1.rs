@@ -56,6 +56,8 @@ use crate::pipeline::headers::{Added, put_header, token_in};
 pub(super) const MAX_HEAD: usize = 64 * 1024;
 /// The most response headers accepted.
 const MAX_HEADERS: usize = 100;
+/// The largest request body written with its head (see [`H1Conn::send`]).
+const JOIN_BODY_MAX: u64 = 16 * 1024;
 /// Room made in the read buffer when it runs low.
 const READ_RESERVE: usize = 8 * 1024;
 /// The longest chunk-size line (size and extensions).
@@ -314,11 +316,13 @@ impl H1Conn {
             let mut body = body;
             let bodiless = body.is_end_stream();
             let chunked = self.encode_head(parts, added, &body, bodiless, addr);
-            // A body read whole with its head (or a replay's copy) goes out in the head's
-            // write, as one segment the server reads at once, not in a second write after
-            // it. Taken from the body as any frame is (counted, copied, timed), and put back
-            // if none of the request went out.
-            let joined = if !bodiless && !chunked && !body.streams() {
+            // A small body read whole with its head (or a replay's copy) goes out in the
+            // head's write, as one segment the server reads at once, not in a second write
+            // after it. Taken from the body as any frame is (counted, copied, timed), and
+            // put back if none of the request went out. (A larger one is written as the
+            // response is read: a server may answer before it takes all of it.)
+            let small = body.size_hint().exact().is_some_and(|n| n <= JOIN_BODY_MAX);
+            let joined = if !bodiless && !chunked && !body.streams() && small {
                 match Pin::new(&mut body).poll_frame(&mut Context::from_waker(Waker::noop())) {
                     Poll::Ready(Some(Ok(frame))) => frame.into_data().ok(),
                     Poll::Ready(Some(Err(e))) => return Err(SendError::H1(H1Error::Body(e))),
@@ -1151,12 +1155,20 @@ impl AsyncRead for Transport {
     }
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Writes asked of a transport on this thread (a test's own runtime is on it).
+    static WRITES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 impl AsyncWrite for Transport {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        #[cfg(test)]
+        WRITES.with(|w| w.set(w.get() + 1));
         match self.get_mut() {
             Transport::Tcp(s) => Pin::new(s).poll_write(cx, buf),
             Transport::Tls(s) => Pin::new(&mut **s).poll_write(cx, buf),
@@ -1168,6 +1180,8 @@ impl AsyncWrite for Transport {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        #[cfg(test)]
+        WRITES.with(|w| w.set(w.get() + 1));
         match self.get_mut() {
             Transport::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
             Transport::Tls(s) => Pin::new(&mut **s).poll_write_vectored(cx, bufs),
@@ -1292,11 +1306,17 @@ mod tests {
             got
         };
         let body = "x".repeat(3000);
+        let writes = WRITES.with(std::cell::Cell::get);
         let (sent, got) = tokio::join!(
             post(&mut conn, ReqBody::whole(Bytes::from(body.clone()), 0)),
             serve
         );
         assert_eq!(sent.map(|r| r.status()).ok(), Some(StatusCode::OK));
+        assert_eq!(
+            WRITES.with(std::cell::Cell::get) - writes,
+            1,
+            "head and body in one write"
+        );
         assert!(got.starts_with("POST /p HTTP/1.1\r\n"), "{got}");
         assert!(got.contains("content-length: 3000\r\n"), "{got}");
         assert!(
