@@ -127,43 +127,28 @@ async fn serve_tls(
     peer: SocketAddr,
 ) {
     let handshake_timeout = ctx.worker.shared.settings.header_read_timeout;
-    let accepted_at = tokio::time::Instant::now();
-    // The client's first bytes (its hello) are waited for as a plain connection's first
-    // request is: a call for idle connections to close (an accept loop waits at
-    // `server.max_connections`) cuts one that has sent nothing yet, as nginx reuses a TLS
-    // connection that has sent no data. The handshake under way is not cut (it is bounded
-    // by the same timeout, counted from the accept).
-    let mut first = [0u8; 1];
-    let hello = first_step(
-        &ctx.shutdown,
-        handshake_timeout,
-        handshake_timeout.min(QUEUED_WAIT),
-        ctx.slot.as_ref(),
-        stream.peek(&mut first),
-    )
-    .await;
-    match hello {
-        Ok(Ok(n)) if n > 0 => {}
-        Ok(_) => return,
-        Err(Cut::Reclaimed) => {
-            tracing::debug!(client.addr = %peer, "silent connection closed before its TLS handshake to make room under server.max_connections");
-            return;
-        }
-        Err(Cut::TimedOut) => {
-            tracing::debug!(client.addr = %peer, "TLS handshake timed out (no hello)");
-            return;
-        }
-    }
-    let left = handshake_timeout.saturating_sub(accepted_at.elapsed());
     let activity = Arc::new(ConnActivity::default());
-    let stream = stream.prepare(ctx.worker.shared.settings.idle_timeout, &activity);
+    // Until the client's first bytes (its hello) come, it is silent as a plain connection
+    // before its first request is: a call for idle connections to close (an accept loop
+    // waits at `server.max_connections`) cuts it, as nginx reuses a TLS connection that has
+    // sent no data. A handshake under way is not cut.
+    let heard = AtomicBool::new(false);
+    let handshake = async {
+        let mut first = [0u8; 1];
+        if stream.peek(&mut first).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        heard.store(true, Ordering::Relaxed);
+        let stream = stream.prepare(ctx.worker.shared.settings.idle_timeout, &activity);
+        acceptor.accept(stream).await
+    };
     // At shutdown, a handshake gets a second at most (see `first_step`).
     let accepted = first_step(
         &ctx.shutdown,
-        left,
-        left.min(QUEUED_WAIT),
-        None,
-        acceptor.accept(stream),
+        handshake_timeout,
+        handshake_timeout.min(QUEUED_WAIT),
+        ctx.slot.as_ref().map(|slot| (slot, &heard)),
+        handshake,
     )
     .await;
     let tls = match accepted {
@@ -172,7 +157,11 @@ async fn serve_tls(
             tracing::debug!(client.addr = %peer, error = %e, "TLS handshake failed");
             return;
         }
-        Err(_) => {
+        Err(Cut::Reclaimed) => {
+            tracing::debug!(client.addr = %peer, "silent connection closed before its TLS hello to make room under server.max_connections");
+            return;
+        }
+        Err(Cut::TimedOut) => {
             tracing::debug!(client.addr = %peer, "TLS handshake timed out");
             return;
         }
@@ -230,15 +219,16 @@ const QUEUED_WAIT: Duration = Duration::from_secs(1);
 /// hello or its request, has a client waiting for an answer (a restart refuses no
 /// connection); one that stays silent is closed then.
 ///
-/// With `idle` (the connection's place under `server.max_connections`), a step that is a
-/// wait for the client's first bytes: a call for idle connections to close (an accept loop
-/// waits at the cap, see [`spawner`]) cuts it, as nginx reuses a connection still waiting
-/// for its first request.
+/// With `idle` (the connection's place under `server.max_connections`, and a flag the step
+/// sets once the client's first bytes came), a step that begins with a wait for the
+/// client's first bytes: until they come, a call for idle connections to close (an accept
+/// loop waits at the cap, see [`spawner`]) cuts it, as nginx reuses a connection still
+/// waiting for its first request.
 async fn first_step<F: Future>(
     shutdown: &watch::Receiver<bool>,
     limit: Duration,
     queued_limit: Duration,
-    idle: Option<&spawner::ConnSlot>,
+    idle: Option<(&spawner::ConnSlot, &AtomicBool)>,
     step: F,
 ) -> Result<F::Output, Cut> {
     let mut shutdown = shutdown.clone();
@@ -249,17 +239,20 @@ async fn first_step<F: Future>(
     }
     let deadline = tokio::time::Instant::now() + limit;
     let mut step = std::pin::pin!(step);
-    let mut reclaim = idle.and_then(|slot| Some((slot, slot.reclaim_signal()?)));
+    let mut reclaim = idle.and_then(|(slot, heard)| Some((slot, heard, slot.reclaim_signal()?)));
     // Silent for a second at least (see `spawner::RECLAIM_MIN_IDLE`): a client's first
     // bytes may be on their way.
     let silent_from = tokio::time::Instant::now() + spawner::RECLAIM_MIN_IDLE;
     let reclaimed = async {
         match reclaim.as_mut() {
-            Some((slot, rx)) => loop {
+            Some((slot, heard, rx)) => loop {
                 if rx.changed().await.is_err() {
                     std::future::pending::<()>().await;
                 }
-                if tokio::time::Instant::now() >= silent_from && slot.take_reclaim() {
+                if tokio::time::Instant::now() >= silent_from
+                    && !heard.load(Ordering::Relaxed)
+                    && slot.take_reclaim()
+                {
                     return;
                 }
             },
@@ -307,12 +300,13 @@ async fn serve_plain<I: Prepare>(
     let info = conn_info(&ctx, slot, peer, tls, sni_tenant, activity);
     // A client that connects and says nothing is closed after the idle timeout, or a second
     // into a shutdown (see `first_step`).
+    let heard = AtomicBool::new(false);
     let sniffed = first_step(
         &ctx.shutdown,
         settings.idle_timeout,
         settings.header_read_timeout.min(QUEUED_WAIT),
-        info.slot.as_ref(),
-        sniff_h2(&mut guard, prior_knowledge),
+        info.slot.as_ref().map(|slot| (slot, &heard)),
+        sniff_h2(&mut guard, prior_knowledge, &heard),
     )
     .await;
     let sniffed = match sniffed {
@@ -377,8 +371,11 @@ async fn serve_plain<I: Prepare>(
 async fn sniff_h2<I: AsyncRead + Unpin>(
     guard: &mut H1Guard<I>,
     prior_knowledge: bool,
+    heard: &AtomicBool,
 ) -> std::io::Result<bool> {
     let mut have = guard.fill_at_least(1).await?;
+    // (A client part-way through the preface is not silent: a call to make room spares it.)
+    heard.store(true, Ordering::Relaxed);
     if !prior_knowledge {
         return Ok(false);
     }
