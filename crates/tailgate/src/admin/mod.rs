@@ -243,6 +243,7 @@ impl AdminState {
 pub struct Admin {
     pub addr: SocketAddr,
     stop: watch::Sender<bool>,
+    scrape_stop: watch::Sender<bool>,
     thread: JoinHandle<()>,
     scrape_thread: JoinHandle<()>,
 }
@@ -288,14 +289,14 @@ impl Admin {
         let listener = crate::listener::listen(listener)?;
         let addr = listener.local_addr()?;
         let (stop, stop_rx) = watch::channel(false);
-        let scrape_stop = stop_rx.clone();
+        let (scrape_stop, scrape_stop_rx) = watch::channel(false);
         // Without it, scrapes render on the admin thread.
         if let Some(rt) = &scrape_runtime {
             let _ = state.scrape_runtime.set(rt.handle().clone());
         }
         let scrape_thread = std::thread::Builder::new()
             .name("tailgate-scrape".into())
-            .spawn(move || run_scrapes(scrape_runtime, scrape_stop))?;
+            .spawn(move || run_scrapes(scrape_runtime, scrape_stop_rx))?;
         let thread = std::thread::Builder::new()
             .name("tailgate-admin".into())
             .spawn(move || run(listener, runtime, state, stop_rx))?;
@@ -303,15 +304,18 @@ impl Admin {
         Ok(Admin {
             addr,
             stop,
+            scrape_stop,
             thread,
             scrape_thread,
         })
     }
 
-    /// Stops the admin thread and the scrape thread (after the data plane has stopped).
+    /// Stops the admin thread, then the scrape thread (after the data plane has stopped):
+    /// the scrapes the admin thread answers at its stop render on the other.
     pub fn stop(self) {
         let _ = self.stop.send(true);
         let _ = self.thread.join();
+        let _ = self.scrape_stop.send(true);
         let _ = self.scrape_thread.join();
     }
 }
@@ -346,9 +350,9 @@ fn run(
         let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         let probe_permits = Arc::new(tokio::sync::Semaphore::new(PROBE_CONNECTIONS));
         let open = Arc::new(Open::new());
-        // The notes on a full plane, at most every 10 s: a connect flood on the admin port
-        // must not fill the log queue the access log shares.
-        let noted = Arc::new(crate::pace::Every::new(Duration::from_secs(10)));
+        // The notes on a full plane, each at most every 10 s: a connect flood on the admin
+        // port must not fill the log queue the access log shares.
+        let noted = Arc::new(Notes::default());
         loop {
             tokio::select! {
                 accepted = listener.accept() => match accepted {
@@ -364,7 +368,7 @@ fn run(
                         // gets `EVICT_GRACE` to finish it. Past `EVICT_WAIT` the new one
                         // gets a probe slot.
                         Err(_) if open.close_idlest() => {
-                            if noted.due() {
+                            if noted.slot_taken.due() {
                                 tracing::info!(client = %peer, limit = MAX_CONNECTIONS, "admin connections all taken; the longest idle one is closed for this one (noted at most every 10 s)");
                             }
                             let (permits, probe_permits) = (permits.clone(), probe_permits.clone());
@@ -433,25 +437,42 @@ async fn stop_serving(
     }
 }
 
+/// The admin plane's notes on a full plane, each at most every 10 s.
+struct Notes {
+    slot_taken: crate::pace::Every,
+    probe_only: crate::pace::Every,
+    refused: crate::pace::Every,
+}
+
+impl Default for Notes {
+    fn default() -> Notes {
+        let every = || crate::pace::Every::new(Duration::from_secs(10));
+        Notes {
+            slot_taken: every(),
+            probe_only: every(),
+            refused: every(),
+        }
+    }
+}
+
 /// Serves `stream` on a probe slot (health probes only, one request), or drops it when
-/// those are all taken too. Logged when `noted` is due.
+/// those are all taken too.
 fn serve_probe(
     stream: tokio::net::TcpStream,
     peer: SocketAddr,
     state: Arc<AdminState>,
     probe_permits: &Arc<tokio::sync::Semaphore>,
-    noted: &crate::pace::Every,
+    noted: &Notes,
 ) {
-    let note = noted.due();
     match probe_permits.clone().try_acquire_owned() {
         Ok(permit) => {
-            if note {
+            if noted.probe_only.due() {
                 tracing::warn!(client = %peer, limit = MAX_CONNECTIONS, "admin connections all busy; this one may ask for /healthz or /readyz only (noted at most every 10 s)");
             }
             tokio::spawn(serve(stream, state, permit, Slot::Probe));
         }
         Err(_) => {
-            if note {
+            if noted.refused.due() {
                 tracing::warn!(client = %peer, limit = MAX_CONNECTIONS, "admin connection refused: too many open (noted at most every 10 s)");
             }
         }
