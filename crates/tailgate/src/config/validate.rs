@@ -1287,6 +1287,8 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             format!("route[{i}].response_timeout"),
             Duration::from_secs(30),
         );
+        let response_refused = c.errors_found() > found;
+        let found = c.errors_found();
         let total_timeout = r.total_timeout.as_ref().map(|_| {
             c.timeout(
                 &r.total_timeout,
@@ -1294,15 +1296,18 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 Duration::from_secs(60),
             )
         });
-        let timeouts_refused = c.errors_found() > found;
+        let total_refused = c.errors_found() > found;
         let hedge_delay = r
             .hedge_delay
             .as_ref()
             .and_then(|v| c.hedge_delay(v, format!("route[{i}].hedge_delay")));
+        // (Against the timeouts as written: a refused one is left out, not judged as the
+        // default in its place.)
         if let (Some(d), Some(v)) = (&hedge_delay, &r.hedge_delay)
-            && !timeouts_refused
+            && !response_refused
         {
-            c.hedge_reachable(d, v, i, response_timeout, total_timeout);
+            let total = total_timeout.filter(|_| !total_refused);
+            c.hedge_reachable(d, v, i, response_timeout, total);
         }
         let rewrite_prefix = c.rewrite_prefix(r, i, &path_prefix);
         let host_rewrite = c.host_rewrite(r, i);

@@ -168,6 +168,14 @@ mod tests {
             "{e}"
         );
         assert!(!e.contains("never goes"), "{e}");
+        // A refused total_timeout leaves the response_timeout judged.
+        let e = parse(&format!(
+            "{}response_timeout = \"2s\"\ntotal_timeout = \"31d\"\n",
+            route("5s")
+        ))
+        .expect_err("two mistakes");
+        assert!(e.contains("route[0].total_timeout"), "{e}");
+        assert!(e.contains("the route's response_timeout of 2s"), "{e}");
         let e = parse("hedge_budget_percent = 150\n").expect_err("over 100");
         assert!(
             e.contains("t.toml:6:24: cluster[0].hedge_budget_percent"),
