@@ -815,6 +815,32 @@ async fn ri_huge_content_lengths_are_refused() {
     assert_eq!(hits.load(Ordering::SeqCst), 0);
 }
 
+/// A target `http` refuses is judged before the body's framing, as hyper's server judges
+/// it: a 400 (not the 501 of an unknown coding), and at once (not once a body that never
+/// comes has timed out), whether the inline server or hyper's answers.
+#[tokio::test]
+async fn ri_a_bad_target_is_refused_before_its_body() {
+    let (up, hits) = path_upstream().await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nheader_read_timeout = \"30s\"\n");
+    let coded = "POST /a<b> HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n";
+    let waiting = "POST /a<b> HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\n";
+    // First on the connection (the inline server), and behind a chunked request (which
+    // hands the connection to hyper's server).
+    let chunked =
+        "POST /c HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nx\r\n0\r\n\r\n";
+    for before in ["", chunked] {
+        for bad in [coded, waiting] {
+            // (Closed within `WAIT`, long before the 30 s a body is waited for.)
+            let (text, closed) = raw(gw.addr, format!("{before}{bad}").as_bytes(), WAIT).await;
+            assert!(closed, "{text:?}");
+            let got = responses(text.as_bytes(), &[]);
+            let last = got.last().expect("an answer");
+            assert_eq!(last.status, 400, "{before:?} {bad:?}: {text:?}");
+        }
+    }
+    assert_eq!(hits.load(Ordering::SeqCst), 2, "only the chunked requests");
+}
+
 /// A request target httparse takes and `http` does not (and a header httparse refuses):
 /// 400 from hyper's server, as before, after the requests served inline before it.
 #[tokio::test]

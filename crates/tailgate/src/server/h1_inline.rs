@@ -550,6 +550,9 @@ fn parse<const STALLED: bool>(
         return Err(Unserved::Refused(f.into()));
     }
     if let Err(f) = body.check(http10) {
+        // A target `http` refuses first, as hyper's server (and the guard) judge them: its
+        // 400, not the body's 501.
+        target_valid(path)?;
         return Err(Unserved::Refused(f.into()));
     }
     if body.te || elsewhere || !body.plain {
@@ -560,6 +563,9 @@ fn parse<const STALLED: bool>(
     // each piece of it that comes); a larger one is streamed by hyper's server.
     let body_len = if STALLED { 0 } else { body.length.unwrap_or(0) };
     if ((buf.len() - head_len) as u64) < body_len {
+        // A target `http` refuses is answered now, as hyper's server answers it, not once
+        // the body has come (or the header read timeout, when it never does).
+        target_valid(path)?;
         // One over the limit is refused (413) without waiting for it, by hyper's server.
         let within = limits.max_body == 0 || body_len <= limits.max_body;
         return Err(if body_len <= INLINE_BODY_MAX && within {
@@ -611,6 +617,15 @@ fn parse<const STALLED: bool>(
         },
     };
     Ok(served)
+}
+
+/// Refuses a target `http` cannot take (see [`build`], where it is parsed for use): checked
+/// ahead only where the answer would otherwise differ from hyper's or wait for a body.
+fn target_valid(path: &str) -> Result<(), Unserved> {
+    match path.parse::<Uri>() {
+        Ok(_) => Ok(()),
+        Err(_) => Err(Unserved::Refused(head::target_fault(path.len()).into())),
+    }
 }
 
 /// The request's target, and its headers into `headers` (empty), their values sharing the
