@@ -1271,6 +1271,47 @@ async fn at_max_connections_new_connections_wait_until_one_closes() {
     assert_eq!(ex.value("tailgate_downstream_connections", &[]), 2.0);
 }
 
+/// At `server.max_connections`, a connection part-way through its HTTP/2 preface is not
+/// silent: the silent one beside them makes room, and they are spared.
+#[tokio::test]
+async fn at_max_connections_a_preface_under_way_is_spared() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = ok_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        "[server]\nworkers = 1\nmax_connections = 4\nidle_timeout = \"60s\"\n",
+    );
+    let mut begun = Vec::new();
+    for _ in 0..3 {
+        let mut c = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+        c.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
+        begun.push(c);
+    }
+    let silent = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    // Accepted (the one worker takes its queue in order) before the next comes.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut next = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    next.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let (text, closed) = read_until_close(&mut next, Duration::from_secs(10)).await;
+    assert!(closed && text.starts_with("HTTP/1.1 200"), "{text:?}");
+    let closed = |mut s: tokio::net::TcpStream| async move {
+        let mut buf = [0u8; 64];
+        matches!(
+            tokio::time::timeout(Duration::from_millis(500), s.read(&mut buf)).await,
+            Ok(Ok(0) | Err(_))
+        )
+    };
+    assert!(closed(silent).await, "the silent one made room");
+    for c in begun {
+        assert!(
+            !closed(c).await,
+            "one part-way through its preface is spared"
+        );
+    }
+}
+
 /// At `server.max_connections`, connections doing nothing make room: idle keep-alive ones
 /// (between requests) and silent ones (nothing sent since their accept) are closed, so a
 /// client holding the cap's worth of them keeps no one else out for its idle timeout.
