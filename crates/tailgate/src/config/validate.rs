@@ -1244,6 +1244,10 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                             "has a `;` parameter with an encoded slash or a backslash in it; such paths are refused with 400",
                             "write the prefix without `%2F`, `%5C` or `\\` after a `;`",
                         ),
+                        BadPath::BadEscape => (
+                            "has a `%` not followed by two hex digits; such paths are refused with 400",
+                            "write `%25` for a `%` itself",
+                        ),
                     };
                     c.err(
                         Some(r.path_prefix.span()),
@@ -1940,7 +1944,6 @@ mod tests {
             "/a|b",
             "/x[1]",
             "/api/{v}",
-            "/100%",
         ] {
             let text = format!("{TAIL}[[route]]\npath_prefix = \"{prefix}\"\ncluster = \"c\"\n");
             assert_eq!(errors_of(&text), "", "{prefix}");
@@ -2103,6 +2106,10 @@ mod tests {
             (
                 format!("{TAIL}[[route]]\npath_prefix = \"/a;p=%2F../b\"\ncluster = \"c\"\n"),
                 "`/a;p=%2F../b` has a `;` parameter with an encoded slash or a backslash in it",
+            ),
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/100%/\"\ncluster = \"c\"\n"),
+                "`/100%/` has a `%` not followed by two hex digits",
             ),
             (
                 format!("[[tenant]]\nname = \"t\"\nhosts = [\"api.test.\"]\n{TAIL}"),

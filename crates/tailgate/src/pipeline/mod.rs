@@ -16,6 +16,7 @@ pub mod route;
 pub mod spare;
 pub mod tunnel;
 
+use std::borrow::Cow;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -321,10 +322,30 @@ fn route_request<'a>(
             tenant: Some(ct),
         });
     }
-    match shared
+    let found = shared
         .routes
-        .lookup_with(host, host_tenant, &path, &parts.method, conn.tenant)
+        .lookup_with(host, host_tenant, &path, &parts.method, conn.tenant);
+    // The path goes upstream as sent (unless the route rewrites it, in its normal form): a
+    // server there that resolves no `..` and takes no backslash or encoded slash for a `/`
+    // must find it under the route it took here, or the route's settings are passed by
+    // (`/admin/x\..\..\public/y` is `/public/y` here and under `/admin/` to nginx, Go or
+    // Node). Looked at only for a path whose normal form differs (rare).
+    if let (Match::Found(r), Cow::Owned(normal)) = (&found, &path)
+        && r.rewrite.as_ref().is_none_or(|w| w.to.is_none())
+        && let Ok(flat) = route::flat_path(parts.uri.path())
+        && flat.as_ref() != normal.as_str()
     {
+        let same = matches!(
+            shared.routes.lookup_with(host, host_tenant, &flat, &parts.method, conn.tenant),
+            Match::Found(f) if std::ptr::eq(f, *r)
+        );
+        if !same {
+            return Err(refused(ProxyError::BadRequest(
+                "the path takes another route once its `..` segments, backslashes or encoded slashes are resolved, which servers behind read differently",
+            )));
+        }
+    }
+    match found {
         Match::Found(r) => Ok((r, r.tenant.or(host_tenant).or(conn.tenant))),
         // Counted against the tenant the Host names, when it names one.
         Match::WrongMethod(allowed) => Err(NoRoute {

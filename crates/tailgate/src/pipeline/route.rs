@@ -147,11 +147,14 @@ pub struct RouteTable {
     /// Exact tenant host → tenant.
     tenant_hosts: HashMap<String, usize>,
     /// `*.suffix` tenant hosts, by their suffix (`suffix`, without `*.`): a host looks up
-    /// each of its suffixes, longest first, so the most specific pattern that matches wins,
-    /// as in nginx's `server_name`, in as many look-ups as the host has dots, however many
-    /// tenants there are (a scan of the patterns cost one comparison per tenant, for every
-    /// Host no exact name matched, which a client picks freely).
+    /// its suffixes of the patterns' lengths, longest first, so the most specific pattern
+    /// that matches wins, as in nginx's `server_name`, in one look-up per length a pattern
+    /// has, however many tenants there are (a scan of the patterns cost one comparison per
+    /// tenant, for every Host no exact name matched, which a client picks freely; a look-up
+    /// per dot of the host cost time in the square of its length, a client's to choose).
     tenant_wildcards: HashMap<String, usize>,
+    /// The lengths of the `tenant_wildcards` suffixes, longest first, each once.
+    wildcard_lens: Vec<usize>,
     /// Per tenant: its routes without a host.
     tenant_routes: Vec<RouteList>,
     /// Routes with neither tenant nor host.
@@ -191,6 +194,10 @@ impl RouteTable {
                 }
             }
         }
+        let mut lens: Vec<usize> = t.tenant_wildcards.keys().map(String::len).collect();
+        lens.sort_unstable_by(|a, b| b.cmp(a));
+        lens.dedup();
+        t.wildcard_lens = lens;
         // The scopes and prefixes with a route that names HEAD.
         let named_head: std::collections::HashSet<(Option<usize>, Option<&str>, &str)> = config
             .routes
@@ -250,13 +257,16 @@ impl RouteTable {
         if let Some(&t) = self.tenant_hosts.get(host) {
             return Some(t);
         }
-        if self.tenant_wildcards.is_empty() {
-            return None;
-        }
-        // `a.b.c` looks up `b.c`, then `c`: a `*.` pattern's label is never empty.
-        host.match_indices('.')
-            .filter(|&(at, _)| at > 0)
-            .find_map(|(at, _)| self.tenant_wildcards.get(&host[at + 1..]).copied())
+        // `a.b.c` looks up `b.c`, then `c` (of the lengths patterns have): the label a `*.`
+        // stands for is never empty.
+        let b = host.as_bytes();
+        self.wildcard_lens.iter().find_map(|&len| {
+            let dot = b.len().checked_sub(len + 1).filter(|&at| at > 0)?;
+            // (The dot is ASCII: the slices on either side start at character boundaries.)
+            (b[dot] == b'.')
+                .then(|| self.tenant_wildcards.get(&host[dot + 1..]).copied())
+                .flatten()
+        })
     }
 
     /// The tenant a TLS server name (SNI) belongs to: matched as a Host is, without case
@@ -526,6 +536,21 @@ const HOST_BYTES: [HostByte; 256] = {
 /// that is not a path (`*` of
 /// `OPTIONS *`) is returned as it is.
 pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
+    normalize(path, true)
+}
+
+/// The path as a server behind that resolves no dot segment and takes no backslash or
+/// encoded slash for a `/` reads it: [`normal_path`]'s form but for those (`.` and `..`
+/// are segments, `\`, `%2F` and `%5C` stay in theirs; repeated slashes are merged all
+/// the same). Where a path's normal form takes another route than this (a `..`, a
+/// backslash or an encoded slash across a route's prefix), which route the request is
+/// for depends on the server reading it: the pipeline refuses it.
+pub fn flat_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
+    normalize(path, false)
+}
+
+/// [`normal_path`] (`resolve`) or [`flat_path`].
+fn normalize(path: &str, resolve: bool) -> Result<Cow<'_, str>, BadPath> {
     let b = path.as_bytes();
     if b.first() != Some(&b'/') {
         return Ok(Cow::Borrowed(path));
@@ -594,7 +619,7 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
             // control byte, which cannot stand raw).
             if v != b'%' && v != b'/' && v != b'\\' && raw_in_path(v) {
                 decoded.push(v);
-            } else if v == b'/' || v == b'\\' {
+            } else if resolve && (v == b'/' || v == b'\\') {
                 decoded.push(b'/');
             } else {
                 decoded.extend_from_slice(&[b'%', HEX[usize::from(hi)], HEX[usize::from(lo)]]);
@@ -602,12 +627,18 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
             i += 3;
             continue;
         }
+        // A `%` that starts no escape: kept, what follows could be decoded into one
+        // (`/%%36%31dmin` would be `/%61dmin`, `/admin` to a server that decodes twice);
+        // nginx and Go refuse it too.
+        if c == b'%' {
+            return Err(BadPath::BadEscape);
+        }
         if c > 0x7f {
             // Raw UTF-8 is matched as its escapes, as most clients send it: `/é/` and
             // `/%C3%A9/` are one path, and take one route.
             decoded.extend_from_slice(&[b'%', HEX[usize::from(c >> 4)], HEX[usize::from(c & 15)]]);
         } else {
-            decoded.push(if c == b'\\' { b'/' } else { c });
+            decoded.push(if c == b'\\' && resolve { b'/' } else { c });
         }
         i += 1;
     }
@@ -626,8 +657,8 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
                 trailing_slash = true;
                 levels.push(true);
             }
-            b"." => trailing_slash = true,
-            b".." => match levels.pop() {
+            b"." if resolve => trailing_slash = true,
+            b".." if resolve => match levels.pop() {
                 None => return Err(BadPath::AboveRoot),
                 Some(true) => return Err(BadPath::DotsAfterEmpty),
                 Some(false) => {
@@ -687,11 +718,33 @@ pub fn rewrite_target(uri: &http::Uri, prefix: &str, to: &str) -> Option<http::U
     if normal_path(&out).ok()? != out.as_str() {
         return None;
     }
+    // What the normal form decoded that RFC 3986 allows in no path (`"`, `[`, `]`, `^`,
+    // `{`, `|`, `}`) goes up escaped again: servers that hold to it (Tomcat) refuse them
+    // raw.
+    if out.bytes().any(not_pchar) {
+        let mut escaped = String::with_capacity(out.len() + 8);
+        for ch in out.chars() {
+            match u8::try_from(ch) {
+                Ok(b) if not_pchar(b) => {
+                    escaped.push('%');
+                    escaped.push(char::from(HEX[usize::from(b >> 4)]));
+                    escaped.push(char::from(HEX[usize::from(b & 15)]));
+                }
+                _ => escaped.push(ch),
+            }
+        }
+        out = escaped;
+    }
     if let Some(q) = query {
         out.push('?');
         out.push_str(q);
     }
     http::Uri::try_from(out).ok()
+}
+
+/// A byte the normal form may hold raw that RFC 3986 allows in no path.
+fn not_pchar(b: u8) -> bool {
+    matches!(b, b'"' | b'[' | b']' | b'^' | b'{' | b'|' | b'}')
 }
 
 /// A path routes cannot match.
@@ -708,6 +761,8 @@ pub enum BadPath {
     SlashInParams,
     /// An encoded NUL (`%00`).
     Nul,
+    /// A `%` not followed by two hex digits.
+    BadEscape,
 }
 
 impl BadPath {
@@ -722,6 +777,7 @@ impl BadPath {
                 "the path has a `.` or `..` segment with `;` parameters (`..;x`), which servers read differently"
             }
             BadPath::Nul => "the path has an encoded NUL (`%00`)",
+            BadPath::BadEscape => "the path has a `%` that is not followed by two hex digits",
             BadPath::SlashInParams => {
                 "the path has a `;` parameter with an encoded slash or a backslash in it (`;%2F..`), which servers read differently"
             }
@@ -940,6 +996,43 @@ endpoints = ["127.0.0.1:1"]
         }
         assert_eq!(t.tenant_of_server_name("x.acme.test."), Some(0));
         assert_eq!(t.tenant_of_server_name("acme.test."), None);
+        // A host of many labels is looked up once per pattern length, not once per dot.
+        let long = format!("{}acme.test", "a.".repeat(8000));
+        assert_eq!(t.tenant_of_host(&long), Some(0));
+        assert_eq!(t.wildcard_lens, [12, 9]);
+    }
+
+    /// A rewritten target holds no byte RFC 3986 allows in no path: what the normal form
+    /// decoded goes up escaped again; the query is left as sent.
+    #[test]
+    fn a_rewritten_target_escapes_what_no_path_may_hold() {
+        let uri: http::Uri = "/api/%7B%22k%22%7D/a%7Cb%5E?q={x}".parse().expect("uri");
+        let out = rewrite_target(&uri, "/api/", "/v2/").expect("rewritten");
+        assert_eq!(out, "/v2/%7B%22k%22%7D/a%7Cb%5E?q={x}");
+        let uri: http::Uri = "/api/%41%3Ab".parse().expect("uri");
+        let out = rewrite_target(&uri, "/api/", "/v2/").expect("rewritten");
+        assert_eq!(out, "/v2/A:b");
+    }
+
+    /// The flat form resolves no dot segment and keeps backslashes and encoded slashes,
+    /// and is otherwise the normal form.
+    #[test]
+    fn the_flat_form_keeps_the_paths_structure() {
+        for (raw, flat) in [
+            ("/public/../internal", "/public/../internal"),
+            ("/a/./b", "/a/./b"),
+            ("/a\\..\\b", "/a\\..\\b"),
+            ("/a%2f..%5cb", "/a%2F..%5Cb"),
+            ("/%70ublic//x;p=1/y", "/public/x/y"),
+            ("/caf\u{e9}/", "/caf%C3%A9/"),
+        ] {
+            assert_eq!(flat_path(raw).as_deref(), Ok(flat), "{raw}");
+        }
+        assert_eq!(normal_path("/a\\..\\b").as_deref(), Ok("/b"));
+        // A `%` that starts no escape is refused, not kept to be decoded into one.
+        for bad in ["/%%36%31dmin/keys", "/a%", "/a%4", "/a%zz"] {
+            assert_eq!(normal_path(bad), Err(BadPath::BadEscape), "{bad}");
+        }
     }
 
     #[test]
@@ -985,8 +1078,6 @@ endpoints = ["127.0.0.1:1"]
             ("/admin;%2E%2E/x", "/admin/x"),
             ("/;", "/"),
             ("/a;", "/a"),
-            ("/a%2", "/a%2"),
-            ("/a%zz", "/a%zz"),
             ("/.well-known/x", "/.well-known/x"),
             // Raw UTF-8 is matched as its escapes (upper case), however it was sent.
             ("/é/../ü", "/%C3%BC"),
