@@ -97,6 +97,10 @@ async fn a_dot_segment_cannot_leave_its_routes_prefix() {
         "/public/..\\internal/keys",
         // Into a route's prefix, from outside it.
         "/x/../public/y",
+        // As a server reads it that resolves dots but keeps `%2F` whole (the WHATWG URL
+        // parser), or decodes `%2F` but resolves no dot (uvicorn).
+        "/x%2Fy/../public/z",
+        "/public%2F..%2Fx",
         "/internal/x\\..\\..\\public/y",
         "/internal/x%2F..%2F..%2Fpublic/y",
     ] {
@@ -156,7 +160,16 @@ async fn a_path_parameter_does_not_pass_by_its_route() {
 #[tokio::test]
 async fn encoded_and_doubled_slashes_route_as_their_normal_form() {
     let gw = gateway().await;
-    for target in ["/%70ublic/x", "//public/x", "/public//x"] {
+    for target in [
+        "/%70ublic/x",
+        "//public/x",
+        "/public//x",
+        // An encoded slash inside a segment under the prefix (an id such as GitLab's).
+        "/public/group%2Fproject/issues",
+        // A `%` in the query or a parameter is no escape of the path.
+        "/public/x?q=100%",
+        "/public;p=100%/x",
+    ] {
         let (status, body) = ask(&gw, &get(target)).await;
         assert!(status.contains(" 200 "), "{target}: {status}");
         assert_eq!(body, "public", "{target}");
@@ -165,6 +178,10 @@ async fn encoded_and_doubled_slashes_route_as_their_normal_form() {
     // (where a server that keeps it whole reads another path) is refused.
     let (status, _) = ask(&gw, &get("/public%2Fx")).await;
     assert!(status.contains(" 400 "), "{status}");
+    // A `%` that starts no escape.
+    let (status, body) = ask(&gw, &get("/public/50%off")).await;
+    assert!(status.contains(" 400 "), "{status}");
+    assert!(body.contains("two hex digits"), "{body}");
 }
 
 #[tokio::test]

@@ -326,23 +326,29 @@ fn route_request<'a>(
         .routes
         .lookup_with(host, host_tenant, &path, &parts.method, conn.tenant);
     // The path goes upstream as sent (unless the route rewrites it, in its normal form): a
-    // server there that resolves no `..` and takes no backslash or encoded slash for a `/`
-    // must find it under the route it took here, or the route's settings are passed by
-    // (`/admin/x\..\..\public/y` is `/public/y` here and under `/admin/` to nginx, Go or
-    // Node). Looked at only for a path whose normal form differs (rare).
+    // server there that resolves no `..`, or takes no backslash or encoded slash for a `/`,
+    // or neither, must find it under the route it took here, or the route's settings are
+    // passed by (`/admin/x\..\..\public/y` is `/public/y` here and under `/admin/` to
+    // nginx, Go or Node). Looked at only for a path whose normal form differs (rare).
     if let (Match::Found(r), Cow::Owned(normal)) = (&found, &path)
         && r.rewrite.as_ref().is_none_or(|w| w.to.is_none())
-        && let Ok(flat) = route::flat_path(parts.uri.path())
-        && flat.as_ref() != normal.as_str()
     {
-        let same = matches!(
-            shared.routes.lookup_with(host, host_tenant, &flat, &parts.method, conn.tenant),
-            Match::Found(f) if std::ptr::eq(f, *r)
-        );
-        if !same {
-            return Err(refused(ProxyError::BadRequest(
-                "the path takes another route once its `..` segments, backslashes or encoded slashes are resolved, which servers behind read differently",
-            )));
+        for reading in route::Reading::OTHERS {
+            let same = match route::path_as_read(parts.uri.path(), reading) {
+                Ok(read) if read.as_ref() == normal.as_str() => true,
+                Ok(read) => matches!(
+                    shared.routes.lookup_with(host, host_tenant, &read, &parts.method, conn.tenant),
+                    Match::Found(f) if f.id == r.id
+                ),
+                // (A `..` above the root as that server reads it: it refuses the path, or
+                // reads it as something else again.)
+                Err(_) => false,
+            };
+            if !same {
+                return Err(refused(ProxyError::BadRequest(
+                    "the path is read under another route (or none) where its `..` segments, backslashes or encoded slashes are read otherwise, as servers behind may read them",
+                )));
+            }
         }
     }
     match found {

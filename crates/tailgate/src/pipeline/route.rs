@@ -536,21 +536,52 @@ const HOST_BYTES: [HostByte; 256] = {
 /// that is not a path (`*` of
 /// `OPTIONS *`) is returned as it is.
 pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
-    normalize(path, true)
+    normalize(path, Reading::NORMAL)
 }
 
-/// The path as a server behind that resolves no dot segment and takes no backslash or
-/// encoded slash for a `/` reads it: [`normal_path`]'s form but for those (`.` and `..`
-/// are segments, `\`, `%2F` and `%5C` stay in theirs; repeated slashes are merged all
-/// the same). Where a path's normal form takes another route than this (a `..`, a
-/// backslash or an encoded slash across a route's prefix), which route the request is
-/// for depends on the server reading it: the pipeline refuses it.
-pub fn flat_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
-    normalize(path, false)
+/// How a server behind may read a path: whether it resolves dot segments, and whether it
+/// takes a backslash or an encoded slash (`%2F`, `%5C`) for a `/`. Otherwise a reading is
+/// [`normal_path`]'s (`;` parameters dropped, escapes decoded, slashes merged).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reading {
+    pub dots: bool,
+    pub slashes: bool,
 }
 
-/// [`normal_path`] (`resolve`) or [`flat_path`].
-fn normalize(path: &str, resolve: bool) -> Result<Cow<'_, str>, BadPath> {
+impl Reading {
+    /// Routes match this one: [`normal_path`].
+    pub const NORMAL: Reading = Reading {
+        dots: true,
+        slashes: true,
+    };
+    /// The others, as servers behind read paths: no dot resolved and `%2F` kept (Express,
+    /// Go's mux), dots resolved and `%2F` kept (the WHATWG URL parser, Apache's
+    /// `AllowEncodedSlashes NoDecode`), `%2F` decoded and no dot resolved (uvicorn's
+    /// `PATH_INFO`). Where one of them takes another route than the normal form, which
+    /// route the request is for depends on the server reading it: the pipeline refuses it.
+    pub const OTHERS: [Reading; 3] = [
+        Reading {
+            dots: false,
+            slashes: false,
+        },
+        Reading {
+            dots: true,
+            slashes: false,
+        },
+        Reading {
+            dots: false,
+            slashes: true,
+        },
+    ];
+}
+
+/// The path as read by `reading` (see [`Reading`]).
+pub fn path_as_read(path: &str, reading: Reading) -> Result<Cow<'_, str>, BadPath> {
+    normalize(path, reading)
+}
+
+/// [`normal_path`], or the path as another [`Reading`] takes it.
+fn normalize(path: &str, reading: Reading) -> Result<Cow<'_, str>, BadPath> {
     let b = path.as_bytes();
     if b.first() != Some(&b'/') {
         return Ok(Cow::Borrowed(path));
@@ -619,7 +650,7 @@ fn normalize(path: &str, resolve: bool) -> Result<Cow<'_, str>, BadPath> {
             // control byte, which cannot stand raw).
             if v != b'%' && v != b'/' && v != b'\\' && raw_in_path(v) {
                 decoded.push(v);
-            } else if resolve && (v == b'/' || v == b'\\') {
+            } else if reading.slashes && (v == b'/' || v == b'\\') {
                 decoded.push(b'/');
             } else {
                 decoded.extend_from_slice(&[b'%', HEX[usize::from(hi)], HEX[usize::from(lo)]]);
@@ -638,7 +669,11 @@ fn normalize(path: &str, resolve: bool) -> Result<Cow<'_, str>, BadPath> {
             // `/%C3%A9/` are one path, and take one route.
             decoded.extend_from_slice(&[b'%', HEX[usize::from(c >> 4)], HEX[usize::from(c & 15)]]);
         } else {
-            decoded.push(if c == b'\\' && resolve { b'/' } else { c });
+            decoded.push(if c == b'\\' && reading.slashes {
+                b'/'
+            } else {
+                c
+            });
         }
         i += 1;
     }
@@ -657,8 +692,8 @@ fn normalize(path: &str, resolve: bool) -> Result<Cow<'_, str>, BadPath> {
                 trailing_slash = true;
                 levels.push(true);
             }
-            b"." if resolve => trailing_slash = true,
-            b".." if resolve => match levels.pop() {
+            b"." if reading.dots => trailing_slash = true,
+            b".." if reading.dots => match levels.pop() {
                 None => return Err(BadPath::AboveRoot),
                 Some(true) => return Err(BadPath::DotsAfterEmpty),
                 Some(false) => {
@@ -1014,19 +1049,42 @@ endpoints = ["127.0.0.1:1"]
         assert_eq!(out, "/v2/A:b");
     }
 
-    /// The flat form resolves no dot segment and keeps backslashes and encoded slashes,
-    /// and is otherwise the normal form.
+    /// The other readings resolve no dot segment, or keep backslashes and encoded slashes,
+    /// or both, and are otherwise the normal form.
     #[test]
-    fn the_flat_form_keeps_the_paths_structure() {
-        for (raw, flat) in [
-            ("/public/../internal", "/public/../internal"),
-            ("/a/./b", "/a/./b"),
-            ("/a\\..\\b", "/a\\..\\b"),
-            ("/a%2f..%5cb", "/a%2F..%5Cb"),
-            ("/%70ublic//x;p=1/y", "/public/x/y"),
-            ("/caf\u{e9}/", "/caf%C3%A9/"),
+    fn the_other_readings_keep_the_paths_structure_as_they_say() {
+        let [flat, dots, slashes] = Reading::OTHERS;
+        for (raw, as_flat, as_dots, as_slashes) in [
+            (
+                "/public/../internal",
+                "/public/../internal",
+                "/internal",
+                "/public/../internal",
+            ),
+            ("/a/./b", "/a/./b", "/a/b", "/a/./b"),
+            ("/a\\..\\b", "/a\\..\\b", "/a\\..\\b", "/a/../b"),
+            ("/a%2f..%5cb", "/a%2F..%5Cb", "/a%2F..%5Cb", "/a/../b"),
+            (
+                "/x%2Fy/../admin/z",
+                "/x%2Fy/../admin/z",
+                "/admin/z",
+                "/x/y/../admin/z",
+            ),
+            (
+                "/%70ublic//x;p=1/y",
+                "/public/x/y",
+                "/public/x/y",
+                "/public/x/y",
+            ),
+            ("/caf\u{e9}/", "/caf%C3%A9/", "/caf%C3%A9/", "/caf%C3%A9/"),
         ] {
-            assert_eq!(flat_path(raw).as_deref(), Ok(flat), "{raw}");
+            assert_eq!(path_as_read(raw, flat).as_deref(), Ok(as_flat), "{raw}");
+            assert_eq!(path_as_read(raw, dots).as_deref(), Ok(as_dots), "{raw}");
+            assert_eq!(
+                path_as_read(raw, slashes).as_deref(),
+                Ok(as_slashes),
+                "{raw}"
+            );
         }
         assert_eq!(normal_path("/a\\..\\b").as_deref(), Ok("/b"));
         // A `%` that starts no escape is refused, not kept to be decoded into one.
