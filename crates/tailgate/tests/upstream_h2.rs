@@ -588,6 +588,29 @@ async fn warm_h2_connections_are_open_before_the_first_request() {
     assert_eq!(seen.conns.load(Ordering::SeqCst), 2);
 }
 
+/// A warm HTTP/2 connection the server closes (GOAWAY after its one request) is replaced
+/// at once, not at the keeper's next tick (`idle_timeout`, a minute here): the next
+/// request finds a warm one.
+#[tokio::test]
+async fn a_warm_h2_connection_the_server_closes_is_replaced_at_once() {
+    let (up, seen) = h2c_upstream(Gate::new(0), 1, 100).await;
+    let gw = TestGateway::start(&format!(
+        "[server]\nworkers = 1\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nprotocol = \"http2\"\nmin_warm_connections = 1\nidle_timeout = \"60s\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    wait_for("the warm connection", || {
+        seen.conns.load(Ordering::SeqCst) >= 1
+    })
+    .await;
+    assert_eq!(get(gw.addr, "/a").await.status(), 200);
+    // Its server sent GOAWAY after that request and closed it: a successor is opened.
+    wait_for("a successor", || seen.conns.load(Ordering::SeqCst) >= 2).await;
+    assert_eq!(get(gw.addr, "/b").await.status(), 200);
+    assert_eq!(
+        stat(&gw, |s| s.connects_on_request.load(Ordering::Relaxed)),
+        0
+    );
+}
+
 /// An h2 upstream whose first connection goes silent (no frame read or answered, socket
 /// left open) when `silence` is notified; later connections serve normally.
 async fn silencing_upstream() -> (SocketAddr, Seen, Arc<Notify>) {

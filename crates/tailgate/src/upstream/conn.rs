@@ -459,11 +459,15 @@ const H2_CONNECTION_WINDOW: u32 = 64 << 20;
 ///
 /// `keepalive`: (interval, timeout) of PINGs, sent also while no stream is open, so a dead
 /// peer or path is found before a request is put on it.
+///
+/// `ended` is woken when the connection ends (the pool's warm keeper: a warm connection
+/// the server closed is replaced at once, not at the keeper's next tick).
 pub(super) async fn handshake_h2<I>(
     io: I,
     addr: SocketAddr,
     endpoint_limit: Arc<AtomicUsize>,
     keepalive: Option<(Duration, Duration)>,
+    ended: Arc<tokio::sync::Notify>,
 ) -> Result<(http2::SendRequest<ReqBody>, Arc<super::multiplex::H2Live>), ProxyError>
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -503,7 +507,7 @@ where
     let published = live.clone();
     let mut conn = Box::pin(conn);
     tokio::spawn(async move {
-        let ended = std::future::poll_fn(|cx| {
+        let result = std::future::poll_fn(|cx| {
             kick.register(cx.waker());
             let r = conn.as_mut().poll(cx);
             let limit = conn.current_max_send_streams();
@@ -512,9 +516,10 @@ where
             r
         })
         .await;
-        if let Err(e) = ended {
+        if let Err(e) = result {
             tracing::debug!(upstream.addr = %addr, error = %e, "upstream HTTP/2 connection ended with an error");
         }
+        ended.notify_one();
     });
     Ok((sender, live))
 }

@@ -278,7 +278,9 @@ pub struct EndpointPool {
     /// Its handshake failures' warning, at most every 10 s (per endpoint and worker: each
     /// worker has its own pool).
     tls_warned: crate::pace::Every,
-    refill: Notify,
+    /// Wakes the warm keeper; shared with each HTTP/2 connection's task, which wakes it
+    /// when the connection ends (the server closed it: a warm one is missing).
+    refill: Arc<Notify>,
     /// When the first idle HTTP/1.1 connection expires (idle timeout or lifetime), in ms
     /// after `epoch`, as [`Self::idle_len`] last saw (`u64::MAX`: none idle): the keeper
     /// wakes then, so a spare that expires is replaced at once, not at its next tick.
@@ -346,7 +348,7 @@ impl EndpointPool {
             min_warm: cluster.min_warm_connections,
             tls: cluster.tls.as_ref().map(|t| EndpointTls::new(t, addr)),
             tls_warned: crate::pace::Every::new(Duration::from_secs(10)),
-            refill: Notify::new(),
+            refill: Arc::new(Notify::new()),
             ahead: Notify::new(),
             close_uses: AtomicU32::new(0),
             close_agreements: AtomicU32::new(0),
@@ -1019,7 +1021,14 @@ impl EndpointPool {
         I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
         let limit = self.h2_stream_limit.clone();
-        let (sender, max) = handshake_h2(io, self.addr, limit, self.h2_keepalive()).await?;
+        let (sender, max) = handshake_h2(
+            io,
+            self.addr,
+            limit,
+            self.h2_keepalive(),
+            self.refill.clone(),
+        )
+        .await?;
         Ok(Handshaken::H2(sender, max))
     }
 
