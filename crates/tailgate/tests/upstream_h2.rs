@@ -588,6 +588,30 @@ async fn warm_h2_connections_are_open_before_the_first_request() {
     assert_eq!(seen.conns.load(Ordering::SeqCst), 2);
 }
 
+/// An HTTP/2 server that takes no stream (`SETTINGS_MAX_CONCURRENT_STREAMS` 0) is not sent a
+/// new connection per request: while one is open and says so, requests fail at once as
+/// with no connection to be had (`502 upstream_connect_failed`, another endpoint tried
+/// first when there is one).
+#[tokio::test]
+async fn a_server_that_takes_no_stream_gets_no_connection_per_request() {
+    let (up, seen) = h2c_upstream(Gate::new(0), 0, 0).await;
+    let gw = TestGateway::start(&format!(
+        "[server]\nworkers = 1\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nprotocol = \"http2\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"2s\"\n"
+    ));
+    let mut statuses = Vec::new();
+    for i in 0..10 {
+        statuses.push(get(gw.addr, &format!("/n{i}")).await.status().as_u16());
+    }
+    assert!(statuses.iter().all(|&s| s >= 500), "{statuses:?}");
+    assert!(
+        statuses[2..].iter().all(|&s| s == 502),
+        "once it said so, at once: {statuses:?}"
+    );
+    let conns = seen.conns.load(Ordering::SeqCst);
+    assert!(conns <= 3, "{conns} connections for 10 requests");
+    assert!(seen.processed.lock().unwrap().is_empty());
+}
+
 /// A warm HTTP/2 connection the server closes (GOAWAY after its one request) is replaced
 /// at once, not at the keeper's next tick (`idle_timeout`, a minute here): the next
 /// request finds a warm one.

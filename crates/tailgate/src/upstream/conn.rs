@@ -453,9 +453,9 @@ const H2_CONNECTION_WINDOW: u32 = 64 << 20;
 /// the first reads from the server wake it, so the limit in the server's first SETTINGS is
 /// published when it arrives rather than at the next request).
 ///
-/// `endpoint_limit` is the limit the endpoint's other connections last saw (0: none yet):
-/// a new connection assumes it until the server's SETTINGS arrive, rather than hyper's
-/// default of 100 — and the task keeps it up to date.
+/// `endpoint_limit` is the limit the endpoint's other connections last saw (`usize::MAX`:
+/// none yet): a new connection assumes it until the server's SETTINGS arrive, rather than
+/// hyper's default of 100 — and the task keeps it up to date.
 ///
 /// `keepalive`: (interval, timeout) of PINGs, sent also while no stream is open, so a dead
 /// peer or path is found before a request is put on it.
@@ -474,7 +474,7 @@ where
 {
     let mut builder = http2::Builder::new(TokioExecutor::new());
     let assumed = match endpoint_limit.load(Ordering::Relaxed) {
-        0 => 100,
+        usize::MAX => 100,
         n => n,
     };
     builder.initial_max_send_streams(assumed);

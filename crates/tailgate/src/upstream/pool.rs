@@ -263,7 +263,8 @@ pub struct EndpointPool {
     died_young: AtomicU32,
     /// An HTTP/2 connection was made to this endpoint (for [`Protocol::Auto`]).
     h2_seen: AtomicBool,
-    /// The server's concurrent-stream limit as its connections last saw it (0: unknown).
+    /// The server's concurrent-stream limit as its connections last saw it (`usize::MAX`:
+    /// none yet).
     h2_stream_limit: Arc<std::sync::atomic::AtomicUsize>,
     /// HTTP/2 PING interval (`None`: no pings).
     h2_keepalive_interval: Option<Duration>,
@@ -338,7 +339,7 @@ impl EndpointPool {
             h2_failed: AtomicU64::new(0),
             died_young: AtomicU32::new(0),
             h2_seen: AtomicBool::new(false),
-            h2_stream_limit: Arc::default(),
+            h2_stream_limit: Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX)),
             h2_keepalive_interval: cluster.http2_keepalive_interval,
             max_idle: cluster.max_idle_per_endpoint,
             idle_timeout: cluster.idle_timeout,
@@ -833,6 +834,15 @@ impl EndpointPool {
             }
             if let Some(conn) = self.take_h2_stream() {
                 return Ok(Some(conn));
+            }
+            // The server takes no stream now (`SETTINGS_MAX_CONCURRENT_STREAMS` 0) on the
+            // connections open to it: another would be told the same. As with no
+            // connection to be had, another endpoint may be tried (nothing was sent). Once
+            // none is open, one is opened again (the server may have changed its mind).
+            if fresh + due > 0 && self.h2_stream_limit.load(Ordering::Relaxed) == 0 {
+                return Err(ProxyError::UpstreamConnect(std::io::Error::other(
+                    "the upstream's HTTP/2 server takes no new streams now (its SETTINGS_MAX_CONCURRENT_STREAMS is 0)",
+                )));
             }
             if self.h2_connecting.load(Ordering::Relaxed) == 0 {
                 // (A spare of the keeper's that failed while the request's connect was
