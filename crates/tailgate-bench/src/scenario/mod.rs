@@ -164,7 +164,8 @@ pub struct Check {
     pub goal: f64,
     pub met: bool,
     /// For a p99 goal between targets measured in the same rounds: in how many rounds the
-    /// two sides' own p99s met the goal, and of how many (see [`Check::by_round`]).
+    /// two sides' own p99s met the goal, and of how many (ties, a round exactly at the goal,
+    /// left out; see [`Check::by_round`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rounds_met: Option<[usize; 2]>,
     /// Requests that failed (or, open loop, were due and never sent) in the rows the goal
@@ -189,11 +190,15 @@ impl Check {
         ) else {
             return this;
         };
-        // Each round's ratio is judged exactly as the medians' is (`check`).
+        // Each round's ratio is judged exactly as the medians' is (`check`); a round
+        // whose ratio is the goal itself (both p99s the same microsecond) goes neither
+        // way, and is left out, as the sign test leaves out ties.
+        let goal = this.goal;
         let ratios: Vec<f64> = n
             .iter()
             .zip(d)
             .filter_map(|(&n, &d)| goal_ratio(n, d))
+            .filter(|&r| r != goal)
             .collect();
         if !ratios.is_empty() {
             let met = ratios.iter().filter(|&&r| this.holds(r)).count();
@@ -576,7 +581,7 @@ impl Outcome {
              p99 excl. lag (open loop) = p99 without the generator's lag in sending, still corrected for coordinated omission; \
              CPU/req = CPU time (user + system) the target's processes used per request, and in brackets ÷ its upstream's in the same runs \
              (the upstream does the same work for every target, so this ratio compares targets measured while the machine's speed drifted); \
-             rounds met (p99 goals) = in how many rounds the goal's two sides, measured in the same pass, met it on their own; \
+             rounds met (p99 goals) = in how many rounds the goal's two sides, measured in the same pass, met it on their own (rounds exactly at the goal left out); \
              inconclusive = a count chance would give as often (two-sided sign test, p > 0.05): the verdict is the medians', and the rounds do not settle it.\n",
             self.rounds
         );
@@ -861,15 +866,16 @@ mod tests {
     fn a_goal_counts_the_rounds_whose_own_pair_met_it() {
         let tailgate = rounds_row(&[1.0, 3.0, 2.0, 0.5]);
         let nginx = rounds_row(&[2.0, 2.0, 2.0, 9.0]);
-        // Round by round: 0.5, 1.5, 1.0 and 0.06 of nginx's; three are at most 1.
+        // Round by round: 0.5, 1.5, 1.0 and 0.06 of nginx's; two are under 1, and the
+        // tie (1.0) goes neither way.
         let c = check("p99 ≤".into(), Some(2.0), Some(2.0), 1.0, true)
             .by_round(Some(&tailgate), Some(&nginx));
-        assert_eq!(c.rounds_met, Some([3, 4]));
+        assert_eq!(c.rounds_met, Some([2, 3]));
         assert!(c.met, "the verdict stays the medians' (1.0)");
-        // A lower bound counts the other way: 1.5 and 1.0 are at least 1.
+        // A lower bound counts the other way: 1.5 is over 1.
         let c = check("≥".into(), Some(2.0), Some(2.0), 1.0, false)
             .by_round(Some(&tailgate), Some(&nginx));
-        assert_eq!(c.rounds_met, Some([2, 4]));
+        assert_eq!(c.rounds_met, Some([1, 3]));
         // A side not measured, or measured without rounds: nothing to count.
         let c = check("p99 ≤".into(), Some(2.0), None, 1.0, true).by_round(Some(&tailgate), None);
         assert_eq!(c.rounds_met, None);
@@ -972,7 +978,7 @@ mod tests {
 
     #[test]
     fn the_goal_table_shows_the_rounds_met() {
-        let tailgate = rounds_row(&[1.0, 3.0, 2.0]);
+        let tailgate = rounds_row(&[1.0, 3.0, 1.5]);
         let nginx = rounds_row(&[2.0, 2.0, 2.0]);
         let o = Outcome {
             scenario: "s".into(),
