@@ -101,6 +101,10 @@ async fn a_dot_segment_cannot_leave_its_routes_prefix() {
         // parser), or decodes `%2F` but resolves no dot (uvicorn).
         "/x%2Fy/../public/z",
         "/public%2F..%2Fx",
+        // Mixed separators, as a server reads them that takes a backslash for a `/` but
+        // not `%2F` (the WHATWG URL parser), or the other way (nginx).
+        "/internal/a%2Fb\\..\\..\\public/y",
+        "/internal/a\\b%2F..%2F..%2Fpublic/y",
         "/internal/x\\..\\..\\public/y",
         "/internal/x%2F..%2F..%2Fpublic/y",
     ] {

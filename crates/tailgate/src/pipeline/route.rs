@@ -539,40 +539,42 @@ pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
     normalize(path, Reading::NORMAL)
 }
 
-/// How a server behind may read a path: whether it resolves dot segments, and whether it
-/// takes a backslash or an encoded slash (`%2F`, `%5C`) for a `/`. Otherwise a reading is
-/// [`normal_path`]'s (`;` parameters dropped, escapes decoded, slashes merged).
+/// How a server behind may read a path: whether it resolves dot segments, and which of a
+/// backslash, `%2F` and `%5C` it takes for a `/`. Otherwise a reading is [`normal_path`]'s
+/// (`;` parameters dropped, escapes decoded, slashes merged).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Reading {
     pub dots: bool,
-    pub slashes: bool,
+    pub backslash: bool,
+    pub encoded_slash: bool,
+    pub encoded_backslash: bool,
 }
 
 impl Reading {
     /// Routes match this one: [`normal_path`].
     pub const NORMAL: Reading = Reading {
         dots: true,
-        slashes: true,
+        backslash: true,
+        encoded_slash: true,
+        encoded_backslash: true,
     };
-    /// The others, as servers behind read paths: no dot resolved and `%2F` kept (Express,
-    /// Go's mux), dots resolved and `%2F` kept (the WHATWG URL parser, Apache's
-    /// `AllowEncodedSlashes NoDecode`), `%2F` decoded and no dot resolved (uvicorn's
-    /// `PATH_INFO`). Where one of them takes another route than the normal form, which
-    /// route the request is for depends on the server reading it: the pipeline refuses it.
-    pub const OTHERS: [Reading; 3] = [
-        Reading {
-            dots: false,
-            slashes: false,
-        },
-        Reading {
-            dots: true,
-            slashes: false,
-        },
-        Reading {
-            dots: false,
-            slashes: true,
-        },
-    ];
+
+    /// Every other, as servers behind read paths: Express and Go's mux resolve no dot
+    /// and keep `%2F`; the WHATWG URL parser resolves dots, takes a backslash for a `/` and
+    /// keeps `%2F`; nginx decodes `%2F` before it resolves dots and keeps a backslash;
+    /// uvicorn's `PATH_INFO` decodes `%2F` and resolves no dot. Where one of them takes
+    /// another route than the normal form, which route the request is for depends on the
+    /// server reading it: the pipeline refuses it.
+    pub fn others() -> impl Iterator<Item = Reading> {
+        (0..16u8)
+            .map(|bits| Reading {
+                dots: bits & 1 != 0,
+                backslash: bits & 2 != 0,
+                encoded_slash: bits & 4 != 0,
+                encoded_backslash: bits & 8 != 0,
+            })
+            .filter(|r| *r != Reading::NORMAL)
+    }
 }
 
 /// The path as read by `reading` (see [`Reading`]).
@@ -650,7 +652,8 @@ fn normalize(path: &str, reading: Reading) -> Result<Cow<'_, str>, BadPath> {
             // control byte, which cannot stand raw).
             if v != b'%' && v != b'/' && v != b'\\' && raw_in_path(v) {
                 decoded.push(v);
-            } else if reading.slashes && (v == b'/' || v == b'\\') {
+            } else if v == b'/' && reading.encoded_slash || v == b'\\' && reading.encoded_backslash
+            {
                 decoded.push(b'/');
             } else {
                 decoded.extend_from_slice(&[b'%', HEX[usize::from(hi)], HEX[usize::from(lo)]]);
@@ -669,7 +672,7 @@ fn normalize(path: &str, reading: Reading) -> Result<Cow<'_, str>, BadPath> {
             // `/%C3%A9/` are one path, and take one route.
             decoded.extend_from_slice(&[b'%', HEX[usize::from(c >> 4)], HEX[usize::from(c & 15)]]);
         } else {
-            decoded.push(if c == b'\\' && reading.slashes {
+            decoded.push(if c == b'\\' && reading.backslash {
                 b'/'
             } else {
                 c
@@ -1053,7 +1056,19 @@ endpoints = ["127.0.0.1:1"]
     /// or both, and are otherwise the normal form.
     #[test]
     fn the_other_readings_keep_the_paths_structure_as_they_say() {
-        let [flat, dots, slashes] = Reading::OTHERS;
+        let reading = |dots, seps| Reading {
+            dots,
+            backslash: seps,
+            encoded_slash: seps,
+            encoded_backslash: seps,
+        };
+        let (flat, dots, slashes) = (
+            reading(false, false),
+            reading(true, false),
+            reading(false, true),
+        );
+        assert_eq!(Reading::others().count(), 15);
+        assert!(Reading::others().all(|r| r != Reading::NORMAL));
         for (raw, as_flat, as_dots, as_slashes) in [
             (
                 "/public/../internal",
