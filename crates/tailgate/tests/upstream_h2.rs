@@ -612,6 +612,57 @@ async fn a_server_that_takes_no_stream_gets_no_connection_per_request() {
     assert!(seen.processed.lock().unwrap().is_empty());
 }
 
+/// Behind a load balancer the next connection may reach a server that takes streams: one
+/// whose server has allowed none for a second is replaced, and requests are served again.
+#[tokio::test]
+async fn a_connection_whose_server_allows_no_stream_is_replaced() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    let conns = Arc::new(AtomicUsize::new(0));
+    let seen = conns.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            // The first connection allows no stream; the later ones do.
+            let first = seen.fetch_add(1, Ordering::SeqCst) == 0;
+            tokio::spawn(async move {
+                let svc = service_fn(|_req: http::Request<hyper::body::Incoming>| async {
+                    Ok::<_, Infallible>(http::Response::new(full("ok")))
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .max_concurrent_streams(if first { 0 } else { 100 })
+                    .serve_connection(TokioIo::new(tcp), svc)
+                    .await;
+            });
+        }
+    });
+    let gw = TestGateway::start(&format!(
+        "[server]\nworkers = 1\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nprotocol = \"http2\"\nmin_warm_connections = 1\nidle_timeout = \"60s\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"1s\"\n"
+    ));
+    // The warm connection open, and its server's SETTINGS read.
+    wait_for("the warm connection", || conns.load(Ordering::SeqCst) >= 1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut statuses = Vec::new();
+    loop {
+        let status = get(gw.addr, "/x").await.status().as_u16();
+        statuses.push(status);
+        if status == 200 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never served: {statuses:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let n = conns.load(Ordering::SeqCst);
+    assert_eq!(
+        statuses[0], 502,
+        "refused at once while it allows none: {statuses:?}"
+    );
+    assert!((2..=4).contains(&n), "{n} connections: {statuses:?}");
+}
+
 /// A warm HTTP/2 connection the server closes (GOAWAY after its one request) is replaced
 /// at once, not at the keeper's next tick (`idle_timeout`, a minute here): the next
 /// request finds a warm one.

@@ -473,8 +473,10 @@ where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let mut builder = http2::Builder::new(TokioExecutor::new());
+    // (Not a server's 0: a request taken on the new connection before its SETTINGS would
+    // find no room, and open another.)
     let assumed = match endpoint_limit.load(Ordering::Relaxed) {
-        usize::MAX => 100,
+        0 | usize::MAX => 100,
         n => n,
     };
     builder.initial_max_send_streams(assumed);
@@ -511,7 +513,7 @@ where
             kick.register(cx.waker());
             let r = conn.as_mut().poll(cx);
             let limit = conn.current_max_send_streams();
-            published.max_streams.store(limit, Ordering::Relaxed);
+            published.publish(limit);
             endpoint_limit.store(limit, Ordering::Relaxed);
             r
         })
@@ -519,6 +521,8 @@ where
         if let Err(e) = result {
             tracing::debug!(upstream.addr = %addr, error = %e, "upstream HTTP/2 connection ended with an error");
         }
+        // Gone before the keeper looks: its sender reads as closed then.
+        drop(conn);
         ended.notify_one();
     });
     Ok((sender, live))

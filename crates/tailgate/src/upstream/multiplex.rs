@@ -26,14 +26,57 @@ pub(super) struct H2Live {
     /// none since it started was on a connection gone silent (see
     /// [`StreamSlot::silent_since_start`]).
     pub(super) reads: AtomicU64,
+    /// The server's first bytes (its SETTINGS) have been read: `max_streams` is its word,
+    /// not the value assumed until then.
+    settled: std::sync::atomic::AtomicBool,
+    /// Since when the server has allowed no stream (`SETTINGS_MAX_CONCURRENT_STREAMS` 0),
+    /// in ms after `born`, plus 1 (0: it allows some).
+    zero_since_ms: AtomicU64,
+    born: Instant,
 }
+
+/// How long a connection whose server allows no stream is kept before the keeper replaces
+/// it (behind a load balancer, a new connection may reach a server that takes streams):
+/// a connect a second at most per endpoint and worker while the server refuses.
+const REFUSING_FOR: Duration = Duration::from_secs(1);
 
 impl H2Live {
     pub(super) fn new(max_streams: usize) -> H2Live {
         H2Live {
             max_streams: AtomicUsize::new(max_streams),
             reads: AtomicU64::new(0),
+            settled: std::sync::atomic::AtomicBool::new(false),
+            zero_since_ms: AtomicU64::new(0),
+            born: Instant::now(),
         }
+    }
+
+    /// Publishes the limit the connection's task sees after a poll.
+    pub(super) fn publish(&self, limit: usize) {
+        self.max_streams.store(limit, Ordering::Relaxed);
+        if self.reads.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        self.settled.store(true, Ordering::Relaxed);
+        if limit > 0 {
+            self.zero_since_ms.store(0, Ordering::Relaxed);
+        } else if self.zero_since_ms.load(Ordering::Relaxed) == 0 {
+            let now = self.born.elapsed().as_millis() as u64;
+            self.zero_since_ms.store(now + 1, Ordering::Relaxed);
+        }
+    }
+
+    /// Has the server said it allows no stream now?
+    fn refusing(&self) -> bool {
+        self.settled.load(Ordering::Relaxed) && self.max_streams.load(Ordering::Relaxed) == 0
+    }
+
+    /// Has it said so for [`REFUSING_FOR`]?
+    fn refusing_long(&self) -> bool {
+        let since = self.zero_since_ms.load(Ordering::Relaxed);
+        self.refusing()
+            && since > 0
+            && self.born.elapsed() >= Duration::from_millis(since - 1) + REFUSING_FOR
     }
 }
 
@@ -94,6 +137,8 @@ impl Drop for StreamSlot {
 enum Due {
     Requests,
     Lifetime,
+    /// Its server has allowed no stream for [`REFUSING_FOR`].
+    Refusing,
 }
 
 /// The shared connections of one endpoint on one worker.
@@ -118,6 +163,8 @@ impl H2Set {
             Some(Due::Requests)
         } else if self.max_lifetime.is_some_and(|l| c.created.elapsed() >= l) {
             Some(Due::Lifetime)
+        } else if c.live.refusing_long() {
+            Some(Due::Refusing)
         } else {
             None
         }
@@ -183,8 +230,20 @@ impl H2Set {
                 stats.retired_lifetime.fetch_add(1, Ordering::Relaxed);
                 false
             }
+            Some(Due::Refusing) => false,
         });
         (fresh, 0)
+    }
+
+    /// Is there a connection open, and does the server allow no stream on any of them (its
+    /// word, not the limit assumed before its SETTINGS)?
+    pub(super) fn all_refuse(&self) -> bool {
+        let list = self.conns.lock().unwrap_or_else(PoisonError::into_inner);
+        !list.is_empty()
+            && list
+                .iter()
+                .all(|c| c.sender.is_closed() || c.live.refusing())
+            && list.iter().any(|c| !c.sender.is_closed())
     }
 
     /// A stream on the first open connection with room for one more, if any.

@@ -835,16 +835,18 @@ impl EndpointPool {
             if let Some(conn) = self.take_h2_stream() {
                 return Ok(Some(conn));
             }
-            // The server takes no stream now (`SETTINGS_MAX_CONCURRENT_STREAMS` 0) on the
-            // connections open to it: another would be told the same. As with no
-            // connection to be had, another endpoint may be tried (nothing was sent). Once
-            // none is open, one is opened again (the server may have changed its mind).
-            if fresh + due > 0 && self.h2_stream_limit.load(Ordering::Relaxed) == 0 {
-                return Err(ProxyError::UpstreamConnect(std::io::Error::other(
-                    "the upstream's HTTP/2 server takes no new streams now (its SETTINGS_MAX_CONCURRENT_STREAMS is 0)",
-                )));
-            }
             if self.h2_connecting.load(Ordering::Relaxed) == 0 {
+                // The server allows no stream now (`SETTINGS_MAX_CONCURRENT_STREAMS` 0) on
+                // any connection open to it: a connection per request would be told the
+                // same. As with no connection to be had, another endpoint may be tried
+                // (nothing was sent). The keeper replaces such a connection after a
+                // second (`multiplex::REFUSING_FOR`): behind a load balancer the next may
+                // reach a server that takes streams.
+                if self.h2.all_refuse() {
+                    return Err(ProxyError::UpstreamConnect(std::io::Error::other(
+                        "the upstream's HTTP/2 server takes no new streams now (its SETTINGS_MAX_CONCURRENT_STREAMS is 0)",
+                    )));
+                }
                 // (A spare of the keeper's that failed while the request's connect was
                 // under way is no reason: only once none is left.)
                 if deadline.is_some() && failed() {
