@@ -333,7 +333,7 @@ fn route_request<'a>(
     if let (Match::Found(r), Cow::Owned(normal)) = (&found, &path)
         && r.rewrite.as_ref().is_none_or(|w| w.to.is_none())
     {
-        for reading in route::Reading::others() {
+        for reading in route::Reading::others_for(parts.uri.path()) {
             let same = match route::path_as_read(parts.uri.path(), reading) {
                 Ok(read) if read.as_ref() == normal.as_str() => true,
                 Ok(read) => matches!(

@@ -575,6 +575,33 @@ impl Reading {
             })
             .filter(|r| *r != Reading::NORMAL)
     }
+
+    /// The others that can read `path` otherwise than the normal form: only those that
+    /// differ in what it holds (a dot segment, a backslash, `%2F`, `%5C`). None for most
+    /// paths whose normal form differs for other reasons (escapes, raw UTF-8, `;`
+    /// parameters, `//`): no reading is made for them.
+    pub fn others_for(path: &str) -> impl Iterator<Item = Reading> {
+        let b = path.as_bytes();
+        let escape = |lo: &[u8]| {
+            b.windows(3)
+                .any(|w| w[0] == b'%' && w[1] == lo[0] && w[2].eq_ignore_ascii_case(&lo[1]))
+        };
+        // (Any `..`, a `.` after a separator, or an escaped dot: a dot segment perhaps.)
+        let dots = b
+            .windows(2)
+            .any(|w| w == b".." || (w[0] == b'/' || w[0] == b'\\') && w[1] == b'.')
+            || escape(b"2e")
+            || escape(b"2F") && b.contains(&b'.')
+            || escape(b"5C") && b.contains(&b'.');
+        let (backslash, encoded_slash, encoded_backslash) =
+            (b.contains(&b'\\'), escape(b"2F"), escape(b"5C"));
+        Reading::others().filter(move |r| {
+            (dots || r.dots)
+                && (backslash || r.backslash)
+                && (encoded_slash || r.encoded_slash)
+                && (encoded_backslash || r.encoded_backslash)
+        })
+    }
 }
 
 /// The path as read by `reading` (see [`Reading`]).
@@ -1069,6 +1096,17 @@ endpoints = ["127.0.0.1:1"]
         );
         assert_eq!(Reading::others().count(), 15);
         assert!(Reading::others().all(|r| r != Reading::NORMAL));
+        // Only the readings that can differ for a path: none for one with nothing they
+        // read otherwise.
+        for (path, n) in [
+            ("/caf%c3%a9/x;jsessionid=1//y.json", 0),
+            ("/a/../b", 1),
+            ("/a%2Fb", 1),
+            ("/a%2fb/../c", 3),
+            ("/a\\b%5Cc%2F..", 15),
+        ] {
+            assert_eq!(Reading::others_for(path).count(), n, "{path}");
+        }
         for (raw, as_flat, as_dots, as_slashes) in [
             (
                 "/public/../internal",
