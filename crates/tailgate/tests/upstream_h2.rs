@@ -612,6 +612,28 @@ async fn a_server_that_takes_no_stream_gets_no_connection_per_request() {
     assert!(seen.processed.lock().unwrap().is_empty());
 }
 
+/// A connection whose server allows no stream carries none, so it is idle from its start:
+/// with a short `idle_timeout` it is still kept until it is replaced (after a second), not
+/// let go first, which had the next request open a connection of its own and wait in it.
+#[tokio::test]
+async fn a_connection_whose_server_allows_no_stream_outlives_a_short_idle_timeout() {
+    let (up, seen) = h2c_upstream(Gate::new(0), 0, 0).await;
+    let gw = TestGateway::start(&format!(
+        "[server]\nworkers = 1\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nprotocol = \"http2\"\nidle_timeout = \"200ms\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"1s\"\n"
+    ));
+    let mut statuses = Vec::new();
+    for i in 0..8 {
+        statuses.push(get(gw.addr, &format!("/n{i}")).await.status().as_u16());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(
+        statuses[2..].iter().all(|&s| s == 502),
+        "refused at once, none waiting out its response timeout: {statuses:?}"
+    );
+    let conns = seen.conns.load(Ordering::SeqCst);
+    assert!(conns <= 6, "{conns} connections: {statuses:?}");
+}
+
 /// Behind a load balancer the next connection may reach a server that takes streams: one
 /// whose server has allowed none for a second is replaced, and requests are served again.
 #[tokio::test]

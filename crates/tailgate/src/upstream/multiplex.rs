@@ -201,11 +201,15 @@ impl H2Set {
             .fetch_add((before - list.len()) as u64, Ordering::Relaxed);
         // Idle expiry beyond the warm ones. Requests take the first connection with room,
         // so the idle ones are those traffic no longer needs; the first of them are kept.
-        let busy = list.iter().filter(|c| !c.idle_past(idle_timeout)).count();
+        // (One whose server allows no stream carries none, and is idle from its start: it
+        // is replaced by rotation, after `REFUSING_FOR`, not let go first, when no other
+        // would tell the next request that the server refuses.)
+        let idle = |c: &H2Conn| c.idle_past(idle_timeout) && !c.live.refusing();
+        let busy = list.iter().filter(|c| !idle(c)).count();
         let mut idle_kept = keep.saturating_sub(busy);
         let mut expired = 0;
         list.retain(|c| {
-            if !c.idle_past(idle_timeout) {
+            if !idle(c) {
                 return true;
             }
             if idle_kept > 0 {
