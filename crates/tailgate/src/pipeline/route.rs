@@ -523,7 +523,8 @@ const HOST_BYTES: [HostByte; 256] = {
 /// there.
 ///
 /// Borrowed, with no allocation, when the path has no `%`, `\`, `;`, `//` or `/.` in it
-/// (nearly every request) or its normal form is the same.
+/// (nearly every request); borrowed too when its normal form is the same, after the
+/// allocations of working that out.
 ///
 /// [`BadPath::AboveRoot`] for a `..` that would climb above `/` (nginx answers it `400`),
 /// [`BadPath::DotsAfterEmpty`] for a `..` that takes off an empty segment (`/a//../b`,
