@@ -513,8 +513,10 @@ where
             kick.register(cx.waker());
             let r = conn.as_mut().poll(cx);
             let limit = conn.current_max_send_streams();
-            published.publish(limit);
-            endpoint_limit.store(limit, Ordering::Relaxed);
+            // The endpoint remembers its server's word only, not a limit assumed before it.
+            if published.publish(limit) {
+                endpoint_limit.store(limit, Ordering::Relaxed);
+            }
             r
         })
         .await;

@@ -51,11 +51,12 @@ impl H2Live {
         }
     }
 
-    /// Publishes the limit the connection's task sees after a poll.
-    pub(super) fn publish(&self, limit: usize) {
+    /// Publishes the limit the connection's task sees after a poll; whether it is the
+    /// server's word (its SETTINGS read), not the limit assumed until then.
+    pub(super) fn publish(&self, limit: usize) -> bool {
         self.max_streams.store(limit, Ordering::Relaxed);
         if self.reads.load(Ordering::Relaxed) == 0 {
-            return;
+            return false;
         }
         self.settled.store(true, Ordering::Relaxed);
         if limit > 0 {
@@ -64,6 +65,12 @@ impl H2Live {
             let now = self.born.elapsed().as_millis() as u64;
             self.zero_since_ms.store(now + 1, Ordering::Relaxed);
         }
+        true
+    }
+
+    /// Has the server's word (its SETTINGS) been read?
+    fn settled(&self) -> bool {
+        self.settled.load(Ordering::Relaxed)
     }
 
     /// Has the server said it allows no stream now?
@@ -239,22 +246,39 @@ impl H2Set {
         (fresh, 0)
     }
 
-    /// Is there a connection open, and does the server allow no stream on any of them (its
-    /// word, not the limit assumed before its SETTINGS)?
-    pub(super) fn all_refuse(&self) -> bool {
+    /// Does the server allow no stream on any connection open to it: one has said so (its
+    /// word, not the limit assumed before its SETTINGS), and every other has said so too,
+    /// or has not said anything yet (a successor whose SETTINGS are on their way, which
+    /// [`take`](Self::take) passes over meanwhile)?
+    ///
+    /// `said_zero`: the endpoint's server said 0 on the last connection to give its word
+    /// (one since closed or replaced, perhaps).
+    pub(super) fn all_refuse(&self, said_zero: bool) -> bool {
         let list = self.conns.lock().unwrap_or_else(PoisonError::into_inner);
-        !list.is_empty()
-            && list
-                .iter()
-                .all(|c| c.sender.is_closed() || c.live.refusing())
-            && list.iter().any(|c| !c.sender.is_closed())
+        let mut open = list.iter().filter(|c| !c.sender.is_closed()).peekable();
+        open.peek().is_some()
+            && (said_zero
+                || list
+                    .iter()
+                    .any(|c| !c.sender.is_closed() && c.live.refusing()))
+            && open.all(|c| c.live.refusing() || !c.live.settled())
     }
 
-    /// A stream on the first open connection with room for one more, if any.
-    pub(super) fn take(&self) -> Option<(http2::SendRequest<ReqBody>, StreamSlot, Instant)> {
+    /// A stream on the first open connection with room for one more, if any. While the
+    /// endpoint's server allows no stream (`said_zero`, or on a connection open now), a
+    /// connection whose SETTINGS have not been read yet is passed over: the server is
+    /// likely to say the same on it, and a stream put on it before would wait there for
+    /// its response timeout.
+    pub(super) fn take(
+        &self,
+        said_zero: bool,
+    ) -> Option<(http2::SendRequest<ReqBody>, StreamSlot, Instant)> {
         let list = self.conns.lock().unwrap_or_else(PoisonError::into_inner);
+        let wary = said_zero || list.iter().any(|c| c.live.refusing());
         let c = list.iter().find(|c| {
-            (c.active.load(Ordering::Relaxed) as usize) < c.live.max_streams.load(Ordering::Relaxed)
+            (!wary || c.live.settled())
+                && (c.active.load(Ordering::Relaxed) as usize)
+                    < c.live.max_streams.load(Ordering::Relaxed)
         })?;
         Some(Self::slot(c))
     }

@@ -263,8 +263,8 @@ pub struct EndpointPool {
     died_young: AtomicU32,
     /// An HTTP/2 connection was made to this endpoint (for [`Protocol::Auto`]).
     h2_seen: AtomicBool,
-    /// The server's concurrent-stream limit as its connections last saw it (`usize::MAX`:
-    /// none yet).
+    /// The server's concurrent-stream limit as its connections last heard it from the
+    /// server, in their SETTINGS (`usize::MAX`: none yet, or no limit).
     h2_stream_limit: Arc<std::sync::atomic::AtomicUsize>,
     /// HTTP/2 PING interval (`None`: no pings).
     h2_keepalive_interval: Option<Duration>,
@@ -842,7 +842,7 @@ impl EndpointPool {
                 // (nothing was sent). The keeper replaces such a connection after a
                 // second (`multiplex::REFUSING_FOR`): behind a load balancer the next may
                 // reach a server that takes streams.
-                if self.h2.all_refuse() {
+                if self.h2.all_refuse(self.h2_said_zero()) {
                     return Err(ProxyError::UpstreamConnect(std::io::Error::other(
                         "the upstream's HTTP/2 server takes no new streams now (its SETTINGS_MAX_CONCURRENT_STREAMS is 0)",
                     )));
@@ -894,7 +894,7 @@ impl EndpointPool {
 
     /// A stream on an open HTTP/2 connection with room for one, if any (no wait).
     fn take_h2_stream(self: &Arc<Self>) -> Option<Conn> {
-        let (sender, slot, created) = self.h2.take()?;
+        let (sender, slot, created) = self.h2.take(self.h2_said_zero())?;
         self.stats.reuses.fetch_add(1, Ordering::Relaxed);
         Some(Conn {
             sender: Sender::H2(sender),
@@ -905,6 +905,11 @@ impl EndpointPool {
             response_ok: false,
             _slot: Some(slot),
         })
+    }
+
+    /// Did the server say it allows no stream, on the last connection to give its word?
+    fn h2_said_zero(&self) -> bool {
+        self.h2_stream_limit.load(Ordering::Relaxed) == 0
     }
 
     /// Takes no new streams on the HTTP/2 connection `slot` is on.
