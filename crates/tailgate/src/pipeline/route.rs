@@ -537,7 +537,7 @@ const HOST_BYTES: [HostByte; 256] = {
 /// that is not a path (`*` of
 /// `OPTIONS *`) is returned as it is.
 pub fn normal_path(path: &str) -> Result<Cow<'_, str>, BadPath> {
-    normalize(path, Reading::NORMAL)
+    path_as_read(path, Reading::NORMAL)
 }
 
 /// How a server behind may read a path: whether it resolves dot segments, and which of a
@@ -605,13 +605,9 @@ impl Reading {
     }
 }
 
-/// The path as read by `reading` (see [`Reading`]).
+/// The path as read by `reading` (see [`Reading`]): [`normal_path`] for
+/// [`Reading::NORMAL`].
 pub fn path_as_read(path: &str, reading: Reading) -> Result<Cow<'_, str>, BadPath> {
-    normalize(path, reading)
-}
-
-/// [`normal_path`], or the path as another [`Reading`] takes it.
-fn normalize(path: &str, reading: Reading) -> Result<Cow<'_, str>, BadPath> {
     let b = path.as_bytes();
     if b.first() != Some(&b'/') {
         return Ok(Cow::Borrowed(path));

@@ -255,13 +255,10 @@ impl H2Set {
     /// (one since closed or replaced, perhaps).
     pub(super) fn all_refuse(&self, said_zero: bool) -> bool {
         let list = self.conns.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut open = list.iter().filter(|c| !c.sender.is_closed()).peekable();
-        open.peek().is_some()
-            && (said_zero
-                || list
-                    .iter()
-                    .any(|c| !c.sender.is_closed() && c.live.refusing()))
-            && open.all(|c| c.live.refusing() || !c.live.settled())
+        let open = || list.iter().filter(|c| !c.sender.is_closed());
+        open().next().is_some()
+            && (said_zero || open().any(|c| c.live.refusing()))
+            && open().all(|c| c.live.refusing() || !c.live.settled())
     }
 
     /// A stream on the first open connection with room for one more, if any. While the
