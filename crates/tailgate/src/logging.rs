@@ -27,6 +27,9 @@ static DROPPED: OnceLock<ErrorCounter> = OnceLock::new();
 /// Lines stderr refused.
 static WRITE_FAILED: AtomicU64 = AtomicU64::new(0);
 
+/// Panics seen by the hook [`count_panics`] installs.
+static PANICS: AtomicU64 = AtomicU64::new(0);
+
 /// The log thread's writer: counts each line the one below refuses, and ends a line cut
 /// short by the refusal with a newline if it can, so the next line is not joined to half
 /// of it (a JSON reader would lose both).
@@ -101,6 +104,46 @@ pub fn init(settings: &LogSettings) -> Option<WorkerGuard> {
     }
     let _ = DROPPED.set(counter);
     Some(guard)
+}
+
+/// Counts every panic (`tailgate_panics_total`) and logs it through `tracing`, with its
+/// thread, place and message. tokio
+/// catches a connection task's panic and the worker goes on, so without this one showed
+/// only as a line on stderr outside the structured log, and a client's connection closed
+/// with no answer and no count. Installed once; the hook it replaces still runs after it
+/// (its line on stderr, written at once: the log's queue drops lines when full, and is
+/// not flushed if the panic ends the process).
+pub fn count_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let before = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            PANICS.fetch_add(1, Ordering::Relaxed);
+            if DROPPED.get().is_none() {
+                before(info);
+                return;
+            }
+            let thread = std::thread::current();
+            let message = info
+                .payload()
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| info.payload().downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("(not a string)");
+            let location = info.location().map(ToString::to_string);
+            tracing::error!(
+                thread = thread.name().unwrap_or("unnamed"),
+                location = location.as_deref().unwrap_or("unknown"),
+                "panic: {message}"
+            );
+            before(info);
+        }));
+    });
+}
+
+/// Panics since the start (see [`count_panics`]).
+pub fn panics() -> u64 {
+    PANICS.load(Ordering::Relaxed)
 }
 
 /// The filter: `RUST_LOG` when it is set to a valid filter (it then decides everything),
@@ -184,6 +227,16 @@ mod tests {
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
         }
+    }
+
+    /// A panic on any thread is counted once the hook is in.
+    #[test]
+    fn panics_are_counted() {
+        count_panics();
+        let before = panics();
+        let joined = std::thread::spawn(|| panic!("on purpose")).join();
+        assert!(joined.is_err());
+        assert!(panics() > before, "{} then {}", before, panics());
     }
 
     #[test]

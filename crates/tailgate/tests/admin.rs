@@ -2032,6 +2032,46 @@ async fn an_upload_stalled_after_the_answer_began_is_the_clients_timeout() {
     assert_eq!(body_timeouts(admin, "echo").await, (1.0, 0.0));
 }
 
+/// The same over an HTTP/2 upstream, whose request body hyper's connection task sends
+/// unseen by the exchange: the body's own progress says the client stalled (it was
+/// recorded as `upstream_body_timeout`).
+#[tokio::test]
+async fn an_upload_stalled_after_an_h2_answer_began_is_the_clients_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = h2c_upstream_with(|req: http::Request<hyper::body::Incoming>| async move {
+        http::Response::new(
+            req.into_body()
+                .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+                .boxed(),
+        )
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nprotocol = \"http2\"\n[[route]]\nname = \"echo\"\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"500ms\"\n"
+    ));
+    let admin = admin_addr(&gw);
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"POST /e HTTP/1.1\r\nHost: a\r\nContent-Length: 100000\r\n\r\n")
+        .await
+        .unwrap();
+    s.write_all(&[b'x'; 50_000]).await.unwrap();
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+            Err(_) => panic!("never cut off"),
+        }
+    }
+    assert!(
+        got.starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&got[..got.len().min(200)])
+    );
+    assert_eq!(body_timeouts(admin, "echo").await, (1.0, 0.0));
+}
+
 /// Once a route's exchange is recorded with one of them: its `client_body_timeout` and
 /// `upstream_body_timeout` counts.
 async fn body_timeouts(admin: SocketAddr, route: &str) -> (f64, f64) {

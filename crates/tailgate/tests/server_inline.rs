@@ -462,6 +462,7 @@ async fn ri_a_small_body_that_stops_gets_408() {
     let got = responses(text.as_bytes(), &[]);
     assert_eq!(got.len(), 1, "{text:?}");
     assert_eq!(got[0].status, 408, "{text:?}");
+    assert_eq!(got[0].header("connection"), Some("close"), "{text:?}");
     assert!(got[0].body().contains("client_body_timeout"), "{text:?}");
     assert!(got[0].body().contains("\"request_id\""), "{text:?}");
     assert_eq!(hits.load(Ordering::SeqCst), 0);

@@ -1101,6 +1101,112 @@ async fn r_early_complete_answer_keeps_the_upload_going_then_closes() {
     assert_eq!(pool.idle_len(), 0);
 }
 
+/// The rest of an upload after an early answer goes on while it moves, however long it
+/// takes in all: only a stop for the cluster's `idle_timeout` cuts it (a limit on the
+/// whole rest cut a slow upload after that long, the client told it succeeded and the
+/// upstream left with part of the body).
+#[tokio::test]
+async fn r_early_answer_upload_is_cut_only_when_it_stops_moving() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    let received = Arc::new(AtomicUsize::new(0));
+    let r = received.clone();
+    tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 16384];
+        let head_end = read_head(&mut s, &mut buf).await.unwrap();
+        s.write_all(b"HTTP/1.1 202 Accepted\r\ncontent-length: 2\r\n\r\nok")
+            .await
+            .unwrap();
+        let mut got = buf.len() - head_end;
+        r.store(got, Ordering::SeqCst);
+        loop {
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    got += n;
+                    r.store(got, Ordering::SeqCst);
+                }
+            }
+        }
+    });
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nidle_timeout = \"400ms\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let mut c = TcpStream::connect(gw.addr).await.unwrap();
+    c.write_all(b"POST /ingest HTTP/1.1\r\nhost: a\r\ncontent-length: 20000\r\n\r\n")
+        .await
+        .unwrap();
+    c.write_all(&[b'x'; 1000]).await.unwrap();
+    let mut resp = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&resp).ends_with("ok") {
+        let n = tokio::time::timeout(Duration::from_secs(3), c.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0);
+        resp.extend_from_slice(&buf[..n]);
+    }
+    // 1.9 s more of upload, a piece every 100 ms: well past the 400 ms idle timeout in all.
+    for _ in 0..19 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        c.write_all(&[b'x'; 1000]).await.unwrap();
+    }
+    let t = std::time::Instant::now();
+    while received.load(Ordering::SeqCst) < 20_000 {
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "upload cut short: {} bytes received",
+            received.load(Ordering::SeqCst)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// And one that stops moving is cut after the cluster's `idle_timeout` (400 ms here): the
+/// upstream connection is closed, not held open for a client that sends no more.
+#[tokio::test]
+async fn r_early_answer_upload_that_stops_is_cut() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    let (closed_tx, closed) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 16384];
+        read_head(&mut s, &mut buf).await.unwrap();
+        s.write_all(b"HTTP/1.1 202 Accepted\r\ncontent-length: 2\r\n\r\nok")
+            .await
+            .unwrap();
+        while let Ok(n) = s.read(&mut chunk).await {
+            if n == 0 {
+                break;
+            }
+        }
+        let _ = closed_tx.send(std::time::Instant::now());
+    });
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nidle_timeout = \"400ms\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let mut c = TcpStream::connect(gw.addr).await.unwrap();
+    c.write_all(b"POST /ingest HTTP/1.1\r\nhost: a\r\ncontent-length: 20000\r\n\r\n")
+        .await
+        .unwrap();
+    c.write_all(&[b'x'; 1000]).await.unwrap();
+    let stopped = std::time::Instant::now();
+    let at = tokio::time::timeout(Duration::from_secs(5), closed)
+        .await
+        .expect("the upstream connection was held open")
+        .unwrap();
+    assert!(
+        at - stopped >= Duration::from_millis(350),
+        "cut before the idle timeout"
+    );
+    drop(c);
+}
+
 /// An HTTP/2 client may end its body with an empty end-of-stream frame after the last
 /// data. Sent on with its `Content-Length` to an HTTP/1.1 upstream that answers once it has
 /// every byte, the answer ends before the client's body does: no early answer, and the
@@ -1167,6 +1273,7 @@ async fn a_slow_upload_is_not_cut_off_and_a_stalled_one_is_the_clients_fault() {
     let stalled = trickle(10, 1000, Duration::from_millis(20), Some(2));
     let r = post(&mut c, stalled).await.unwrap();
     assert_eq!(r.status(), 408, "{:?}", r.body());
+    assert_eq!(r.headers()["connection"], "close", "{:?}", r.headers());
     assert!(
         String::from_utf8_lossy(r.body()).contains("client_body_timeout"),
         "{:?}",

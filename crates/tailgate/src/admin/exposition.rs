@@ -410,6 +410,7 @@ struct EndpointSums {
     in_flight: u64,
     queued: u64,
     queue_timeouts: u64,
+    queue_overflows: u64,
     /// Connections open under `max_connections_per_endpoint` (summed over the workers).
     capped_open: Option<u64>,
 }
@@ -455,6 +456,7 @@ impl EndpointSums {
         self.h2_waits += l(&s.h2_waits_for_connect);
         self.queued += l(&s.queued);
         self.queue_timeouts += l(&s.queue_timeouts);
+        self.queue_overflows += l(&s.queue_overflows);
     }
 }
 
@@ -536,7 +538,7 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
         )
     };
     type Get = fn(&EndpointSums) -> u64;
-    let families: [(&str, Kind, &str, Get); 11] = [
+    let families: [(&str, Kind, &str, Get); 12] = [
         (
             "tailgate_upstream_queued",
             Kind::Counter,
@@ -548,6 +550,12 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
             Kind::Counter,
             "Queued requests that got no connection within the connect timeout (503 upstream_queue_timeout).",
             |e| e.queue_timeouts,
+        ),
+        (
+            "tailgate_upstream_queue_overflows",
+            Kind::Counter,
+            "Requests refused at once because 1024 were queued already for the endpoint on one worker (503 upstream_queue_full).",
+            |e| e.queue_overflows,
         ),
         (
             "tailgate_upstream_refused_resends",
@@ -836,6 +844,12 @@ fn runtime(state: &AdminState, w: &mut TextWriter) {
             age as f64 / 1000.0,
         );
     }
+    w.family(
+        "tailgate_panics",
+        Kind::Counter,
+        "Panics on any thread (a connection task's: tokio closes that connection and the worker goes on), each logged with its thread and place.",
+    );
+    w.counter("tailgate_panics", &[], crate::logging::panics());
     w.family(
         "tailgate_queue_dropped",
         Kind::Counter,

@@ -1040,6 +1040,7 @@ fn stats(state: &AdminState) -> serde_json::Value {
                             "requests_in_flight": e.load.in_flight(),
                             "queued": l(&s.queued),
                             "queue_timeouts": l(&s.queue_timeouts),
+                            "queue_overflows": l(&s.queue_overflows),
                             "connections_open": e.capped_open(),
                         })
                     })

@@ -32,6 +32,9 @@ pub enum ReqBodyError {
     /// waited for it.
     #[error("the client's body stalled")]
     TimedOut,
+    /// The body ended short of the length its head declared, or ran past it.
+    #[error("the request body's length differs from its Content-Length")]
+    LengthMismatch,
 }
 
 /// How far a request body has got on its way upstream, for the response timeout: that runs

@@ -51,6 +51,10 @@ pub enum ProxyError {
     )]
     UpstreamQueueTimeout,
     #[error(
+        "too many requests are queued for a connection to the upstream (its max_connections_per_endpoint are busy); try again shortly"
+    )]
+    UpstreamQueueFull,
+    #[error(
         "the endpoint this request was queued for left its cluster (DNS) before a connection came free; try again shortly"
     )]
     EndpointRemoved,
@@ -80,6 +84,7 @@ impl ProxyError {
             ProxyError::ConnectTimeout | ProxyError::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::UpstreamOverflow
             | ProxyError::UpstreamQueueTimeout
+            | ProxyError::UpstreamQueueFull
             | ProxyError::EndpointRemoved => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -104,6 +109,7 @@ impl ProxyError {
             ProxyError::NoEndpoints => "no_endpoints",
             ProxyError::UpstreamOverflow => "upstream_overflow",
             ProxyError::UpstreamQueueTimeout => "upstream_queue_timeout",
+            ProxyError::UpstreamQueueFull => "upstream_queue_full",
             ProxyError::EndpointRemoved => "endpoint_removed",
             ProxyError::UpgradeNeedsHttp1 => "upgrade_needs_http1",
         }
@@ -168,6 +174,7 @@ impl ProxyError {
             self,
             ProxyError::UpstreamOverflow
                 | ProxyError::UpstreamQueueTimeout
+                | ProxyError::UpstreamQueueFull
                 | ProxyError::EndpointRemoved
         ) {
             h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
@@ -188,6 +195,9 @@ impl ProxyError {
                 | ProxyError::UriTooLong(_)
                 | ProxyError::NotImplemented(_)
                 | ProxyError::BodyTooLarge(_)
+                // A body that stopped coming is left half read: the connection cannot
+                // carry another request, and the client is told so.
+                | ProxyError::ClientBodyTimeout
         ) {
             h.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }

@@ -921,6 +921,8 @@ fn forward(
                             in_flight.abandoned();
                         } else if e.is_upstream() {
                             in_flight.failed();
+                        } else {
+                            in_flight.no_verdict();
                         }
                         return Err(e);
                     }
@@ -1187,8 +1189,8 @@ async fn replace_or_move(
         Err(e) if e.is_no_connection() => e,
         Err(e) => return Err(e),
     };
-    cluster.connect_failed(&e);
     let from = up.pool.addr;
+    cluster.connect_failed(from, &e);
     if moved.is_some() || cluster.endpoint_count() < 2 || !cluster.try_spend_retry() {
         return Err(e);
     }
@@ -1263,7 +1265,7 @@ fn classify_send_error(e: SendError) -> ProxyError {
 pub(crate) fn client_body_error(b: &ReqBodyError) -> ProxyError {
     match b {
         ReqBodyError::TooLarge(limit) => ProxyError::BodyTooLarge(*limit),
-        ReqBodyError::Client(_) => ProxyError::ClientBodyEnded,
+        ReqBodyError::Client(_) | ReqBodyError::LengthMismatch => ProxyError::ClientBodyEnded,
         ReqBodyError::TimedOut => ProxyError::ClientBodyTimeout,
     }
 }

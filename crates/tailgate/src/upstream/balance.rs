@@ -131,6 +131,7 @@ impl EndpointLoad {
         InFlight {
             load: self,
             started: now,
+            told: false,
             estimate: self.ewma_ns(),
             sampled_at: self.last_sample_ns.load(Ordering::Relaxed),
         }
@@ -203,9 +204,17 @@ impl EndpointLoad {
 }
 
 /// A request in flight on an endpoint; records its outcome when told, and always ends it.
+///
+/// Dropped untold (the client went away, or a hedge's other copy won), it counts as
+/// [`abandoned`](Self::abandoned): the time waited is a lower bound of the endpoint's
+/// latency, a sample when it is above the estimate. Without that sample an endpoint that never answers, whose clients all give up
+/// before the response timeout, got no sample at all: its estimate decayed toward nothing
+/// and, once its requests in flight were let go, it drew the traffic back to itself.
 pub struct InFlight<'a> {
     load: &'a EndpointLoad,
     started: Instant,
+    /// Set by every outcome: dropped without one, the request was let go.
+    told: bool,
     /// The latency estimate when it started (ns), as last sampled, and when that was (ns
     /// from the endpoint's epoch): for a failure's sample, the estimate decayed to the
     /// request's start (see [`penalty`](Self::penalty)).
@@ -221,16 +230,21 @@ impl InFlight<'_> {
 
     /// [`responded`](Self::responded) with the time already read by the caller.
     ///
-    /// A `5xx` counts as [`FAILURE_SAMPLE`] at least: an endpoint whose database is gone
-    /// answers `500` in a fraction of a millisecond, and that time as a sample made it the
-    /// cheapest choice, drawing the traffic to itself (all of it, over two endpoints) where
-    /// outlier detection is off. Not doubled as a failure with no answer is
+    /// A `5xx` counts as [`FAILURE_SAMPLE`] at least, and as the estimate the request
+    /// started with at least: an endpoint whose database is gone answers `500` in a
+    /// fraction of a millisecond, and that time as a sample made it the cheapest choice,
+    /// drawing the traffic to itself (all of it, over two endpoints) where outlier
+    /// detection is off; and where healthy answers take longer than that floor (300 ms),
+    /// an endpoint shedding half its load as quick `503`s went down to the floor and drew
+    /// the cluster's traffic in turn. Not doubled as a failure with no answer is
     /// ([`failed`](Self::failed)): an endpoint that sheds load with a `503` between
     /// successes is never ejected, and doubling at each would grow its estimate to minutes.
-    pub fn responded_at(self, status: http::StatusCode, now: Instant) {
+    pub fn responded_at(mut self, status: http::StatusCode, now: Instant) {
+        self.told = true;
         let rtt = now.saturating_duration_since(self.started);
         if status.is_server_error() {
-            self.load.sample_at(rtt.max(FAILURE_SAMPLE), now);
+            let floor = self.estimate_at_start().max(FAILURE_SAMPLE);
+            self.load.sample_at(rtt.max(floor), now);
             self.load.failure_of(self.started);
         } else {
             self.load.sample_at(rtt, now);
@@ -240,33 +254,50 @@ impl InFlight<'_> {
 
     /// Given up on because another copy answered first (a hedge): the time waited is a
     /// lower bound of this endpoint's latency; its health is unchanged.
-    pub fn abandoned(self) {
-        self.load.sample(self.started.elapsed());
+    pub fn abandoned(mut self) {
+        self.told = true;
+        self.waited(self.started.elapsed());
+    }
+
+    /// A lower bound of the endpoint's latency, `waited`: a sample only when it is above
+    /// the estimate the request started with. Below it, it says nothing (the answer may
+    /// have been about to come), and as a sample it pulled the estimate down: a hedge let
+    /// go a moment after it was sent, or a client gone after 2 ms from a 300 ms endpoint,
+    /// made that endpoint look cheap.
+    fn waited(&self, waited: Duration) {
+        if waited > self.estimate_at_start() {
+            self.load.sample(waited);
+        }
+    }
+
+    /// Ended by something that says nothing of the endpoint (the client's own body failed):
+    /// no sample, and its health is unchanged.
+    pub fn no_verdict(mut self) {
+        self.told = true;
     }
 
     /// A checkout that ended in `e`: the route's total deadline cutting a connect short
     /// (`UpstreamTimeout` there), or a wait for one of its connections past the connect
-    /// timeout, says the endpoint is slow or busy, not broken, and one removed from its
-    /// cluster while a request waited says nothing of it, so these count as
-    /// [`abandoned`](Self::abandoned); any other error as [`failed`](Self::failed).
+    /// timeout, says the endpoint is slow or busy, not broken, so these count as
+    /// [`abandoned`](Self::abandoned); a request refused at once by a full queue, or one
+    /// whose endpoint left its cluster while it waited, says nothing of it
+    /// ([`no_verdict`](Self::no_verdict): a refusal's microseconds as a sample made the
+    /// busiest endpoint look the cheapest); any other error counts as
+    /// [`failed`](Self::failed).
     pub fn ended_by(self, e: &crate::pipeline::error::ProxyError) {
         use crate::pipeline::error::ProxyError;
-        if matches!(
-            e,
-            ProxyError::UpstreamTimeout
-                | ProxyError::UpstreamQueueTimeout
-                | ProxyError::EndpointRemoved
-        ) {
-            self.abandoned();
-        } else {
-            self.failed();
+        match e {
+            ProxyError::UpstreamTimeout | ProxyError::UpstreamQueueTimeout => self.abandoned(),
+            ProxyError::UpstreamQueueFull | ProxyError::EndpointRemoved => self.no_verdict(),
+            _ => self.failed(),
         }
     }
 
     /// No response (connect failure, reset, timeout). A dead endpoint refuses in
     /// microseconds, and that time as a sample would make it the cheapest choice: a failure
     /// counts as [`penalty`](Self::penalty) at least.
-    pub fn failed(self) {
+    pub fn failed(mut self) {
+        self.told = true;
         let penalty = self.penalty();
         self.load.sample(self.started.elapsed().max(penalty));
         self.load.failure_of(self.started);
@@ -281,20 +312,29 @@ impl InFlight<'_> {
     /// that stays down (once every ejection), grew past a minute within an hour, and kept
     /// it unused that long after it came back.
     fn penalty(&self) -> Duration {
+        let at_start = self.estimate_at_start();
+        (at_start * 2)
+            .min(at_start + FAILURE_CAP)
+            .max(FAILURE_SAMPLE)
+    }
+
+    /// The latency estimate at the request's start, decayed for the time without samples
+    /// before it, as the balancer saw it ([`EndpointLoad::cost`]).
+    fn estimate_at_start(&self) -> Duration {
         let started_ns = self
             .started
             .saturating_duration_since(self.load.epoch)
             .as_nanos() as u64;
         let at_start = self.estimate * decay(started_ns.saturating_sub(self.sampled_at));
-        let at_start = Duration::from_nanos(at_start as u64);
-        (at_start * 2)
-            .min(at_start + FAILURE_CAP)
-            .max(FAILURE_SAMPLE)
+        Duration::from_nanos(at_start as u64)
     }
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
+        if !self.told {
+            self.waited(self.started.elapsed());
+        }
         self.load.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -590,6 +630,75 @@ mod tests {
             "{}",
             bad.ewma_ns()
         );
+    }
+
+    /// Where healthy answers take longer than [`FAILURE_SAMPLE`], a `5xx` that comes back
+    /// at once still does not make its endpoint cheaper than it was: one answering every
+    /// other request with a quick `503` drew the traffic of endpoints answering in 300 ms.
+    #[test]
+    fn a_fast_5xx_on_a_slow_cluster_does_not_draw_the_traffic() {
+        let good = EndpointLoad::new(0, Duration::from_secs(1));
+        let shedding = EndpointLoad::new(0, Duration::from_secs(1));
+        let t0 = Instant::now();
+        let slow = Duration::from_millis(300);
+        good.start_at(t0)
+            .responded_at(http::StatusCode::OK, t0 + slow);
+        shedding
+            .start_at(t0)
+            .responded_at(http::StatusCode::OK, t0 + slow);
+        // Ten seconds (one decay constant) of quick `503`s, 50 ms apart.
+        for k in 1..=200u32 {
+            let at = t0 + slow + Duration::from_millis(50) * k;
+            good.start_at(at)
+                .responded_at(http::StatusCode::OK, at + slow);
+            shedding.start_at(at).responded_at(
+                http::StatusCode::SERVICE_UNAVAILABLE,
+                at + Duration::from_millis(1),
+            );
+        }
+        assert!(
+            shedding.ewma_ns() >= 0.9 * good.ewma_ns(),
+            "shedding {} against healthy {}",
+            shedding.ewma_ns(),
+            good.ewma_ns()
+        );
+    }
+
+    /// Dropped untold (its client went away, or a hedge's other copy won), a request counts
+    /// the time it waited: an endpoint that never answers, whose clients give up before
+    /// the response timeout, got no sample at all and looked as cheap as ever.
+    #[test]
+    fn a_request_let_go_counts_the_time_it_waited() {
+        let l = EndpointLoad::new(0, Duration::from_secs(1));
+        l.sample(Duration::from_millis(5));
+        let before = l.ewma_ns();
+        let long_ago = Instant::now()
+            .checked_sub(Duration::from_secs(2))
+            .expect("uptime");
+        drop(l.start_at(long_ago));
+        assert!(l.ewma_ns() >= 1.9e9, "{} after {before}", l.ewma_ns());
+        assert_eq!(l.in_flight.load(Ordering::Relaxed), 0);
+        // One let go sooner than the estimate says nothing, and does not pull it down.
+        let before = l.ewma_ns();
+        drop(l.start());
+        assert!(
+            l.ewma_ns() >= 0.999 * before,
+            "{} after {before}",
+            l.ewma_ns()
+        );
+        l.start().abandoned();
+        assert!(
+            l.ewma_ns() >= 0.999 * before,
+            "{} after {before}",
+            l.ewma_ns()
+        );
+        // One ended with no verdict (the client's own body failed) counts nothing.
+        let m = EndpointLoad::new(0, Duration::from_secs(1));
+        m.sample(Duration::from_millis(5));
+        let before = m.ewma_ns();
+        m.start_at(long_ago).no_verdict();
+        assert!(m.ewma_ns() <= before, "{} after {before}", m.ewma_ns());
+        assert_eq!(m.in_flight.load(Ordering::Relaxed), 0);
     }
 
     /// A failure's penalty starts from the estimate as the balancer saw it at the request's

@@ -162,6 +162,9 @@ pub struct Conn {
     pub response_ok: bool,
     /// HTTP/2: this exchange's stream on the shared connection, freed when it ends.
     pub(super) _slot: Option<StreamSlot>,
+    /// HTTP/2: the progress of this exchange's request body, which hyper's connection task
+    /// sends unseen here (see [`Self::client_stalled_since`]).
+    pub(super) h2_progress: Option<Arc<crate::pipeline::body::BodyProgress>>,
 }
 
 impl Conn {
@@ -234,6 +237,7 @@ impl Conn {
                 Sender::H1(c) => c.send(parts, added, body, addr, deadline).await,
                 Sender::H2(s) => {
                     let progress = body.progress();
+                    self.h2_progress.clone_from(&progress);
                     let mut req = Request::new(body);
                     *req.method_mut() = parts.method.clone();
                     *req.uri_mut() = parts.uri.clone();
@@ -300,12 +304,16 @@ impl Conn {
 
     /// Is the request body still being sent, waiting on the client for its next piece,
     /// and has it not moved since `at`? (HTTP/1.1: the request's task sends it while it
-    /// reads the response. Over HTTP/2 hyper's connection task sends it, unseen here:
-    /// false.)
+    /// reads the response. Over HTTP/2 hyper's connection task sends it, and the body's
+    /// progress, kept from the send, says: without it, an upload that stalled after the
+    /// upstream's head was recorded as the upstream's timeout.)
     pub fn client_stalled_since(&self, at: std::time::Instant) -> bool {
         match &self.sender {
             Sender::H1(c) => c.client_stalled_since(at),
-            Sender::H2(_) => false,
+            Sender::H2(_) => self
+                .h2_progress
+                .as_ref()
+                .is_some_and(|p| p.client_stalled() && p.last_progress() <= at),
         }
     }
 
@@ -359,7 +367,10 @@ impl Conn {
     ///
     /// An HTTP/1.1 server that answered before the request body ended, and keeps the
     /// connection, still gets the rest of the body (it may be reading it): a task of its
-    /// own writes it, within the pool's idle timeout, then gives the connection back. The
+    /// own writes it while it moves (cut after the pool's idle timeout without progress:
+    /// a limit on the whole rest cut a large upload to a server that answered `202` at
+    /// once and read on, after the client was told it succeeded), then gives the
+    /// connection back. The
     /// pool keeps it only when the server had the whole body as framed before it answered
     /// (a client's end of stream may come later than its last byte); one answered early is
     /// closed. The request's place under the cluster's `max_requests` (`admitted`) is held
@@ -372,15 +383,28 @@ impl Conn {
             let limit = pool.idle_timeout();
             tokio::spawn(async move {
                 let _admitted = admitted;
-                // Whether the upload ends, fails or runs out of time, the connection goes
-                // back through the pool, which closes it and owes the warm keeper a new one.
-                let _ = tokio::time::timeout(
-                    limit,
-                    std::future::poll_fn(|cx| match &mut self.sender {
-                        Sender::H1(c) => c.poll_upload(cx),
-                        Sender::H2(_) => Poll::Ready(Ok(())),
-                    }),
-                )
+                // Whether the upload ends, fails or stops moving, the connection goes back
+                // through the pool, which closes it (unless the body went out whole) and
+                // owes the warm keeper a new one.
+                let mut quiet = std::pin::pin!(tokio::time::sleep(limit));
+                std::future::poll_fn(|cx| {
+                    let Sender::H1(c) = &mut self.sender else {
+                        return Poll::Ready(());
+                    };
+                    if c.poll_upload(cx).is_ready() {
+                        return Poll::Ready(());
+                    }
+                    while quiet.as_mut().poll(cx).is_ready() {
+                        // Moved since the timer was set: a timer from that move on.
+                        match c.upload_moved_at().map(|at| at + limit) {
+                            Some(due) if due > Instant::now() => {
+                                quiet.as_mut().reset(due.into());
+                            }
+                            _ => return Poll::Ready(()),
+                        }
+                    }
+                    Poll::Pending
+                })
                 .await;
                 let pool = self.pool.clone();
                 pool.give_back(self, Instant::now());
@@ -441,10 +465,24 @@ fn h2_error(e: &hyper::Error) -> Option<&h2::Error> {
     None
 }
 
-/// The flow-control window of an HTTP/2 connection to an upstream: 32 streams' worth of
-/// hyper's 2 MiB stream window. What it holds is only what slow clients have not taken yet
-/// (each stream at most its own window), so it costs nothing while clients read.
-const H2_CONNECTION_WINDOW: u32 = 64 << 20;
+/// The flow-control window of each stream on an HTTP/2 connection to an upstream: what a
+/// client that stops reading holds back of its answer, in the gateway's memory. (hyper's
+/// default is 2 MiB; 1 MiB still passes a gigabyte a second at a millisecond's round trip.)
+const H2_STREAM_WINDOW: u32 = 1 << 20;
+
+/// The most streams put on one HTTP/2 connection to an upstream, whatever its server
+/// allows: the connection's window holds every one's whole window, so clients that stop
+/// reading hold back their own streams only, never the others' on the connection.
+const H2_MAX_STREAMS: usize = 256;
+
+/// The flow-control window of an HTTP/2 connection to an upstream: [`H2_MAX_STREAMS`]
+/// streams' whole windows. What it holds is only what slow clients have not taken yet
+/// (each stream at most its own window), so it costs nothing while clients read. With
+/// 32 streams' worth (64 MiB) and no cap on the streams, 33 clients that stopped reading
+/// large answers stopped every other stream on the connection, other tenants' too.
+const H2_CONNECTION_WINDOW: u32 = H2_STREAM_WINDOW * H2_MAX_STREAMS as u32;
+// A window is below 2^31 (RFC 9113 §6.9.1).
+const _: () = assert!(H2_CONNECTION_WINDOW < (1 << 31));
 
 /// The HTTP/2 handshake (client preface and SETTINGS) over any transport; the connection
 /// runs on its own task, and keeps running for the streams in flight after the last sender
@@ -477,15 +515,16 @@ where
     // find no room, and open another.)
     let assumed = match endpoint_limit.load(Ordering::Relaxed) {
         0 | usize::MAX => 100,
-        n => n,
+        n => n.min(H2_MAX_STREAMS),
     };
     builder.initial_max_send_streams(assumed);
     // Response heads as large as an HTTP/1.1 upstream may send (hyper's default is 16 KiB:
     // a larger head was a reset stream, retried, then a 502, where HTTP/1.1 served it).
     builder.max_header_list_size(super::h1::MAX_HEAD as u32);
-    // Room on the connection for many streams' windows (2 MiB each, hyper's default): a
-    // stream's window is given back only as its client takes the data, so with hyper's
-    // 5 MiB for the whole connection three slow readers stopped every other stream on it.
+    // Room on the connection for every stream's whole window: a stream's window is given
+    // back only as its client takes the data, so with hyper's 5 MiB for the whole
+    // connection three slow readers stopped every other stream on it.
+    builder.initial_stream_window_size(H2_STREAM_WINDOW);
     builder.initial_connection_window_size(H2_CONNECTION_WINDOW);
     if let Some((interval, timeout)) = keepalive {
         builder
@@ -512,7 +551,7 @@ where
         let result = std::future::poll_fn(|cx| {
             kick.register(cx.waker());
             let r = conn.as_mut().poll(cx);
-            let limit = conn.current_max_send_streams();
+            let limit = conn.current_max_send_streams().min(H2_MAX_STREAMS);
             // The endpoint remembers its server's word only, not a limit assumed before it.
             if published.publish(limit) {
                 endpoint_limit.store(limit, Ordering::Relaxed);

@@ -656,6 +656,18 @@ impl H1Conn {
                     let _ = Pin::new(&mut *io).poll_flush(cx);
                     return Ok(());
                 }
+                // A body that ends short of its length, or runs past it, would leave the
+                // server reading the next request as its rest (or this one's rest as the next
+                // request): the connection is given up, and the exchange ends as with a
+                // client body that failed (the server, short of bytes, would wait for them
+                // until the response timeout, and the endpoint be blamed). (Every body
+                // source checks its length already; this keeps the connection's framing
+                // from depending on that.)
+                Poll::Ready(None) if s.left.is_some_and(|l| l > 0) => {
+                    self.sending = None;
+                    self.keep_alive = false;
+                    return Err(H1Error::Body(ReqBodyError::LengthMismatch));
+                }
                 Poll::Ready(None) => s.end(),
                 Poll::Ready(Some(Ok(frame))) => {
                     match frame.into_data() {
@@ -668,7 +680,16 @@ impl H1Conn {
                                 s.out.push_back(Bytes::from_static(b"\r\n"));
                             } else {
                                 if let Some(left) = s.left.as_mut() {
-                                    *left = left.saturating_sub(data.len() as u64);
+                                    match left.checked_sub(data.len() as u64) {
+                                        Some(l) => *left = l,
+                                        None => {
+                                            self.sending = None;
+                                            self.keep_alive = false;
+                                            return Err(H1Error::Body(
+                                                ReqBodyError::LengthMismatch,
+                                            ));
+                                        }
+                                    }
                                 }
                                 s.out.push_back(data);
                             }
@@ -866,6 +887,12 @@ impl H1Conn {
     /// keeps the connection: [`Self::poll_upload`] finishes it.
     pub fn upload_pending(&self) -> bool {
         self.sending.is_some() && self.keep_alive && matches!(self.framing, Framing::Done)
+    }
+
+    /// When the request body last moved, if its progress is kept (a body streaming from
+    /// the client).
+    pub fn upload_moved_at(&self) -> Option<Instant> {
+        self.progress.as_ref().map(|p| p.last_progress())
     }
 
     /// Writes the rest of the request body after the response ended.

@@ -21,7 +21,7 @@ use std::time::Duration;
 use futures_util::FutureExt as _;
 use futures_util::future::Either;
 
-use super::{ClusterPools, Conn, EndpointPool, UpBody};
+use super::{ClusterPools, Conn, EndpointPool, SendError, UpBody};
 use crate::config::HedgeDelay;
 use crate::pipeline::body::ReqBody;
 use crate::pipeline::error::ProxyError;
@@ -234,14 +234,11 @@ impl<'a> Hedge<'a> {
 ///
 /// Without a hedge this is `primary` itself (no state around it, no copy of it): the
 /// request's future stays as small as the send, and every move of it as cheap.
-pub fn race<'a, E>(
+pub fn race<'a>(
     hedge: Option<Hedge<'a>>,
-    primary: impl Future<Output = Result<http::Response<UpBody>, E>> + 'a,
+    primary: impl Future<Output = Result<http::Response<UpBody>, SendError>> + 'a,
     deadline: std::time::Instant,
-) -> impl Future<Output = Raced<Result<http::Response<UpBody>, E>>> + 'a
-where
-    E: 'a,
-{
+) -> impl Future<Output = Raced<Result<http::Response<UpBody>, SendError>>> + 'a {
     match hedge {
         None => Either::Left(primary.map(Raced::Primary)),
         // The race's state (two sends, a timer, the copy's request) is kilobytes: on the
@@ -250,11 +247,11 @@ where
     }
 }
 
-async fn race_hedged<E>(
+async fn race_hedged(
     hedge: Hedge<'_>,
-    primary: impl Future<Output = Result<http::Response<UpBody>, E>>,
+    primary: impl Future<Output = Result<http::Response<UpBody>, SendError>>,
     deadline: tokio::time::Instant,
-) -> Raced<Result<http::Response<UpBody>, E>> {
+) -> Raced<Result<http::Response<UpBody>, SendError>> {
     let mut primary = std::pin::pin!(primary);
     tokio::select! {
         biased;
@@ -292,6 +289,11 @@ async fn race_hedged<E>(
                 Ok(Ok(h)) if !failed(&h.0) || r.is_err() => {
                     let first = match &r {
                         Ok(resp) => First::Answered(resp.status()),
+                        // A pooled connection the server had closed before the request
+                        // went out, or a stream it refused unprocessed, says nothing
+                        // against the endpoint: without the hedge the request is sent
+                        // again and the endpoint not blamed.
+                        Err(e) if not_its_failure(e) => First::Pending,
                         Err(_) => First::Failed,
                     };
                     won(h, first)
@@ -306,6 +308,7 @@ async fn race_hedged<E>(
             // its endpoint, as it is without a hedge, not one abandoned for a faster copy
             // (its endpoint hung, and must not escape ejection behind the copies).
             Ok(h) => match tokio::time::timeout_at(deadline, primary).await {
+                Ok(Err(e)) if not_its_failure(&e) => won(h, First::Pending),
                 Ok(Err(_)) | Err(_) => won(h, First::Failed),
                 Ok(r) => Raced::Primary(r),
             },
@@ -315,6 +318,12 @@ async fn race_hedged<E>(
             }
         },
     }
+}
+
+/// A first copy's failure that is no failure of its endpoint: its pooled connection was
+/// closed before the request was written, or its server refused the stream unprocessed.
+fn not_its_failure(e: &SendError) -> bool {
+    matches!(e, SendError::NotSent(_)) || e.refused_before_processing()
 }
 
 #[cfg(test)]

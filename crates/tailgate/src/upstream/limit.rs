@@ -11,6 +11,10 @@
 //! `timeout connect`). The queue is a list of one-shot channels: written by hand because a
 //! semaphore (tokio's) hands out places but not the connection given back with one, and a
 //! waiter woken to look for it in the idle list would race the requests that come meanwhile.
+//!
+//! The queue holds at most [`QUEUE_MAX`] requests (as Envoy's `max_pending_requests`
+//! defaults to 1024): past that a request is refused at once (`503 upstream_queue_full`,
+//! counted), not queued behind thousands that will time out before it.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -19,6 +23,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::oneshot;
 
 use super::pool::Idle;
+
+/// The most requests queued for one endpoint's connections on one worker.
+pub(super) const QUEUE_MAX: usize = 1024;
 
 /// The open connections of one endpoint on one worker, their cap, and the requests queued
 /// for one.
@@ -30,6 +37,9 @@ pub(super) struct ConnLimit {
     closed: AtomicBool,
     // Held only for a push, a pop or a send, never across an await; one worker uses it.
     waiters: Mutex<VecDeque<oneshot::Sender<Handed>>>,
+    /// The queue was found full of requests still waiting, and none has left its front
+    /// since: refused at once, not looked through again (only written under `waiters`).
+    full_of_live: AtomicBool,
 }
 
 /// What a queued request is handed.
@@ -58,6 +68,8 @@ impl Drop for ConnPermit {
 pub(super) enum Turn {
     Now(ConnPermit),
     Queued(oneshot::Receiver<Handed>),
+    /// [`QUEUE_MAX`] requests are queued already.
+    Full,
     /// The endpoint is out of its cluster (its pool parked or drained): nothing will be
     /// handed here.
     Closed,
@@ -70,6 +82,7 @@ impl ConnLimit {
             max,
             closed: AtomicBool::new(false),
             waiters: Mutex::new(VecDeque::new()),
+            full_of_live: AtomicBool::new(false),
         })
     }
 
@@ -101,7 +114,25 @@ impl ConnLimit {
         if self.closed.load(Ordering::Relaxed) {
             return Turn::Closed;
         }
-        waiters.retain(|w| !w.is_closed());
+        // Requests gone from the queue's front (timed out first: they all wait the same
+        // time) are let go here; one gone from its middle is passed over when a connection
+        // is handed out. The whole queue is looked through only when it seems full, and not
+        // again until its front moves: a look per request cost a pass over thousands of
+        // waiters at each request while an endpoint stalled.
+        while waiters.front().is_some_and(oneshot::Sender::is_closed) {
+            waiters.pop_front();
+            self.full_of_live.store(false, Ordering::Relaxed);
+        }
+        if waiters.len() >= QUEUE_MAX {
+            if self.full_of_live.load(Ordering::Relaxed) {
+                return Turn::Full;
+            }
+            waiters.retain(|w| !w.is_closed());
+            if waiters.len() >= QUEUE_MAX {
+                self.full_of_live.store(true, Ordering::Relaxed);
+                return Turn::Full;
+            }
+        }
         if waiters.is_empty()
             && let Some(p) = self.try_take()
         {
@@ -120,6 +151,7 @@ impl ConnLimit {
     pub(super) fn close(&self) {
         let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
         self.closed.store(true, Ordering::Relaxed);
+        self.full_of_live.store(false, Ordering::Relaxed);
         let gone = std::mem::take(&mut *waiters);
         // Dropped once the lock is let go, as everything handed here is.
         drop(waiters);
@@ -137,6 +169,7 @@ impl ConnLimit {
     pub(super) fn hand_idle(&self, mut idle: Idle) -> Option<Idle> {
         let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
         while let Some(w) = waiters.pop_front() {
+            self.full_of_live.store(false, Ordering::Relaxed);
             match w.send(Handed::Idle(idle)) {
                 Ok(()) => return None,
                 Err(Handed::Idle(back)) => idle = back,
@@ -156,6 +189,7 @@ impl ConnLimit {
     fn release(self: &Arc<Self>) {
         let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
         while let Some(w) = waiters.pop_front() {
+            self.full_of_live.store(false, Ordering::Relaxed);
             match w.send(Handed::Room(ConnPermit(Some(self.clone())))) {
                 Ok(()) => return,
                 // That request is gone: the place is not freed twice.
@@ -188,5 +222,46 @@ impl Drop for Waiting<'_> {
             self.pool.put(idle);
         }
         // A place handed and not taken is dropped here: freed, handed on.
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The queue is bounded: past [`QUEUE_MAX`] requests a request is refused at once, and
+    /// places left by requests gone (timed out, their clients away) are taken again.
+    #[test]
+    fn the_queue_is_bounded_and_frees_the_places_of_requests_gone() {
+        let limit = ConnLimit::new(1);
+        let Turn::Now(_permit) = limit.take_or_queue() else {
+            panic!("the first request takes the only place");
+        };
+        let mut queued = Vec::new();
+        for _ in 0..QUEUE_MAX {
+            match limit.take_or_queue() {
+                Turn::Queued(rx) => queued.push(rx),
+                _ => panic!("queued while there is room in the queue"),
+            }
+        }
+        assert!(matches!(limit.take_or_queue(), Turn::Full));
+        // Found full of live ones: refused without a look, until the front moves.
+        drop(queued.remove(QUEUE_MAX / 2));
+        assert!(matches!(limit.take_or_queue(), Turn::Full));
+        // The front moves (its request timed out): both places are found again.
+        drop(queued.remove(0));
+        for _ in 0..2 {
+            match limit.take_or_queue() {
+                Turn::Queued(rx) => queued.push(rx),
+                _ => panic!("a place left by a request gone is taken again"),
+            }
+        }
+        assert!(matches!(limit.take_or_queue(), Turn::Full));
+        // The connection closes: its place goes to the first one still queued.
+        drop(_permit);
+        assert!(matches!(
+            queued[0].try_recv(),
+            Ok(Handed::Room(ConnPermit(Some(_))))
+        ));
     }
 }

@@ -344,17 +344,20 @@ impl ClusterPools {
     ) -> Result<Conn, ProxyError> {
         let r = pool.checkout_at(now).await;
         if let Err(e) = &r {
-            self.connect_failed(e);
+            self.connect_failed(pool.addr, e);
         }
         r
     }
 
-    /// A connect to one of the cluster's endpoints ended in `e`: a refused or timed-out
-    /// one asks for an early re-resolution of the cluster's names (the name may have
-    /// moved: failover).
-    pub fn connect_failed(&self, e: &ProxyError) {
+    /// A connect to `addr`, one of the cluster's endpoints, ended in `e`: a refused or
+    /// timed-out one asks for an early re-resolution of the cluster's names (the name may
+    /// have moved: failover). Not for an endpoint written as an address (a cluster may have
+    /// both kinds): no name's answer would move it, and a dead one asked the name servers
+    /// again at every `min_refresh` for as long as it stayed down.
+    pub fn connect_failed(&self, addr: SocketAddr, e: &ProxyError) {
         if let (ProxyError::UpstreamConnect(_) | ProxyError::ConnectTimeout, Some(feed)) =
             (e, &self.feed)
+            && !self.config.endpoints.contains(&addr)
         {
             feed.request_refresh();
         }

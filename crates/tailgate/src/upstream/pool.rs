@@ -110,6 +110,9 @@ pub struct PoolStats {
     /// Queued requests that got no connection within the connect timeout (`503
     /// upstream_queue_timeout`).
     pub queue_timeouts: AtomicU64,
+    /// Requests refused at once because [`QUEUE_MAX`](super::limit::QUEUE_MAX) were queued
+    /// already (`503 upstream_queue_full`).
+    pub queue_overflows: AtomicU64,
 }
 
 impl PoolStats {
@@ -136,6 +139,7 @@ impl PoolStats {
         add(&self.h2_waits_for_connect, &other.h2_waits_for_connect);
         add(&self.queued, &other.queued);
         add(&self.queue_timeouts, &other.queue_timeouts);
+        add(&self.queue_overflows, &other.queue_overflows);
     }
 }
 
@@ -737,6 +741,10 @@ impl EndpointPool {
             Some(limit) => match limit.take_or_queue() {
                 Turn::Now(p) => Some(p),
                 Turn::Closed => return Err(ProxyError::EndpointRemoved),
+                Turn::Full => {
+                    self.stats.queue_overflows.fetch_add(1, Ordering::Relaxed);
+                    return Err(ProxyError::UpstreamQueueFull);
+                }
                 Turn::Queued(rx) => match self.wait_turn(rx).await? {
                     // Handed straight from the request that gave it back, as the idle list
                     // would give it: unless the server closed it or wrote to it meanwhile
@@ -889,6 +897,7 @@ impl EndpointPool {
             uses: idle.uses,
             response_ok: false,
             _slot: None,
+            h2_progress: None,
         }
     }
 
@@ -904,6 +913,7 @@ impl EndpointPool {
             uses: 0,
             response_ok: false,
             _slot: Some(slot),
+            h2_progress: None,
         })
     }
 
@@ -956,6 +966,7 @@ impl EndpointPool {
                 uses: 0,
                 response_ok: false,
                 _slot: None,
+                h2_progress: None,
             },
             Opened::H2(sender, slot, created) => Conn {
                 sender: Sender::H2(sender),
@@ -965,6 +976,7 @@ impl EndpointPool {
                 uses: 0,
                 response_ok: false,
                 _slot: slot,
+                h2_progress: None,
             },
         };
         Ok(conn)

@@ -34,7 +34,7 @@ pub const METHODS: [&str; 8] = [
 /// Status classes; `none` is an exchange that ended before any status (client gone).
 pub const CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "none"];
 /// Error kinds with their own label value (the codes of `ProxyError` and of the bodies).
-pub const ERROR_KINDS: [&str; 26] = [
+pub const ERROR_KINDS: [&str; 27] = [
     "no_route",
     "method_not_allowed",
     "misdirected_request",
@@ -53,6 +53,7 @@ pub const ERROR_KINDS: [&str; 26] = [
     "upgrade_needs_http1",
     "upstream_overflow",
     "upstream_queue_timeout",
+    "upstream_queue_full",
     "endpoint_removed",
     "total_timeout",
     "upstream_body",
@@ -362,6 +363,7 @@ mod tests {
             E::NoEndpoints,
             E::UpstreamOverflow,
             E::UpstreamQueueTimeout,
+            E::UpstreamQueueFull,
             E::EndpointRemoved,
             E::UpgradeNeedsHttp1,
             E::ClientBodyEnded,
@@ -386,6 +388,7 @@ mod tests {
                 | E::NoEndpoints
                 | E::UpstreamOverflow
                 | E::UpstreamQueueTimeout
+                | E::UpstreamQueueFull
                 | E::EndpointRemoved
                 | E::UpgradeNeedsHttp1 => {}
             }
