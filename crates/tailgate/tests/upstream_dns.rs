@@ -517,6 +517,39 @@ async fn connect_failure_re_resolves_early() {
     assert_eq!(b_hits.load(Ordering::SeqCst), 1);
 }
 
+/// A connect failure to an endpoint written as an address (beside a host name in the same
+/// cluster) asks for no re-resolution: no name's answer would move it, and a dead one had
+/// the name servers asked again at every `min_refresh` for as long as it stayed down.
+#[tokio::test]
+async fn a_dead_address_endpoint_does_not_re_resolve_the_names() {
+    let (b, b_hits) = counting_on(Ipv4Addr::new(127, 0, 0, 3), 0).await.unwrap();
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_addr = dead.local_addr().unwrap();
+    drop(dead);
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 3)).await;
+    dns.ttl.store(3600, Ordering::SeqCst);
+    let gw = TestGateway::start(&format!(
+        "[dns]\nnameservers = [\"{}\"]\nmin_refresh = \"50ms\"\nmax_refresh = \"60s\"\nquery_timeout = \"2s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{dead_addr}\", \"svc.test:{}\"]\nbalance = \"round_robin\"\neject_after_failures = 0\nretry_budget_percent = 100\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
+        dns.addr,
+        b.port()
+    ));
+    let g = gw.gw.as_ref().unwrap();
+    for _ in 0..6 {
+        assert_eq!(get(gw.addr, "/").await.status(), 200);
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    assert_eq!(b_hits.load(Ordering::SeqCst), 6);
+    let failed: u64 = g
+        .endpoint_pools()
+        .iter()
+        .filter(|p| p.addr == dead_addr)
+        .map(|p| p.stats.connect_failures.load(Ordering::Relaxed))
+        .sum();
+    assert!(failed >= 2, "the address endpoint was tried: {failed}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(g.dns_stats().early_refreshes.load(Ordering::Relaxed), 0);
+}
+
 /// An `https://` host-name endpoint: the name is the SNI and what the certificate is verified
 /// against (the resolved address is not).
 #[tokio::test]
@@ -765,7 +798,9 @@ async fn readiness_stays_once_a_cluster_was_warm() {
 
 /// A name server that fails the AAAA lookups while it answers the A ones: the name's IPv6
 /// endpoint is kept (as a whole failed lookup keeps every address), not dropped as if the
-/// name no longer had it, and the failure is counted.
+/// name no longer had it, and the failure is counted. The name is asked again with a
+/// backoff, as after a whole lookup's failure: it was asked at every `min_refresh` (50 ms
+/// here) for as long as the AAAA lookups failed.
 #[tokio::test]
 async fn a_failed_aaaa_lookup_keeps_the_ipv6_endpoints() {
     let (v4, v4_hits) = counting_on(Ipv4Addr::new(127, 0, 0, 2), 0).await.unwrap();
@@ -800,6 +835,35 @@ async fn a_failed_aaaa_lookup_keeps_the_ipv6_endpoints() {
         "requests still reach [::1]"
     );
     assert!(v4_hits.load(Ordering::SeqCst) > 0);
+    // Backing off (50 ms doubling, up to `max_refresh`, 1 s): a handful of lookups in 1.5 s,
+    // not thirty.
+    let before = g.dns_stats().failures.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let more = g.dns_stats().failures.load(Ordering::Relaxed) - before;
+    assert!(more <= 8, "{more} failed lookups in 1.5 s");
+}
+
+/// `dns.family = "ipv4"` (nginx's resolver `ipv6=off`): a name's AAAA records are not
+/// looked up, so on a host with no IPv6 route its IPv6 addresses are no endpoints whose
+/// every connect fails; `"ipv6"` keeps those alone.
+#[tokio::test]
+async fn the_address_family_setting_leaves_the_other_out() {
+    let (v4, _) = counting_on(Ipv4Addr::new(127, 0, 0, 2), 0).await.unwrap();
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    *dns.aaaa.lock().unwrap() = vec![std::net::Ipv6Addr::LOCALHOST];
+    for (family, v6) in [("ipv4", false), ("ipv6", true)] {
+        let gw = gateway(dns.addr, v4.port(), &format!("family = \"{family}\""));
+        let g = gw.gw.as_ref().unwrap();
+        wait_for("resolved", || !g.endpoint_pools().is_empty()).await;
+        // Refreshed a few times (every 50 ms to 1 s): still the one family only.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let pools = g.endpoint_pools();
+        assert!(
+            pools.iter().all(|p| p.addr.is_ipv6() == v6),
+            "{family}: {:?}",
+            pools.iter().map(|p| p.addr).collect::<Vec<_>>()
+        );
+    }
 }
 
 /// The name servers say the name has no address any more (its service scaled to nothing, its

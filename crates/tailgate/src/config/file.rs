@@ -48,6 +48,7 @@ pub struct RawMetrics {
 pub struct RawServer {
     pub workers: Option<Spanned<usize>>,
     pub shutdown_grace: Option<Spanned<String>>,
+    pub shutdown_delay: Option<Spanned<String>>,
     pub header_read_timeout: Option<Spanned<String>>,
     pub idle_timeout: Option<Spanned<String>>,
     pub max_header_bytes: Option<Spanned<usize>>,
@@ -75,6 +76,7 @@ pub struct RawDns {
     pub max_refresh: Option<Spanned<String>>,
     pub query_timeout: Option<Spanned<String>>,
     pub startup_timeout: Option<Spanned<String>>,
+    pub family: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -57,6 +57,9 @@ pub struct ServerSettings {
     /// Data-plane threads, each with its own current-thread runtime.
     pub workers: usize,
     pub shutdown_grace: Duration,
+    /// After SIGTERM, how long `/readyz` says 503 while the listeners still accept, before
+    /// the drain begins (for a load balancer to stop sending new connections first).
+    pub shutdown_delay: Duration,
     pub header_read_timeout: Duration,
     pub idle_timeout: Duration,
     pub max_header_bytes: usize,
@@ -68,6 +71,9 @@ pub struct ServerSettings {
     pub warm_wait: Duration,
     /// Open client connections over every worker at which accepting stops; 0: no cap.
     pub max_connections: usize,
+    /// The config does not set `max_connections`: `serve` derives it from the open files
+    /// limit (it is 0 until then).
+    pub max_connections_unset: bool,
     /// Requests one client connection may carry; the last is answered and the connection
     /// closed (HTTP/1.1 `Connection: close`, HTTP/2 GOAWAY). 0: no cap.
     pub max_requests_per_connection: u64,
@@ -98,6 +104,31 @@ pub struct DnsSettings {
     pub query_timeout: Duration,
     /// How long start-up waits for the first resolution of every name.
     pub startup_timeout: Duration,
+    /// Which address families a name is looked up for.
+    pub family: DnsFamily,
+}
+
+/// The address families a host name is looked up for (`dns.family`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DnsFamily {
+    /// A and AAAA: every address is an endpoint.
+    Any,
+    /// A only (nginx's resolver `ipv6=off`): for a host with no IPv6 route, where every
+    /// connect to a name's IPv6 addresses fails.
+    Ipv4,
+    /// AAAA only.
+    Ipv6,
+}
+
+impl DnsFamily {
+    /// Is a lookup of records of this kind made (`v6`: AAAA, else A)?
+    pub fn looks_up(self, v6: bool) -> bool {
+        match self {
+            DnsFamily::Any => true,
+            DnsFamily::Ipv4 => !v6,
+            DnsFamily::Ipv6 => v6,
+        }
+    }
 }
 
 /// A host-name endpoint: resolved in the background, never on a request's path.

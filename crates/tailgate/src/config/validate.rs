@@ -725,6 +725,11 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             "server.shutdown_grace".into(),
             Duration::from_secs(10),
         ),
+        shutdown_delay: c.duration(
+            &s.shutdown_delay,
+            "server.shutdown_delay".into(),
+            Duration::ZERO,
+        ),
         header_read_timeout: c.timeout(
             &s.header_read_timeout,
             "server.header_read_timeout".into(),
@@ -744,6 +749,7 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             Duration::from_secs(10),
         ),
         max_connections: s.max_connections.unwrap_or(0),
+        max_connections_unset: s.max_connections.is_none(),
         max_requests_per_connection: s.max_requests_per_connection.unwrap_or(0),
     };
 

@@ -456,6 +456,10 @@ async fn refresh_due(
         // dual lookup answers with the other family alone, and the failed family's
         // endpoints would be dropped as if the name no longer had them.
         let family = |rt| async move {
+            // A family not looked up (`dns.family`) answers none.
+            if !s.family.looks_up(rt == RecordType::AAAA) {
+                return Family::None;
+            }
             let candidates = match candidates {
                 Some(Ok(c)) => c,
                 Some(Err(e)) => return Family::Failed(e.clone()),
@@ -485,18 +489,33 @@ async fn refresh_due(
                 failed,
             }) => {
                 stats.lookups.fetch_add(1, Ordering::Relaxed);
-                // One family failed, the other answered: counted and retried as a failure
-                // (after `min_refresh`: `valid_until` is now), warned about once in a row.
-                match failed {
+                let ttl = valid_until
+                    .map_or(Duration::ZERO, |v| v.saturating_duration_since(now))
+                    .clamp(s.min_refresh, s.max_refresh);
+                // One family failed, the other answered: counted and retried as a failure,
+                // with the same backoff (from `min_refresh`, doubling) but never later than
+                // the other family's answer is good for; warned about once in a row.
+                // Retried at every `min_refresh`, a name server that never answers AAAA
+                // was asked twice a second for good, each time waiting out the query
+                // timeout, and the failures count climbed without end.
+                let wait = match failed {
                     Some(e) => {
                         stats.failures.fetch_add(1, Ordering::Relaxed);
                         if n.failures_in_row == 0 {
                             tracing::warn!(dns.name = %host, error = %e, "a DNS lookup of one address family failed; keeping that family's last addresses");
                         }
+                        let wait = backoff(s, n.failures_in_row);
                         n.failures_in_row += 1;
+                        match valid_until {
+                            Some(_) => wait.min(ttl),
+                            None => wait,
+                        }
                     }
-                    None => n.failures_in_row = 0,
-                }
+                    None => {
+                        n.failures_in_row = 0;
+                        ttl
+                    }
+                };
                 if ips.is_empty() && !n.addrs.is_empty() {
                     tracing::warn!(dns.name = %host, gone = ?n.addrs, "the name servers say this name has no address now; its endpoints are removed until it has one again");
                 }
@@ -505,19 +524,15 @@ async fn refresh_due(
                     tracing::warn!(dns.name = %host, left_out = ?unusable, "addresses in a DNS answer no connect can use (link-local with no interface, unspecified, multicast or broadcast); left out");
                 }
                 n.unusable = unusable;
-                let ttl = valid_until.saturating_duration_since(now);
-                n.due = now + ttl.clamp(s.min_refresh, s.max_refresh);
+                n.due = now + wait;
                 n.addrs = ips;
                 n.resolved = true;
             }
             Err(e) => {
                 stats.failures.fetch_add(1, Ordering::Relaxed);
-                let backoff = s
-                    .min_refresh
-                    .saturating_mul(1 << n.failures_in_row.min(10))
-                    .min(s.max_refresh);
+                let wait = backoff(s, n.failures_in_row);
                 n.failures_in_row += 1;
-                n.due = now + backoff;
+                n.due = now + wait;
                 if n.failures_in_row == 1 {
                     tracing::warn!(dns.name = %host, error = %e, stale = ?n.addrs, "DNS lookup failed; keeping the last addresses");
                 } else {
@@ -526,6 +541,14 @@ async fn refresh_due(
             }
         }
     }
+}
+
+/// How long after the `failures_in_row + 1`th failure in a row a name is asked again:
+/// `min_refresh`, doubled at each failure, up to `max_refresh`.
+fn backoff(s: &DnsSettings, failures_in_row: u32) -> Duration {
+    s.min_refresh
+        .saturating_mul(1 << failures_in_row.min(10))
+        .min(s.max_refresh)
 }
 
 /// One family's lookup (A or AAAA) of a name: its candidates in turn ([`Search`]) until one
@@ -594,7 +617,9 @@ enum Family {
 /// failed while the other answered, why (its last addresses are among `ips`).
 struct Answer {
     ips: Vec<IpAddr>,
-    valid_until: Instant,
+    /// Until when the families that answered with addresses may be kept (the soonest);
+    /// `None` when none did.
+    valid_until: Option<Instant>,
     unusable: Vec<IpAddr>,
     failed: Option<String>,
 }
@@ -602,8 +627,8 @@ struct Answer {
 /// Both families' lookups as one: an error when both failed, or when no usable address is
 /// left (every one unusable, or one family failed and the other answered none); none at all
 /// (both families answered with no record) is an answer. A family that failed while the
-/// other answered keeps its addresses from `last`, and is retried soon (`valid_until` is
-/// now). The unusable addresses are counted in `stats`.
+/// other answered keeps its addresses from `last`, and says so in `failed` (the caller
+/// retries it with a backoff). The unusable addresses are counted in `stats`.
 fn answer_of(v4: Family, v6: Family, last: &[IpAddr], stats: &DnsStats) -> Result<Answer, String> {
     let mut all = Vec::new();
     let mut valid_until: Option<Instant> = None;
@@ -622,7 +647,6 @@ fn answer_of(v4: Family, v6: Family, last: &[IpAddr], stats: &DnsStats) -> Resul
                 let family = if v6 { "AAAA" } else { "A" };
                 failed = Some(format!("the {family} lookup: {e}"));
                 all.extend(last.iter().filter(|ip| ip.is_ipv6() == v6));
-                valid_until = Some(Instant::now());
             }
         }
     }
@@ -645,7 +669,7 @@ fn answer_of(v4: Family, v6: Family, last: &[IpAddr], stats: &DnsStats) -> Resul
     Ok(Answer {
         ips,
         // A family with no record gives no time: the refresh bounds apply.
-        valid_until: valid_until.unwrap_or_else(Instant::now),
+        valid_until,
         unusable,
         failed,
     })
@@ -826,6 +850,7 @@ mod tests {
             max_refresh: Duration::from_secs(60),
             query_timeout: Duration::from_secs(5),
             startup_timeout: Duration::from_secs(5),
+            family: crate::config::DnsFamily::Any,
         };
         let (resolver, _) = build_resolver(&settings).expect("resolver");
         let old: IpAddr = [10, 0, 0, 1].into();

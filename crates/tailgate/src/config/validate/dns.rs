@@ -6,7 +6,7 @@ use std::time::Duration;
 use toml::Spanned;
 
 use super::super::file::RawDns;
-use super::super::{DnsSettings, HostPort};
+use super::super::{DnsFamily, DnsSettings, HostPort};
 use super::{Checker, valid_host_pattern};
 
 /// A cluster endpoint as written: an IP literal with port, or a host name with port.
@@ -178,12 +178,32 @@ impl Checker<'_> {
             "dns.startup_timeout".into(),
             Duration::from_secs(5),
         );
+        let family = match &raw.family {
+            None => DnsFamily::Any,
+            Some(f) => {
+                match f.get_ref().as_str() {
+                    "any" => DnsFamily::Any,
+                    "ipv4" => DnsFamily::Ipv4,
+                    "ipv6" => DnsFamily::Ipv6,
+                    other => {
+                        self.err(
+                        Some(f.span()),
+                        "dns.family".into(),
+                        format!("`{other}` is not an address family"),
+                        Some("write \"any\" (A and AAAA), \"ipv4\" (A only) or \"ipv6\" (AAAA only)"),
+                    );
+                        DnsFamily::Any
+                    }
+                }
+            }
+        };
         DnsSettings {
             nameservers,
             min_refresh,
             max_refresh,
             query_timeout,
             startup_timeout,
+            family,
         }
     }
 }
@@ -252,5 +272,27 @@ mod tests {
             e.contains("t.toml:4:15: dns.min_refresh: 600s is longer than dns.max_refresh (300s, its default)"),
             "{e}"
         );
+    }
+
+    /// `dns.family` takes the three it names, and says what to write for anything else.
+    #[test]
+    fn the_address_family_is_one_of_three() {
+        use crate::config::DnsFamily;
+        for (text, family) in [
+            ("any", DnsFamily::Any),
+            ("ipv4", DnsFamily::Ipv4),
+            ("ipv6", DnsFamily::Ipv6),
+        ] {
+            let toml =
+                format!("[[listener]]\naddress = \"127.0.0.1:0\"\n[dns]\nfamily = \"{text}\"\n");
+            let cfg = Config::parse(Path::new("t.toml"), &toml).expect("valid");
+            assert_eq!(cfg.dns.family, family);
+        }
+        let e = errors("[dns]\nfamily = \"v4\"\n");
+        assert!(
+            e.contains("t.toml:4:10: dns.family: `v4` is not an address family"),
+            "{e}"
+        );
+        assert!(e.contains("\"ipv4\" (A only)"), "{e}");
     }
 }
