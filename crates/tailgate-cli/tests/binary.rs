@@ -481,10 +481,11 @@ fn a_drain_whose_grace_runs_out_exits_zero() {
 }
 
 /// SIGHUP, which an nginx operator sends to reload, neither ends the gateway (its default
-/// action) nor drops anything: the gateway logs that it ignored it and keeps serving, and a
-/// SIGTERM after it still drains and exits 0.
+/// action) nor drops anything: the gateway logs that it ignored it and keeps serving; so do
+/// SIGUSR1 (logrotate's, to reopen logs) and SIGUSR2. A SIGQUIT after them (nginx's graceful
+/// stop, whose default action dumps core) drains and exits 0, as SIGTERM does.
 #[test]
-fn sighup_is_logged_and_ignored() {
+fn sighup_and_sigusr_are_logged_and_ignored_and_sigquit_drains() {
     let dir = tmpdir();
     let up = slow_upstream(Duration::ZERO);
     let port = free_port();
@@ -494,19 +495,68 @@ fn sighup_is_logged_and_ignored() {
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     wait_listening(addr);
     let pid = p.0.id().to_string();
-    kill("-HUP", &pid);
-    std::thread::sleep(Duration::from_millis(300));
-    assert!(
-        p.0.try_wait().unwrap().is_none(),
-        "SIGHUP ended the gateway"
-    );
-    let resp = http_get(addr, "/after-hup");
-    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
-    kill("-TERM", &pid);
-    let status = exit_within(&mut p, Duration::from_secs(15), "no exit after SIGTERM");
+    for sig in ["-HUP", "-USR1", "-USR2"] {
+        kill(sig, &pid);
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(p.0.try_wait().unwrap().is_none(), "{sig} ended the gateway");
+        let resp = http_get(addr, "/after-signal");
+        assert!(resp.starts_with("HTTP/1.1 200"), "{sig}: {resp}");
+    }
+    kill("-QUIT", &pid);
+    let status = exit_within(&mut p, Duration::from_secs(15), "no exit after SIGQUIT");
     assert!(status.success(), "exit status {status:?}");
     let text = std::fs::read_to_string(dir.path().join("stderr.log")).unwrap();
-    assert!(text.contains("SIGHUP ignored"), "{text}");
+    for said in ["SIGHUP ignored", "SIGUSR1 ignored", "SIGUSR2 ignored"] {
+        assert!(text.contains(said), "{said}: {text}");
+    }
+}
+
+/// With `shutdown_delay`, a SIGTERM makes `/readyz` say draining at once while the listener
+/// goes on accepting and serving new connections (a load balancer still sending to it
+/// meanwhile gets answers, not refusals); the drain follows, and the process exits 0.
+#[test]
+fn shutdown_delay_serves_new_connections_while_readyz_says_draining() {
+    let dir = tmpdir();
+    let up = slow_upstream(Duration::ZERO);
+    let (port, admin_port) = (free_port(), free_port());
+    let cfg = dir.path().join("gw.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\nworkers = 1\nshutdown_delay = \"3s\"\n[admin]\naddress = \"127.0.0.1:{admin_port}\"\n[[listener]]\naddress = \"127.0.0.1:{port}\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+        ),
+    )
+    .unwrap();
+    let mut p = serve(&cfg, Stdio::null());
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
+    wait_listening(addr);
+    wait_listening(admin);
+    let ready = http_get(admin, "/readyz");
+    assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
+    let stopped_at = Instant::now();
+    kill("-TERM", &p.0.id().to_string());
+    std::thread::sleep(Duration::from_millis(300));
+    let ready = http_get(admin, "/readyz");
+    assert!(ready.starts_with("HTTP/1.1 503"), "{ready}");
+    assert!(ready.contains("draining"), "{ready}");
+    // New connections are still taken and served during the delay.
+    let resp = http_get(addr, "/during-the-delay");
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    assert!(
+        stopped_at.elapsed() < Duration::from_secs(3),
+        "the check ran past the delay; the machine is too slow for this test to say anything"
+    );
+    let status = exit_within(
+        &mut p,
+        Duration::from_secs(20),
+        "no exit after the delay and the drain",
+    );
+    assert!(status.success(), "exit status {status:?}");
+    assert!(
+        stopped_at.elapsed() >= Duration::from_secs(3),
+        "exited before shutdown_delay was over"
+    );
 }
 
 /// A second gateway started on the addresses of a running one shares them (SO_REUSEPORT,
@@ -734,6 +784,63 @@ fn the_open_files_limit_is_raised_to_the_hard_limit() {
     assert_eq!(numbers, [hard.as_str(), hard.as_str()], "{line}");
     kill("-TERM", &p.0.id().to_string());
     exit_within(&mut p, Duration::from_secs(15), "no exit after SIGTERM");
+}
+
+/// Without `max_connections` in the config, `serve` caps the client connections at half of
+/// what the open files limit leaves (here (300 − 100) ÷ 2 = 100): past it, new connections
+/// wait in the listen queue and the pause is counted, rather than taking the descriptors
+/// the upstream connects need.
+#[test]
+fn max_connections_defaults_to_half_the_open_files_left() {
+    let dir = tmpdir();
+    let up = slow_upstream(Duration::ZERO);
+    let (port, admin_port) = (free_port(), free_port());
+    let cfg = serve_config(
+        dir.path(),
+        port,
+        up,
+        &format!("[admin]\naddress = \"127.0.0.1:{admin_port}\"\n[log]\nlevel = \"info\"\n"),
+    );
+    let log = std::fs::File::create(dir.path().join("stderr.log")).unwrap();
+    let mut p = Proc(
+        Command::new("prlimit")
+            .arg("--nofile=300:300")
+            .arg(BIN)
+            .args(["serve", "--config"])
+            .arg(&cfg)
+            .env_remove("RUST_LOG")
+            .stderr(Stdio::from(log))
+            .spawn()
+            .unwrap(),
+    );
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
+    wait_listening(addr);
+    wait_listening(admin);
+    let held: Vec<TcpStream> = (0..130)
+        .map(|_| TcpStream::connect(addr).unwrap())
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let metrics = http_get(admin, "/metrics");
+        let paused = metrics
+            .lines()
+            .find(|l| l.starts_with("tailgate_downstream_accept_pauses_total"))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        if paused >= 1.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no pause at the cap: {metrics}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(held);
+    assert!(http_get(addr, "/after").starts_with("HTTP/1.1 200"));
+    kill("-TERM", &p.0.id().to_string());
+    exit_within(&mut p, Duration::from_secs(15), "no exit after SIGTERM");
+    let text = std::fs::read_to_string(dir.path().join("stderr.log")).unwrap();
+    assert!(text.contains("max_connections=100"), "{text}");
 }
 
 /// Each thread of process `pid`: its name, nice value and scheduling policy (fields 19 and

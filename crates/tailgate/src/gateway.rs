@@ -369,6 +369,14 @@ impl Gateway {
             .collect()
     }
 
+    /// `/readyz` says the gateway is draining (503) from now, while it still accepts and
+    /// serves: the first step of a shutdown with `server.shutdown_delay`.
+    pub fn stop_ready(&self) {
+        self.state
+            .draining
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Starts a graceful shutdown: stop accepting, let in-flight requests finish.
     pub fn shutdown(&self) {
         self.state

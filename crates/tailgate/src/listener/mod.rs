@@ -208,7 +208,8 @@ fn take_queued(
 /// passes a queued connection's pending network error on as `accept`'s own, and accept(2)
 /// asks for these to be retried as `EAGAIN` is (nginx, too, takes the next connection at
 /// once on `ECONNABORTED`). Anything else (out of descriptors or memory, above all) backs
-/// off instead: retried at once, it would spin.
+/// off instead: retried at once, it would spin. (`EPERM` too: a security module that
+/// refuses the accept leaves the connection queued, and each retry would meet it again.)
 fn failed_in_the_queue(e: &std::io::Error) -> bool {
     use rustix::io::Errno;
     Errno::from_io_error(e).is_some_and(|n| {
@@ -246,6 +247,7 @@ mod tests {
             Errno::NOBUFS,
             Errno::NOMEM,
             Errno::INVAL,
+            Errno::PERM,
         ] {
             assert!(!failed_in_the_queue(&err(n)), "{n:?}");
         }
