@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 # The plain build first (minutes), and the options checked with it, so that a mistyped one
 # fails before the profile-guided build (two more builds) rather than after it.
 cargo build --release --locked -p tailgate-cli
-target/release/tailgate bench report --check "$@"
+target/release/tailgate bench report --check --tailgate target/release/tailgate \
+  --compare tailgate-plain=target/release/tailgate "$@"
 scripts/pgo.sh
 exec target/release/tailgate bench report --tailgate target/pgo/tailgate \
   --compare tailgate-plain=target/release/tailgate "$@"

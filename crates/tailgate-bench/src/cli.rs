@@ -205,8 +205,15 @@ struct ReportArgs {
     check: bool,
 }
 
+/// The longest duration any option takes: far past any run, and far from where adding it
+/// to the clock would overflow (which panicked).
+const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
 fn parse_duration(s: &str) -> Result<Duration, String> {
     let d = humantime::parse_duration(s).map_err(|e| format!("{e} (e.g. 10s, 500ms, 1m)"))?;
+    if d > MAX_DURATION {
+        return Err("at most 365days (e.g. 10s, 500ms, 1m)".into());
+    }
     Ok(d)
 }
 
@@ -399,8 +406,11 @@ fn options(o: &ScenarioOpts) -> Result<Options, String> {
     if o.duration.is_zero() {
         return Err("--duration must be more than 0".into());
     }
-    if !(o.rate.is_finite() && o.rate > 0.0) {
-        return Err("--rate must be a positive number of requests per second".into());
+    if !(o.rate.is_finite() && o.rate >= crate::load::MIN_RATE) {
+        return Err(format!(
+            "--rate must be a number of requests per second, at least {}",
+            crate::load::MIN_RATE
+        ));
     }
     if o.connections == 0 || o.many_connections == 0 {
         return Err("connection counts must be at least 1".into());

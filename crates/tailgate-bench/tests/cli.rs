@@ -18,6 +18,23 @@ fn bad_arguments_exit_2_with_a_message() {
         &["run", "ftp://127.0.0.1:1/", "--closed"],
         &["run", "http://127.0.0.1:1/", "-r", "-5"],
         &["run", "http://127.0.0.1:1/", "-r", "0"],
+        // An interval past what the clock holds, and a duration past it (both panicked).
+        &["run", "http://127.0.0.1:1/", "-r", "1e-20"],
+        &[
+            "run",
+            "http://127.0.0.1:1/",
+            "--closed",
+            "-d",
+            "300000000000y",
+        ],
+        &[
+            "run",
+            "http://127.0.0.1:1/",
+            "-r",
+            "10",
+            "--timeout",
+            "300000000000y",
+        ],
         &["run", "http://127.0.0.1:1/", "--closed", "-d", "soon"],
         &["run", "http://127.0.0.1:1/", "--closed", "-H", "no-colon"],
         &["run", "http://127.0.0.1:1/", "--closed", "-n", "0"],
@@ -131,6 +148,8 @@ fn report_check_validates_the_options_and_writes_nothing() {
         (&["--duration", "0s"], "--duration must be more than 0"),
         (&["--rounds", "0"], "--rounds"),
         (&["--rate", "-1"], "error"),
+        (&["--rate", "1e-20"], "at least 0.001"),
+        (&["--duration", "300000000000y"], "at most 365days"),
         (&["--tailgate", "/nonexistent/tailgate"], "is not a file"),
     ];
     for (args, why) in bad {

@@ -55,6 +55,10 @@ use target::{Group, Prepared, RequestTemplate, Url};
 /// N: [`index_cap`]).
 pub const MAX_INDEX: usize = 256;
 
+/// The lowest open-loop rate (requests per second) taken: one far lower made each
+/// connection's interval a time past what the clock holds (a panic).
+pub const MIN_RATE: f64 = 0.001;
+
 /// The by-index record for a server closing every `close_every` requests: two of its
 /// cycles, at least [`MAX_INDEX`], at most 2048 (53 MiB per generator thread).
 pub fn index_cap(close_every: u64) -> usize {
@@ -141,7 +145,8 @@ impl Spec {
         }
     }
 
-    /// Checks the numbers make sense (bad ones are usage errors).
+    /// Checks the numbers make sense (bad ones are usage errors): a rate of at least
+    /// [`MIN_RATE`] among them.
     pub fn validate(&self) -> Result<(), LoadError> {
         let bad = |m: &str| Err(LoadError::Invalid(m.to_string()));
         if self.urls.is_empty() {
@@ -154,9 +159,11 @@ impl Spec {
             return bad("--threads must be between 1 and the number of connections");
         }
         if let Some(r) = self.rate
-            && !(r.is_finite() && r > 0.0)
+            && !(r.is_finite() && r >= MIN_RATE)
         {
-            return bad("--rate must be a positive number of requests per second");
+            return Err(LoadError::Invalid(format!(
+                "--rate must be a number of requests per second, at least {MIN_RATE}"
+            )));
         }
         match self.stop {
             Stop::Duration(d) if d.is_zero() => return bad("--duration must be more than 0"),

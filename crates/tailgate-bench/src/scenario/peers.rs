@@ -73,6 +73,7 @@ pub fn tailgate_build(
         r#"{extra}
 [server]
 workers = 1
+max_connections = 8000
 [log]
 level = "warn"
 access_log = false

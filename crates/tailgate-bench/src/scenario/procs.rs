@@ -44,7 +44,7 @@ pub fn free_port() -> Result<u16, SetupError> {
     Ok(l.local_addr().map_err(io_err("read a free port"))?.port())
 }
 
-/// Installs the SIGINT/SIGTERM handler once (a thread with its own small runtime).
+/// Installs the SIGINT/SIGTERM/SIGHUP/SIGQUIT handler once (a thread with its own small runtime).
 pub fn install_signal_handler() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -58,14 +58,22 @@ pub fn install_signal_handler() {
                     return;
                 };
                 rt.block_on(async {
-                    let Ok(mut term) =
-                        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                    else {
+                    use tokio::signal::unix::{SignalKind, signal};
+                    // A hangup (the terminal or ssh session gone) too: the children would
+                    // get it as well, and nginx takes it for a reload, HAProxy and tailgate
+                    // ignore it, so they would stay up on the measured core.
+                    let (Ok(mut term), Ok(mut hup), Ok(mut quit)) = (
+                        signal(SignalKind::terminate()),
+                        signal(SignalKind::hangup()),
+                        signal(SignalKind::quit()),
+                    ) else {
                         return;
                     };
                     tokio::select! {
                         _ = tokio::signal::ctrl_c() => {}
                         _ = term.recv() => {}
+                        _ = hup.recv() => {}
+                        _ = quit.recv() => {}
                     }
                 });
                 eprintln!("tailgate bench: interrupted, stopping children");
@@ -215,7 +223,32 @@ impl Env {
             child,
             log,
         });
-        self.wait_ready(ready_addr)
+        let ready = self.wait_ready(ready_addr);
+        if ready.is_err() {
+            self.forget_last();
+        }
+        ready
+    }
+
+    /// The child started last did not become ready: it is stopped (one that hangs would
+    /// take the measured core from every target after it; SIGTERM first, so that nginx's
+    /// master takes its worker with it) and reaped, and forgotten, so that no signal goes
+    /// later to its pid, which the system may have given to another process by then.
+    fn forget_last(&mut self) {
+        let Some(mut p) = self.procs.pop() else {
+            return;
+        };
+        let pid = p.child.id();
+        if matches!(p.child.try_wait(), Ok(None)) {
+            signal(&[pid], "-TERM");
+        }
+        let _ = end(&mut p.child, Instant::now() + Duration::from_secs(3));
+        if let Ok(mut live) = LIVE.lock() {
+            live.retain(|&live| live != pid);
+        }
+        if let Ok(mut l) = LISTENING.lock() {
+            l.retain(|&(_, p)| p != pid);
+        }
     }
 
     /// Stops the child started as `name` with SIGTERM and waits for it to exit (SIGKILL
@@ -407,6 +440,23 @@ mod tests {
             String::from_utf8_lossy(&out.stdout).trim(),
             hard.to_string()
         );
+    }
+
+    /// A child that exits before it answers is an error that names it, and is forgotten:
+    /// no signal goes later to its pid (which the system may hand to another process), and
+    /// no CPU is read from it.
+    #[test]
+    fn a_child_that_does_not_become_ready_is_forgotten() {
+        let mut env = Env::new(PathBuf::from("/bin/sh"), None).expect("env");
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port().expect("port"))
+            .parse()
+            .expect("addr");
+        let err = env
+            .spawn("quitter", Path::new("/bin/sh"), &["-c", "exit 3"], addr)
+            .expect_err("it never answers");
+        assert!(err.to_string().contains("quitter exited"), "{err}");
+        assert!(env.procs.is_empty());
+        assert_eq!(pid_listening_on(addr), None);
     }
 
     /// A descendant's CPU counts toward its ancestor's: a shell whose grandchild spins

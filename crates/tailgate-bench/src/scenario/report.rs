@@ -68,6 +68,7 @@ pub fn generate(opts: &Options, tailgate_exe: &Path, t: &Target<'_>) -> Result<(
 (nginx `worker_processes 1`, HAProxy `nbthread 1`, tailgate `workers = 1`). Every proxy keeps its upstream connections alive \
 (nginx `keepalive 256; keepalive_requests 1000000; keepalive_time 1h`, HAProxy `http-reuse always`); tailgate also keeps \
 `min_warm_connections = 4` spare connections open ahead of need, a setting nginx and HAProxy have no counterpart for. \
+Each caps its connections (nginx `worker_connections 8192`, upstream ones counted too; HAProxy `maxconn 8000`; tailgate `max_connections = 8000`). \
 A goal is not met when either of its rows had a failed request, or (open loop) one that was due and never sent. Each run: {} s measured after {} s warm-up; \
 every (target, variant) is run {} times, interleaved with the other targets (order rotated every two rounds and reversed in odd ones, processes kept running), \
 and each row shows the medians across those rounds (errors summed) with the lowest–highest p99 as `p99 range`. \
