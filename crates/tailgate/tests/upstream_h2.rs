@@ -1279,26 +1279,37 @@ async fn a_large_response_head_from_an_h2_upstream_is_served() {
 /// Clients that stop reading large HTTP/2 answers hold back only their own streams: a
 /// small answer on the same upstream connection still comes whole (with hyper's 5 MiB
 /// connection window, three stalled 2 MiB stream windows stopped every stream on it; with
-/// 64 MiB, thirty-three).
+/// 64 MiB, a hundred did, each holding what its client's socket did not take).
 #[tokio::test]
 async fn slow_readers_do_not_stall_other_streams_on_an_h2_connection() {
-    let up = h2c_upstream_with(|req: http::Request<hyper::body::Incoming>| async move {
-        let (size, chunk) = if req.uri().path() == "/big" {
-            (64 << 20, 64 << 10)
-        } else {
-            (256 << 10, 16 << 10)
-        };
-        let chunks = futures_util::stream::iter((0..size / chunk).map(move |_| {
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(hyper::body::Frame::data(
-                Bytes::from(vec![b'x'; chunk]),
-            ))
-        }));
-        http::Response::new(http_body_util::StreamBody::new(chunks).boxed())
+    // Pieces of the large answers made: hyper's server makes one only when the stream has
+    // window for it, so this stops growing once every stalled stream's window is full.
+    let made = Arc::new(AtomicUsize::new(0));
+    let counted = made.clone();
+    let up = h2c_upstream_with(move |req: http::Request<hyper::body::Incoming>| {
+        let made = counted.clone();
+        async move {
+            let big = req.uri().path() == "/big";
+            let (size, chunk) = if big {
+                (64 << 20, 64 << 10)
+            } else {
+                (256 << 10, 16 << 10)
+            };
+            let chunks = futures_util::stream::iter((0..size / chunk).map(move |_| {
+                if big {
+                    made.fetch_add(1, Ordering::SeqCst);
+                }
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(hyper::body::Frame::data(
+                    Bytes::from(vec![b'x'; chunk]),
+                ))
+            }));
+            http::Response::new(http_body_util::StreamBody::new(chunks).boxed())
+        }
     })
     .await;
     let gw = gateway(up, "");
     let mut stalled = Vec::new();
-    for _ in 0..40 {
+    for _ in 0..100 {
         let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
         use tokio::io::AsyncWriteExt;
         s.write_all(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n")
@@ -1306,10 +1317,20 @@ async fn slow_readers_do_not_stall_other_streams_on_an_h2_connection() {
             .unwrap();
         stalled.push(s);
     }
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Until the stalled answers stop moving (their clients' sockets and their streams'
+    // windows full), however long the machine takes to fill them.
+    let mut last = usize::MAX;
+    for _ in 0..150 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = made.load(Ordering::SeqCst);
+        if now == last {
+            break;
+        }
+        last = now;
+    }
     let resp = tokio::time::timeout(Duration::from_secs(10), get(gw.addr, "/small"))
         .await
-        .expect("a small answer beside forty stalled large ones");
+        .expect("a small answer beside a hundred stalled large ones");
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.body().len(), 256 << 10);
     drop(stalled);
