@@ -1319,6 +1319,24 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             let total = total_timeout.filter(|_| !total_refused);
             c.hedge_reachable(d, v, i, response_timeout, total);
         }
+        // A hedge goes to another endpoint than the first copy's: a cluster of one address
+        // (written once or more, and no host name that may resolve to more) would never
+        // send one, and the route's setting would say it does.
+        if let (Some(_), Some(v), Some(ci)) = (&hedge_delay, &r.hedge_delay, cluster)
+            && let Some(cl) = clusters.get(ci)
+            && cl.hostnames.is_empty()
+            && cl.endpoints.iter().all(|a| *a == cl.endpoints[0])
+        {
+            c.err(
+                Some(v.span()),
+                format!("route[{i}].hedge_delay"),
+                format!(
+                    "a hedge goes to another endpoint than the first copy, and cluster `{}` has one",
+                    cl.name
+                ),
+                Some("give the cluster a second endpoint, or remove hedge_delay"),
+            );
+        }
         let rewrite_prefix = c.rewrite_prefix(r, i, &path_prefix);
         let host_rewrite = c.host_rewrite(r, i);
         // Named whatever its cluster: a name used twice is reported with an unknown
@@ -2148,6 +2166,28 @@ mod tests {
         ] {
             let errs = errors_of(&text);
             assert!(errs.contains(want), "missing {want:?} for:\n{text}\ngot:\n{errs}");
+        }
+    }
+
+    /// A hedge on a route whose cluster has one address would never be sent: refused.
+    #[test]
+    fn a_hedge_with_no_other_endpoint_is_refused() {
+        let base = "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\n";
+        let route = "[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\nhedge_delay = \"50ms\"\n";
+        let one = format!("{base}endpoints = [\"127.0.0.1:1\", \"127.0.0.1:1\"]\n{route}");
+        let errs = Config::parse(Path::new("t.toml"), &one)
+            .expect_err("no other endpoint")
+            .to_string();
+        assert!(
+            errs.contains("t.toml:9:15: route[0].hedge_delay: a hedge goes to another endpoint than the first copy, and cluster `c` has one"),
+            "{errs}"
+        );
+        for endpoints in [
+            "[\"127.0.0.1:1\", \"127.0.0.1:2\"]",
+            "[\"api.internal:80\"]",
+        ] {
+            let two = format!("{base}endpoints = {endpoints}\n{route}");
+            Config::parse(Path::new("t.toml"), &two).expect("another endpoint, or a name");
         }
     }
 
