@@ -495,9 +495,22 @@ fn sighup_and_sigusr_are_logged_and_ignored_and_sigquit_drains() {
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     wait_listening(addr);
     let pid = p.0.id().to_string();
-    for sig in ["-HUP", "-USR1", "-USR2"] {
+    for (sig, said) in [
+        ("-HUP", "SIGHUP ignored"),
+        ("-USR1", "SIGUSR1 ignored"),
+        ("-USR2", "SIGUSR2 ignored"),
+    ] {
         kill(sig, &pid);
-        std::thread::sleep(Duration::from_millis(300));
+        // Each taken (its line logged) before the next is sent: two pending at once are
+        // taken in either order.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !std::fs::read_to_string(dir.path().join("stderr.log"))
+            .unwrap()
+            .contains(said)
+        {
+            assert!(Instant::now() < deadline, "{sig} not logged");
+            std::thread::sleep(Duration::from_millis(50));
+        }
         assert!(p.0.try_wait().unwrap().is_none(), "{sig} ended the gateway");
         let resp = http_get(addr, "/after-signal");
         assert!(resp.starts_with("HTTP/1.1 200"), "{sig}: {resp}");
@@ -523,7 +536,7 @@ fn shutdown_delay_serves_new_connections_while_readyz_says_draining() {
     std::fs::write(
         &cfg,
         format!(
-            "[server]\nworkers = 1\nshutdown_delay = \"3s\"\n[admin]\naddress = \"127.0.0.1:{admin_port}\"\n[[listener]]\naddress = \"127.0.0.1:{port}\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+            "[server]\nworkers = 1\nshutdown_delay = \"4s\"\n[admin]\naddress = \"127.0.0.1:{admin_port}\"\n[[listener]]\naddress = \"127.0.0.1:{port}\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
         ),
     )
     .unwrap();
@@ -536,17 +549,19 @@ fn shutdown_delay_serves_new_connections_while_readyz_says_draining() {
     assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
     let stopped_at = Instant::now();
     kill("-TERM", &p.0.id().to_string());
-    std::thread::sleep(Duration::from_millis(300));
-    let ready = http_get(admin, "/readyz");
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let ready = loop {
+        let ready = http_get(admin, "/readyz");
+        if ready.starts_with("HTTP/1.1 503") || Instant::now() > deadline {
+            break ready;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
     assert!(ready.starts_with("HTTP/1.1 503"), "{ready}");
     assert!(ready.contains("draining"), "{ready}");
     // New connections are still taken and served during the delay.
     let resp = http_get(addr, "/during-the-delay");
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
-    assert!(
-        stopped_at.elapsed() < Duration::from_secs(3),
-        "the check ran past the delay; the machine is too slow for this test to say anything"
-    );
     let status = exit_within(
         &mut p,
         Duration::from_secs(20),
@@ -554,7 +569,7 @@ fn shutdown_delay_serves_new_connections_while_readyz_says_draining() {
     );
     assert!(status.success(), "exit status {status:?}");
     assert!(
-        stopped_at.elapsed() >= Duration::from_secs(3),
+        stopped_at.elapsed() >= Duration::from_secs(4),
         "exited before shutdown_delay was over"
     );
 }

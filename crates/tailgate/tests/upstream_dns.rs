@@ -843,6 +843,45 @@ async fn a_failed_aaaa_lookup_keeps_the_ipv6_endpoints() {
     assert!(more <= 8, "{more} failed lookups in 1.5 s");
 }
 
+/// While a name's AAAA lookups fail, the IPv6 addresses kept meanwhile may be dead:
+/// connect failures to them ask for early lookups, which must not undo the backoff (it
+/// was undone at every connect failure, and the failing family asked for every
+/// `min_refresh` again).
+#[tokio::test]
+async fn connect_failures_to_kept_addresses_do_not_undo_the_backoff() {
+    let (v4, _) = counting_on(Ipv4Addr::new(127, 0, 0, 2), 0).await.unwrap();
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    // [::1] at the same port: nothing listens there.
+    *dns.aaaa.lock().unwrap() = vec![std::net::Ipv6Addr::LOCALHOST];
+    let gw = TestGateway::start(&format!(
+        "[dns]\nnameservers = [\"{}\"]\nmin_refresh = \"50ms\"\nmax_refresh = \"1s\"\nquery_timeout = \"2s\"\nstartup_timeout = \"3s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"svc.test:{}\"]\nbalance = \"round_robin\"\neject_after_failures = 0\nretry_budget_percent = 100\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
+        dns.addr,
+        v4.port()
+    ));
+    let g = gw.gw.as_ref().unwrap();
+    wait_for("both families", || g.endpoint_pools().len() == 2).await;
+    let failures = g.dns_stats().failures.load(Ordering::Relaxed);
+    dns.aaaa_fails.store(true, Ordering::SeqCst);
+    wait_for("failed AAAA lookups", || {
+        g.dns_stats().failures.load(Ordering::Relaxed) >= failures + 2
+    })
+    .await;
+    // Requests for 1.5 s, half of them first to the dead [::1] (then to the other).
+    let before = g.dns_stats().failures.load(Ordering::Relaxed);
+    let early_before = g.dns_stats().early_refreshes.load(Ordering::Relaxed);
+    let until = std::time::Instant::now() + Duration::from_millis(1500);
+    while std::time::Instant::now() < until {
+        assert_eq!(get(gw.addr, "/").await.status(), 200);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        g.dns_stats().early_refreshes.load(Ordering::Relaxed) > early_before,
+        "the dead address asked for early lookups"
+    );
+    let more = g.dns_stats().failures.load(Ordering::Relaxed) - before;
+    assert!(more <= 8, "{more} failed lookups in 1.5 s");
+}
+
 /// `dns.family = "ipv4"` (nginx's resolver `ipv6=off`): a name's AAAA records are not
 /// looked up, so on a host with no IPv6 route its IPv6 addresses are no endpoints whose
 /// every connect fails; `"ipv6"` keeps those alone.

@@ -1132,7 +1132,7 @@ async fn r_early_answer_upload_is_cut_only_when_it_stops_moving() {
         }
     });
     let gw = TestGateway::start(&format!(
-        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nidle_timeout = \"400ms\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nidle_timeout = \"1s\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
     ));
     let mut c = TcpStream::connect(gw.addr).await.unwrap();
     c.write_all(b"POST /ingest HTTP/1.1\r\nhost: a\r\ncontent-length: 20000\r\n\r\n")
@@ -1149,9 +1149,9 @@ async fn r_early_answer_upload_is_cut_only_when_it_stops_moving() {
         assert!(n > 0);
         resp.extend_from_slice(&buf[..n]);
     }
-    // 1.9 s more of upload, a piece every 100 ms: well past the 400 ms idle timeout in all.
+    // 2.4 s more of upload, a piece every 125 ms: well past the 1 s idle timeout in all.
     for _ in 0..19 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(125)).await;
         c.write_all(&[b'x'; 1000]).await.unwrap();
     }
     let t = std::time::Instant::now();
@@ -1165,7 +1165,7 @@ async fn r_early_answer_upload_is_cut_only_when_it_stops_moving() {
     }
 }
 
-/// And one that stops moving is cut after the cluster's `idle_timeout` (400 ms here): the
+/// And one that stops moving is cut after the cluster's `idle_timeout` (1 s here): the
 /// upstream connection is closed, not held open for a client that sends no more.
 #[tokio::test]
 async fn r_early_answer_upload_that_stops_is_cut() {
@@ -1188,7 +1188,7 @@ async fn r_early_answer_upload_that_stops_is_cut() {
         let _ = closed_tx.send(std::time::Instant::now());
     });
     let gw = TestGateway::start(&format!(
-        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nidle_timeout = \"400ms\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nidle_timeout = \"1s\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
     ));
     let mut c = TcpStream::connect(gw.addr).await.unwrap();
     c.write_all(b"POST /ingest HTTP/1.1\r\nhost: a\r\ncontent-length: 20000\r\n\r\n")

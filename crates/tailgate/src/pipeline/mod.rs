@@ -938,6 +938,7 @@ fn forward(
             Some(hedge::First::Pending) => in_flight.abandoned(),
             Some(hedge::First::Answered(status)) => in_flight.responded_at(status, t_head),
             Some(hedge::First::Failed) => in_flight.failed(),
+            Some(hedge::First::NoVerdict) => in_flight.no_verdict(),
         }
         // (Whether the server closes the connection after this response, the connection knows
         // from the head it parsed.)

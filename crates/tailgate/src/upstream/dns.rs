@@ -416,7 +416,14 @@ fn run(
                                         resolver.clear_lookup_cache(name.clone(), rt);
                                     }
                                 }
-                                let earliest = n.last.map_or(now, |l| l + settings.min_refresh);
+                                // While lookups fail (one family's or all), their backoff
+                                // holds: connect failures to the addresses kept meanwhile
+                                // (a dead family's) would undo it.
+                                let wait = match n.failures_in_row {
+                                    0 => settings.min_refresh,
+                                    k => backoff(&settings, k - 1),
+                                };
+                                let earliest = n.last.map_or(now, |l| l + wait);
                                 n.due = n.due.min(earliest.max(now));
                             }
                         }

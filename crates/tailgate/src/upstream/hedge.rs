@@ -153,6 +153,9 @@ pub enum First {
     Pending,
     Answered(http::StatusCode),
     Failed,
+    /// Failed in a way that says nothing of its endpoint (a pooled connection closed
+    /// before the request went out, a stream refused unprocessed): no sample, no mark.
+    NoVerdict,
 }
 
 impl<'a> Hedge<'a> {
@@ -213,7 +216,13 @@ impl<'a> Hedge<'a> {
                 Ok((resp, conn))
             }
             Ok(Err(e)) => {
-                in_flight.failed();
+                // As for the first copy: a stale pooled connection or a refused stream is
+                // no failure of the endpoint.
+                if not_its_failure(&e) {
+                    in_flight.no_verdict();
+                } else {
+                    in_flight.failed();
+                }
                 Err(ProxyError::UpstreamReset(e.into()))
             }
             Err(_) => {
@@ -293,7 +302,7 @@ async fn race_hedged(
                         // went out, or a stream it refused unprocessed, says nothing
                         // against the endpoint: without the hedge the request is sent
                         // again and the endpoint not blamed.
-                        Err(e) if not_its_failure(e) => First::Pending,
+                        Err(e) if not_its_failure(e) => First::NoVerdict,
                         Err(_) => First::Failed,
                     };
                     won(h, first)
@@ -308,7 +317,7 @@ async fn race_hedged(
             // its endpoint, as it is without a hedge, not one abandoned for a faster copy
             // (its endpoint hung, and must not escape ejection behind the copies).
             Ok(h) => match tokio::time::timeout_at(deadline, primary).await {
-                Ok(Err(e)) if not_its_failure(&e) => won(h, First::Pending),
+                Ok(Err(e)) if not_its_failure(&e) => won(h, First::NoVerdict),
                 Ok(Err(_)) | Err(_) => won(h, First::Failed),
                 Ok(r) => Raced::Primary(r),
             },

@@ -110,7 +110,7 @@ pub struct PoolStats {
     /// Queued requests that got no connection within the connect timeout (`503
     /// upstream_queue_timeout`).
     pub queue_timeouts: AtomicU64,
-    /// Requests refused at once because [`QUEUE_MAX`](super::limit::QUEUE_MAX) were queued
+    /// Requests refused at once because 1024 (the queue's bound) were queued
     /// already (`503 upstream_queue_full`).
     pub queue_overflows: AtomicU64,
 }
