@@ -2003,33 +2003,8 @@ async fn a_tunnels_bytes_are_counted_when_it_ends_and_its_latency_is_the_handsha
 /// the upstream (`upstream_body_timeout`), whose answer the gateway waited for.
 #[tokio::test]
 async fn an_upload_stalled_after_the_answer_began_is_the_clients_timeout() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let up = echo_upstream().await;
-    let gw = TestGateway::start(&format!(
-        "{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\nname = \"echo\"\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"500ms\"\n"
-    ));
-    let admin = admin_addr(&gw);
-    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
-    s.write_all(b"POST /e HTTP/1.1\r\nHost: a\r\nContent-Length: 100000\r\n\r\n")
-        .await
-        .unwrap();
-    s.write_all(&[b'x'; 50_000]).await.unwrap();
-    // The answer's head and the echoed half come; then nothing, until the cut.
-    let mut got = Vec::new();
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        match tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf)).await {
-            Ok(Ok(0)) | Ok(Err(_)) => break,
-            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
-            Err(_) => panic!("never cut off"),
-        }
-    }
-    assert!(
-        got.starts_with(b"HTTP/1.1 200"),
-        "{:?}",
-        String::from_utf8_lossy(&got[..got.len().min(200)])
-    );
-    assert_eq!(body_timeouts(admin, "echo").await, (1.0, 0.0));
+    assert_eq!(stalled_echo_upload(up, "").await, (1.0, 0.0));
 }
 
 /// The same over an HTTP/2 upstream, whose request body hyper's connection task sends
@@ -2037,7 +2012,6 @@ async fn an_upload_stalled_after_the_answer_began_is_the_clients_timeout() {
 /// recorded as `upstream_body_timeout`).
 #[tokio::test]
 async fn an_upload_stalled_after_an_h2_answer_began_is_the_clients_timeout() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let up = h2c_upstream_with(|req: http::Request<hyper::body::Incoming>| async move {
         http::Response::new(
             req.into_body()
@@ -2046,8 +2020,20 @@ async fn an_upload_stalled_after_an_h2_answer_began_is_the_clients_timeout() {
         )
     })
     .await;
+    assert_eq!(
+        stalled_echo_upload(up, "protocol = \"http2\"\n").await,
+        (1.0, 0.0)
+    );
+}
+
+/// Half an upload to a gateway in front of `up` (an echoing upstream; `cluster_extra` in
+/// its cluster, a 500 ms response timeout), then nothing: the answer's head and the
+/// echoed half come, then the cut. The route's `client_body_timeout` and
+/// `upstream_body_timeout` counts.
+async fn stalled_echo_upload(up: SocketAddr, cluster_extra: &str) -> (f64, f64) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let gw = TestGateway::start(&format!(
-        "{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nprotocol = \"http2\"\n[[route]]\nname = \"echo\"\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"500ms\"\n"
+        "{ADMIN}[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n{cluster_extra}[[route]]\nname = \"echo\"\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"500ms\"\n"
     ));
     let admin = admin_addr(&gw);
     let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
@@ -2069,7 +2055,7 @@ async fn an_upload_stalled_after_an_h2_answer_began_is_the_clients_timeout() {
         "{:?}",
         String::from_utf8_lossy(&got[..got.len().min(200)])
     );
-    assert_eq!(body_timeouts(admin, "echo").await, (1.0, 0.0));
+    body_timeouts(admin, "echo").await
 }
 
 /// Once a route's exchange is recorded with one of them: its `client_body_timeout` and

@@ -815,13 +815,7 @@ async fn a_failed_aaaa_lookup_keeps_the_ipv6_endpoints() {
     *dns.aaaa.lock().unwrap() = vec![std::net::Ipv6Addr::LOCALHOST];
     let gw = gateway(dns.addr, v4.port(), "");
     let g = gw.gw.as_ref().unwrap();
-    wait_for("both families", || g.endpoint_pools().len() == 2).await;
-    let failures = g.dns_stats().failures.load(Ordering::Relaxed);
-    dns.aaaa_fails.store(true, Ordering::SeqCst);
-    wait_for("failed AAAA lookups", || {
-        g.dns_stats().failures.load(Ordering::Relaxed) >= failures + 2
-    })
-    .await;
+    fail_aaaa(g, &dns).await;
     assert_eq!(
         g.cluster_stat(|s| s.endpoints_removed.load(Ordering::Relaxed)),
         0
@@ -843,6 +837,18 @@ async fn a_failed_aaaa_lookup_keeps_the_ipv6_endpoints() {
     assert!(more <= 8, "{more} failed lookups in 1.5 s");
 }
 
+/// Once the name has both families' endpoints, the name server fails its AAAA lookups;
+/// returns once two have failed.
+async fn fail_aaaa(g: &tailgate::Gateway, dns: &DnsServer) {
+    wait_for("both families", || g.endpoint_pools().len() == 2).await;
+    let failures = g.dns_stats().failures.load(Ordering::Relaxed);
+    dns.aaaa_fails.store(true, Ordering::SeqCst);
+    wait_for("failed AAAA lookups", || {
+        g.dns_stats().failures.load(Ordering::Relaxed) >= failures + 2
+    })
+    .await;
+}
+
 /// While a name's AAAA lookups fail, the IPv6 addresses kept meanwhile may be dead:
 /// connect failures to them ask for early lookups, which must not undo the backoff (it
 /// was undone at every connect failure, and the failing family asked for every
@@ -859,13 +865,7 @@ async fn connect_failures_to_kept_addresses_do_not_undo_the_backoff() {
         v4.port()
     ));
     let g = gw.gw.as_ref().unwrap();
-    wait_for("both families", || g.endpoint_pools().len() == 2).await;
-    let failures = g.dns_stats().failures.load(Ordering::Relaxed);
-    dns.aaaa_fails.store(true, Ordering::SeqCst);
-    wait_for("failed AAAA lookups", || {
-        g.dns_stats().failures.load(Ordering::Relaxed) >= failures + 2
-    })
-    .await;
+    fail_aaaa(g, &dns).await;
     // Requests for 1.5 s, half of them first to the dead [::1] (then to the other).
     let before = g.dns_stats().failures.load(Ordering::Relaxed);
     let early_before = g.dns_stats().early_refreshes.load(Ordering::Relaxed);
