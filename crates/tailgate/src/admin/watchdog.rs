@@ -1,9 +1,9 @@
 //! The systemd watchdog (`tailgate serve --watchdog`): a dedicated thread sends `READY=1`
 //! once the gateway is ready (as `/readyz` decides), `WATCHDOG=1` every half `WatchdogSec`
 //! but only while every data-plane worker is running its lag probe on time, and
-//! `STOPPING=1` when the gateway starts to stop (at the signal, before `shutdown_delay`). A stalled worker stops the pings, so systemd restarts a gateway
-//! that is alive but not serving (seed 002) — and does not restart one that is merely busy
-//! on another thread.
+//! `STOPPING=1` when the gateway starts to stop (at the signal, before `shutdown_delay`).
+//! A stalled worker stops the pings, so systemd restarts a gateway that is alive but not
+//! serving (seed 002) — and does not restart one that is merely busy on another thread.
 //!
 //! The notify protocol is one datagram to `$NOTIFY_SOCKET`, written here with std's Unix
 //! sockets: the `sd-notify` crate reads the socket only from the environment, which a test
@@ -100,7 +100,8 @@ pub struct Watchdog {
 
 impl Watchdog {
     /// Sends `READY=1` once ready, `WATCHDOG=1` every `interval` (when there is a watchdog)
-    /// while no worker is stalled, and `STOPPING=1` when the gateway starts to stop (at the signal, before `shutdown_delay`).
+    /// while no worker is stalled, and `STOPPING=1` when the gateway starts to stop (at the
+    /// signal, before `shutdown_delay`).
     pub fn start(
         state: Arc<AdminState>,
         target: NotifySocket,

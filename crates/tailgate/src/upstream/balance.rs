@@ -207,9 +207,10 @@ impl EndpointLoad {
 ///
 /// Dropped untold (the client went away, or a hedge's other copy won), it counts as
 /// [`abandoned`](Self::abandoned): the time waited is a lower bound of the endpoint's
-/// latency, a sample when it is above the estimate. Without that sample an endpoint that never answers, whose clients all give up
-/// before the response timeout, got no sample at all: its estimate decayed toward nothing
-/// and, once its requests in flight were let go, it drew the traffic back to itself.
+/// latency, a sample when it is above the estimate. Without that sample an endpoint that
+/// never answers, whose clients all give up before the response timeout, got no sample at
+/// all: its estimate decayed toward nothing and, once its requests in flight were let go,
+/// it drew the traffic back to itself.
 pub struct InFlight<'a> {
     load: &'a EndpointLoad,
     started: Instant,
