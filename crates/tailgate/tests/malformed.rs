@@ -23,6 +23,15 @@ async fn counting_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
     (addr, hits)
 }
 
+/// Upstream connections the gateway took for requests (pooled or new): counted by the
+/// gateway before it forwards anything, so unlike the upstream's own count it cannot be
+/// read before a request that was let through lands.
+fn checkouts(gw: &TestGateway) -> u64 {
+    stat(gw, |s| {
+        s.connects_on_request.load(Ordering::SeqCst) + s.reuses.load(Ordering::SeqCst)
+    })
+}
+
 async fn refused(bytes: &[u8], status: &str) {
     let (up, hits) = counting_upstream().await;
     let gw = TestGateway::to(
@@ -38,6 +47,7 @@ async fn refused(bytes: &[u8], status: &str) {
         closed,
         "the connection must be closed after refusing: {text:?}"
     );
+    assert_eq!(checkouts(&gw), 0, "a refused request must not be forwarded");
     assert_eq!(
         hits.load(Ordering::SeqCst),
         0,
@@ -66,6 +76,7 @@ async fn cl_te_on_a_keepalive_connection_is_refused_after_the_valid_one() {
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     assert!(text.contains("HTTP/1.1 400"), "{text}");
     assert!(closed);
+    assert_eq!(checkouts(&gw), 1, "only the first was forwarded");
     assert_eq!(hits.load(Ordering::SeqCst), 1);
 }
 
@@ -225,6 +236,9 @@ async fn r_bare_lf_trailer_cannot_smuggle() {
     attack.extend_from_slice(inner);
     let (_, closed) = raw(gw.addr, &attack, Duration::from_secs(5)).await;
     assert!(closed);
+    // At most `/first` was forwarded (counted by the gateway, so nothing let through can
+    // land after the look).
+    assert!(checkouts(&gw) <= 1, "{} forwarded", checkouts(&gw));
     let seen = paths.lock().unwrap().clone();
     assert!(
         !seen.iter().any(|p| p == "/smuggled" || p == "/second"),
@@ -899,6 +913,6 @@ async fn a_small_body_cut_short_by_the_end_of_stream_is_400_and_never_sent_up() 
     assert!(text.starts_with("HTTP/1.1 400"), "{text:?}");
     assert!(text.contains("bad_request"), "{text:?}");
     assert!(closed);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(checkouts(&gw), 0, "never forwarded");
     assert_eq!(hits.load(Ordering::SeqCst), 0, "never sent up");
 }

@@ -537,11 +537,13 @@ async fn expect_100_continue_is_answered_before_the_body() {
     let interim = String::from_utf8_lossy(&buf[..n]).into_owned();
     assert!(interim.starts_with("HTTP/1.1 100 Continue"), "{interim}");
     s.write_all(b"data").await.unwrap();
-    let (rest, _) = read_until_close_or(&mut s, "data").await;
+    let (rest, cut) = read_until_close_or(&mut s, "data").await;
     // The upstream may answer its head before the body arrives, so the 200 can come in the
     // same read as the 100.
     let text = format!("{interim}{rest}");
     assert!(text.contains("HTTP/1.1 200"), "{text}");
+    // The body sent after the 100 reached the upstream: it came back echoed.
+    assert!(!cut, "the body never came back: {text}");
     assert!(
         !text.to_ascii_lowercase().contains("x-echo-expect"),
         "Expect is not forwarded: {text}"

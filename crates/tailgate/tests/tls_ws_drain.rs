@@ -95,7 +95,25 @@ async fn tls_h1_get(
     path: &str,
     host: &str,
 ) -> http::Response<hyper::body::Incoming> {
-    let tls = tls_connect(addr, cert, sni, &[b"http/1.1"]).await;
+    tls_h1_get_over(
+        TcpStream::connect(addr).await.unwrap(),
+        cert,
+        sni,
+        path,
+        host,
+    )
+    .await
+}
+
+/// [`tls_h1_get`] over a connection already made.
+async fn tls_h1_get_over(
+    tcp: TcpStream,
+    cert: &TestCert,
+    sni: &str,
+    path: &str,
+    host: &str,
+) -> http::Response<hyper::body::Incoming> {
+    let tls = tls_connect_over(tcp, cert, sni, &[b"http/1.1"]).await;
     let (mut c, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
         .await
         .unwrap();
@@ -686,11 +704,12 @@ async fn a_silent_websocket_tunnel_is_closed_after_the_idle_timeout() {
         websocket_echo(&mut req)
     })
     .await;
-    let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"600ms\"\n");
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"2s\"\n");
     let (mut s, _) = ws_open(gw.addr).await;
     let mut buf = vec![0u8; 64];
-    // A frame every 200 ms for 1.6 s: more than two idle timeouts, never idle for one.
-    for i in 0..8u8 {
+    // A frame every 200 ms for 4.4 s: more than two idle timeouts, never idle for one (a
+    // pause of the test's own of over 1.5 s would be needed to pass for one).
+    for i in 0..22u8 {
         tokio::time::sleep(Duration::from_millis(200)).await;
         s.write_all(&[0x81, 0x01, i]).await.unwrap();
         let mut echoed = Vec::new();
@@ -706,12 +725,12 @@ async fn a_silent_websocket_tunnel_is_closed_after_the_idle_timeout() {
     }
     // Then silence: closed within a few idle timeouts.
     let started = std::time::Instant::now();
-    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
         .await
         .expect("the silent tunnel is closed")
         .unwrap_or(0);
     assert_eq!(n, 0);
-    assert!(started.elapsed() >= Duration::from_millis(400));
+    assert!(started.elapsed() >= Duration::from_secs(1));
 }
 
 /// An upstream that answers `finished` 700 ms after each request comes, and tells when one
@@ -1150,13 +1169,14 @@ async fn a_tls_connection_queued_at_shutdown_is_answered() {
     let mut gw = tls_gateway(&cert, up);
     let addr = gw.addr;
     hold_worker(&gw, Duration::from_millis(500));
+    // Connected (the kernel completed the TCP handshake, and the connection waits in the
+    // listen queue) before the drain starts; its hello follows.
+    let tcp = TcpStream::connect(addr).await.unwrap();
     let client = tokio::spawn(async move {
-        tls_h1_get(addr, &cert, "acme.test", "/queued", "acme.test")
+        tls_h1_get_over(tcp, &cert, "acme.test", "/queued", "acme.test")
             .await
             .status()
     });
-    // Its hello is sent (the kernel completed the TCP handshake) before the drain starts.
-    tokio::time::sleep(Duration::from_millis(100)).await;
     let drained = drain(&mut gw);
     let status = tokio::time::timeout(Duration::from_secs(5), client)
         .await

@@ -454,5 +454,7 @@ pub async fn unanswering_listener() -> (socket2::Socket, SocketAddr, Vec<TcpStre
             fillers.push(s);
         }
     }
+    // At least one filler's connect hung: the backlog is full, and so will a test's be.
+    assert!(fillers.len() < 8, "the listener's backlog never filled");
     (sock, addr, fillers)
 }
