@@ -753,22 +753,30 @@ async fn slow_upstream_telling_its_start() -> (std::net::SocketAddr, tokio::sync
 /// A request in flight when shutdown starts completes; new connections are refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_drain_finishes_in_flight_requests() {
-    let (up, mut started_rx) = slow_upstream_telling_its_start().await;
-    let mut gw = TestGateway::to(up, "");
+    // The upstream answers only when the test says: the request stays in flight for as
+    // long as the checks take, however slow the machine.
+    let mut up = held_upstream().await;
+    let mut gw = TestGateway::to(up.addr, "");
     let addr = gw.addr;
     let in_flight = tokio::spawn(async move { get(addr, "/slow").await });
-    started_rx.recv().await.unwrap();
+    up.arrived.recv().await.unwrap();
     let drained = drain(&mut gw);
-    // While that request is still on its way, a new connection is not served.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // While that request is still on its way, a new connection is not served (once the
+    // listener has closed, which the drain does at once).
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while TcpStream::connect(addr).await.is_ok() {
+        assert!(std::time::Instant::now() < deadline, "still accepting");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert!(!in_flight.is_finished());
     assert!(
         !served(addr).await,
         "a new connection served during the drain"
     );
+    up.open.send_replace(true);
     let resp = in_flight.await.unwrap();
     assert_eq!(resp.status(), 200);
-    assert_eq!(resp.body(), "finished");
+    assert_eq!(resp.body(), "ok");
     drained
         .within(Duration::from_secs(10), "workers exit after the drain")
         .await;
