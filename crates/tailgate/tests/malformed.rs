@@ -760,17 +760,42 @@ async fn a_silent_http2_client_is_closed_a_second_after_its_idle_timeout() {
         .await
         .unwrap();
     let start = tokio::time::Instant::now();
+    // When the server's GOAWAY came (its graceful close), and when it closed.
     let closed = tokio::time::timeout(Duration::from_secs(15), async {
+        let mut goaway = None;
+        let mut got = Vec::new();
         let mut buf = [0u8; 4096];
-        while !matches!(c.read(&mut buf).await, Ok(0) | Err(_)) {}
+        loop {
+            match c.read(&mut buf).await {
+                Ok(0) | Err(_) => return (goaway, tokio::time::Instant::now()),
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+            while got.len() >= 9 {
+                let len = (got[0] as usize) << 16 | (got[1] as usize) << 8 | got[2] as usize;
+                if got.len() < 9 + len {
+                    break;
+                }
+                if got[3] == 0x7 && goaway.is_none() {
+                    goaway = Some(tokio::time::Instant::now());
+                }
+                got.drain(..9 + len);
+            }
+        }
     })
     .await;
-    assert!(closed.is_ok(), "never closed");
-    let after = start.elapsed();
-    // 5 s idle, then a second for the close (10 s before: a second idle timeout).
+    let (goaway, closed_at) = closed.expect("never closed");
+    let goaway = goaway.expect("closed without a GOAWAY");
+    // 5 s idle, then a second for the close, counted from the GOAWAY the client saw
+    // (before: a second idle timeout, 5 s more).
     assert!(
-        after >= Duration::from_millis(4900) && after < Duration::from_millis(8000),
-        "closed after {after:?}"
+        goaway - start >= Duration::from_millis(4900),
+        "closed for idleness after {:?}",
+        goaway - start
+    );
+    assert!(
+        closed_at - goaway < Duration::from_millis(3500),
+        "closed {:?} after the GOAWAY",
+        closed_at - goaway
     );
 }
 
