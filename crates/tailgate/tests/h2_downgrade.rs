@@ -649,7 +649,17 @@ async fn a_client_that_resets_most_of_its_streams_at_once_is_dropped() {
                 };
                 streams.push((resp, stream));
             }
-            tokio::time::sleep(Duration::from_millis(30)).await;
+            // Taken by the gateway (their requests reached the upstream) before the resets,
+            // however long that takes on a loaded machine: reset first, the h2 crate's own
+            // guard would drop the connection, and the gateway's go untested.
+            let taken = sent + streams.len();
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while seen.load(std::sync::atomic::Ordering::SeqCst) < taken
+                && !conn.is_finished()
+                && std::time::Instant::now() < deadline
+            {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
             for (_, mut stream) in streams {
                 stream.send_reset(h2::Reason::CANCEL);
                 sent += 1;

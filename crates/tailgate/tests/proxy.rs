@@ -3,6 +3,8 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -776,14 +778,38 @@ async fn an_h2_upload_waiting_for_its_upstream_does_not_hold_up_another_stream()
     held.arrived.recv().await.unwrap();
     let (c, _conn) = h2c_client(gw.addr).await;
     // A 1 MiB upload that queues for that connection: its body is not read meanwhile.
+    // Its pieces are counted as the client takes them (only as its window allows).
+    let pulled = Arc::new(AtomicUsize::new(0));
+    let counted = pulled.clone();
+    let pieces = futures_util::stream::iter((0..16).map(move |_| {
+        counted.fetch_add(64 << 10, Ordering::SeqCst);
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(hyper::body::Frame::data(Bytes::from(
+            vec![b'x'; 64 << 10],
+        )))
+    }));
     let mut big = c.clone();
     let queued = tokio::spawn(async move {
         let req = http::Request::post("http://a/held/upload")
-            .body(full(vec![b'x'; 1 << 20]))
+            .body(http_body_util::StreamBody::new(pieces).boxed())
             .unwrap();
         big.send_request(req).await.map(|r| r.status())
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Until the big upload has sent what its window lets it (64 KiB at least) and stopped:
+    // the small one then meets a connection whose big stream holds its window.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut last = 0;
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = pulled.load(Ordering::SeqCst);
+        if now >= 64 << 10 && now == last {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the upload never stopped"
+        );
+        last = now;
+    }
     let mut small = c.clone();
     let req = http::Request::post("http://a/fast/small")
         .body(full("ten bytes!"))
