@@ -70,10 +70,17 @@ pub fn serve(path: &Path, watchdog: bool) -> Result<(), CliError> {
         match connections_for(open_files) {
             Some(n) => {
                 config.server.max_connections = n;
-                tracing::info!(max_connections = n, open_files = ?open_files, "server.max_connections not set: half of the open files limit (less {RESERVED_FILES} kept for the gateway's own)");
+                tracing::info!(
+                    max_connections = n,
+                    open_files = open_files.unwrap_or_default(),
+                    "server.max_connections not set: half of the open files limit (less {RESERVED_FILES} kept for the gateway's own)"
+                );
             }
             None if open_files.is_some() => {
-                tracing::warn!(open_files = ?open_files, "server.max_connections not set, and the open files limit is too low to derive one: no cap; connections past the limit will be refused");
+                tracing::warn!(
+                    open_files = open_files.unwrap_or_default(),
+                    "server.max_connections not set, and the open files limit is too low to derive one: no cap; connections past the limit will be refused"
+                );
             }
             None => {}
         }
