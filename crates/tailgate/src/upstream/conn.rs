@@ -478,8 +478,9 @@ const H2_MAX_STREAMS: usize = 256;
 /// The flow-control window of an HTTP/2 connection to an upstream: [`H2_MAX_STREAMS`]
 /// streams' whole windows. What it holds is only what slow clients have not taken yet
 /// (each stream at most its own window), so it costs nothing while clients read. With
-/// 32 streams' worth (64 MiB) and no cap on the streams, 33 clients that stopped reading
-/// large answers stopped every other stream on the connection, other tenants' too.
+/// 32 streams' worth (64 MiB) and no cap on the streams, clients that stopped reading
+/// large answers (33 holding their whole windows) stopped every other stream on the
+/// connection, other tenants' too.
 const H2_CONNECTION_WINDOW: u32 = H2_STREAM_WINDOW * H2_MAX_STREAMS as u32;
 // A window is below 2^31 (RFC 9113 §6.9.1).
 const _: () = assert!(H2_CONNECTION_WINDOW < (1 << 31));
