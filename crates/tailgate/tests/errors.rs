@@ -146,8 +146,10 @@ async fn closing_upstream(how: Close) -> (std::net::SocketAddr, Arc<tokio::sync:
     (up, reset)
 }
 
+/// An upstream that closes (`FIN`) before it answers: `502 upstream_reset` (a reset, `RST`,
+/// is the next test's).
 #[tokio::test]
-async fn upstream_reset_is_502() {
+async fn an_upstream_closing_before_its_answer_is_502() {
     let gw = TestGateway::to(closing_upstream(Close::Fin).await.0, "");
     let resp = get(gw.addr, "/").await;
     assert_eq!(resp.status(), 502);

@@ -539,6 +539,12 @@ async fn a_websocket_tunnel_counts_under_max_connections() {
     let (ws, _) = ws_open(gw.addr).await;
     // The upgrade is done and its connection's task has ended: the tunnel still counts.
     tokio::time::sleep(Duration::from_millis(100)).await;
+    let state = gw.gw.as_ref().unwrap().admin_state().clone();
+    assert_eq!(
+        state.workers[0].shared.connections.open(),
+        1,
+        "the tunnel counts"
+    );
     let mut other = TcpStream::connect(gw.addr).await.unwrap();
     other
         .write_all(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
@@ -547,6 +553,8 @@ async fn a_websocket_tunnel_counts_under_max_connections() {
     let mut buf = [0u8; 256];
     let early = tokio::time::timeout(Duration::from_millis(400), other.read(&mut buf)).await;
     assert!(early.is_err(), "served past the cap while a tunnel is open");
+    // Still held in the listen queue: the count never passed the cap.
+    assert_eq!(state.workers[0].shared.connections.open(), 1);
     drop(ws);
     let n = tokio::time::timeout(Duration::from_secs(5), other.read(&mut buf))
         .await

@@ -389,15 +389,21 @@ pub async fn h2c_client(
     (sender, tokio::spawn(conn))
 }
 
+/// `GET path` (Host `test.local`) on a new connection to `addr`: the whole answer. Fails
+/// after 30 s without it: a gateway that hangs fails the test, not the suite's time limit.
 pub async fn get(addr: SocketAddr, path: &str) -> http::Response<Bytes> {
-    let mut c = h1_client(addr).await;
-    let req = http::Request::get(path)
-        .header("host", "test.local")
-        .body(full(""))
-        .unwrap();
-    let resp = c.send_request(req).await.unwrap();
-    let (parts, body) = resp.into_parts();
-    http::Response::from_parts(parts, body.collect().await.unwrap().to_bytes())
+    tokio::time::timeout(Duration::from_secs(30), async {
+        let mut c = h1_client(addr).await;
+        let req = http::Request::get(path)
+            .header("host", "test.local")
+            .body(full(""))
+            .unwrap();
+        let resp = c.send_request(req).await.unwrap();
+        let (parts, body) = resp.into_parts();
+        http::Response::from_parts(parts, body.collect().await.unwrap().to_bytes())
+    })
+    .await
+    .unwrap_or_else(|_| panic!("no whole answer to GET {path} within 30 s"))
 }
 
 /// Sends `GET path` (Host `a`) on `c` and reads the whole answer; returns the status.
