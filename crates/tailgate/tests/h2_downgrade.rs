@@ -457,11 +457,17 @@ async fn an_h2_head_that_does_not_come_whole_is_cut_off_at_the_header_read_timeo
     assert_eq!(answered, Outcome::Answered(Some(200)));
 }
 
-/// Reads frames off `s` until the server's GOAWAY (its graceful close has begun); the bytes
-/// read past that frame.
-async fn until_goaway(s: &mut TcpStream) -> Vec<u8> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    let mut buf = Vec::new();
+/// Reads frames off `s` (`buf` holds what was read before) until `done` says a frame
+/// (its kind, stream and payload) ends the wait; panics, saying `what`, if the server
+/// closes first or after `within`. Returns the bytes read past that frame.
+async fn read_frames_until(
+    s: &mut TcpStream,
+    mut buf: Vec<u8>,
+    within: Duration,
+    what: &str,
+    mut done: impl FnMut(u8, u32, &[u8]) -> bool,
+) -> Vec<u8> {
+    let deadline = tokio::time::Instant::now() + within;
     let mut chunk = [0u8; 16384];
     loop {
         while buf.len() >= 9 {
@@ -470,17 +476,32 @@ async fn until_goaway(s: &mut TcpStream) -> Vec<u8> {
                 break;
             }
             let kind = buf[3];
+            let stream = u32::from_be_bytes([buf[5], buf[6], buf[7], buf[8]]) & 0x7fff_ffff;
+            let ends = done(kind, stream, &buf[9..9 + len]);
             buf.drain(..9 + len);
-            if kind == GOAWAY {
+            if ends {
                 return buf;
             }
         }
         match tokio::time::timeout_at(deadline, s.read(&mut chunk)).await {
-            Ok(Ok(0)) | Ok(Err(_)) => panic!("closed before a GOAWAY"),
+            Ok(Ok(0)) | Ok(Err(_)) => panic!("closed before {what}"),
             Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
-            Err(_) => panic!("no GOAWAY within 10 s"),
+            Err(_) => panic!("no {what} within {within:?}"),
         }
     }
+}
+
+/// Reads frames off `s` until the server's GOAWAY (its graceful close has begun); the bytes
+/// read past that frame.
+async fn until_goaway(s: &mut TcpStream) -> Vec<u8> {
+    read_frames_until(
+        s,
+        Vec::new(),
+        Duration::from_secs(10),
+        "a GOAWAY",
+        |kind, _, _| kind == GOAWAY,
+    )
+    .await
 }
 
 /// A stream the client opens after the idle close began (after the first GOAWAY, which
@@ -495,34 +516,25 @@ async fn a_stream_opened_during_the_idle_close_is_served() {
     .await;
     let (_gw, mut s) = idle_h2c_client(up).await;
     // Past the idle timeout: the graceful close (GOAWAY, PING) is under way.
-    let mut buf = until_goaway(&mut s).await;
+    let buf = until_goaway(&mut s).await;
     for f in head_only(&[], b"/slow") {
         s.write_all(&f).await.unwrap();
     }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    let mut chunk = [0u8; 16384];
-    loop {
-        while buf.len() >= 9 {
-            let len = (buf[0] as usize) << 16 | (buf[1] as usize) << 8 | buf[2] as usize;
-            if buf.len() < 9 + len {
-                break;
-            }
-            let kind = buf[3];
-            let stream = u32::from_be_bytes([buf[5], buf[6], buf[7], buf[8]]) & 0x7fff_ffff;
-            let payload = buf[9..9 + len].to_vec();
-            buf.drain(..9 + len);
-            if kind == HEADERS && stream == 1 {
-                assert_eq!(status(&payload), Some(200));
-                return;
-            }
+    read_frames_until(
+        &mut s,
+        buf,
+        Duration::from_secs(5),
+        "the stream's answer",
+        |kind, stream, payload| {
             assert!(!(kind == RST_STREAM && stream == 1), "the stream was reset");
-        }
-        match tokio::time::timeout_at(deadline, s.read(&mut chunk)).await {
-            Ok(Ok(0)) | Ok(Err(_)) => panic!("closed before the stream was answered"),
-            Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
-            Err(_) => panic!("no answer within 5 s"),
-        }
-    }
+            let answered = kind == HEADERS && stream == 1;
+            if answered {
+                assert_eq!(status(payload), Some(200));
+            }
+            answered
+        },
+    )
+    .await;
 }
 
 /// `max_requests_per_connection` over HTTP/2 holds against a client that never answers
