@@ -231,8 +231,19 @@ impl Drop for Proc {
 
 /// `tailgate serve --config CONFIG`, its standard error going to `stderr`.
 fn serve(config: impl AsRef<Path>, stderr: Stdio) -> Proc {
+    serve_command(Command::new(BIN), config, stderr)
+}
+
+/// [`serve`] under `prlimit --nofile=LIMITS` (`SOFT:HARD`).
+fn serve_with_open_files(limits: &str, config: impl AsRef<Path>, stderr: Stdio) -> Proc {
+    let mut prlimit = Command::new("prlimit");
+    prlimit.arg(format!("--nofile={limits}")).arg(BIN);
+    serve_command(prlimit, config, stderr)
+}
+
+fn serve_command(mut command: Command, config: impl AsRef<Path>, stderr: Stdio) -> Proc {
     Proc(
-        Command::new(BIN)
+        command
             .args(["serve", "--config"])
             .arg(config.as_ref())
             .env_remove("RUST_LOG")
@@ -776,17 +787,7 @@ fn the_open_files_limit_is_raised_to_the_hard_limit() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     assert!(hard > 256, "a hard limit on open files above 256: {own}");
-    let mut p = Proc(
-        Command::new("prlimit")
-            .arg(format!("--nofile=256:{hard}"))
-            .arg(BIN)
-            .args(["serve", "--config"])
-            .arg(&cfg)
-            .env_remove("RUST_LOG")
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let mut p = serve_with_open_files(&format!("256:{hard}"), &cfg, Stdio::null());
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     wait_listening(addr);
     let limits = std::fs::read_to_string(format!("/proc/{}/limits", p.0.id())).unwrap();
@@ -817,17 +818,7 @@ fn max_connections_defaults_to_half_the_open_files_left() {
         &format!("[admin]\naddress = \"127.0.0.1:{admin_port}\"\n[log]\nlevel = \"info\"\n"),
     );
     let log = std::fs::File::create(dir.path().join("stderr.log")).unwrap();
-    let mut p = Proc(
-        Command::new("prlimit")
-            .arg("--nofile=300:300")
-            .arg(BIN)
-            .args(["serve", "--config"])
-            .arg(&cfg)
-            .env_remove("RUST_LOG")
-            .stderr(Stdio::from(log))
-            .spawn()
-            .unwrap(),
-    );
+    let mut p = serve_with_open_files("300:300", &cfg, Stdio::from(log));
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
     wait_listening(addr);
@@ -1204,17 +1195,7 @@ fn failed_accepts_are_counted_and_warned_about_once() {
     let log_path = dir.path().join("stderr.log");
     let log = std::fs::File::create(&log_path).unwrap();
     // A hard limit the gateway cannot raise: a few dozen descriptors past its own.
-    let _p = Proc(
-        Command::new("prlimit")
-            .arg("--nofile=96:96")
-            .arg(BIN)
-            .args(["serve", "--config"])
-            .arg(&cfg)
-            .env_remove("RUST_LOG")
-            .stderr(Stdio::from(log))
-            .spawn()
-            .unwrap(),
-    );
+    let _p = serve_with_open_files("96:96", &cfg, Stdio::from(log));
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
     wait_listening(addr);

@@ -379,9 +379,7 @@ impl Gateway {
 
     /// Starts a graceful shutdown: stop accepting, let in-flight requests finish.
     pub fn shutdown(&self) {
-        self.state
-            .draining
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.stop_ready();
         let _ = self.shutdown.send(true);
     }
 

@@ -106,36 +106,34 @@ pub fn init(settings: &LogSettings) -> Option<WorkerGuard> {
     Some(guard)
 }
 
-/// Counts every panic (`tailgate_panics_total`) and logs it through `tracing`, with its
-/// thread, place and message. tokio
-/// catches a connection task's panic and the worker goes on, so without this one showed
-/// only as a line on stderr outside the structured log, and a client's connection closed
-/// with no answer and no count. Installed once; the hook it replaces still runs after it
-/// (its line on stderr, written at once: the log's queue drops lines when full, and is
-/// not flushed if the panic ends the process).
+/// Counts every panic (`tailgate_panics_total`) and logs it through `tracing` (once a
+/// subscriber is installed), with its thread, place and message. tokio catches a
+/// connection task's panic and the worker goes on, so without this one showed only as a
+/// line on stderr outside the structured log, and a client's connection closed with no
+/// answer and no count. Installed once; the hook it replaces still runs after it (its line
+/// on stderr, written at once: the log's queue drops lines when full, and is not flushed
+/// if the panic ends the process).
 pub fn count_panics() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         let before = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
             PANICS.fetch_add(1, Ordering::Relaxed);
-            if DROPPED.get().is_none() {
-                before(info);
-                return;
+            if DROPPED.get().is_some() {
+                let message = info
+                    .payload()
+                    .downcast_ref::<&str>()
+                    .copied()
+                    .or_else(|| info.payload().downcast_ref::<String>().map(String::as_str))
+                    .unwrap_or("(not a string)");
+                let location = info.location().map(ToString::to_string);
+                let thread = std::thread::current();
+                tracing::error!(
+                    thread = thread.name().unwrap_or("unnamed"),
+                    location = location.as_deref().unwrap_or("unknown"),
+                    "panic: {message}"
+                );
             }
-            let thread = std::thread::current();
-            let message = info
-                .payload()
-                .downcast_ref::<&str>()
-                .copied()
-                .or_else(|| info.payload().downcast_ref::<String>().map(String::as_str))
-                .unwrap_or("(not a string)");
-            let location = info.location().map(ToString::to_string);
-            tracing::error!(
-                thread = thread.name().unwrap_or("unnamed"),
-                location = location.as_deref().unwrap_or("unknown"),
-                "panic: {message}"
-            );
             before(info);
         }));
     });
