@@ -585,6 +585,47 @@ fn shutdown_delay_serves_new_connections_while_readyz_says_draining() {
     );
 }
 
+/// A gateway whose readiness was probed and never said ready (a cluster still cold within
+/// `warm_wait`) is in no probing load balancer's rotation: a SIGTERM drains it at once,
+/// without `shutdown_delay`, and says why.
+#[test]
+fn shutdown_delay_is_skipped_when_readyz_never_said_ready() {
+    let dir = tmpdir();
+    let up = slow_upstream(Duration::ZERO);
+    let (port, admin_port, dead) = (free_port(), free_port(), free_port());
+    let cfg = dir.path().join("gw.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\nworkers = 1\nshutdown_delay = \"60s\"\nwarm_wait = \"60s\"\n[admin]\naddress = \"127.0.0.1:{admin_port}\"\n[[listener]]\naddress = \"127.0.0.1:{port}\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[cluster]]\nname = \"cold\"\nendpoints = [\"127.0.0.1:{dead}\"]\nmin_warm_connections = 1\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n[[route]]\npath_prefix = \"/cold\"\ncluster = \"cold\"\n"
+        ),
+    )
+    .unwrap();
+    let mut p = serve(&cfg, Stdio::piped());
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
+    wait_listening(addr);
+    wait_listening(admin);
+    let ready = http_get(admin, "/readyz");
+    assert!(ready.starts_with("HTTP/1.1 503"), "{ready}");
+    assert!(ready.contains("cold"), "{ready}");
+    let resp = http_get(addr, "/served");
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    kill("-TERM", &p.0.id().to_string());
+    let status = exit_within(
+        &mut p,
+        Duration::from_secs(20),
+        "shutdown_delay was waited out though the gateway was never ready",
+    );
+    assert!(status.success(), "exit status {status:?}");
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut p.0.stderr.take().unwrap(), &mut text).unwrap();
+    assert!(
+        text.contains("stopping before /readyz ever said ready"),
+        "{text}"
+    );
+}
+
 /// A second gateway started on the addresses of a running one shares them (SO_REUSEPORT,
 /// for a restart that starts the new process before it stops the old one), and says so:
 /// a forgotten old instance taking part of the traffic is not left unseen.

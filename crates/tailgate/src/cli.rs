@@ -97,7 +97,12 @@ pub fn serve(path: &Path, watchdog: bool) -> Result<(), CliError> {
             }
         }
     }
-    if signals.wait() == Stop::Term && !delay.is_zero() {
+    let delayed = signals.wait() == Stop::Term && !delay.is_zero();
+    if delayed && gateway.never_ready() {
+        // Probed and never ready (workers starting, clusters not warm within `warm_wait`):
+        // no load balancer that probes it has it in rotation, nothing to wait out.
+        tracing::info!(delay = ?delay, "stopping before /readyz ever said ready: no shutdown_delay");
+    } else if delayed {
         gateway.stop_ready();
         tracing::info!(delay = ?delay, "stopping: /readyz says draining; still accepting for shutdown_delay before the drain");
         // Nothing ends this wait but the delay or a SIGINT: the sender is kept meanwhile.

@@ -242,6 +242,7 @@ impl Gateway {
                 config.server.max_connections,
                 config.tenants.len(),
             )),
+            leaving: std::sync::atomic::AtomicBool::new(false),
         });
         let config = Arc::new(config);
         let plan = Arc::new(MetricsPlan::new(&config));
@@ -369,12 +370,23 @@ impl Gateway {
             .collect()
     }
 
+    /// Was readiness probed and never said ready? (See [`AdminState::never_ready`].)
+    pub fn never_ready(&self) -> bool {
+        self.state.never_ready()
+    }
+
     /// `/readyz` says the gateway is draining (503) from now, while it still accepts and
     /// serves: the first step of a shutdown with `server.shutdown_delay`.
     pub fn stop_ready(&self) {
         self.state
             .draining
             .store(true, std::sync::atomic::Ordering::Relaxed);
+        // Every worker shares one `Shared`.
+        if let Some(w) = self.workers.first() {
+            w.shared
+                .leaving
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// Starts a graceful shutdown: stop accepting, let in-flight requests finish.

@@ -794,6 +794,102 @@ async fn graceful_drain_finishes_in_flight_requests() {
     );
 }
 
+/// Sends `req` on `s` and reads its answer from the `ok` upstream (body `ok`, its head
+/// through the blank line): the head, lower-cased.
+async fn exchange_ok(s: &mut TcpStream, req: &[u8]) -> String {
+    s.write_all(req).await.unwrap();
+    let mut buf = Vec::new();
+    let read = async {
+        let end = read_head(s, &mut buf).await.expect("an answer");
+        while buf.len() < end + 2 {
+            let mut chunk = [0u8; 64];
+            let n = s.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "closed before the body");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        assert_eq!(&buf[end..], b"ok");
+        String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase()
+    };
+    tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .expect("answered within 10 s")
+}
+
+/// During `server.shutdown_delay` (`stop_ready`) keep-alive connections are still served,
+/// and each is asked to close at its next request, as Envoy's drain asks: on HTTP/1.1 that
+/// answer says `Connection: close` and the connection then closes (inline server and
+/// hyper's alike), and an HTTP/2 connection gets GOAWAY and ends once its stream is
+/// answered. A connection idle meanwhile is left open (closing it could race its client's
+/// next request).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn during_shutdown_delay_connections_are_asked_to_close_at_their_next_request() {
+    let up = ok_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let addr = gw.addr;
+    let get = b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n";
+    // Served inline; and one handed to hyper's server (a chunked body) for good.
+    let mut inline = TcpStream::connect(addr).await.unwrap();
+    let head = exchange_ok(&mut inline, get).await;
+    assert!(!head.contains("connection: close"), "{head}");
+    let mut hyper_served = TcpStream::connect(addr).await.unwrap();
+    let head = exchange_ok(
+        &mut hyper_served,
+        b"POST /b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+    )
+    .await;
+    assert!(!head.contains("connection: close"), "{head}");
+    let mut idle = TcpStream::connect(addr).await.unwrap();
+    exchange_ok(&mut idle, get).await;
+    let (mut h2, h2_conn) = h2c_client(addr).await;
+    let resp = h2
+        .send_request(
+            http::Request::get(format!("http://{addr}/c"))
+                .body(full(""))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+
+    gw.gw.as_ref().unwrap().stop_ready();
+
+    for (what, s) in [("inline", &mut inline), ("hyper's", &mut hyper_served)] {
+        let head = exchange_ok(s, get).await;
+        assert!(head.starts_with("http/1.1 200"), "{what}: {head}");
+        assert!(head.contains("connection: close"), "{what}: {head}");
+        let (rest, closed) = read_until_close(s, Duration::from_secs(5)).await;
+        assert!(
+            closed && rest.is_empty(),
+            "{what}: not closed after it: {rest:?}"
+        );
+    }
+    let resp = h2
+        .send_request(
+            http::Request::get(format!("http://{addr}/d"))
+                .body(full(""))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    tokio::time::timeout(Duration::from_secs(5), h2_conn)
+        .await
+        .expect("the HTTP/2 connection ends after its GOAWAY")
+        .unwrap()
+        .unwrap();
+    // New connections are still taken; the idle one stays open until it asks.
+    let mut fresh = TcpStream::connect(addr).await.unwrap();
+    let head = exchange_ok(&mut fresh, get).await;
+    assert!(head.contains("connection: close"), "{head}");
+    let (rest, closed) = read_until_close(&mut idle, Duration::from_millis(300)).await;
+    assert!(
+        !closed && rest.is_empty(),
+        "an idle connection was closed: {rest:?}"
+    );
+    let head = exchange_ok(&mut idle, get).await;
+    assert!(head.contains("connection: close"), "{head}");
+}
+
 /// Does a new connection to `addr` get a request answered (within 2 s)?
 async fn served(addr: std::net::SocketAddr) -> bool {
     let Ok(mut s) = TcpStream::connect(addr).await else {

@@ -90,6 +90,10 @@ pub struct AdminState {
     pub started: Instant,
     /// Set once the warning that readiness came without some warm clusters is logged.
     warned_cold: AtomicBool,
+    /// Set the first time [`readiness`](Self::readiness) said ready.
+    was_ready: AtomicBool,
+    /// Set the first time a probe asked ([`probe`](Self::probe): `/readyz`, the watchdog).
+    probed: AtomicBool,
     /// Per cluster: it has been warm on every worker once ([`cold_clusters`](Self::cold_clusters)).
     warmed: Box<[AtomicBool]>,
     /// Per-consumer series merged over the workers (only scrapes take this lock).
@@ -126,6 +130,8 @@ impl AdminState {
             stall_threshold,
             started: Instant::now(),
             warned_cold: AtomicBool::new(false),
+            was_ready: AtomicBool::new(false),
+            probed: AtomicBool::new(false),
             warmed,
             consumers: Default::default(),
             last_render_ns: AtomicU64::new(0),
@@ -176,6 +182,31 @@ impl AdminState {
     /// Ready, with the clusters still cold (named in `/readyz` and `/stats`), or the reason
     /// it is not (see [`not_ready`](Self::not_ready)).
     pub fn readiness(&self) -> Result<Vec<&str>, String> {
+        let judged = self.judge_readiness();
+        if judged.is_ok() && !self.was_ready.load(Ordering::Relaxed) {
+            self.was_ready.store(true, Ordering::Relaxed);
+        }
+        judged
+    }
+
+    /// [`readiness`](Self::readiness), asked by a probe (`/readyz`, the watchdog's
+    /// `READY=1`): remembered for [`never_ready`](Self::never_ready).
+    pub fn probe(&self) -> Result<Vec<&str>, String> {
+        if !self.probed.load(Ordering::Relaxed) {
+            self.probed.store(true, Ordering::Relaxed);
+        }
+        self.readiness()
+    }
+
+    /// Was readiness probed, and never said ready? Then no load balancer that probes it
+    /// has it in rotation, and its shutdown needs no `server.shutdown_delay`. (Never
+    /// probed, it may be in one that does not ask, a Kubernetes pod without a
+    /// `readinessProbe`: the delay is kept.)
+    pub fn never_ready(&self) -> bool {
+        self.probed.load(Ordering::Relaxed) && !self.was_ready.load(Ordering::Relaxed)
+    }
+
+    fn judge_readiness(&self) -> Result<Vec<&str>, String> {
         if self.draining.load(Ordering::Relaxed) {
             return Err("draining".into());
         }
@@ -852,7 +883,7 @@ fn handle(state: Arc<AdminState>, req: Request<Incoming>) -> Response<AdminBody>
                 )
             }
         }
-        "/readyz" => match state.readiness() {
+        "/readyz" => match state.probe() {
             Ok(cold) => {
                 let body = if cold.is_empty() {
                     serde_json::json!({"status": "ready"})

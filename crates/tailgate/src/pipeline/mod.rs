@@ -41,6 +41,11 @@ pub struct Shared {
     pub routes: RouteTable,
     /// Open client connections over every worker, against `server.max_connections`.
     pub connections: Arc<crate::server::spawner::ConnCount>,
+    /// Set for `server.shutdown_delay` (see [`crate::Gateway::stop_ready`]): each
+    /// keep-alive connection is asked to close at its next request, as Envoy's drain asks
+    /// (HTTP/1.1: that answer says `Connection: close`; HTTP/2: GOAWAY), so that clients
+    /// holding connections open move them to where a load balancer now sends new ones.
+    pub leaving: std::sync::atomic::AtomicBool,
 }
 
 /// One data-plane worker: the shared config and this worker's own upstream pools.

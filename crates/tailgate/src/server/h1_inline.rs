@@ -244,9 +244,11 @@ where
         };
         head_deadline = None;
         info.activity.set_reading_head(false);
-        // The last request `server.max_requests_per_connection` allows: answered with
-        // `Connection: close`, and the connection closed after it.
-        if info.count_request(limits.max_requests) {
+        // The last request `server.max_requests_per_connection` allows, or one that came
+        // during `server.shutdown_delay`: answered with `Connection: close`, and the
+        // connection closed after it.
+        if info.count_request(limits.max_requests) || worker.shared.leaving.load(Ordering::Relaxed)
+        {
             meta.keep_alive = false;
             meta.capped = true;
         }

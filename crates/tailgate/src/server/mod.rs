@@ -413,8 +413,11 @@ fn pipeline_service(
     let max_requests = worker.shared.settings.max_requests_per_connection;
     service_fn(move |req: Request<Incoming>| {
         // Called from the connection's task as each request is taken; past the cap,
-        // [`Drive`] asks the connection to close once this poll of it is over.
-        let last = info.count_any_request(max_requests);
+        // [`Drive`] asks the connection to close once this poll of it is over. During
+        // `server.shutdown_delay` each request is a connection's last, as at the cap (on
+        // HTTP/2, [`Drive`] sends GOAWAY at the first request then).
+        let last =
+            info.count_any_request(max_requests) | worker.shared.leaving.load(Ordering::Relaxed);
         // The stand-in for a head the smuggling guard refused: its JSON error.
         if let Some(e) = info.refused_head(&req) {
             let resp = crate::pipeline::refusal_response(&worker, &info, e);
@@ -519,10 +522,11 @@ where
             service,
         );
     let conn = std::pin::pin!(conn);
-    let ended = drive(conn, ctx.shutdown, &info, settings, |c| {
+    let mut driven = drive(conn, ctx.shutdown, &info, settings, |c| {
         c.as_mut().graceful_shutdown()
-    })
-    .await;
+    });
+    driven.leaving = Some(&ctx.worker.shared.leaving);
+    let ended = driven.await;
     log_failed_end(&info, ended);
 }
 
@@ -581,6 +585,7 @@ where
             0 => u64::MAX,
             max => max,
         },
+        leaving: None,
         graceful,
         // Any change of the shutdown value (or its sender going away) means: close.
         stop: Box::pin(async move {
@@ -625,6 +630,11 @@ struct Drive<'a, C, G> {
     /// taken that many, it is asked to close, with `idle` to end: those in flight are
     /// answered (the last HTTP/1.1 one with `Connection: close`; HTTP/2 sends GOAWAY).
     max_requests: u64,
+    /// `server.shutdown_delay` has begun ([`crate::pipeline::Shared::leaving`]): looked at
+    /// by HTTP/2 connections, asked to close (GOAWAY) at their next wake-up then, as at the
+    /// request cap. (HTTP/1.1's servers say `Connection: close` in the next answer
+    /// themselves; closing an idle one here would race its client's next request.)
+    leaving: Option<&'a AtomicBool>,
     graceful: G,
     stop: Pin<Box<dyn Future<Output = ()> + Send>>,
     /// Under `server.max_connections`: ready when an accept loop waits at the cap and asks
@@ -690,7 +700,8 @@ where
                 tracing::warn!(client.addr = %this.info.client, requests, cancelled = this.info.activity.cancelled_early(), "client gave up on most of its requests before their answers (rapid reset); connection dropped");
                 return Poll::Ready(None);
             }
-            if requests >= this.max_requests && this.side.capped_at.get().is_none() {
+            let leaving = this.leaving.is_some_and(|l| l.load(Ordering::Relaxed));
+            if (requests >= this.max_requests || leaving) && this.side.capped_at.get().is_none() {
                 let _ = this.side.capped_at.set(std::time::Instant::now());
                 // (Already closing, for idleness or a shutdown: the cap still holds below.
                 // A client that answers no PING went on past it for as long as a request
