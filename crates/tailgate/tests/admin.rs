@@ -230,6 +230,26 @@ async fn openmetrics_when_asked_and_gzip_when_allowed() {
         "the upstream's \"ok\""
     );
 
+    // Repeated `Accept` lines are one list: the second one's OpenMetrics wins over the
+    // first one's plain text at a lower weight.
+    let r = admin_get(
+        admin,
+        "/metrics",
+        &[
+            ("accept", "text/plain;q=0.1"),
+            ("accept", "application/openmetrics-text;version=1.0.0"),
+        ],
+    )
+    .await;
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/openmetrics-text"),
+        "{:?}",
+        r.headers()
+    );
+
     let r = admin_get(admin, "/metrics", &[("accept-encoding", "gzip")]).await;
     assert_eq!(r.headers()["content-encoding"], "gzip");
     assert!(
@@ -368,6 +388,36 @@ async fn consumers_past_the_limit_count_as_other() {
             &[("consumer", "_other")]
         ),
         3.0
+    );
+}
+
+/// An empty consumer header names no consumer: no series with `consumer=""` (which
+/// Prometheus reads as no label) and no place in the table.
+#[tokio::test]
+async fn an_empty_consumer_header_is_no_consumer() {
+    let up = ok_upstream().await;
+    let gw = two_tenants(up, "[metrics]\nconsumer_header = \"x-consumer\"\n");
+    for name in ["", "c0"] {
+        let mut c = h1_client(gw.addr).await;
+        let req = http::Request::get("/api/")
+            .header("host", "acme.test")
+            .header("x-consumer", name)
+            .body(full(""))
+            .unwrap();
+        assert_eq!(c.send_request(req).await.unwrap().status(), 200);
+    }
+    let ex = scrape(admin_addr(&gw)).await;
+    assert_eq!(ex.value("tailgate_metrics_consumers", &[]), 1.0);
+    assert!(
+        ex.find("tailgate_consumer_requests_total", &[("consumer", "")])
+            .is_empty()
+    );
+    assert_eq!(
+        ex.value(
+            "tailgate_consumer_requests_total",
+            &[("consumer", "c0"), ("status_class", "2xx")]
+        ),
+        1.0
     );
 }
 

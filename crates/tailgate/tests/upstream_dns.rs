@@ -199,6 +199,44 @@ fn gateway(dns: SocketAddr, port: u16, extra: &str) -> TestGateway {
     ))
 }
 
+/// With two workers, one DNS change is one added and one removed endpoint in `/metrics`:
+/// every worker follows the change (each counts it in `/stats`), and the scrape does not
+/// add their counts up.
+#[tokio::test]
+async fn a_dns_change_is_counted_once_whatever_the_workers() {
+    let (port, _a_hits, b_hits) = twin_upstreams().await;
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    let gw = gateway(
+        dns.addr,
+        port,
+        "[server]\nworkers = 2\nshutdown_grace = \"5s\"\n[admin]\naddress = \"127.0.0.1:0\"\n[log]\nlevel = \"warn\"\naccess_log = false\n[[listener]]\nname = \"main\"\naddress = \"127.0.0.1:0\"\n",
+    );
+    let g = gw.gw.as_ref().unwrap();
+    dns.set(Ipv4Addr::new(127, 0, 0, 3));
+    // Each worker follows the change (requests on new connections land on both).
+    let mut sent = 0;
+    while g.cluster_stat(|s| s.endpoints_removed.load(Ordering::Relaxed)) < 2 {
+        assert_eq!(get(gw.addr, "/").await.status(), 200);
+        sent += 1;
+        assert!(sent < 2000, "the workers did not both follow the change");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(get(gw.addr, "/").await.status(), 200);
+    assert!(
+        b_hits.load(Ordering::SeqCst) > 0,
+        "B serves after the change"
+    );
+    let admin = g.admin_addr().unwrap();
+    let text = String::from_utf8(get(admin, "/metrics").await.body().to_vec()).unwrap();
+    let ex = prom::parse(&text, false).unwrap();
+    for name in [
+        "tailgate_upstream_endpoints_added_total",
+        "tailgate_upstream_endpoints_removed_total",
+    ] {
+        assert_eq!(ex.value(name, &[("cluster", "up")]), 1.0, "{name}");
+    }
+}
+
 /// The A record moves from upstream A to upstream B under steady traffic: B starts getting
 /// requests, A stops, no request fails, and the counters show the refresh.
 #[tokio::test]

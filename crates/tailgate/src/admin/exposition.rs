@@ -718,49 +718,61 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
             w.maybe_flush().await?;
         }
     }
-    // Per cluster, summed over workers: hedging and endpoint-list changes.
+    // Per cluster: hedging, summed over workers, and endpoint-list changes. Every worker
+    // follows each DNS change and counts it, so those are the most any worker counted
+    // (each count only grows), not their sum (`true` below).
     type ClusterGet = fn(&crate::upstream::ClusterStats) -> &std::sync::atomic::AtomicU64;
-    let cluster_families: [(&str, &str, ClusterGet); 6] = [
+    let cluster_families: [(&str, &str, ClusterGet, bool); 6] = [
         (
             "tailgate_upstream_overflows",
             "Requests refused (503 upstream_overflow) because the cluster's max_requests were in flight.",
             |c| &c.overflows,
+            false,
         ),
         (
             "tailgate_upstream_hedges_fired",
             "Second copies of a request sent to another endpoint after the hedge delay.",
             |c| &c.hedges_fired,
+            false,
         ),
         (
             "tailgate_upstream_hedges_won",
             "Hedges whose response came first.",
             |c| &c.hedges_won,
+            false,
         ),
         (
             "tailgate_upstream_hedges_refused",
             "Hedges not sent because the hedge or retry budget was spent.",
             |c| &c.hedges_refused,
+            false,
         ),
         (
             "tailgate_upstream_endpoints_added",
             "Endpoints added to the cluster by DNS.",
             |c| &c.endpoints_added,
+            true,
         ),
         (
             "tailgate_upstream_endpoints_removed",
             "Endpoints removed from the cluster by DNS (their pools drained).",
             |c| &c.endpoints_removed,
+            true,
         ),
     ];
-    for (name, help, get) in cluster_families {
+    for (name, help, get, each_worker_counts) in cluster_families {
         w.family(name, Kind::Counter, help);
         for (ci, (c, _, _)) in clusters.iter().enumerate() {
-            let n: u64 = state
+            let counts = state
                 .workers
                 .iter()
                 .filter_map(|wk| wk.upstreams.clusters.get(ci))
-                .map(|p| get(&p.stats).load(Ordering::Relaxed))
-                .sum();
+                .map(|p| get(&p.stats).load(Ordering::Relaxed));
+            let n: u64 = if each_worker_counts {
+                counts.max().unwrap_or(0)
+            } else {
+                counts.sum()
+            };
             w.counter(name, &[&format!("cluster=\"{c}\"")], n);
         }
     }

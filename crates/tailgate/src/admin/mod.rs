@@ -907,11 +907,15 @@ fn handle(state: Arc<AdminState>, req: Request<Incoming>) -> Response<AdminBody>
 
 /// Starts rendering on the scrape thread and answers with the stream of its chunks.
 fn metrics(state: Arc<AdminState>, req: &Request<Incoming>) -> Response<AdminBody> {
-    let format = Format::from_accept(
-        req.headers()
-            .get(header::ACCEPT)
-            .and_then(|v| v.to_str().ok()),
-    );
+    // Repeated `Accept` lines are one list (RFC 9110 §5.3), as `Accept-Encoding`'s are.
+    let accept = req
+        .headers()
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .collect::<Vec<_>>()
+        .join(",");
+    let format = Format::from_accept((!accept.is_empty()).then_some(accept.as_str()));
     let gzip = accepts_gzip(req.headers());
     let (tx, rx) = mpsc::channel(4);
     if req.method() == Method::GET {

@@ -256,7 +256,10 @@ fn exchange_of(
             .plan
             .consumer_header
             .as_ref()
-            .and_then(|h| parts.headers.get(h).cloned()),
+            .and_then(|h| parts.headers.get(h))
+            // An empty name is none: Prometheus reads `consumer=""` as no label at all.
+            .filter(|v| !v.is_empty())
+            .cloned(),
         reused_connection: false,
         error: None,
         timings: StageTimings::default(),
