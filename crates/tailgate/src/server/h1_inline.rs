@@ -661,14 +661,19 @@ fn build(
 /// byte of a next request is buffered, a read tells whether the client is gone (`Ready`: end
 /// of stream or an error), which cancels the request. Once bytes of a next request are
 /// kept, the socket is left alone: a client that sent pipelined requests and then closed
-/// its sending side still has the one in flight answered.
+/// its sending side still has the one in flight answered. Empty lines are no next request
+/// (RFC 9112 §2.2: a CRLF a client sent after a body): let go, as between requests, so
+/// that the client is still watched.
 fn poll_client_end<I: AsyncRead + Unpin>(
     io: &mut I,
     buf: &mut BytesMut,
     cx: &mut Context<'_>,
 ) -> Poll<()> {
     if !buf.is_empty() {
-        return Poll::Pending;
+        if !buf.iter().all(|&b| b == b'\r' || b == b'\n') {
+            return Poll::Pending;
+        }
+        buf.clear();
     }
     match poll_fill(io, buf, cx, false) {
         Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => Poll::Ready(()),
