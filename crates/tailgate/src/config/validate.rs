@@ -525,6 +525,9 @@ fn toml_hint(message: &str, field: &str) -> &'static str {
         "write a table here: a header such as [admin] with one `key = value` per line below it; see the README's config reference"
     } else if message.contains("invalid value: integer `-") {
         "write a number of 0 or more"
+    } else if message.contains("invalid type: string") && field.ends_with("_bytes") {
+        // (`"10m"`, as nginx writes sizes: unquoted it would be no TOML at all.)
+        "write a number of bytes without quotes and without a unit, e.g. 10485760 for 10 MiB"
     } else if message.contains("invalid type: string") {
         "write this value without quotes (a number or true/false); see the README's config reference"
     } else if message.contains("expected a string") {
@@ -957,7 +960,8 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
             {
                 // At the file the error is about.
                 let span = match e {
-                    crate::listener::tls::TlsError::Key { .. } => t.key.span(),
+                    crate::listener::tls::TlsError::Key { .. }
+                    | crate::listener::tls::TlsError::UnusableKey { .. } => t.key.span(),
                     _ => t.cert.span(),
                 };
                 c.err(
@@ -1274,10 +1278,13 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         let same_key = seen_routes.get(&key).filter(|_| !host_refused);
         for (m, prev) in same_key.into_iter().flatten() {
             // A route without `methods` takes every method but TRACE
-            // (`pipeline::route`): beside a TRACE-only route it does not overlap.
+            // (`pipeline::route`): beside a TRACE-only route it does not overlap. Routes
+            // of one host and prefix are tried in the config's order, so one without
+            // `methods` after routes that list some takes the methods they do not (GET to
+            // a replica, the rest to the primary, as in Envoy's first match): no
+            // duplicate. Before them, it would take all of theirs.
             let any_but_trace = |ms: &[http::Method]| ms.iter().any(|x| *x != http::Method::TRACE);
             let overlap = m.is_empty() && (methods.is_empty() || any_but_trace(&methods))
-                || methods.is_empty() && any_but_trace(m)
                 || m.iter().any(|x| methods.contains(x));
             if overlap {
                 let (pl, _) = c.line_col(prev.start);
@@ -1517,6 +1524,15 @@ fn route_host(
 ) -> Option<String> {
     let h = r.host.as_ref()?;
     let host = h.get_ref().to_ascii_lowercase();
+    if host.starts_with("*.") && valid_host_pattern(&host) {
+        c.err(
+            Some(h.span()),
+            format!("route[{i}].host"),
+            format!("`{}` is a wildcard: a route's host is one exact host", h.get_ref()),
+            Some("list the wildcard in a tenant's `hosts` and give the route that `tenant` (and no `host`), or write an exact host like \"api.example.com\""),
+        );
+        return None;
+    }
     if !valid_host_pattern(&host) || host.starts_with("*.") {
         c.err(
             Some(h.span()),
@@ -1930,6 +1946,19 @@ mod tests {
         assert!(errors_of(&text).contains("duplicate route"));
     }
 
+    /// A route without `methods` after one of the same prefix that lists some takes the
+    /// other methods: no duplicate. Before it, it would take them all: a duplicate.
+    #[test]
+    fn a_catch_all_after_a_method_route_is_no_duplicate() {
+        let get = "[[route]]\npath_prefix = \"/x/\"\nmethods = [\"GET\"]\ncluster = \"c\"\n";
+        let any = "[[route]]\npath_prefix = \"/x/\"\ncluster = \"c\"\n";
+        assert_eq!(errors_of(&format!("{TAIL}{get}{any}")), "");
+        let errs = errors_of(&format!("{TAIL}{any}{get}"));
+        assert!(errs.contains("route[1]: duplicate route"), "{errs}");
+        let errs = errors_of(&format!("{TAIL}{get}{any}{any}"));
+        assert!(errs.contains("route[2]: duplicate route"), "{errs}");
+    }
+
     /// Routes alike but for their host are no duplicates; a third like the first is, and
     /// names the first's line, past the second.
     #[test]
@@ -2042,6 +2071,14 @@ mod tests {
             (
                 format!("{TAIL}[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\n[[route]]\nhost = \"a b\"\npath_prefix = \"/\"\ncluster = \"c\"\n"),
                 "route[1].host: `a b` is not a host name",
+            ),
+            (
+                format!("{TAIL}[[route]]\nhost = \"*.a.test\"\npath_prefix = \"/\"\ncluster = \"c\"\n"),
+                "route[0].host: `*.a.test` is a wildcard: a route's host is one exact host",
+            ),
+            (
+                format!("[server]\nmax_body_bytes = \"10m\"\n{TAIL}"),
+                "help: write a number of bytes without quotes and without a unit, e.g. 10485760",
             ),
             (
                 format!("{TAIL}[[route]]\npath_prefix = \"/a b\"\ncluster = \"c\"\n"),

@@ -1000,6 +1000,26 @@ path_prefix = "/public/"
 cluster = "b"
 "#;
 
+    /// Routes of one prefix are tried in the config's order: GET to one cluster, every
+    /// other method to the one a route without `methods` after it names.
+    #[test]
+    fn a_route_without_methods_after_one_with_takes_the_rest() {
+        let t = table(
+            "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"replica\"\nendpoints = [\"127.0.0.1:1\"]\n[[cluster]]\nname = \"primary\"\nendpoints = [\"127.0.0.1:2\"]\n[[route]]\npath_prefix = \"/x/\"\nmethods = [\"GET\"]\ncluster = \"replica\"\n[[route]]\npath_prefix = \"/x/\"\ncluster = \"primary\"\n",
+        );
+        for (method, cluster) in [
+            (http::Method::GET, 0),
+            (http::Method::HEAD, 0),
+            (http::Method::POST, 1),
+            (http::Method::DELETE, 1),
+        ] {
+            let Match::Found(r) = t.lookup("a.test", "/x/1", &method, None) else {
+                panic!("no match for {method}")
+            };
+            assert_eq!(r.cluster, cluster, "{method}");
+        }
+    }
+
     #[test]
     fn longest_prefix_and_method_win() {
         let t = table(CFG);
