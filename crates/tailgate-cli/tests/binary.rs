@@ -626,6 +626,76 @@ fn shutdown_delay_is_skipped_when_readyz_never_said_ready() {
     );
 }
 
+/// A TLS record holding a ClientHello whose SNI extension names `name` (no handshake can
+/// follow: the test only needs it read).
+fn client_hello(name: &[u8]) -> Vec<u8> {
+    let len16 = |n: usize| u16::try_from(n).unwrap().to_be_bytes();
+    let mut sni = vec![0];
+    sni.extend(len16(name.len()));
+    sni.extend(name);
+    let mut ext = vec![0, 0];
+    ext.extend(len16(sni.len() + 2));
+    ext.extend(len16(sni.len()));
+    ext.extend(sni);
+    let mut hello = vec![3, 3];
+    hello.extend([7u8; 32]);
+    hello.extend([0, 0, 2, 0x13, 0x01, 1, 0]);
+    hello.extend(len16(ext.len()));
+    hello.extend(ext);
+    let mut hs = vec![1, 0];
+    hs.extend(len16(hello.len()));
+    hs.extend(hello);
+    let mut record = vec![0x16, 3, 1];
+    record.extend(len16(hs.len()));
+    record.extend(hs);
+    record
+}
+
+/// A client's hello is not the log's to quote: a ClientHello naming an SNI host name
+/// rustls refuses (a long one, of bytes no name holds) makes no log line of rustls's at
+/// the default level, where rustls warned with the whole name quoted, for every hello.
+#[test]
+fn a_clients_hello_writes_no_rustls_warning_into_the_log() {
+    let dir = tmpdir();
+    let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+    std::fs::write(dir.path().join("cert.pem"), ck.cert.pem()).unwrap();
+    std::fs::write(dir.path().join("key.pem"), ck.signing_key.serialize_pem()).unwrap();
+    let up = slow_upstream(Duration::ZERO);
+    let port = free_port();
+    let cfg = dir.path().join("gw.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\nworkers = 1\n[[listener]]\naddress = \"127.0.0.1:{port}\"\n[listener.tls]\ncert = \"{}\"\nkey = \"{}\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
+            dir.path().join("cert.pem").display(),
+            dir.path().join("key.pem").display(),
+        ),
+    )
+    .unwrap();
+    let mut p = serve(&cfg, Stdio::piped());
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_listening(addr);
+    let name = [b"bad!name_".repeat(100), b"\x01".repeat(100)].concat();
+    for _ in 0..3 {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(&client_hello(&name)).unwrap();
+        // The gateway's answer (an alert) or its close: the hello was read.
+        let mut buf = [0u8; 64];
+        let _ = std::io::Read::read(&mut s, &mut buf);
+    }
+    kill("-TERM", &p.0.id().to_string());
+    let status = exit_within(&mut p, Duration::from_secs(15), "no exit after SIGTERM");
+    assert!(status.success(), "exit status {status:?}");
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut p.0.stderr.take().unwrap(), &mut text).unwrap();
+    assert!(
+        !text.contains("bad!name"),
+        "the hello's name was logged: {text}"
+    );
+    assert!(!text.contains("rustls"), "{text}");
+}
+
 /// A second gateway started on the addresses of a running one shares them (SO_REUSEPORT,
 /// for a restart that starts the new process before it stops the old one), and says so:
 /// a forgotten old instance taking part of the traffic is not left unseen.

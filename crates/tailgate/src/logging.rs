@@ -161,7 +161,16 @@ fn filter(rust_log: Option<String>, settings: &LogSettings) -> (EnvFilter, Optio
             }
         }
     }
-    let filter = EnvFilter::new(&settings.level);
+    let mut filter = EnvFilter::new(&settings.level);
+    // rustls warns about what a client's hello holds (an SNI name it refuses, quoted whole:
+    // up to 64 KiB a line, at a client's will, before any handshake), in lines no pacing
+    // bounds: only its errors, unless `log.level` names it (or `RUST_LOG` is set). The
+    // gateway logs a failed handshake itself, with its error.
+    if !settings.level.contains("rustls")
+        && let Ok(quiet) = "rustls=error".parse()
+    {
+        filter = filter.add_directive(quiet);
+    }
     let filter = match settings.access_log.then(|| "tailgate::access=info".parse()) {
         Some(Ok(access)) => filter.add_directive(access),
         _ => filter,
