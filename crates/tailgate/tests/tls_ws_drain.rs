@@ -366,6 +366,76 @@ async fn a_returning_client_resumes_after_many_others() {
     );
 }
 
+/// Client handshakes are counted by how they ended: full, resumed by a ticket, failed
+/// (a client that refuses the certificate, one that speaks plain HTTP) and timed out (a
+/// hello that stops); a connection closed before any byte is no handshake.
+#[tokio::test]
+async fn tls_handshakes_are_counted_by_result() {
+    let cert = test_cert(&["acme.test"]);
+    let up = echo_upstream().await;
+    let gw = tls_gateway_with(
+        &cert,
+        up,
+        "[server]\nworkers = 1\nshutdown_grace = \"5s\"\nheader_read_timeout = \"300ms\"\n[admin]\naddress = \"127.0.0.1:0\"\n",
+    );
+    let addr = gw.addr;
+    let visit = |connector: tokio_rustls::TlsConnector| async move {
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let name = rustls::pki_types::ServerName::try_from("acme.test").unwrap();
+        let mut tls = connector.connect(name, tcp).await.unwrap();
+        let text = tls_exchange(
+            &mut tls,
+            b"GET /x HTTP/1.1\r\nHost: acme.test\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(text.starts_with("HTTP/1.1 200 "), "{text}");
+    };
+    let client = connector(&cert, &[b"http/1.1"]);
+    visit(client.clone()).await;
+    visit(client).await;
+    // A client that trusts another certificate ends the handshake with an alert.
+    let stranger = connector(&test_cert(&["acme.test"]), &[b"http/1.1"]);
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("acme.test").unwrap();
+    assert!(stranger.connect(name, tcp).await.is_err());
+    let (text, _) = raw(
+        addr,
+        b"GET / HTTP/1.1\r\nHost: a\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(!text.starts_with("HTTP/1.1 200"), "{text}");
+    let mut stalled = TcpStream::connect(addr).await.unwrap();
+    stalled.write_all(&[0x16, 3, 1]).await.unwrap();
+    drop(TcpStream::connect(addr).await.unwrap());
+    let admin = gw.gw.as_ref().unwrap().admin_addr().unwrap();
+    let want = [
+        ("full", 1.0),
+        ("resumed", 1.0),
+        ("failed", 2.0),
+        ("timed_out", 1.0),
+    ];
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = String::from_utf8(get(admin, "/metrics").await.body().to_vec()).unwrap();
+        let ex = prom::parse(&text, false).unwrap();
+        let got: Vec<(&str, f64)> = want
+            .iter()
+            .map(|(r, _)| {
+                (
+                    *r,
+                    ex.value("tailgate_downstream_tls_handshakes_total", &[("result", r)]),
+                )
+            })
+            .collect();
+        if got == want {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{got:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// The SNI names the tenant even when the Host header names no tenant.
 #[tokio::test]
 async fn sni_classifies_the_tenant() {

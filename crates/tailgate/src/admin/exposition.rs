@@ -217,6 +217,18 @@ async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> 
             conns.reclaimed.load(Ordering::Relaxed),
         );
         w.family(
+            "tailgate_downstream_tls_handshakes",
+            Kind::Counter,
+            "TLS handshakes with clients: full, resumed (session ticket), failed (the error, or the client's alert), timed_out (past server.header_read_timeout).",
+        );
+        for how in crate::server::spawner::TlsHandshake::ALL {
+            w.counter(
+                "tailgate_downstream_tls_handshakes",
+                &[&format!("result=\"{}\"", how.label())],
+                conns.tls_handshakes[how as usize].load(Ordering::Relaxed),
+            );
+        }
+        w.family(
             "tailgate_downstream_accept_errors",
             Kind::Counter,
             "Failed accepts (out of file descriptors or memory, mostly).",

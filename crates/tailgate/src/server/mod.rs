@@ -119,6 +119,30 @@ impl Prepare for tokio_rustls::server::TlsStream<SendTimeout<TcpStream>> {
     }
 }
 
+/// A handshake the client ended with an alert about the listener's certificate (its chain
+/// missing an intermediate, expired, for another name): every client may be failing so,
+/// and the failures alone are logged at debug only. One warning per 10 s says so.
+fn refused_certificate(conns: &spawner::ConnCount, listener: &str, e: &std::io::Error) {
+    use rustls::AlertDescription as A;
+    let Some(rustls::Error::AlertReceived(alert)) =
+        e.get_ref().and_then(|e| e.downcast_ref::<rustls::Error>())
+    else {
+        return;
+    };
+    if matches!(
+        alert,
+        A::BadCertificate
+            | A::UnsupportedCertificate
+            | A::CertificateRevoked
+            | A::CertificateExpired
+            | A::CertificateUnknown
+            | A::UnknownCA
+    ) && conns.cert_warning.due()
+    {
+        tracing::warn!(listener, alert = ?alert, "a client refused the listener's certificate (is its chain whole, current and for the names clients ask for?); counted in tailgate_downstream_tls_handshakes_total{{result=\"failed\"}}");
+    }
+}
+
 /// A TLS connection: the handshake, then HTTP/2 by ALPN or HTTP/1.1.
 async fn serve_tls(
     mut ctx: ConnCtx,
@@ -151,10 +175,16 @@ async fn serve_tls(
         handshake,
     )
     .await;
+    let conns = &ctx.worker.shared.connections;
     let tls = match accepted {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
-            tracing::debug!(client.addr = %peer, error = %e, "TLS handshake failed");
+            // (A client that closed before its hello was no handshake.)
+            if e.kind() != std::io::ErrorKind::UnexpectedEof || heard.load(Ordering::Relaxed) {
+                conns.tls_handshake(spawner::TlsHandshake::Failed);
+                refused_certificate(conns, &ctx.listener.name, &e);
+            }
+            tracing::debug!(client.addr = %peer, listener = %ctx.listener.name, error = %e, "TLS handshake failed");
             return;
         }
         Err(Cut::Reclaimed) => {
@@ -162,11 +192,16 @@ async fn serve_tls(
             return;
         }
         Err(Cut::TimedOut) => {
-            tracing::debug!(client.addr = %peer, "TLS handshake timed out");
+            conns.tls_handshake(spawner::TlsHandshake::TimedOut);
+            tracing::debug!(client.addr = %peer, listener = %ctx.listener.name, "TLS handshake timed out");
             return;
         }
     };
     let (_, session) = tls.get_ref();
+    conns.tls_handshake(match session.handshake_kind() {
+        Some(rustls::HandshakeKind::Resumed) => spawner::TlsHandshake::Resumed,
+        _ => spawner::TlsHandshake::Full,
+    });
     let alpn = session.alpn_protocol();
     let h2 = alpn == Some(b"h2");
     // Agreed on HTTP/1 by ALPN: HTTP/2 is not spoken, preface or not (RFC 9113 §3.3).

@@ -39,6 +39,10 @@ pub struct ConnCount {
     pub pauses: AtomicU64,
     /// Failed accepts (out of file descriptors or memory, mostly).
     pub accept_errors: AtomicU64,
+    /// TLS handshakes with clients, by [`TlsHandshake`].
+    pub tls_handshakes: [AtomicU64; TlsHandshake::ALL.len()],
+    /// At most one "clients refuse the certificate" warning per [`WARN_EVERY`].
+    pub cert_warning: Every,
     /// At most one "cap reached" warning per [`WARN_EVERY`].
     cap_warning: Every,
     /// At most one "accept failed" warning per [`WARN_EVERY`].
@@ -205,7 +209,42 @@ impl Drop for ConnSlot {
     }
 }
 
+/// How a client's TLS handshake ended (`tailgate_downstream_tls_handshakes_total`'s
+/// `result`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TlsHandshake {
+    Full,
+    /// By a session ticket.
+    Resumed,
+    Failed,
+    /// Cut at `server.header_read_timeout`.
+    TimedOut,
+}
+
+impl TlsHandshake {
+    pub const ALL: [TlsHandshake; 4] = [
+        TlsHandshake::Full,
+        TlsHandshake::Resumed,
+        TlsHandshake::Failed,
+        TlsHandshake::TimedOut,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            TlsHandshake::Full => "full",
+            TlsHandshake::Resumed => "resumed",
+            TlsHandshake::Failed => "failed",
+            TlsHandshake::TimedOut => "timed_out",
+        }
+    }
+}
+
 impl ConnCount {
+    /// Counts a client's TLS handshake (once per connection, not per request).
+    pub fn tls_handshake(&self, how: TlsHandshake) {
+        self.tls_handshakes[how as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
     /// `max` 0: no cap; `tenants`: how many the config has.
     pub fn new(max: usize, tenants: usize) -> ConnCount {
         ConnCount {
@@ -217,6 +256,8 @@ impl ConnCount {
             accepted: AtomicU64::new(0),
             pauses: AtomicU64::new(0),
             accept_errors: AtomicU64::new(0),
+            tls_handshakes: Default::default(),
+            cert_warning: Every::new(WARN_EVERY),
             cap_warning: Every::new(WARN_EVERY),
             error_warning: Every::new(WARN_EVERY),
             per_tenant: (0..tenants).map(|_| AtomicUsize::new(0)).collect(),
