@@ -1621,6 +1621,17 @@ fn route_methods(c: &mut Checker<'_>, r: &RawRoute, i: usize) -> Vec<http::Metho
                 "CONNECT (a tunnel) is not proxied; requests with it are answered 405".into(),
                 Some("remove it (WebSocket upgrades go through a GET route)"),
             ),
+            // Tokens a method may be, but meant as "every method" (API Gateway's `ANY`):
+            // as methods, no request would ever have them.
+            Ok(_) if ["*", "ANY", "ALL"].contains(&upper.as_str()) => c.err(
+                Some(m.span()),
+                format!("route[{i}].methods[{j}]"),
+                format!(
+                    "`{}` is no method a request has; it would match nothing",
+                    m.get_ref()
+                ),
+                Some("remove `methods` to match every method"),
+            ),
             Ok(method) if !upper.is_empty() => out.push(method),
             _ => c.err(
                 Some(m.span()),
@@ -2075,6 +2086,10 @@ mod tests {
             (
                 format!("{TAIL}[[route]]\nhost = \"*.a.test\"\npath_prefix = \"/\"\ncluster = \"c\"\n"),
                 "route[0].host: `*.a.test` is a wildcard: a route's host is one exact host",
+            ),
+            (
+                format!("{TAIL}[[route]]\npath_prefix = \"/\"\nmethods = [\"GET\", \"any\"]\ncluster = \"c\"\n"),
+                "route[0].methods[1]: `any` is no method a request has; it would match nothing",
             ),
             (
                 format!("[server]\nmax_body_bytes = \"10m\"\n{TAIL}"),
