@@ -164,9 +164,10 @@ fn filter(rust_log: Option<String>, settings: &LogSettings) -> (EnvFilter, Optio
     let mut filter = EnvFilter::new(&settings.level);
     // rustls warns about what a client's hello holds (an SNI name it refuses, quoted whole:
     // up to 64 KiB a line, at a client's will, before any handshake), in lines no pacing
-    // bounds: only its errors, unless `log.level` names it (or `RUST_LOG` is set). The
-    // gateway logs a failed handshake itself, with its error.
-    if !settings.level.contains("rustls")
+    // bounds: only its errors, unless the level is `debug` or `trace` (or `RUST_LOG` is
+    // set, `RUST_LOG=rustls=debug`, say). The gateway logs a failed handshake itself,
+    // with its error, and counts it.
+    if !["debug", "trace"].contains(&settings.level.as_str())
         && let Ok(quiet) = "rustls=error".parse()
     {
         filter = filter.add_directive(quiet);

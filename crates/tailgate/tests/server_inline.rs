@@ -1080,6 +1080,29 @@ async fn ri_client_gone_after_a_trailing_crlf_cancels_the_request() {
     .await;
 }
 
+/// The CRLF in a segment of its own, after the request reached the upstream: read, let
+/// go, and the client's close still seen.
+#[tokio::test]
+async fn ri_client_gone_after_a_late_crlf_cancels_the_request() {
+    let (up, started, dropped) = hanging_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let mut s = connect(gw.addr).await;
+    s.write_all(b"POST /a HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi")
+        .await
+        .unwrap();
+    wait_for("the request to reach the upstream", || {
+        started.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    s.write_all(b"\r\n").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(s);
+    wait_for("the upstream request to be dropped", || {
+        dropped.load(Ordering::SeqCst) == 1
+    })
+    .await;
+}
+
 /// The test PKI's server certificate for a TLS listener.
 fn tls_gateway(pki: &common::tls::Pki, up: SocketAddr) -> TestGateway {
     TestGateway::start(&format!(

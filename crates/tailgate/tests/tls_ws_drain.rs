@@ -407,7 +407,14 @@ async fn tls_handshakes_are_counted_by_result() {
     assert!(!text.starts_with("HTTP/1.1 200"), "{text}");
     let mut stalled = TcpStream::connect(addr).await.unwrap();
     stalled.write_all(&[0x16, 3, 1]).await.unwrap();
+    // Closed, reset, or silent past the timeout before any byte: no handshake.
     drop(TcpStream::connect(addr).await.unwrap());
+    let reset = TcpStream::connect(addr).await.unwrap();
+    socket2::SockRef::from(&reset)
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(reset);
+    let _silent = TcpStream::connect(addr).await.unwrap();
     let admin = gw.gw.as_ref().unwrap().admin_addr().unwrap();
     let want = [
         ("full", 1.0),
@@ -433,6 +440,17 @@ async fn tls_handshakes_are_counted_by_result() {
         }
         assert!(std::time::Instant::now() < deadline, "{got:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Past the silent one's timeout too, the counts stay.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let text = String::from_utf8(get(admin, "/metrics").await.body().to_vec()).unwrap();
+    let ex = prom::parse(&text, false).unwrap();
+    for (r, n) in want {
+        assert_eq!(
+            ex.value("tailgate_downstream_tls_handshakes_total", &[("result", r)]),
+            n,
+            "{r}"
+        );
     }
 }
 
@@ -945,6 +963,28 @@ async fn during_shutdown_delay_connections_are_asked_to_close_at_their_next_requ
     tokio::time::timeout(Duration::from_secs(5), h2_conn)
         .await
         .expect("the HTTP/2 connection ends after its GOAWAY")
+        .unwrap()
+        .unwrap();
+    // An HTTP/2 connection opened during the delay is not told at its preface: its first
+    // request is served (then it is told).
+    let (mut h2_new, h2_new_conn) = h2c_client(addr).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !h2_new_conn.is_finished(),
+        "closed before its first request"
+    );
+    let resp = h2_new
+        .send_request(
+            http::Request::get(format!("http://{addr}/e"))
+                .body(full(""))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    tokio::time::timeout(Duration::from_secs(5), h2_new_conn)
+        .await
+        .expect("told after its first request")
         .unwrap()
         .unwrap();
     // New connections are still taken; the idle one stays open until it asks.

@@ -219,7 +219,7 @@ async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> 
         w.family(
             "tailgate_downstream_tls_handshakes",
             Kind::Counter,
-            "TLS handshakes with clients: full, resumed (session ticket), failed (the error, or the client's alert), timed_out (past server.header_read_timeout).",
+            "TLS handshakes with clients: full, resumed (session ticket or id), failed (the error, or the client's alert), timed_out (the hello begun, not done within server.header_read_timeout); a connection closed before its first byte is none.",
         );
         for how in crate::server::spawner::TlsHandshake::ALL {
             w.counter(

@@ -92,7 +92,7 @@ pub struct AdminState {
     warned_cold: AtomicBool,
     /// Set the first time [`readiness`](Self::readiness) said ready.
     was_ready: AtomicBool,
-    /// Set the first time a probe asked ([`probe`](Self::probe): `/readyz`, the watchdog).
+    /// Set the first time `/readyz` was asked ([`probe`](Self::probe)).
     probed: AtomicBool,
     /// Per cluster: it has been warm on every worker once ([`cold_clusters`](Self::cold_clusters)).
     warmed: Box<[AtomicBool]>,
@@ -189,8 +189,9 @@ impl AdminState {
         judged
     }
 
-    /// [`readiness`](Self::readiness), asked by a probe (`/readyz`, the watchdog's
-    /// `READY=1`): remembered for [`never_ready`](Self::never_ready).
+    /// [`readiness`](Self::readiness), asked by `/readyz`: remembered for
+    /// [`never_ready`](Self::never_ready). (systemd's `READY=1` is no load balancer's
+    /// rotation: the watchdog asks `readiness` itself.)
     pub fn probe(&self) -> Result<Vec<&str>, String> {
         if !self.probed.load(Ordering::Relaxed) {
             self.probed.store(true, Ordering::Relaxed);
@@ -198,7 +199,8 @@ impl AdminState {
         self.readiness()
     }
 
-    /// Was readiness probed, and never said ready? Then no load balancer that probes it
+    /// Was `/readyz` asked, and readiness never said ready (to it, `/stats` or the
+    /// watchdog)? Then no load balancer that probes it
     /// has it in rotation, and its shutdown needs no `server.shutdown_delay`. (Never
     /// probed, it may be in one that does not ask, a Kubernetes pod without a
     /// `readinessProbe`: the delay is kept.)

@@ -124,7 +124,7 @@ impl Watchdog {
                     // Readiness and the drain are looked at every step, not every ping
                     // interval: with `WatchdogSec=180s`, READY=1 would otherwise come up to
                     // 90 s late, past systemd's start timeout.
-                    if !ready && state.probe().is_ok() {
+                    if !ready && state.not_ready().is_none() {
                         notify("READY=1");
                         ready = true;
                     }

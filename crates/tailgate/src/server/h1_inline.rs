@@ -669,15 +669,20 @@ fn poll_client_end<I: AsyncRead + Unpin>(
     buf: &mut BytesMut,
     cx: &mut Context<'_>,
 ) -> Poll<()> {
-    if !buf.is_empty() {
-        if !buf.iter().all(|&b| b == b'\r' || b == b'\n') {
-            return Poll::Pending;
+    loop {
+        if !buf.is_empty() {
+            if !buf.iter().all(|&b| b == b'\r' || b == b'\n') {
+                return Poll::Pending;
+            }
+            buf.clear();
         }
-        buf.clear();
-    }
-    match poll_fill(io, buf, cx, false) {
-        Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => Poll::Ready(()),
-        Poll::Ready(Ok(_)) | Poll::Pending => Poll::Pending,
+        // Read until the socket is dry (its waker then registered), bytes of a request are
+        // kept, or it ends.
+        match poll_fill(io, buf, cx, false) {
+            Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(()),
+            Poll::Ready(Ok(_)) => {}
+            Poll::Pending => return Poll::Pending,
+        }
     }
 }
 

@@ -179,8 +179,9 @@ async fn serve_tls(
     let tls = match accepted {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
-            // (A client that closed before its hello was no handshake.)
-            if e.kind() != std::io::ErrorKind::UnexpectedEof || heard.load(Ordering::Relaxed) {
+            // (A client that closed or reset before its first byte, a load balancer's TCP
+            // check, was no handshake.)
+            if heard.load(Ordering::Relaxed) {
                 conns.tls_handshake(spawner::TlsHandshake::Failed);
                 refused_certificate(conns, &ctx.listener.name, &e);
             }
@@ -192,7 +193,10 @@ async fn serve_tls(
             return;
         }
         Err(Cut::TimedOut) => {
-            conns.tls_handshake(spawner::TlsHandshake::TimedOut);
+            // (Silent throughout, it was no handshake either.)
+            if heard.load(Ordering::Relaxed) {
+                conns.tls_handshake(spawner::TlsHandshake::TimedOut);
+            }
             tracing::debug!(client.addr = %peer, listener = %ctx.listener.name, "TLS handshake timed out");
             return;
         }
@@ -450,7 +454,7 @@ fn pipeline_service(
         // Called from the connection's task as each request is taken; past the cap,
         // [`Drive`] asks the connection to close once this poll of it is over. During
         // `server.shutdown_delay` each request is a connection's last, as at the cap (on
-        // HTTP/2, [`Drive`] sends GOAWAY at the first request then).
+        // HTTP/2, [`Drive`] sends GOAWAY once this poll of it is over).
         let last =
             info.count_any_request(max_requests) | worker.shared.leaving.load(Ordering::Relaxed);
         // The stand-in for a head the smuggling guard refused: its JSON error.
@@ -666,9 +670,11 @@ struct Drive<'a, C, G> {
     /// answered (the last HTTP/1.1 one with `Connection: close`; HTTP/2 sends GOAWAY).
     max_requests: u64,
     /// `server.shutdown_delay` has begun ([`crate::pipeline::Shared::leaving`]): looked at
-    /// by HTTP/2 connections, asked to close (GOAWAY) at their next wake-up then, as at the
-    /// request cap. (HTTP/1.1's servers say `Connection: close` in the next answer
-    /// themselves; closing an idle one here would race its client's next request.)
+    /// by HTTP/2 connections, asked to close (GOAWAY) as at the request cap, at the first
+    /// wake-up then after a request (a request in the delay, or one before it and any
+    /// frame in the delay). HTTP/1.1's servers say `Connection: close` in the next answer
+    /// themselves; closing an idle one here would race its client's next request. An
+    /// HTTP/2 connection that wakes for nothing through the delay is told at the drain.
     leaving: Option<&'a AtomicBool>,
     graceful: G,
     stop: Pin<Box<dyn Future<Output = ()> + Send>>,
@@ -735,7 +741,10 @@ where
                 tracing::warn!(client.addr = %this.info.client, requests, cancelled = this.info.activity.cancelled_early(), "client gave up on most of its requests before their answers (rapid reset); connection dropped");
                 return Poll::Ready(None);
             }
-            let leaving = this.leaving.is_some_and(|l| l.load(Ordering::Relaxed));
+            // (After a request: a connection that has carried none yet, a new one during
+            // the delay, is not told at its preface, which a client may answer by
+            // reconnecting at once, to this gateway again.)
+            let leaving = requests > 0 && this.leaving.is_some_and(|l| l.load(Ordering::Relaxed));
             if (requests >= this.max_requests || leaving) && this.side.capped_at.get().is_none() {
                 let _ = this.side.capped_at.set(std::time::Instant::now());
                 // (Already closing, for idleness or a shutdown: the cap still holds below.

@@ -214,10 +214,10 @@ impl Drop for ConnSlot {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TlsHandshake {
     Full,
-    /// By a session ticket.
+    /// By a session ticket (or a TLS 1.2 session id).
     Resumed,
     Failed,
-    /// Cut at `server.header_read_timeout`.
+    /// Its hello begun, cut at `server.header_read_timeout` (or a second into a shutdown).
     TimedOut,
 }
 
