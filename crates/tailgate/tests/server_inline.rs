@@ -1058,49 +1058,32 @@ async fn ri_client_gone_cancels_the_request() {
     .await;
 }
 
-/// The same with a CRLF after the body, in the request's own segment (RFC 9112 §2.2 lets a
-/// client send one; older clients do): it is no pipelined request, so the client's end of
-/// stream is still watched for, and still cancels the request upstream.
+/// The same with a CRLF after the body (RFC 9112 §2.2 lets a client send one; older
+/// clients do), in the request's own segment or in one of its own once the request reached
+/// the upstream: it is no pipelined request, so the client's end of stream is still
+/// watched for, and still cancels the request upstream.
 #[tokio::test]
 async fn ri_client_gone_after_a_trailing_crlf_cancels_the_request() {
-    let (up, started, dropped) = hanging_upstream().await;
-    let gw = TestGateway::to(up, "");
-    let mut s = connect(gw.addr).await;
-    s.write_all(b"POST /a HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi\r\n")
-        .await
-        .unwrap();
-    wait_for("the request to reach the upstream", || {
-        started.load(Ordering::SeqCst) == 1
-    })
-    .await;
-    drop(s);
-    wait_for("the upstream request to be dropped", || {
-        dropped.load(Ordering::SeqCst) == 1
-    })
-    .await;
-}
-
-/// The CRLF in a segment of its own, after the request reached the upstream: read, let
-/// go, and the client's close still seen.
-#[tokio::test]
-async fn ri_client_gone_after_a_late_crlf_cancels_the_request() {
-    let (up, started, dropped) = hanging_upstream().await;
-    let gw = TestGateway::to(up, "");
-    let mut s = connect(gw.addr).await;
-    s.write_all(b"POST /a HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi")
-        .await
-        .unwrap();
-    wait_for("the request to reach the upstream", || {
-        started.load(Ordering::SeqCst) == 1
-    })
-    .await;
-    s.write_all(b"\r\n").await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    drop(s);
-    wait_for("the upstream request to be dropped", || {
-        dropped.load(Ordering::SeqCst) == 1
-    })
-    .await;
+    let post = "POST /a HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi";
+    for (first, later) in [(format!("{post}\r\n"), ""), (post.to_owned(), "\r\n")] {
+        let (up, started, dropped) = hanging_upstream().await;
+        let gw = TestGateway::to(up, "");
+        let mut s = connect(gw.addr).await;
+        s.write_all(first.as_bytes()).await.unwrap();
+        wait_for("the request to reach the upstream", || {
+            started.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        if !later.is_empty() {
+            s.write_all(later.as_bytes()).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        drop(s);
+        wait_for("the upstream request to be dropped", || {
+            dropped.load(Ordering::SeqCst) == 1
+        })
+        .await;
+    }
 }
 
 /// The test PKI's server certificate for a TLS listener.

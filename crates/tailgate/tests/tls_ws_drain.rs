@@ -903,6 +903,25 @@ async fn exchange_ok(s: &mut TcpStream, req: &[u8]) -> String {
         .expect("answered within 10 s")
 }
 
+/// A GET of `path` on the HTTP/2 connection `h2` is answered `200`, and the connection
+/// (driven by `conn`) then ends, told to leave by GOAWAY.
+async fn h2_get_then_goaway(
+    h2: &mut hyper::client::conn::http2::SendRequest<TestBody>,
+    conn: tokio::task::JoinHandle<Result<(), hyper::Error>>,
+    addr: std::net::SocketAddr,
+    path: &str,
+) {
+    let req = http::Request::get(format!("http://{addr}{path}"))
+        .body(full(""))
+        .unwrap();
+    assert_eq!(h2.send_request(req).await.unwrap().status(), 200, "{path}");
+    tokio::time::timeout(Duration::from_secs(5), conn)
+        .await
+        .unwrap_or_else(|_| panic!("{path}: the connection did not end after its GOAWAY"))
+        .unwrap()
+        .unwrap();
+}
+
 /// During `server.shutdown_delay` (`stop_ready`) keep-alive connections are still served,
 /// and each is asked to close at its next request, as Envoy's drain asks: on HTTP/1.1 that
 /// answer says `Connection: close` and the connection then closes (inline server and
@@ -951,20 +970,7 @@ async fn during_shutdown_delay_connections_are_asked_to_close_at_their_next_requ
             "{what}: not closed after it: {rest:?}"
         );
     }
-    let resp = h2
-        .send_request(
-            http::Request::get(format!("http://{addr}/d"))
-                .body(full(""))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    tokio::time::timeout(Duration::from_secs(5), h2_conn)
-        .await
-        .expect("the HTTP/2 connection ends after its GOAWAY")
-        .unwrap()
-        .unwrap();
+    h2_get_then_goaway(&mut h2, h2_conn, addr, "/d").await;
     // An HTTP/2 connection opened during the delay is not told at its preface: its first
     // request is served (then it is told).
     let (mut h2_new, h2_new_conn) = h2c_client(addr).await;
@@ -973,20 +979,7 @@ async fn during_shutdown_delay_connections_are_asked_to_close_at_their_next_requ
         !h2_new_conn.is_finished(),
         "closed before its first request"
     );
-    let resp = h2_new
-        .send_request(
-            http::Request::get(format!("http://{addr}/e"))
-                .body(full(""))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    tokio::time::timeout(Duration::from_secs(5), h2_new_conn)
-        .await
-        .expect("told after its first request")
-        .unwrap()
-        .unwrap();
+    h2_get_then_goaway(&mut h2_new, h2_new_conn, addr, "/e").await;
     // New connections are still taken; the idle one stays open until it asks.
     let mut fresh = TcpStream::connect(addr).await.unwrap();
     let head = exchange_ok(&mut fresh, get).await;
