@@ -41,7 +41,7 @@ pub struct ConnCount {
     pub accept_errors: AtomicU64,
     /// TLS handshakes with clients, by [`TlsHandshake`].
     pub tls_handshakes: [AtomicU64; TlsHandshake::ALL.len()],
-    /// At most one "clients refuse the certificate" warning per [`WARN_EVERY`].
+    /// At most one "clients refuse the certificate" warning per `WARN_EVERY` (10 s).
     pub cert_warning: Every,
     /// At most one "cap reached" warning per [`WARN_EVERY`].
     cap_warning: Every,
