@@ -662,19 +662,20 @@ fn build(
 /// of stream or an error), which cancels the request. Once bytes of a next request are
 /// kept, the socket is left alone: a client that sent pipelined requests and then closed
 /// its sending side still has the one in flight answered. Empty lines are no next request
-/// (RFC 9112 §2.2: a CRLF a client sent after a body): let go, as between requests, so
-/// that the client is still watched.
+/// (RFC 9112 §2.2: a CRLF a client sent after a body): the socket is still read past a
+/// few of them, so that the client is still watched. They are kept, for the next head's
+/// parse to see as it would have (past `CRLF_AHEAD` of them the socket is left alone, and
+/// a flood of them meets the head's limit there, as between requests).
 fn poll_client_end<I: AsyncRead + Unpin>(
     io: &mut I,
     buf: &mut BytesMut,
     cx: &mut Context<'_>,
 ) -> Poll<()> {
     loop {
-        if !buf.is_empty() {
-            if !buf.iter().all(|&b| b == b'\r' || b == b'\n') {
-                return Poll::Pending;
-            }
-            buf.clear();
+        if !buf.is_empty()
+            && (buf.len() > CRLF_AHEAD || !buf.iter().all(|&b| b == b'\r' || b == b'\n'))
+        {
+            return Poll::Pending;
         }
         // Read until the socket is dry (its waker then registered), bytes of a request are
         // kept, or it ends.
@@ -685,6 +686,10 @@ fn poll_client_end<I: AsyncRead + Unpin>(
         }
     }
 }
+
+/// The empty lines after a request the client may be watched past (see
+/// [`poll_client_end`]).
+const CRLF_AHEAD: usize = 64;
 
 /// Reads what the socket has into `buf`; `Ok(0)` at its end. `between` says no request is
 /// in flight: then a buffer the socket left empty goes back to the worker (`spare`), and a
