@@ -925,8 +925,10 @@ async fn h2_get_then_goaway(
 /// During `server.shutdown_delay` (`stop_ready`) keep-alive connections are still served,
 /// and each is asked to close at its next request, as Envoy's drain asks: on HTTP/1.1 that
 /// answer says `Connection: close` and the connection then closes (inline server and
-/// hyper's alike), and an HTTP/2 connection gets GOAWAY and ends once its stream is
-/// answered. A connection idle meanwhile is left open (closing it could race its client's
+/// hyper's alike; an HTTP/1.0 keep-alive answer no longer says keep-alive; a request
+/// pipelined behind the told one is not served), and an HTTP/2 connection gets GOAWAY and
+/// ends once its stream is answered (one opened during the delay, after its first
+/// request). A connection idle meanwhile is left open (closing it could race its client's
 /// next request).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn during_shutdown_delay_connections_are_asked_to_close_at_their_next_request() {
@@ -947,6 +949,12 @@ async fn during_shutdown_delay_connections_are_asked_to_close_at_their_next_requ
     assert!(!head.contains("connection: close"), "{head}");
     let mut idle = TcpStream::connect(addr).await.unwrap();
     exchange_ok(&mut idle, get).await;
+    let get10 = b"GET /a HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\n\r\n";
+    let mut http10 = TcpStream::connect(addr).await.unwrap();
+    let head = exchange_ok(&mut http10, get10).await;
+    assert!(head.contains("connection: keep-alive"), "{head}");
+    let mut pipelined = TcpStream::connect(addr).await.unwrap();
+    exchange_ok(&mut pipelined, get).await;
     let (mut h2, h2_conn) = h2c_client(addr).await;
     let resp = h2
         .send_request(
@@ -970,6 +978,17 @@ async fn during_shutdown_delay_connections_are_asked_to_close_at_their_next_requ
             "{what}: not closed after it: {rest:?}"
         );
     }
+    // HTTP/1.0 keep-alive: the answer no longer says keep-alive, and the connection closes.
+    let head = exchange_ok(&mut http10, get10).await;
+    assert!(!head.contains("keep-alive"), "{head}");
+    let (rest, closed) = read_until_close(&mut http10, Duration::from_secs(5)).await;
+    assert!(closed && rest.is_empty(), "HTTP/1.0: {rest:?}");
+    // Two requests pipelined: the first is answered, with `Connection: close`; the second
+    // is not served (its client sends it again elsewhere, as at the request cap).
+    let head = exchange_ok(&mut pipelined, &[&get[..], &get[..]].concat()).await;
+    assert!(head.contains("connection: close"), "{head}");
+    let (rest, closed) = read_until_close(&mut pipelined, Duration::from_secs(5)).await;
+    assert!(closed && rest.is_empty(), "pipelined: {rest:?}");
     h2_get_then_goaway(&mut h2, h2_conn, addr, "/d").await;
     // An HTTP/2 connection opened during the delay is not told at its preface: its first
     // request is served (then it is told).
