@@ -1524,21 +1524,24 @@ fn route_host(
 ) -> Option<String> {
     let h = r.host.as_ref()?;
     let host = h.get_ref().to_ascii_lowercase();
-    if host.starts_with("*.") && valid_host_pattern(&host) {
+    let wildcard = host.starts_with("*.");
+    if wildcard || !valid_host_pattern(&host) {
+        let (what, help) = if wildcard && valid_host_pattern(&host) {
+            (
+                "is a wildcard: a route's host is one exact host",
+                "list the wildcard in a tenant's `hosts` and give the route that `tenant` (and no `host`), or write an exact host like \"api.example.com\"",
+            )
+        } else {
+            (
+                "is not a host name",
+                "write an exact host like \"api.example.com\", without scheme or port",
+            )
+        };
         c.err(
             Some(h.span()),
             format!("route[{i}].host"),
-            format!("`{}` is a wildcard: a route's host is one exact host", h.get_ref()),
-            Some("list the wildcard in a tenant's `hosts` and give the route that `tenant` (and no `host`), or write an exact host like \"api.example.com\""),
-        );
-        return None;
-    }
-    if !valid_host_pattern(&host) || host.starts_with("*.") {
-        c.err(
-            Some(h.span()),
-            format!("route[{i}].host"),
-            format!("`{}` is not a host name", h.get_ref()),
-            Some("write an exact host like \"api.example.com\", without scheme or port"),
+            format!("`{}` {what}", h.get_ref()),
+            Some(help),
         );
         return None;
     }
