@@ -220,7 +220,8 @@ async fn goaway_moves_requests_to_a_new_connection() {
 }
 
 /// An h2 upstream (the h2 crate, for control over resets) that refuses the first attempt at
-/// any path starting with `/refuse` with REFUSED_STREAM, resets the first at any starting
+/// any path starting with `/refuse` with REFUSED_STREAM (at once; `/laterefuse`, after 100
+/// ms), resets the first at any starting
 /// with `/reset` with INTERNAL_ERROR, and answers everything else. A first request to a path
 /// starting with `/dying` is reset with INTERNAL_ERROR too, and its connection then refuses
 /// every stream (REFUSED_STREAM), as a server going away would.
@@ -273,6 +274,16 @@ async fn refusing_upstream_with(max_streams: Option<u32>) -> (SocketAddr, Seen) 
                                 let _ = body.flow_control().release_capacity(d.len());
                             }
                             respond.send_reset(h2::Reason::INTERNAL_ERROR);
+                        });
+                        continue;
+                    }
+                    // Refused once, after 100 ms of thought (after a hedge went out).
+                    if path.starts_with("/laterefuse")
+                        && s.refused.lock().unwrap().insert(path.clone())
+                    {
+                        tokio::spawn(async move {
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            respond.send_reset(h2::Reason::REFUSED_STREAM);
                         });
                         continue;
                     }
@@ -1427,4 +1438,99 @@ async fn a_request_turned_away_by_every_closing_connection_gets_a_new_one() {
         1,
         "processed once: {seen:?}"
     );
+}
+
+/// An HTTP/2 upstream answering every request `503` at once.
+async fn failing_h2c() -> SocketAddr {
+    h2c_upstream_with(|_| async {
+        let mut r = http::Response::new(full("down"));
+        *r.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+        r
+    })
+    .await
+}
+
+/// A hedged request whose first copy is refused unprocessed is sent again on a new
+/// connection, as without the hedge: the copy's `503` does not stand in for that free
+/// resend. It was the answer, and the request was never processed.
+#[tokio::test]
+async fn a_hedged_request_refused_unprocessed_is_resent_not_answered_by_the_copys_5xx() {
+    let (refusing, seen) = refusing_upstream().await;
+    let failing = failing_h2c().await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{refusing}\", \"{failing}\"]\nprotocol = \"http2\"\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 1000\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"30ms\"\nresponse_timeout = \"5s\"\n"
+    ));
+    // Round robin: the first copies alternate between the two endpoints; those sent to the
+    // failing one are answered 503 before any hedge.
+    let mut refused = 0;
+    for i in 0..4 {
+        let path = format!("/laterefuse-{i}");
+        let status = get(gw.addr, &path).await.status();
+        if seen.refused.lock().unwrap().contains(&path) {
+            refused += 1;
+            assert_eq!(
+                status, 200,
+                "{path}: the copy's 503 answered a refused request"
+            );
+            assert!(
+                seen.processed
+                    .lock()
+                    .unwrap()
+                    .contains(&format!("GET {path}")),
+                "{path} was never processed"
+            );
+        }
+    }
+    assert!(refused >= 1, "no first copy went to the refusing endpoint");
+    assert!(stat(&gw, |s| s.refused_resends.load(Ordering::Relaxed)) >= 1);
+}
+
+/// A hedged request's first copy that stays silent to the response deadline, while the
+/// copy's `503` is held, times out its HTTP/2 connection as it does without the hedge:
+/// that connection takes no new streams, and the endpoint's next request opens a fresh
+/// one. The silent connection stayed in use, each of the endpoint's requests hedged and
+/// answered by the other endpoint's 503 until the kernel gave up on it.
+#[tokio::test]
+async fn a_hedged_first_copy_silent_to_the_deadline_retires_its_connection() {
+    let (silent, seen, silence) = silencing_upstream().await;
+    let failing = failing_h2c().await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{silent}\", \"{failing}\"]\nprotocol = \"http2\"\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 1000\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"50ms\"\nresponse_timeout = \"300ms\"\n"
+    ));
+    // Both connections open, then where round robin stands: the request after one the
+    // silencing endpoint answered goes to the failing one.
+    get(gw.addr, "/a").await;
+    get(gw.addr, "/b").await;
+    let answered_by_silent = |path: &str| seen.processed.lock().unwrap().iter().any(|p| p == path);
+    let mut i = 0;
+    loop {
+        let path = format!("/probe-{i}");
+        if get(gw.addr, &path).await.status() == 200 && answered_by_silent(&path) {
+            break;
+        }
+        i += 1;
+        assert!(i < 4, "the silencing endpoint never answered");
+    }
+    assert_eq!(get(gw.addr, "/other").await.status(), 503);
+    silence.notify_one();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Silent: hedged to the failing endpoint, whose 503 is held to the deadline.
+    assert_eq!(get(gw.addr, "/hung").await.status(), 503);
+    assert!(!answered_by_silent("/hung"));
+    // The silencing endpoint's next request goes on a fresh connection, and is answered.
+    let mut i = 0;
+    loop {
+        let path = format!("/after-{i}");
+        let status = get(gw.addr, &path).await.status();
+        if answered_by_silent(&path) {
+            assert_eq!(status, 200);
+            break;
+        }
+        i += 1;
+        assert!(
+            i < 3,
+            "the silencing endpoint's requests stayed on its silent connection"
+        );
+    }
+    assert_eq!(seen.conns.load(Ordering::SeqCst), 2);
 }

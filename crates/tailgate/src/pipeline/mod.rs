@@ -810,6 +810,11 @@ fn forward(
                 Ok(hedge::Raced::Primary(r)) => r,
                 Ok(hedge::Raced::Hedge(won, first)) => {
                     let (resp, conn) = *won;
+                    // Silent for a whole response timeout (see the timeout below).
+                    if first == hedge::First::TimedOut && response_timeout >= route.response_timeout
+                    {
+                        up.timed_out();
+                    }
                     hedged = Some(first);
                     up = conn;
                     Ok(resp)
@@ -945,7 +950,7 @@ fn forward(
             None => in_flight.responded_at(resp.status(), t_head),
             Some(hedge::First::Pending) => in_flight.abandoned(),
             Some(hedge::First::Answered(status)) => in_flight.responded_at(status, t_head),
-            Some(hedge::First::Failed) => in_flight.failed(),
+            Some(hedge::First::Failed | hedge::First::TimedOut) => in_flight.failed(),
             Some(hedge::First::NoVerdict) => in_flight.no_verdict(),
         }
         // (Whether the server closes the connection after this response, the connection knows

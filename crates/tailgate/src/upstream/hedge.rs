@@ -153,6 +153,10 @@ pub enum First {
     Pending,
     Answered(http::StatusCode),
     Failed,
+    /// Still without an answer when the response deadline came, while the copy's `5xx`
+    /// was held: a failure, as [`First::Failed`], and a timeout of its connection (an
+    /// HTTP/2 one silent all along takes no new streams, as without the hedge).
+    TimedOut,
     /// Failed in a way that says nothing of its endpoint (a pooled connection closed
     /// before the request went out, a stream refused unprocessed): no sample, no mark.
     NoVerdict,
@@ -238,8 +242,10 @@ impl<'a> Hedge<'a> {
 /// other one (as Envoy discards a retriable answer while another attempt is out): an
 /// endpoint that fails fast must not beat one that succeeds slowly. The wait ends at
 /// `deadline` (the response deadline the caller enforces), with the 5xx held: a copy that
-/// hangs must not turn a fast 503 into a late 504. The loser is dropped: its request is
-/// cancelled and its connection closed.
+/// hangs must not turn a fast 503 into a late 504. A first copy that failed without its
+/// endpoint's fault (its pooled connection closed before the request went out, its stream
+/// refused unprocessed) is returned over the copy's 5xx: the caller sends it again, free.
+/// The loser is dropped: its request is cancelled and its connection closed.
 ///
 /// Without a hedge this is `primary` itself (no state around it, no copy of it): the
 /// request's future stays as small as the send, and every move of it as cheap.
@@ -294,8 +300,11 @@ async fn race_hedged(
             Ok(ref resp) if !failed(resp) => Raced::Primary(r),
             // An error or a 5xx: the copy's answer wins unless it is no better (a 5xx
             // after a 5xx: the first's).
+            // A first copy that is no failure of its endpoint (sent on a connection the
+            // server had closed, refused unprocessed) is sent again for free by the caller,
+            // which a copy's `5xx` must not stand in for.
             _ => match tokio::time::timeout_at(deadline, &mut second).await {
-                Ok(Ok(h)) if !failed(&h.0) || r.is_err() => {
+                Ok(Ok(h)) if !failed(&h.0) || matches!(&r, Err(e) if !not_its_failure(e)) => {
                     let first = match &r {
                         Ok(resp) => First::Answered(resp.status()),
                         // A pooled connection the server had closed before the request
@@ -316,9 +325,11 @@ async fn race_hedged(
             // A first copy still without an answer at the deadline timed out: a failure of
             // its endpoint, as it is without a hedge, not one abandoned for a faster copy
             // (its endpoint hung, and must not escape ejection behind the copies).
+            // The first's failure that says nothing of its endpoint goes back to the caller,
+            // which sends it again (see above).
             Ok(h) => match tokio::time::timeout_at(deadline, primary).await {
-                Ok(Err(e)) if not_its_failure(&e) => won(h, First::NoVerdict),
-                Ok(Err(_)) | Err(_) => won(h, First::Failed),
+                Ok(Err(e)) if !not_its_failure(&e) => won(h, First::Failed),
+                Err(_) => won(h, First::TimedOut),
                 Ok(r) => Raced::Primary(r),
             },
             Err(e) => {
