@@ -2179,3 +2179,93 @@ async fn an_upstream_silent_while_the_upload_moves_is_the_upstreams_timeout() {
     assert_eq!(body_timeouts(admin, "duplex").await, (0.0, 1.0));
     writer.abort();
 }
+
+/// Opens a WebSocket through `gw` (a `101` read) and returns its socket.
+async fn ws_through(gw: SocketAddr) -> tokio::net::TcpStream {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(gw).await.unwrap();
+    s.write_all(b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "closed before the 101");
+        head.extend_from_slice(&buf[..n]);
+    }
+    assert!(head.starts_with(b"HTTP/1.1 101"), "{head:?}");
+    s
+}
+
+/// How a tunnel ends is its exchange's outcome: one closed for silence is counted as
+/// `tunnel_idle_timeout`, one whose client reset it as `client_gone`, one whose upstream
+/// reset it as `upstream_reset`. Every tunnel was recorded as a clean `101` however it ended.
+#[tokio::test]
+async fn a_tunnels_ending_is_counted_by_its_cause() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let echo = upstream(|mut req: http::Request<hyper::body::Incoming>| async move {
+        websocket_echo(&mut req)
+    })
+    .await;
+    let gw = TestGateway::to(
+        echo,
+        &format!("{ADMIN}[server]\nworkers = 1\nidle_timeout = \"1s\"\n"),
+    );
+    let admin = admin_addr(&gw);
+    // Silent: closed after the idle timeout.
+    let mut silent = ws_through(gw.addr).await;
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(10), silent.read(&mut buf))
+        .await
+        .expect("the silent tunnel is closed")
+        .unwrap_or(0);
+    assert_eq!(n, 0);
+    let ex = errors_once(admin, "tunnel_idle_timeout").await;
+    assert_eq!(errors_of(&ex, "client_gone"), 0.0);
+    // Reset by its client.
+    let reset = ws_through(gw.addr).await;
+    socket2::SockRef::from(&reset)
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(reset);
+    let ex = errors_once(admin, "client_gone").await;
+    assert_eq!(errors_of(&ex, "upstream_reset"), 0.0);
+    assert_eq!(errors_of(&ex, "tunnel_idle_timeout"), 1.0);
+
+    // Reset by its upstream: a raw one that switches, then resets once bytes come.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let resetting = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(n > 0);
+            head.extend_from_slice(&buf[..n]);
+        }
+        s.write_all(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\n")
+            .await
+            .unwrap();
+        let _ = s.read(&mut buf).await;
+        socket2::SockRef::from(&s)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        drop(s);
+    });
+    let gw = TestGateway::to(
+        resetting,
+        &format!("{ADMIN}[server]\nworkers = 1\nidle_timeout = \"30s\"\n"),
+    );
+    let admin = admin_addr(&gw);
+    let mut s = ws_through(gw.addr).await;
+    s.write_all(&[0x81, 0x01, b'x']).await.unwrap();
+    let ex = errors_once(admin, "upstream_reset").await;
+    assert_eq!(errors_of(&ex, "client_gone"), 0.0);
+    assert_eq!(errors_of(&ex, "tunnel_idle_timeout"), 0.0);
+    drop(s);
+}

@@ -997,15 +997,30 @@ fn forward(
                         Ok(c) => {
                             let mut c = TokioIo::new(c);
                             let ended = tunnel::run(&mut c, &mut upstream, idle).await;
-                            if let Some(e) = &ended.error {
-                                tracing::debug!(error = %e, "upgraded tunnel ended with an error");
-                            }
                             rec.add_bytes_out(ended.from_upstream);
                             rec.add_bytes_in(ended.from_client);
+                            // How it ended is the exchange's outcome, as a response cut
+                            // short is: the `101` stays its status.
+                            match ended.error {
+                                None => rec.finish(),
+                                Some((side, e)) => {
+                                    tracing::debug!(error = %e, ?side, "upgraded tunnel ended with an error");
+                                    match side {
+                                        tunnel::Side::Idle => rec.fail("tunnel_idle_timeout"),
+                                        tunnel::Side::Upstream => rec.fail("upstream_reset"),
+                                        // Dropped unfinished: `send_timeout` when the gateway
+                                        // cut off a client that took no bytes, else
+                                        // `client_gone`.
+                                        tunnel::Side::Client => drop(rec),
+                                    }
+                                }
+                            }
                         }
-                        Err(e) => tracing::debug!(error = %e, "protocol upgrade failed"),
+                        Err(e) => {
+                            tracing::debug!(error = %e, "protocol upgrade failed");
+                            drop(rec);
+                        }
                     }
-                    rec.finish();
                 });
             }
             spare::shrinking(&mut parts.headers, |h| {

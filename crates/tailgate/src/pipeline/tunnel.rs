@@ -14,7 +14,7 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -22,10 +22,12 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 // tokio's clock, which the timer runs on (and tests can pause).
 use tokio::time::Instant;
 
-/// When bytes last moved, in milliseconds from `since`.
+/// When bytes last moved, in milliseconds from `since`, and which side failed first.
 struct Moved {
     since: Instant,
     last_ms: AtomicU64,
+    /// 0: neither; else the [`Side`] (as `u8`) whose read or write failed first.
+    failed: AtomicU8,
 }
 
 impl Moved {
@@ -37,6 +39,26 @@ impl Moved {
     fn idle_until(&self, idle: Duration) -> Instant {
         self.since + Duration::from_millis(self.last_ms.load(Ordering::Relaxed)) + idle
     }
+
+    /// Notes `side` as the one that failed, unless one did before it.
+    fn failed<T>(&self, side: Side, r: &Poll<io::Result<T>>) {
+        if matches!(r, Poll::Ready(Err(_))) {
+            let _ =
+                self.failed
+                    .compare_exchange(0, side as u8, Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Where a tunnel's ending came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// The client's socket failed (reset, or cut off by the send timeout).
+    Client = 1,
+    /// The upstream's socket failed.
+    Upstream = 2,
+    /// No bytes either way for the idle timeout.
+    Idle = 3,
 }
 
 /// One side of the tunnel, noting each read or write that moved bytes, and counting the
@@ -44,6 +66,7 @@ impl Moved {
 struct Watched<'a, T> {
     io: &'a mut T,
     moved: &'a Moved,
+    side: Side,
     read: u64,
 }
 
@@ -60,6 +83,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for Watched<'_, T> {
             this.moved.now();
             this.read += (buf.filled().len() - before) as u64;
         }
+        this.moved.failed(this.side, &r);
         r
     }
 }
@@ -75,26 +99,33 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<'_, T> {
         if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
             this.moved.now();
         }
+        this.moved.failed(this.side, &r);
         r
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut *self.get_mut().io).poll_flush(cx)
+        let this = self.get_mut();
+        let r = Pin::new(&mut *this.io).poll_flush(cx);
+        this.moved.failed(this.side, &r);
+        r
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut *self.get_mut().io).poll_shutdown(cx)
+        let this = self.get_mut();
+        let r = Pin::new(&mut *this.io).poll_shutdown(cx);
+        this.moved.failed(this.side, &r);
+        r
     }
 }
 
 /// How a tunnel ended: the bytes read from each side (the client's, passed up, and the
 /// upstream's, passed down; a last read's bytes may not all have been written when it
-/// failed), and the error that ended it, if one did.
+/// failed), and the error that ended it, if one did, with where it came from.
 #[derive(Debug)]
 pub struct Ended {
     pub from_client: u64,
     pub from_upstream: u64,
-    pub error: Option<io::Error>,
+    pub error: Option<(Side, io::Error)>,
 }
 
 /// Copies between `client` and `upstream` until both ends are done, or either fails, or no
@@ -107,15 +138,18 @@ where
     let moved = Moved {
         since: Instant::now(),
         last_ms: AtomicU64::new(0),
+        failed: AtomicU8::new(0),
     };
     let mut a = Watched {
         io: client,
         moved: &moved,
+        side: Side::Client,
         read: 0,
     };
     let mut b = Watched {
         io: upstream,
         moved: &moved,
+        side: Side::Upstream,
         read: 0,
     };
     let error = {
@@ -125,14 +159,21 @@ where
         let mut timer = std::pin::pin!(timer);
         loop {
             tokio::select! {
-                done = &mut copy => break done.err(),
+                done = &mut copy => break done.err().map(|e| {
+                    // (An error reaches `copy_bidirectional` only through one of the two.)
+                    let side = match moved.failed.load(Ordering::Relaxed) {
+                        2 => Side::Upstream,
+                        _ => Side::Client,
+                    };
+                    (side, e)
+                }),
                 () = &mut timer => {
                     let until = moved.idle_until(idle);
                     if until <= Instant::now() {
-                        break Some(io::Error::new(
+                        break Some((Side::Idle, io::Error::new(
                             io::ErrorKind::TimedOut,
                             "no bytes either way for the idle timeout",
-                        ));
+                        )));
                     }
                     timer.as_mut().reset(until);
                 }
@@ -170,9 +211,61 @@ mod tests {
         assert!(!tunnel.is_finished(), "a tunnel with traffic stays up");
         tokio::time::sleep(Duration::from_secs(11)).await;
         let ended = tunnel.await.expect("task");
-        let e = ended.error.expect("a silent tunnel ends");
-        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        let (side, e) = ended.error.expect("a silent tunnel ends");
+        assert_eq!((side, e.kind()), (Side::Idle, io::ErrorKind::TimedOut));
         // What moved is counted however it ended.
         assert_eq!((ended.from_client, ended.from_upstream), (5, 0));
+    }
+}
+
+#[cfg(test)]
+mod sides {
+    use tokio::io::AsyncWriteExt;
+
+    use super::*;
+
+    /// A side whose write fails.
+    struct Broken;
+
+    impl AsyncRead for Broken {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            _: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            Poll::Pending
+        }
+    }
+
+    impl AsyncWrite for Broken {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            _: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            Poll::Ready(Err(io::ErrorKind::ConnectionReset.into()))
+        }
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    /// The side whose socket failed is the one named, whichever side's bytes were moving.
+    #[tokio::test]
+    async fn the_failing_side_is_named() {
+        let idle = Duration::from_secs(60);
+        // The client sends; writing it up to the upstream fails.
+        let (mut client, mut client_far) = tokio::io::duplex(64);
+        client_far.write_all(b"up").await.expect("write");
+        let ended = run(&mut client, &mut Broken, idle).await;
+        assert_eq!(ended.error.map(|(s, _)| s), Some(Side::Upstream));
+        // The upstream sends; writing it down to the client fails.
+        let (mut upstream, mut upstream_far) = tokio::io::duplex(64);
+        upstream_far.write_all(b"down").await.expect("write");
+        let ended = run(&mut Broken, &mut upstream, idle).await;
+        assert_eq!(ended.error.map(|(s, _)| s), Some(Side::Client));
     }
 }

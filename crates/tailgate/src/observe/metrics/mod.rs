@@ -34,7 +34,7 @@ pub const METHODS: [&str; 8] = [
 /// Status classes; `none` is an exchange that ended before any status (client gone).
 pub const CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "none"];
 /// Error kinds with their own label value (the codes of `ProxyError` and of the bodies).
-pub const ERROR_KINDS: [&str; 27] = [
+pub const ERROR_KINDS: [&str; 28] = [
     "no_route",
     "method_not_allowed",
     "misdirected_request",
@@ -60,6 +60,7 @@ pub const ERROR_KINDS: [&str; 27] = [
     "upstream_body_timeout",
     "client_gone",
     "send_timeout",
+    "tunnel_idle_timeout",
     "shutdown",
     "other",
 ];
