@@ -1640,6 +1640,42 @@ async fn an_h2_stream_stalled_past_its_total_timeout_is_counted_as_one() {
     }
 }
 
+/// An HTTP/1.1 client that takes its response slowly, a KiB at a time (never stalled for
+/// the send timeout), is cut off at the route's `total_timeout`, counted as one. While
+/// the gateway's write of what it had read waited for the client, nothing looked at the
+/// deadline: the response went on until the client had drained a gather buffer (64 KiB,
+/// half a minute at this pace), holding its upstream connection all along.
+#[tokio::test]
+async fn an_h1_client_reading_slowly_is_cut_off_at_the_total_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = big_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "{ADMIN}[server]\nworkers = 1\nidle_timeout = \"30s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\ntotal_timeout = \"500ms\"\n"
+    ));
+    let admin = admin_addr(&gw);
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut s = socket.connect(gw.addr).await.unwrap();
+    s.write_all(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let reader = tokio::spawn(async move {
+        let mut buf = [0u8; 1024];
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    });
+    let ex = errors_once(admin, "total_timeout").await;
+    for other in ["client_gone", "send_timeout"] {
+        assert_eq!(errors_of(&ex, other), 0.0, "{other}");
+    }
+    reader.abort();
+}
+
 /// A small body (read with its head, by the inline server) that stops coming gets `408`,
 /// recorded with what its head says, as a streamed one is: its route, tenant, method and
 /// the client's request id. One that no route takes gets the routing's answer (`404`), as

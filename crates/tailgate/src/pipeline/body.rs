@@ -501,6 +501,26 @@ impl RespBody {
     pub fn empty() -> RespBody {
         RespBody::Full(None)
     }
+
+    /// Has the route's total deadline passed while the body is still streaming? Then the
+    /// body is cut as it is when the deadline passes between pieces (`total_timeout`), and
+    /// polling it for a frame gives [`TotalTimeout`]. For a server whose write of what
+    /// came already is blocked by a slow client: the deadline bounds that too. (The same
+    /// timer as the pieces' wait: no registration of its own.)
+    pub fn poll_total_deadline(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let RespBody::Upstream(up) = self else {
+            return Poll::Pending;
+        };
+        let Some(d) = up.deadline.as_mut() else {
+            return Poll::Pending;
+        };
+        if d.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        up.deadline = None;
+        up.cut("total_timeout");
+        Poll::Ready(())
+    }
 }
 
 /// The upstream sent no more of the response body within the response timeout.

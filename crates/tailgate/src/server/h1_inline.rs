@@ -739,6 +739,29 @@ enum Step {
     clippy::manual_async_fn,
     reason = "an `async fn` copies its arguments once more"
 )]
+/// Writes `data` whole, unless the route's total deadline passes first while the body
+/// is still streaming: then the body is cut (`total_timeout`) and the connection ends, so
+/// a client that takes a response slowly does not hold it, and its upstream connection,
+/// past the deadline (the send timeout alone restarts at each byte taken). Its timer is
+/// polled only while the write waits for the client.
+async fn write_by_deadline<I>(io: &mut I, data: &[u8], body: &mut RespBody) -> std::io::Result<()>
+where
+    I: AsyncWrite + Unpin,
+{
+    let mut write = std::pin::pin!(io.write_all(data));
+    std::future::poll_fn(|cx| match write.as_mut().poll(cx) {
+        Poll::Ready(r) => Poll::Ready(r),
+        Poll::Pending => match body.poll_total_deadline(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the route's total timeout passed while the client took the response",
+            ))),
+            Poll::Pending => Poll::Pending,
+        },
+    })
+    .await
+}
+
 fn write_response<I>(
     io: &mut I,
     buf: &mut BytesMut,
@@ -859,7 +882,7 @@ where
             .await;
             match step {
                 Step::Write => {
-                    io.write_all(out).await?;
+                    write_by_deadline(io, out, &mut body).await?;
                     out.clear();
                     io.flush().await?;
                 }
@@ -885,9 +908,9 @@ where
                     if out.len() + data.len() <= WRITE_GATHER {
                         out.extend_from_slice(&data);
                     } else {
-                        io.write_all(out).await?;
+                        write_by_deadline(io, out, &mut body).await?;
                         out.clear();
-                        io.write_all(&data).await?;
+                        write_by_deadline(io, &data, &mut body).await?;
                     }
                     if framing == Framing::Chunked {
                         out.extend_from_slice(b"\r\n");
