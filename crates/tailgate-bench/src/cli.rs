@@ -338,6 +338,15 @@ fn run(a: RunArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
+    // A run in which nothing succeeded measured nothing: a script must not take its
+    // numbers (the report is printed all the same, with its errors by kind).
+    if report.recorder.ok == 0 {
+        eprintln!(
+            "tailgate bench: no request succeeded ({} failed; errors by kind in the report)",
+            report.recorder.errors.total()
+        );
+        return ExitCode::FAILURE;
+    }
     ExitCode::SUCCESS
 }
 

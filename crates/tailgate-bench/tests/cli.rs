@@ -171,7 +171,7 @@ fn report_check_validates_the_options_and_writes_nothing() {
 }
 
 #[test]
-fn dead_target_ends_on_time_with_connect_errors() {
+fn dead_target_ends_on_time_with_connect_errors_and_exits_1() {
     let dead = common::dead_port();
     let url = format!("http://127.0.0.1:{}/", dead.port());
     let mut cmd = bench();
@@ -179,11 +179,10 @@ fn dead_target_ends_on_time_with_connect_errors() {
         "run", &url, "-r", "100", "-d", "1s", "--warmup", "0s", "--json",
     ]);
     let out = run_limited(cmd, Duration::from_secs(30));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    // Nothing succeeded: exit 1, saying so, with the report still printed.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("no request succeeded"), "{stderr}");
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["errors"]["connect"].as_u64().unwrap() > 0, "{v}");
     assert_eq!(v["responses"], 0);
