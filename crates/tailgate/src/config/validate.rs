@@ -238,7 +238,8 @@ impl Checker<'_> {
                 self.err(
                     Some(v.span()),
                     field,
-                    format!("`{}` is not an address", v.get_ref()),
+                    port_out_of_range(v.get_ref())
+                        .unwrap_or_else(|| format!("`{}` is not an address", v.get_ref())),
                     Some("write an IP literal and a port: \"127.0.0.1:8080\" or \"[::1]:8080\""),
                 );
                 None
@@ -1706,6 +1707,15 @@ fn list_or_none(names: &[&str]) -> String {
     }
 }
 
+/// What is wrong with `text` when it is its port: digits past the largest port (which
+/// otherwise reads as "not an address", the host part blamed with it).
+pub(super) fn port_out_of_range(text: &str) -> Option<String> {
+    let (_, port) = text.rsplit_once(':')?;
+    let digits = !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit());
+    (digits && port.parse::<u16>().is_err())
+        .then(|| format!("`{text}`: port {port} is out of range (ports go up to 65535)"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -2049,6 +2059,18 @@ mod tests {
             (
                 "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"999.1.1.1:80\"]\n".to_owned(),
                 "cluster[0].endpoints[0]: `999.1.1.1:80` is not an address",
+            ),
+            (
+                "[[listener]]\naddress = \"127.0.0.1:70000\"\n".to_owned(),
+                "t.toml:2:11: listener[0].address: `127.0.0.1:70000`: port 70000 is out of range (ports go up to 65535)",
+            ),
+            (
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"[::1]:65536\", \"api.internal:99999\"]\n".to_owned(),
+                "cluster[0].endpoints[0]: `[::1]:65536`: port 65536 is out of range",
+            ),
+            (
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"api.internal:99999\"]\n".to_owned(),
+                "cluster[0].endpoints[0]: `api.internal:99999`: port 99999 is out of range",
             ),
             (
                 "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"1.2.3:80\"]\n".to_owned(),
