@@ -1534,3 +1534,92 @@ async fn a_hedged_first_copy_silent_to_the_deadline_retires_its_connection() {
     }
     assert_eq!(seen.conns.load(Ordering::SeqCst), 2);
 }
+
+/// An upstream that answers `202` at once to every request, the stream ended on its head,
+/// and reads each request's body to its end as it comes (no reset): a stream with an
+/// upload still coming stays open on its side. Allows `max_streams` at once.
+async fn early_answering_upstream(max_streams: u32) -> (SocketAddr, Arc<AtomicUsize>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let conns = Arc::new(AtomicUsize::new(0));
+    let counted = conns.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::Builder::new()
+                    .max_concurrent_streams(max_streams)
+                    .handshake::<_, Bytes>(tcp)
+                    .await
+                else {
+                    return;
+                };
+                while let Some(Ok((req, mut respond))) = conn.accept().await {
+                    tokio::spawn(async move {
+                        let mut r = http::Response::new(());
+                        *r.status_mut() = http::StatusCode::ACCEPTED;
+                        let _ = respond.send_response(r, true);
+                        let mut body = req.into_body();
+                        while let Some(Ok(d)) = body.data().await {
+                            let _ = body.flow_control().release_capacity(d.len());
+                        }
+                    });
+                }
+            });
+        }
+    });
+    (addr, conns)
+}
+
+/// Streams answered before their uploads ended still count against the server's
+/// concurrent-stream limit while the uploads go on: a request after two such, on a server
+/// that allows two streams, goes on a new connection. Their slots were freed at the
+/// answer, and the request went onto the full connection, to wait there behind the
+/// uploads until its response timeout (a `504`).
+#[tokio::test]
+async fn streams_still_uploading_after_an_early_answer_keep_their_places() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (up, conns) = early_answering_upstream(2).await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nprotocol = \"http2\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"1s\"\n"
+    ));
+    // Settle the server's limit (its SETTINGS) on the first connection.
+    assert_eq!(get(gw.addr, "/first").await.status(), 202);
+    let mut uploads = Vec::new();
+    for i in 0..2 {
+        let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+        s.write_all(
+            format!(
+                "POST /up-{i} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nx\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut head = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+                .await
+                .unwrap()
+                .unwrap();
+            assert!(n > 0);
+            head.extend_from_slice(&buf[..n]);
+        }
+        assert!(head.starts_with(b"HTTP/1.1 202"), "{head:?}");
+        // The upload goes on, a byte every 100 ms, for the rest of the test.
+        uploads.push(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if s.write_all(b"1\r\nx\r\n").await.is_err() {
+                    return;
+                }
+            }
+        }));
+    }
+    assert_eq!(get(gw.addr, "/after").await.status(), 202);
+    assert_eq!(conns.load(Ordering::SeqCst), 2);
+    for u in uploads {
+        u.abort();
+    }
+}

@@ -56,6 +56,18 @@ pub struct BodyProgress {
     ended: AtomicBool,
     /// The error reading the client's body failed with, kept for [`failure`](Self::failure).
     failed: OnceLock<ReqBodyError>,
+    /// What stays taken until the body is let go ([`hold_until_sent`](Self::hold_until_sent)).
+    held: Held,
+}
+
+/// What a [`BodyProgress`] holds for its exchange, dropped with it.
+#[derive(Default)]
+struct Held(std::sync::Mutex<Option<Box<dyn Send>>>);
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Held")
+    }
 }
 
 impl From<hyper::Error> for ReqBodyError {
@@ -91,6 +103,24 @@ impl BodyProgress {
     /// When the body last moved (or the exchange started).
     pub fn last_progress(&self) -> Instant {
         self.since + Duration::from_nanos(self.last.load(Ordering::Relaxed))
+    }
+
+    /// Is the body still on its way (neither ended nor failed)?
+    pub fn sending(&self) -> bool {
+        !self.ended.load(Ordering::Relaxed) && self.failed.get().is_none()
+    }
+
+    /// Keeps `what` until the body is let go: HTTP/2's connection task sends a body after
+    /// its response has ended (an upstream that answered early), and drops it once it is
+    /// sent or its stream reset. What was taken for the exchange (its stream's place
+    /// under the server's concurrent-stream limit, its place under `max_requests`) stays
+    /// taken until then: the stream is still open on the server's count.
+    pub fn hold_until_sent(&self, what: Box<dyn Send>) {
+        *self
+            .held
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(what);
     }
 
     fn moved(&self) {
@@ -255,6 +285,7 @@ impl ReqBody {
             on_client: AtomicBool::new(false),
             ended: AtomicBool::new(false),
             failed: OnceLock::new(),
+            held: Held::default(),
         }));
         self
     }

@@ -376,6 +376,17 @@ impl Conn {
     /// closed. The request's place under the cluster's `max_requests` (`admitted`) is held
     /// until then too: the client is still sending its body.
     pub fn release_at(mut self, now: Instant, admitted: Option<super::Admitted>) {
+        // HTTP/2, answered before the whole upload: hyper's connection task sends the rest
+        // on the stream, which stays open on the server's count of concurrent streams.
+        // Its slot and the request's place under `max_requests` stay taken until hyper
+        // lets the body go (freed, they let a request onto a connection with no room, to
+        // wait there behind the uploads).
+        if let Some(progress) = self.h2_progress.take()
+            && progress.sending()
+        {
+            progress.hold_until_sent(Box::new((self, admitted)));
+            return;
+        }
         let pool = self.pool.clone();
         if let Sender::H1(c) = &mut self.sender
             && c.upload_pending()
