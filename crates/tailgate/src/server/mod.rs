@@ -824,6 +824,14 @@ where
                 if this.client_stalled() {
                     return Poll::Ready(None);
                 }
+                // Looked at again within a second, not an idle timeout (what
+                // `client_stalled` set with no answer waiting): nothing else wakes this
+                // timer when the last request ends, and an HTTP/2 client that never
+                // answers the close's PING held the drain for the whole grace period.
+                let soon = tokio::time::Instant::now() + SHUTDOWN_CLOSE_WAIT;
+                if this.idle_timer.deadline() > soon {
+                    this.idle_timer.as_mut().reset(soon);
+                }
                 this.side.woken.store(true, Ordering::Release);
                 continue;
             }
@@ -1072,6 +1080,33 @@ mod tests {
         assert!(
             matches!(ended, Ok(None)),
             "still open once the answer was out"
+        );
+    }
+
+    /// At a shutdown, a connection with a request in flight past the close's deadline (its
+    /// client never answers the close, as an HTTP/2 one gone without a FIN) is dropped soon
+    /// after that request ends. It was looked at again only after a whole idle timeout,
+    /// and held the worker's drain for the grace period.
+    #[tokio::test(start_paused = true)]
+    async fn a_close_ends_soon_after_the_last_request_in_flight() {
+        let cfg = crate::Config::parse(
+            std::path::Path::new("t.toml"),
+            "[server]\nidle_timeout = \"60s\"\n[[listener]]\naddress = \"127.0.0.1:0\"\n",
+        )
+        .expect("config");
+        let info = info();
+        let (stop, shutdown) = watch::channel(false);
+        let conn = std::future::pending::<()>();
+        let mut d = std::pin::pin!(drive(conn, shutdown, &info, &cfg.server, |_| {}));
+        info.activity.begin();
+        stop.send_replace(true);
+        let waited = tokio::time::timeout(SHUTDOWN_CLOSE_WAIT * 3 / 2, d.as_mut()).await;
+        assert!(waited.is_err(), "dropped with a request in flight");
+        info.activity.end();
+        let ended = tokio::time::timeout(SHUTDOWN_CLOSE_WAIT * 3, d.as_mut()).await;
+        assert!(
+            matches!(ended, Ok(None)),
+            "still open after its last request ended"
         );
     }
 }
