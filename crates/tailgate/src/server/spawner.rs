@@ -147,11 +147,27 @@ impl Reclaim {
         signal.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    /// One of this call's batch, if any is left.
+    /// One of this call's batch, if any is left. The first one taken brings the pace back:
+    /// the next call may come `RECLAIM_EVERY` after this one, not after the pause a run of
+    /// fruitless calls had grown to (new connections would wait that long in the listen
+    /// queue with idle ones to close).
     fn take(&self) -> bool {
-        self.left
+        let Ok(left) = self
+            .left
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-            .is_ok()
+        else {
+            return false;
+        };
+        if left == self.batch.load(Ordering::Relaxed) {
+            let every = RECLAIM_EVERY.as_millis() as u64;
+            let call = self
+                .next_ms
+                .load(Ordering::Relaxed)
+                .saturating_sub(self.every_ms.load(Ordering::Relaxed));
+            self.every_ms.store(every, Ordering::Relaxed);
+            self.next_ms.fetch_min(call + every, Ordering::Relaxed);
+        }
+        true
     }
 }
 
@@ -492,9 +508,13 @@ mod tests {
             at += RECLAIM_EVERY_MAX.as_millis() as u64;
             assert!(asked(&r, at));
         }
-        // One taken: the next call 100 ms on.
+        // One taken: the next call 100 ms after this one, not the 5 s the pace had come to
+        // (the listen queue waited that long with idle connections to close); and 100 ms
+        // after that one.
         assert!(r.take());
-        assert!(asked(&r, at + RECLAIM_EVERY_MAX.as_millis() as u64));
-        assert!(asked(&r, at + RECLAIM_EVERY_MAX.as_millis() as u64 + 100));
+        assert!(!asked(&r, at + 50), "paced");
+        assert!(asked(&r, at + 100));
+        assert!(!asked(&r, at + 150), "paced");
+        assert!(asked(&r, at + 200));
     }
 }
