@@ -734,7 +734,7 @@ where
             // no client: dropped (Envoy's premature-reset rule is alike). A client that
             // mixes in as many requests answered at once (a `404`) stays under the share,
             // and reaches the upstream with half its streams: a limit of this rule, as of
-            // Envoy's.
+            // Envoy's. (Envoy sends a GOAWAY first; this drops the connection.)
             if requests >= CANCELLED_EARLY_MIN
                 && u64::from(this.info.activity.cancelled_early()) * 2 > requests
             {
@@ -996,8 +996,11 @@ const H2_STREAM_WINDOW: u32 = 256 * 1024;
 const H2_CONN_WINDOW: u32 = 1024 * 1024;
 
 /// How many requests a connection must have carried before the share of them its client
-/// gave up on before their answer may end it.
-const CANCELLED_EARLY_MIN: u64 = 100;
+/// gave up on before their answer may end it: Envoy's
+/// `overload.premature_reset_total_stream_count` default. (With 100, gRPC clients whose
+/// sub-second deadlines expired while an upstream was slow were cut off, their healthy
+/// streams with them, after a hundred calls.)
+const CANCELLED_EARLY_MIN: u64 = 500;
 
 /// The HTTP/2 server's `SETTINGS_MAX_CONCURRENT_STREAMS` (hyper's default, set here so that
 /// it cannot change with a dependency update).
