@@ -196,6 +196,11 @@ fn take_queued(
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+            // One queued connection that failed: the ones behind it are still taken, as the
+            // accept loop takes them (they would be reset when the socket closes).
+            Err(e) if failed_in_the_queue(&e) => {
+                tracing::debug!(listener.name = %name, error = %e, "a connection queued at shutdown failed before it was accepted");
+            }
             Err(e) => {
                 count.accept_failed(name, &e);
                 return;
