@@ -1623,3 +1623,39 @@ async fn streams_still_uploading_after_an_early_answer_keep_their_places() {
         u.abort();
     }
 }
+
+/// A hedged request whose first copy is refused unprocessed while the copy is out, and
+/// whose copy then answers `200`, is answered by the copy; the refusal says nothing against
+/// the first endpoint (no failure counted, so with `eject_after_failures = 1` it is never
+/// ejected), as a refused stream sent again without a hedge does not.
+#[tokio::test]
+async fn a_hedged_first_copy_refused_unprocessed_counts_no_failure() {
+    let (refusing, seen) = refusing_upstream().await;
+    let slow_ok = h2c_upstream_with(|_| async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        http::Response::new(full("ok"))
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{refusing}\", \"{slow_ok}\"]\nprotocol = \"http2\"\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 1\neject_duration = \"60s\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"30ms\"\nresponse_timeout = \"5s\"\n"
+    ));
+    let mut refused = 0;
+    for i in 0..4 {
+        let path = format!("/laterefuse-{i}");
+        assert_eq!(get(gw.addr, &path).await.status(), 200, "{path}");
+        if seen.refused.lock().unwrap().contains(&path) {
+            refused += 1;
+        }
+    }
+    assert!(refused >= 1, "no first copy went to the refusing endpoint");
+    let ejections: u64 = gw
+        .gw
+        .as_ref()
+        .unwrap()
+        .endpoint_pools()
+        .iter()
+        .filter(|p| p.addr == refusing)
+        .map(|p| p.load.ejections.load(Ordering::Relaxed))
+        .sum();
+    assert_eq!(ejections, 0, "a refusal was counted against its endpoint");
+}
