@@ -1815,6 +1815,46 @@ async fn a_request_cut_at_the_end_of_the_grace_is_counted_as_shutdown() {
     drop(slow);
 }
 
+/// A tunnel still open when `shutdown_grace` runs out is recorded as `shutdown` with the
+/// bytes it carried both ways. They were counted only when the tunnel ended of itself, and
+/// a tunnel cut with its task at the end of the grace was recorded with none.
+#[tokio::test]
+async fn a_tunnel_cut_at_the_end_of_the_grace_keeps_its_bytes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let echo = upstream(|mut req: http::Request<hyper::body::Incoming>| async move {
+        websocket_echo(&mut req)
+    })
+    .await;
+    let gw = TestGateway::to(
+        echo,
+        &format!("{ADMIN}[server]\nworkers = 1\nshutdown_grace = \"500ms\"\n"),
+    );
+    let admin = admin_addr(&gw);
+    let mut s = ws_through(gw.addr).await;
+    let data = vec![7u8; 64 * 1024];
+    s.write_all(&data).await.unwrap();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut echoed = 0;
+    while echoed < data.len() {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0);
+        echoed += n;
+    }
+    gw.gw.as_ref().unwrap().shutdown();
+    // The grace runs out; the worker stops (the admin plane answers until the gateway is
+    // joined).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let ex = scrape(admin).await;
+    let sum = |name: &str| -> f64 { ex.find(name, &[]).iter().map(|s| s.value).sum() };
+    assert_eq!(errors_of(&ex, "shutdown"), 1.0);
+    assert_eq!(sum("tailgate_request_body_bytes_total"), data.len() as f64);
+    assert_eq!(sum("tailgate_response_body_bytes_total"), data.len() as f64);
+    drop(s);
+}
+
 /// A small body (served inline) that stops coming is answered `408`, and the request is
 /// recorded as having taken at least the wait that ended it: its start is set back by the
 /// header timeout (when its head came is not kept), not taken when the `408` goes out.

@@ -990,35 +990,37 @@ fn forward(
                 if let Some(ex) = rec.exchange_mut() {
                     ex.timings.handshake = Some(handshake);
                 }
-                let mut rec = rec.take();
+                let rec = rec.take();
                 tokio::spawn(async move {
                     let _hold = (tunnel_conn, admitted);
+                    // Its bytes reach the exchange however the tunnel ends, this task
+                    // dropped at the end of the grace period included.
+                    let mut ex = tunnel::Exchange::new(rec);
                     match client_upgrade.await {
                         Ok(c) => {
                             let mut c = TokioIo::new(c);
-                            let ended = tunnel::run(&mut c, &mut upstream, idle).await;
-                            rec.add_bytes_out(ended.from_upstream);
-                            rec.add_bytes_in(ended.from_client);
+                            let ended = tunnel::run(&mut c, &mut upstream, idle, &ex.counts).await;
+                            ex.take_bytes();
                             // How it ended is the exchange's outcome, as a response cut
                             // short is: the `101` stays its status.
-                            match ended.error {
-                                None => rec.finish(),
+                            match ended {
+                                None => ex.rec.finish(),
                                 Some((side, e)) => {
                                     tracing::debug!(error = %e, ?side, "upgraded tunnel ended with an error");
                                     match side {
-                                        tunnel::Side::Idle => rec.fail("tunnel_idle_timeout"),
-                                        tunnel::Side::Upstream => rec.fail("upstream_reset"),
+                                        tunnel::Side::Idle => ex.rec.fail("tunnel_idle_timeout"),
+                                        tunnel::Side::Upstream => ex.rec.fail("upstream_reset"),
                                         // Dropped unfinished: `send_timeout` when the gateway
                                         // cut off a client that took no bytes, else
                                         // `client_gone`.
-                                        tunnel::Side::Client => drop(rec),
+                                        tunnel::Side::Client => drop(ex),
                                     }
                                 }
                             }
                         }
                         Err(e) => {
                             tracing::debug!(error = %e, "protocol upgrade failed");
-                            drop(rec);
+                            drop(ex);
                         }
                     }
                 });

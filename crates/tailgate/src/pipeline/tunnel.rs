@@ -10,7 +10,8 @@
 //! tokio's `copy_bidirectional` does the copying (its buffers, its half-close handling);
 //! the sockets are wrapped only to note when bytes last moved, which the timer reads when
 //! it fires, so a busy tunnel pays no timer update per read or write, and how many bytes
-//! each side's reads took, which [`run`] returns however the tunnel ended.
+//! each side's reads took, counted as they move so that they reach the exchange however
+//! the tunnel ends ([`Exchange`]).
 
 use std::io;
 use std::pin::Pin;
@@ -19,6 +20,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::observe::ExchangeRecorder;
 // tokio's clock, which the timer runs on (and tests can pause).
 use tokio::time::Instant;
 
@@ -67,7 +70,7 @@ struct Watched<'a, T> {
     io: &'a mut T,
     moved: &'a Moved,
     side: Side,
-    read: u64,
+    read: &'a AtomicU64,
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for Watched<'_, T> {
@@ -81,7 +84,8 @@ impl<T: AsyncRead + Unpin> AsyncRead for Watched<'_, T> {
         let r = Pin::new(&mut *this.io).poll_read(cx, buf);
         if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
             this.moved.now();
-            this.read += (buf.filled().len() - before) as u64;
+            this.read
+                .fetch_add((buf.filled().len() - before) as u64, Ordering::Relaxed);
         }
         this.moved.failed(this.side, &r);
         r
@@ -118,19 +122,55 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<'_, T> {
     }
 }
 
-/// How a tunnel ended: the bytes read from each side (the client's, passed up, and the
+/// The bytes read from each side of a tunnel so far (the client's, passed up, and the
 /// upstream's, passed down; a last read's bytes may not all have been written when it
-/// failed), and the error that ended it, if one did, with where it came from.
-#[derive(Debug)]
-pub struct Ended {
-    pub from_client: u64,
-    pub from_upstream: u64,
-    pub error: Option<(Side, io::Error)>,
+/// failed), counted as they move.
+#[derive(Debug, Default)]
+pub struct Counts {
+    pub from_client: AtomicU64,
+    pub from_upstream: AtomicU64,
+}
+
+/// A tunnel's exchange: the bytes it carried reach its recorder however the tunnel ends,
+/// its task dropped at the end of the grace period included (the recorder then says
+/// `shutdown`, with what the tunnel carried, not none of it).
+pub struct Exchange {
+    pub rec: ExchangeRecorder,
+    pub counts: Counts,
+}
+
+impl Exchange {
+    pub fn new(rec: ExchangeRecorder) -> Exchange {
+        Exchange {
+            rec,
+            counts: Counts::default(),
+        }
+    }
+
+    /// Adds the bytes counted so far to the recorder (once: the counts start again).
+    pub fn take_bytes(&mut self) {
+        self.rec
+            .add_bytes_out(self.counts.from_upstream.swap(0, Ordering::Relaxed));
+        self.rec
+            .add_bytes_in(self.counts.from_client.swap(0, Ordering::Relaxed));
+    }
+}
+
+impl Drop for Exchange {
+    fn drop(&mut self) {
+        self.take_bytes();
+    }
 }
 
 /// Copies between `client` and `upstream` until both ends are done, or either fails, or no
-/// byte moved either way for `idle` (`TimedOut`).
-pub async fn run<A, B>(client: &mut A, upstream: &mut B, idle: Duration) -> Ended
+/// byte moved either way for `idle` (`TimedOut`), counting the bytes read from each side
+/// in `counts`. Returns the error that ended it, if one did, with where it came from.
+pub async fn run<A, B>(
+    client: &mut A,
+    upstream: &mut B,
+    idle: Duration,
+    counts: &Counts,
+) -> Option<(Side, io::Error)>
 where
     A: AsyncRead + AsyncWrite + Unpin,
     B: AsyncRead + AsyncWrite + Unpin,
@@ -144,15 +184,15 @@ where
         io: client,
         moved: &moved,
         side: Side::Client,
-        read: 0,
+        read: &counts.from_client,
     };
     let mut b = Watched {
         io: upstream,
         moved: &moved,
         side: Side::Upstream,
-        read: 0,
+        read: &counts.from_upstream,
     };
-    let error = {
+    {
         let copy = tokio::io::copy_bidirectional(&mut a, &mut b);
         let mut copy = std::pin::pin!(copy);
         let timer = tokio::time::sleep_until(moved.idle_until(idle));
@@ -179,11 +219,6 @@ where
                 }
             }
         }
-    };
-    Ended {
-        from_client: a.read,
-        from_upstream: b.read,
-        error,
     }
 }
 
@@ -199,7 +234,11 @@ mod tests {
         let (mut client, mut client_far) = tokio::io::duplex(64);
         let (mut upstream, mut upstream_far) = tokio::io::duplex(64);
         let idle = Duration::from_secs(10);
-        let tunnel = tokio::spawn(async move { run(&mut client, &mut upstream, idle).await });
+        let tunnel = tokio::spawn(async move {
+            let counts = Counts::default();
+            let error = run(&mut client, &mut upstream, idle, &counts).await;
+            (error, counts)
+        });
         // Traffic every 4 s for 20 s, past two idle timeouts.
         for i in 0..5u8 {
             tokio::time::sleep(Duration::from_secs(4)).await;
@@ -210,11 +249,15 @@ mod tests {
         }
         assert!(!tunnel.is_finished(), "a tunnel with traffic stays up");
         tokio::time::sleep(Duration::from_secs(11)).await;
-        let ended = tunnel.await.expect("task");
-        let (side, e) = ended.error.expect("a silent tunnel ends");
+        let (error, counts) = tunnel.await.expect("task");
+        let (side, e) = error.expect("a silent tunnel ends");
         assert_eq!((side, e.kind()), (Side::Idle, io::ErrorKind::TimedOut));
         // What moved is counted however it ended.
-        assert_eq!((ended.from_client, ended.from_upstream), (5, 0));
+        let read = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        assert_eq!(
+            (read(&counts.from_client), read(&counts.from_upstream)),
+            (5, 0)
+        );
     }
 }
 
@@ -260,12 +303,12 @@ mod sides {
         // The client sends; writing it up to the upstream fails.
         let (mut client, mut client_far) = tokio::io::duplex(64);
         client_far.write_all(b"up").await.expect("write");
-        let ended = run(&mut client, &mut Broken, idle).await;
-        assert_eq!(ended.error.map(|(s, _)| s), Some(Side::Upstream));
+        let ended = run(&mut client, &mut Broken, idle, &Counts::default()).await;
+        assert_eq!(ended.map(|(s, _)| s), Some(Side::Upstream));
         // The upstream sends; writing it down to the client fails.
         let (mut upstream, mut upstream_far) = tokio::io::duplex(64);
         upstream_far.write_all(b"down").await.expect("write");
-        let ended = run(&mut Broken, &mut upstream, idle).await;
-        assert_eq!(ended.error.map(|(s, _)| s), Some(Side::Client));
+        let ended = run(&mut Broken, &mut upstream, idle, &Counts::default()).await;
+        assert_eq!(ended.map(|(s, _)| s), Some(Side::Client));
     }
 }
