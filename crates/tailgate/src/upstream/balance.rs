@@ -170,6 +170,13 @@ impl EndpointLoad {
         self.failure_of(Instant::now())
     }
 
+    /// Was a request sent at `started` sent after the last ejection ended (or with none
+    /// so far)? (The clock is looked at only once the endpoint was ejected.)
+    fn sent_after_ejection(&self, started: Instant) -> bool {
+        let until = self.ejected_until_ns.load(Ordering::Relaxed);
+        until == 0 || started.saturating_duration_since(self.epoch).as_nanos() as u64 >= until
+    }
+
     /// A connect failure or a 5xx of a request sent at `started`. Returns true when this
     /// failure ejected the endpoint.
     ///
@@ -181,11 +188,10 @@ impl EndpointLoad {
         if self.eject_after == 0 || self.is_ejected() {
             return false;
         }
-        let until = self.ejected_until_ns.load(Ordering::Relaxed);
-        let started_ns = started.saturating_duration_since(self.epoch).as_nanos() as u64;
-        if until != 0 && started_ns < until {
+        if !self.sent_after_ejection(started) {
             return false;
         }
+        let until = self.ejected_until_ns.load(Ordering::Relaxed);
         let unrecovered = until != 0 && !self.recovered.load(Ordering::Relaxed);
         let n = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
         if n < self.eject_after && !unrecovered {
@@ -249,7 +255,14 @@ impl InFlight<'_> {
             self.load.failure_of(self.started);
         } else {
             self.load.sample_at(rtt, now);
-            self.load.success();
+            // A success of a request sent before the last ejection ended is no news either
+            // (as a failure is not, `failure_of`): a slow request of before answering
+            // during the ejection cancelled its backoff and the probe's re-ejection, and an
+            // endpoint failing its new requests fast while old ones finished cycled at the
+            // base period.
+            if self.load.sent_after_ejection(self.started) {
+                self.load.success();
+            }
         }
     }
 
@@ -505,6 +518,30 @@ mod tests {
         assert!(l.take_probe());
         l.success();
         assert!(!l.failure());
+    }
+
+    /// A request sent before an ejection that succeeds during it is no news: the next
+    /// failure after the ejection (its probe's) still ejects at once, for twice as long.
+    /// The success reset the backoff, and such an endpoint cycled at the base period.
+    #[test]
+    fn a_success_of_a_request_sent_before_the_ejection_resets_nothing() {
+        let l = EndpointLoad::new(3, Duration::from_secs(1));
+        let old = l.start();
+        for _ in 0..3 {
+            l.failure();
+        }
+        assert!(l.is_ejected());
+        old.responded(http::StatusCode::OK);
+        // The ejection ends (now).
+        l.ejected_until_ns
+            .store(l.now_ns().max(2) - 1, Ordering::Relaxed);
+        assert!(l.take_probe());
+        assert!(l.failure(), "the probe's failure ejects at once");
+        assert!(
+            ejected_for(&l) >= Duration::from_millis(1900),
+            "the second ejection lasts twice as long: {:?}",
+            ejected_for(&l)
+        );
     }
 
     /// An `eject_duration` longer than the 30 s cap is the first ejection's length, not cut
