@@ -513,3 +513,45 @@ fn config_errors_name_the_place_and_the_fix() {
     );
     assert_eq!(ok, "");
 }
+
+/// The balancer's latency sample of a request that opened its connection counts from the
+/// send: an upstream whose TLS handshake takes 300 ms and whose answers are at once is not
+/// estimated at 300 ms (which steered traffic off it for as long as the estimate took to
+/// decay, tens of seconds).
+#[tokio::test]
+async fn a_slow_handshake_is_not_in_the_balancers_latency_sample() {
+    let pki = Pki::new();
+    let acceptor = tokio_rustls::TlsAcceptor::from(server_config(&pki, &ServerOpts::default()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let svc = hyper::service::service_fn(|_req| async {
+                    Ok::<_, std::convert::Infallible>(http::Response::new(full("ok")))
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(tls), svc)
+                    .await;
+            });
+        }
+    });
+    let gw = https_gateway(&pki, up, "");
+    assert_eq!(get(gw.addr, "/").await.status(), 200);
+    let pools = gw.gw.as_ref().unwrap().endpoint_pools();
+    let estimate = pools
+        .iter()
+        .filter(|p| p.addr == up)
+        .map(|p| p.load.latency_estimate())
+        .max()
+        .unwrap();
+    assert!(
+        estimate < std::time::Duration::from_millis(150),
+        "estimated at {estimate:?}"
+    );
+}

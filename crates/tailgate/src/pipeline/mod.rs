@@ -730,6 +730,8 @@ fn forward(
             (t_connect, Duration::ZERO)
         } else {
             let t = Instant::now();
+            // The balancer's sample counts from the send, not from before the connect.
+            in_flight.sent_at(t);
             (t, t - t_connect)
         };
         if let Some(ex) = rec.exchange_mut() {

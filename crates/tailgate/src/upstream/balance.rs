@@ -92,6 +92,11 @@ impl EndpointLoad {
         f64::from_bits(self.ewma_ns.load(Ordering::Relaxed))
     }
 
+    /// The latency estimate the balancer weighs this endpoint by, as last sampled.
+    pub fn latency_estimate(&self) -> Duration {
+        Duration::from_nanos(self.ewma_ns() as u64)
+    }
+
     /// Requests in flight to this endpoint now.
     pub fn in_flight(&self) -> u32 {
         self.in_flight.load(Ordering::Relaxed)
@@ -230,6 +235,15 @@ pub struct InFlight<'a> {
 }
 
 impl InFlight<'_> {
+    /// The request went out at `at`, after a wait for its connection (a connect, a TLS
+    /// handshake, a queue under `max_connections_per_endpoint`): its latency sample and
+    /// what its outcome says of the endpoint count from then. One connect's 60 ms in a
+    /// sample made an endpoint answering in 2 ms look costly for as long as the estimate
+    /// took to decay (tens of seconds), and the balancer steered its traffic away.
+    pub fn sent_at(&mut self, at: Instant) {
+        self.started = at;
+    }
+
     /// The response head arrived with `status`.
     pub fn responded(self, status: http::StatusCode) {
         self.responded_at(status, Instant::now());
@@ -518,6 +532,18 @@ mod tests {
         assert!(l.take_probe());
         l.success();
         assert!(!l.failure());
+    }
+
+    /// The latency sample counts from the send, not from before the wait for a connection.
+    #[test]
+    fn a_sample_counts_from_the_send() {
+        let l = EndpointLoad::new(0, Duration::from_secs(1));
+        let t0 = Instant::now();
+        let mut f = l.start_at(t0);
+        f.sent_at(t0 + Duration::from_millis(60));
+        f.responded_at(http::StatusCode::OK, t0 + Duration::from_millis(62));
+        let estimate = Duration::from_nanos(l.ewma_ns() as u64);
+        assert!(estimate < Duration::from_millis(10), "{estimate:?}");
     }
 
     /// A request sent before an ejection that succeeds during it is no news: the next
