@@ -92,6 +92,12 @@ async fn untrusted_upstream_certificate_is_a_502_and_a_connect_failure() {
         "upstream TLS handshake failed (the gateway's log says why)"
     );
     assert_eq!(stat(&gw, |s| s.connect_failures.load(Ordering::Relaxed)), 1);
+    // A connect that failed opened no connection (`connects_total{when="on_request"}`
+    // counted attempts, and climbed at the request rate through an outage).
+    assert_eq!(
+        stat(&gw, |s| s.connects_on_request.load(Ordering::Relaxed)),
+        0
+    );
     assert_eq!(
         stat(&gw, |s| s.tls_handshake_failures.load(Ordering::Relaxed)),
         1

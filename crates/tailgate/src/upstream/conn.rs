@@ -202,13 +202,9 @@ impl Conn {
             }
             (None, Sender::H1(c)) => {
                 let permit = c.take_permit();
-                self.pool.count_connect_on_request();
-                self.pool.connect_with(permit).await
+                self.pool.connect_on_request(permit).await
             }
-            (None, Sender::H2(_)) => {
-                self.pool.count_connect_on_request();
-                self.pool.connect_with(None).await
-            }
+            (None, Sender::H2(_)) => self.pool.connect_on_request(None).await,
         }
     }
 

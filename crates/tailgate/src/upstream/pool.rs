@@ -772,17 +772,22 @@ impl EndpointPool {
                 },
             },
         };
-        self.count_connect_on_request();
         self.refill.notify_one();
-        self.connect_with(permit).await
+        self.connect_on_request(permit).await
     }
 
-    /// A connect on a request's path: a checkout that found none idle, or a replacement
-    /// for a connection that failed under a request.
-    pub(super) fn count_connect_on_request(&self) {
+    /// A connect on a request's path (a checkout that found none idle, or a replacement
+    /// for a connection that failed under a request), counted once it opened: one refused
+    /// or timed out is a connect failure (`connect_failures`), not a connection.
+    pub(super) async fn connect_on_request(
+        self: &Arc<Self>,
+        permit: Option<ConnPermit>,
+    ) -> Result<Conn, ProxyError> {
+        let conn = self.connect_with(permit).await?;
         self.stats
             .connects_on_request
             .fetch_add(1, Ordering::Relaxed);
+        Ok(conn)
     }
 
     /// Waits in the queue of `max_connections_per_endpoint` for a connection given back or
