@@ -620,7 +620,7 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
         (
             "tailgate_upstream_requests_in_flight",
             Kind::Gauge,
-            "Requests in flight to the endpoint.",
+            "Requests to the endpoint waiting for their response head (the balancer's load; a streaming response body or a tunnel no longer counts).",
             |e| e.in_flight,
         ),
     ];
