@@ -731,14 +731,6 @@ enum Step {
     ClientGone,
 }
 
-/// Writes the response; returns whether the connection may serve another request. While
-/// the body is awaited the client is watched as in [`poll_client_end`], with `buf`.
-/// (An `async move` block, not an `async fn`, so the response is not copied once more on
-/// the first poll: see [`crate::pipeline::handle`].)
-#[allow(
-    clippy::manual_async_fn,
-    reason = "an `async fn` copies its arguments once more"
-)]
 /// Writes `data` whole, unless the route's total deadline passes first while the body
 /// is still streaming: then the body is cut (`total_timeout`) and the connection ends, so
 /// a client that takes a response slowly does not hold it, and its upstream connection,
@@ -762,6 +754,14 @@ where
     .await
 }
 
+/// Writes the response; returns whether the connection may serve another request. While
+/// the body is awaited the client is watched as in [`poll_client_end`], with `buf`.
+/// (An `async move` block, not an `async fn`, so the response is not copied once more on
+/// the first poll: see [`crate::pipeline::handle`].)
+#[allow(
+    clippy::manual_async_fn,
+    reason = "an `async fn` copies its arguments once more"
+)]
 fn write_response<I>(
     io: &mut I,
     buf: &mut BytesMut,

@@ -71,7 +71,7 @@ impl Checker<'_> {
                 self.err(
                     Some(v.span()),
                     field,
-                    super::port_out_of_range(&text)
+                    super::port_out_of_range(text)
                         .unwrap_or_else(|| format!("`{text}` is not an address")),
                     Some("write an IP literal or a host name, and a port: \"127.0.0.1:8080\", \"[::1]:8080\" or \"api.internal:8080\""),
                 );
