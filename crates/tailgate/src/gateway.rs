@@ -422,6 +422,9 @@ fn run_worker(
     mut shutdown: watch::Receiver<bool>,
     handle_tx: std::sync::mpsc::SyncSender<Handle>,
 ) {
+    // This worker's log lines go over to the log thread in batches, at each tick of its
+    // lag probe (see `logging`).
+    crate::logging::batch_this_thread();
     let grace = worker.shared.settings.shutdown_grace;
     let spawner = Arc::new(TenantSpawner::new(config.tenants.len()));
     let metrics = worker.metrics.clone();
@@ -453,4 +456,6 @@ fn run_worker(
     // Requests still in flight when the grace ran out end with the runtime's tasks: the
     // gateway cut them, no client went away.
     crate::observe::ending_as("shutdown", move || drop(rt));
+    // The access log lines of the exchanges just ended, with the worker's last ones.
+    crate::logging::flush_batch();
 }

@@ -23,7 +23,12 @@ use super::metrics::WorkerMetrics;
 /// Runs on the worker's runtime for as long as the worker runs.
 pub async fn probe(metrics: Arc<WorkerMetrics>, interval: Duration) {
     metrics.record_lag(Duration::ZERO);
-    ticks(interval, |late| metrics.record_lag(late)).await;
+    ticks(interval, |late| {
+        metrics.record_lag(late);
+        // The worker's log lines of the last tick go over to the log thread together.
+        crate::logging::flush_batch();
+    })
+    .await;
 }
 
 /// Wakes every `interval` and reports how late each wake-up ran, forever.
