@@ -1997,6 +1997,15 @@ async fn a_body_too_large_is_counted_under_its_route_however_framed() {
         ),
         2.0
     );
+    // The one refused before it reached the upstream stage has no route time (it was
+    // recorded as a zero); the chunked one, refused on its way, has one.
+    assert_eq!(
+        ex.value(
+            "tailgate_request_stage_duration_seconds_count",
+            &[("route", "acme-api"), ("stage", "route")]
+        ),
+        1.0
+    );
 }
 
 /// Connections holding every admin slot with part of a request head each (and the probe

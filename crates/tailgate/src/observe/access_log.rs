@@ -55,7 +55,7 @@ impl Observer for AccessLog {
             bytes.out = ex.bytes_out,
             upstream.reused = ex.reused_connection,
             error = ex.error.unwrap_or("-"),
-            time.route_us = ex.timings.route.as_micros() as u64,
+            time.route_us = ex.timings.route.map_or(0, |d| d.as_micros() as u64),
             time.upstream_connect_us = ex.timings.upstream_connect.as_micros() as u64,
             time.ttfb_us = ex.timings.upstream_ttfb.as_micros() as u64,
             time.total_us = ex.timings.total.as_micros() as u64,

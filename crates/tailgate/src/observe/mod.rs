@@ -19,8 +19,9 @@ use self::metrics::WorkerMetrics;
 /// Per-stage timings of one request, so a slow request can be explained stage by stage.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct StageTimings {
-    /// Matching the route.
-    pub route: Duration,
+    /// Matching the route (and what comes before the upstream stage): `None` for a
+    /// request refused before that ended (an early `413`, a small body that stalled).
+    pub route: Option<Duration>,
     /// Authentication, when the route has it.
     pub auth: Option<Duration>,
     /// The rate limit check, when the route has one.

@@ -655,7 +655,7 @@ fn forward(
         // pick included); the retry budget's window and the pool's checkout take it too.
         let t_connect = Instant::now();
         if let Some(ex) = rec.exchange_mut() {
-            ex.timings.route = t_connect - started;
+            ex.timings.route = Some(t_connect - started);
         }
         let cluster = &worker.upstreams.clusters[route.cluster];
         // Held until the response ends (with its body, or its tunnel): past the cluster's

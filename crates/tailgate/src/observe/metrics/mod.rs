@@ -281,9 +281,10 @@ impl WorkerMetrics {
         // An upgrade's latency is its handshake's (see `StageTimings::handshake`).
         let total = t.handshake.unwrap_or(t.total);
         slot.total.record(total);
-        // Routing ran to a match (an early 400/413, or no route, has no route time).
-        if ex.route.is_some() {
-            slot.stages[0].record(t.route);
+        // Routing ran to its end (no route, or a refusal before it ended, an early 413 or
+        // a stalled small body, has no route time: it was recorded as a zero).
+        if let Some(d) = t.route {
+            slot.stages[0].record(d);
         }
         if let Some(d) = t.auth {
             slot.stages[1].record(d);
