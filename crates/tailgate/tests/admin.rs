@@ -2354,3 +2354,64 @@ async fn a_tunnels_ending_is_counted_by_its_cause() {
     assert_eq!(errors_of(&ex, "tunnel_idle_timeout"), 0.0);
     drop(s);
 }
+
+/// A request head not whole within `header_read_timeout` is counted
+/// (`tailgate_downstream_header_timeouts_total`), on a connection's first request (the
+/// inline server) and on one handed to hyper's server (after a chunked request). Such a
+/// connection was closed with no trace, no line and no count.
+#[tokio::test]
+async fn a_head_that_does_not_come_whole_in_time_is_counted() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = echo_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        &format!(
+            "{ADMIN}[server]\nworkers = 1\nheader_read_timeout = \"300ms\"\nidle_timeout = \"60s\"\n"
+        ),
+    );
+    let admin = admin_addr(&gw);
+    let timeouts = |ex: &Exposition| ex.value("tailgate_downstream_header_timeouts_total", &[]);
+    assert_eq!(timeouts(&scrape(admin).await), 0.0);
+    // The inline server: a first head that stops.
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\nX-Slow: ")
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .expect("closed in time")
+        .unwrap_or(0);
+    assert_eq!(n, 0);
+    assert_eq!(timeouts(&scrape(admin).await), 1.0);
+    // hyper's server, behind the guard: a chunked request hands the connection over, then
+    // the next head stops.
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(
+        b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("hi") {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "closed before the answer");
+        got.extend_from_slice(&buf[..n]);
+    }
+    s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\nX-Slow: ")
+        .await
+        .unwrap();
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .expect("closed in time")
+            .unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+    }
+    assert_eq!(timeouts(&scrape(admin).await), 2.0);
+}

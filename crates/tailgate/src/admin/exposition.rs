@@ -229,6 +229,16 @@ async fn requests(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed> 
             );
         }
         w.family(
+            "tailgate_downstream_header_timeouts",
+            Kind::Counter,
+            "Client connections closed because a request head was not whole within server.header_read_timeout (a slowloris, or a client too slow); nothing is answered.",
+        );
+        w.counter(
+            "tailgate_downstream_header_timeouts",
+            &[],
+            conns.header_timeouts.load(Ordering::Relaxed),
+        );
+        w.family(
             "tailgate_downstream_accept_errors",
             Kind::Counter,
             "Failed accepts (out of file descriptors or memory, mostly).",

@@ -234,10 +234,15 @@ where
                         return Ended::Closed;
                     }
                     // A head cut off by the end of the stream: hyper's server says what
-                    // it says to that.
+                    // it says to that. One not whole in time: closed, and counted.
                     return match waited {
                         Wait::End => Ended::Handover(buf),
-                        _ => Ended::Closed,
+                        _ => {
+                            if let Some(slot) = &info.slot {
+                                slot.count_header_timeout();
+                            }
+                            Ended::Closed
+                        }
                     };
                 }
             }

@@ -41,6 +41,9 @@ pub struct ConnCount {
     pub accept_errors: AtomicU64,
     /// TLS handshakes with clients, by [`TlsHandshake`].
     pub tls_handshakes: [AtomicU64; TlsHandshake::ALL.len()],
+    /// Connections closed because a request head was not whole within
+    /// `server.header_read_timeout`.
+    pub header_timeouts: AtomicU64,
     /// At most one "clients refuse the certificate" warning per `WARN_EVERY` (10 s).
     pub cert_warning: Every,
     /// At most one "cap reached" warning per [`WARN_EVERY`].
@@ -180,6 +183,11 @@ pub struct ConnSlot {
 }
 
 impl ConnSlot {
+    /// A request head on this connection was not whole within `header_read_timeout`.
+    pub fn count_header_timeout(&self) {
+        self.count.header_timeouts.fetch_add(1, Ordering::Relaxed);
+    }
+
     fn new(count: Arc<ConnCount>) -> ConnSlot {
         ConnSlot {
             count,
@@ -273,6 +281,7 @@ impl ConnCount {
             pauses: AtomicU64::new(0),
             accept_errors: AtomicU64::new(0),
             tls_handshakes: Default::default(),
+            header_timeouts: AtomicU64::new(0),
             cert_warning: Every::new(WARN_EVERY),
             cap_warning: Every::new(WARN_EVERY),
             error_warning: Every::new(WARN_EVERY),

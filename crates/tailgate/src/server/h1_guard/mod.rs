@@ -276,7 +276,12 @@ impl<T> H1Guard<T> {
             match info.activity.idle_deadline(self.header_timeout) {
                 None => d.as_mut().reset((now + self.header_timeout).into()),
                 Some(at) if at > now => d.as_mut().reset(at.into()),
-                Some(_) => return Poll::Ready(head_timed_out()),
+                Some(_) => {
+                    if let Some(slot) = &info.slot {
+                        slot.count_header_timeout();
+                    }
+                    return Poll::Ready(head_timed_out());
+                }
             }
         }
     }
