@@ -9,8 +9,8 @@
 //!
 //! A worker does not hand each line over on its own: handing one over takes the queue's
 //! lock, which the log thread shares, and wakes that thread (a futex call, a context
-//! switch, a `write` of one line), per request with the access log on: about a quarter
-//! more CPU per request, measured. A worker's lines wait in its own buffer
+//! switch, a `write` of one line), per request with the access log on: a third more CPU
+//! per request than with it off, measured (a tenth with batches; docs/tail-latency.md). A worker's lines wait in its own buffer
 //! ([`batch_this_thread`]) and go over together at its lag probe's tick
 //! ([`flush_batch`], every 10 ms by default) or once [`BATCH_BYTES`] wait, whichever
 //! comes first. Other threads' lines go over at once.
