@@ -1676,6 +1676,61 @@ async fn an_h1_client_reading_slowly_is_cut_off_at_the_total_timeout() {
     reader.abort();
 }
 
+/// The same over TLS, where a write only fills the TLS layer's buffer and the wait for the
+/// client is the flush's: the total timeout bounds that wait too. (Only the write was
+/// bounded: over TLS the response went on for half a minute past the deadline.)
+#[tokio::test]
+async fn an_h1_client_reading_slowly_over_tls_is_cut_off_at_the_total_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let pki = common::tls::Pki::new();
+    let up = big_upstream().await;
+    let gw = TestGateway::start(&format!(
+        "{ADMIN}[server]\nworkers = 1\nidle_timeout = \"30s\"\n[[listener]]\nname = \"tls\"\naddress = \"127.0.0.1:0\"\n[listener.tls]\ncert = \"{}\"\nkey = \"{}\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\ntotal_timeout = \"500ms\"\n",
+        pki.path("server.pem"),
+        pki.path("server.key")
+    ));
+    let admin = admin_addr(&gw);
+    let mut roots = rustls::RootCertStore::empty();
+    for c in pki.certs("ca.pem") {
+        roots.add(c).unwrap();
+    }
+    let cfg = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::aws_lc_rs::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let tcp = socket.connect(gw.addr).await.unwrap();
+    let mut s = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg))
+        .connect(
+            rustls::pki_types::ServerName::try_from("upstream.test").unwrap(),
+            tcp,
+        )
+        .await
+        .unwrap();
+    s.write_all(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let reader = tokio::spawn(async move {
+        let mut buf = [0u8; 1024];
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    });
+    let ex = errors_once(admin, "total_timeout").await;
+    for other in ["client_gone", "send_timeout"] {
+        assert_eq!(errors_of(&ex, other), 0.0, "{other}");
+    }
+    reader.abort();
+}
+
 /// A small body (read with its head, by the inline server) that stops coming gets `408`,
 /// recorded with what its head says, as a streamed one is: its route, tenant, method and
 /// the client's request id. One that no route takes gets the routing's answer (`404`), as

@@ -736,17 +736,18 @@ enum Step {
     ClientGone,
 }
 
-/// Writes `data` whole, unless the route's total deadline passes first while the body
-/// is still streaming: then the body is cut (`total_timeout`) and the connection ends, so
-/// a client that takes a response slowly does not hold it, and its upstream connection,
-/// past the deadline (the send timeout alone restarts at each byte taken). Its timer is
-/// polled only while the write waits for the client.
-async fn write_by_deadline<I>(io: &mut I, data: &[u8], body: &mut RespBody) -> std::io::Result<()>
-where
-    I: AsyncWrite + Unpin,
-{
-    let mut write = std::pin::pin!(io.write_all(data));
-    std::future::poll_fn(|cx| match write.as_mut().poll(cx) {
+/// Runs `io` (a write, or a flush: over TLS the write only fills the TLS buffer, and the
+/// wait is the flush's), unless the route's total deadline passes first while the body is
+/// still streaming: then the body is cut (`total_timeout`) and the connection ends, so a
+/// client that takes a response slowly does not hold it, and its upstream connection,
+/// past the deadline (the send timeout alone restarts at each byte taken). The deadline's
+/// timer is polled only while `io` waits for the client.
+async fn by_deadline(
+    io: impl Future<Output = std::io::Result<()>>,
+    body: &mut RespBody,
+) -> std::io::Result<()> {
+    let mut io = std::pin::pin!(io);
+    std::future::poll_fn(|cx| match io.as_mut().poll(cx) {
         Poll::Ready(r) => Poll::Ready(r),
         Poll::Pending => match body.poll_total_deadline(cx) {
             Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
@@ -887,9 +888,9 @@ where
             .await;
             match step {
                 Step::Write => {
-                    write_by_deadline(io, out, &mut body).await?;
+                    by_deadline(io.write_all(out), &mut body).await?;
                     out.clear();
-                    io.flush().await?;
+                    by_deadline(io.flush(), &mut body).await?;
                 }
                 Step::Frame(Some(Ok(frame))) => {
                     // Trailers are not sent to HTTP/1.1 clients.
@@ -913,9 +914,9 @@ where
                     if out.len() + data.len() <= WRITE_GATHER {
                         out.extend_from_slice(&data);
                     } else {
-                        write_by_deadline(io, out, &mut body).await?;
+                        by_deadline(io.write_all(out), &mut body).await?;
                         out.clear();
-                        write_by_deadline(io, &data, &mut body).await?;
+                        by_deadline(io.write_all(&data), &mut body).await?;
                     }
                     if framing == Framing::Chunked {
                         out.extend_from_slice(b"\r\n");
