@@ -2,18 +2,21 @@
 //! says otherwise. Disabled events cost a level check.
 //!
 //! Lines are written by a background thread (`tracing-appender`'s non-blocking writer), so a
-//! worker never blocks on stderr (DESIGN.md rule 1): each event goes into a bounded queue
-//! and, when the queue is full, is dropped and counted (`tailgate_queue_dropped_total{queue="log"}`).
-//! A line stderr refuses (a full disk, a closed pipe) is counted there too: the writer
-//! thread would drop it silently.
+//! worker never blocks on stderr (DESIGN.md rule 1): each line, or a worker's batch of
+//! access lines, goes into a bounded queue and, when the queue is full, is dropped and
+//! counted, each of its lines (`tailgate_queue_dropped_total{queue="log"}`). The lines
+//! stderr refuses (a full disk, a closed pipe) are counted there too: the writer thread
+//! would drop them silently.
 //!
-//! A worker does not hand each line over on its own: handing one over takes the queue's
-//! lock, which the log thread shares, and wakes that thread (a futex call, a context
-//! switch, a `write` of one line), per request with the access log on: a third more CPU
-//! per request than with it off, measured (a tenth with batches; docs/tail-latency.md). A worker's lines wait in its own buffer
-//! ([`batch_this_thread`]) and go over together at its lag probe's tick
-//! ([`flush_batch`], every 10 ms by default) or once [`BATCH_BYTES`] wait, whichever
-//! comes first. Other threads' lines go over at once.
+//! A worker does not hand each access log line over on its own: handing one over takes
+//! the queue's lock, which the log thread shares, and wakes that thread (a futex call, a
+//! context switch, a `write` of one line), per request: a third more CPU per request than
+//! with the access log off, measured (a tenth with batches; docs/tail-latency.md). A
+//! worker's access lines wait in its own buffer ([`batch_this_thread`]) and go over
+//! together at its lag probe's tick ([`flush_batch`], every 10 ms by default) or once
+//! [`BATCH_BYTES`] wait, whichever comes first. Every other line (a warning, an error)
+//! goes over at once, as other threads' lines do: a worker that stalls, or a process the
+//! watchdog kills, loses no more than its last access lines.
 
 use std::cell::RefCell;
 use std::io::Write;
@@ -43,9 +46,6 @@ static BATCH_DROPPED: AtomicU64 = AtomicU64::new(0);
 
 /// The queue's end the workers' batches go into.
 static SINK: OnceLock<NonBlocking> = OnceLock::new();
-
-/// Hand-overs to the log queue (lines and batches), for tests.
-static HANDED: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     /// A worker's lines not yet handed over (`None`: this thread hands each over at once).
@@ -82,7 +82,6 @@ fn flush_batch_into(sink: &NonBlocking, counter: Option<&ErrorCounter>) {
             return;
         };
         let before = counter.map(ErrorCounter::dropped_lines);
-        HANDED.fetch_add(1, Ordering::Relaxed);
         let _ = sink.clone().write_all(&batch.buf);
         // The queue counts a dropped batch as one line. (Another thread's line dropped at
         // the same moment would be taken for this batch: the count stays about right.)
@@ -96,42 +95,54 @@ fn flush_batch_into(sink: &NonBlocking, counter: Option<&ErrorCounter>) {
     });
 }
 
-/// The subscriber's writer: on a thread that batches, a line goes into its buffer;
-/// elsewhere, straight to the queue.
+/// The subscriber's writer: an access log line, on a thread that batches, goes into its
+/// buffer; any other line, straight to the queue.
 struct Batching(NonBlocking);
 
-/// One event's line, written once by the subscriber.
-struct LineOut<'a>(&'a NonBlocking);
+/// One event's line, written once by the subscriber; `batch`: it may wait in a buffer.
+struct LineOut<'a> {
+    sink: &'a NonBlocking,
+    batch: bool,
+}
 
 impl<'a> MakeWriter<'a> for Batching {
     type Writer = LineOut<'a>;
 
     fn make_writer(&'a self) -> LineOut<'a> {
-        LineOut(&self.0)
+        LineOut {
+            sink: &self.0,
+            batch: false,
+        }
+    }
+
+    fn make_writer_for(&'a self, meta: &tracing::Metadata<'_>) -> LineOut<'a> {
+        LineOut {
+            sink: &self.0,
+            batch: meta.target() == crate::observe::access_log::TARGET,
+        }
     }
 }
 
 impl Write for LineOut<'_> {
     fn write(&mut self, line: &[u8]) -> std::io::Result<usize> {
         // (A line logged while the buffer is being handed over goes straight to the queue.)
-        let full = BATCH.try_with(|b| {
-            b.try_borrow_mut().ok()?.as_mut().map(|batch| {
-                batch.buf.extend_from_slice(line);
-                batch.lines += 1;
-                batch.buf.len() >= BATCH_BYTES
+        let full = self.batch.then(|| {
+            BATCH.try_with(|b| {
+                b.try_borrow_mut().ok()?.as_mut().map(|batch| {
+                    batch.buf.extend_from_slice(line);
+                    batch.lines += 1;
+                    batch.buf.len() >= BATCH_BYTES
+                })
             })
         });
         match full {
-            Ok(Some(full)) => {
+            Some(Ok(Some(full))) => {
                 if full {
-                    flush_batch_into(self.0, DROPPED.get());
+                    flush_batch_into(self.sink, DROPPED.get());
                 }
                 Ok(line.len())
             }
-            _ => {
-                HANDED.fetch_add(1, Ordering::Relaxed);
-                self.0.clone().write(line)
-            }
+            _ => self.sink.clone().write(line),
         }
     }
 
@@ -147,7 +158,6 @@ impl Drop for Batch {
             return;
         }
         if let Some(sink) = SINK.get() {
-            HANDED.fetch_add(1, Ordering::Relaxed);
             let _ = sink.clone().write_all(&self.buf);
         }
     }
@@ -169,17 +179,18 @@ impl<W: Write> Write for Counted<W> {
         self.0.write(buf)
     }
 
-    fn write_all(&mut self, mut line: &[u8]) -> std::io::Result<()> {
+    /// Writes `lines` (one line, or a worker's batch of them) whole, or counts the lines
+    /// it could not: each one not written in full.
+    fn write_all(&mut self, lines: &[u8]) -> std::io::Result<()> {
         let mut written = 0;
-        while !line.is_empty() {
-            match self.0.write(line) {
-                Ok(0) => return Err(self.failed(written, std::io::ErrorKind::WriteZero.into())),
-                Ok(n) => {
-                    written += n;
-                    line = &line[n..];
+        while written < lines.len() {
+            match self.0.write(&lines[written..]) {
+                Ok(0) => {
+                    return Err(self.failed(lines, written, std::io::ErrorKind::WriteZero.into()));
                 }
+                Ok(n) => written += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(self.failed(written, e)),
+                Err(e) => return Err(self.failed(lines, written, e)),
             }
         }
         Ok(())
@@ -191,9 +202,13 @@ impl<W: Write> Write for Counted<W> {
 }
 
 impl<W: Write> Counted<W> {
-    fn failed(&mut self, written: usize, e: std::io::Error) -> std::io::Error {
-        WRITE_FAILED.fetch_add(1, Ordering::Relaxed);
-        if written > 0 {
+    /// `lines` were written up to `written`: the lines left (the one cut short among them)
+    /// are counted, and one cut short is ended.
+    fn failed(&mut self, lines: &[u8], written: usize, e: std::io::Error) -> std::io::Error {
+        let left = &lines[written..];
+        let lost = left.iter().filter(|&&b| b == b'\n').count().max(1);
+        WRITE_FAILED.fetch_add(lost as u64, Ordering::Relaxed);
+        if written > 0 && lines[written - 1] != b'\n' {
             let _ = self.0.write(b"\n");
         }
         e
@@ -392,6 +407,16 @@ mod tests {
         assert_eq!(WRITE_FAILED.load(Ordering::Relaxed) - before, 2);
         // The cut line is ended, and the next refused whole adds nothing.
         assert_eq!(w.0.got, b"{\"a\":1}\n{\"b\":2\n");
+        // A batch refused after its first line: the two lines left are counted, and no
+        // empty line is added (the cut fell between lines).
+        let mut w = Counted(Full {
+            got: Vec::new(),
+            room: 8,
+        });
+        let before = WRITE_FAILED.load(Ordering::Relaxed);
+        assert!(w.write_all(b"{\"a\":1}\n{\"b\":2}\n{\"c\":3}\n").is_err());
+        assert_eq!(WRITE_FAILED.load(Ordering::Relaxed) - before, 2);
+        assert_eq!(w.0.got, b"{\"a\":1}\n");
     }
 
     /// Collects what the log thread writes, and how many writes it took.
@@ -416,48 +441,47 @@ mod tests {
         }
     }
 
-    /// On a thread that batches (a worker), lines go over to the log thread together, at a
-    /// flush or once `BATCH_BYTES` wait; elsewhere, each at once. Each line cost a hand-over
-    /// (the queue's lock, a wake-up of the log thread) per request.
+    /// On a thread that batches (a worker), access lines go over to the log thread
+    /// together, at a flush or once `BATCH_BYTES` wait; other lines, and any line on
+    /// another thread, each at once. Each line cost a hand-over (the queue's lock, a
+    /// wake-up of the log thread) per request.
     #[test]
     fn a_workers_lines_go_over_in_batches() {
         let got = Collect::default();
         let (writer, guard) = NonBlockingBuilder::default().finish(got.clone());
         let batching = Batching(writer.clone());
+        let access = || LineOut {
+            sink: &batching.0,
+            batch: true,
+        };
         std::thread::scope(|scope| {
             scope.spawn(|| {
                 batch_this_thread();
                 for i in 0..3 {
                     let line = format!("line {i}\n");
-                    batching
-                        .make_writer()
-                        .write_all(line.as_bytes())
-                        .expect("line");
+                    access().write_all(line.as_bytes()).expect("line");
                 }
+                // Any other line (a warning) goes over at once, batching thread or not.
+                batching.make_writer().write_all(b"alone\n").expect("line");
                 flush_batch_into(&writer, None);
                 // 100 lines of 100 bytes: over `BATCH_BYTES` once, then the rest at the flush.
                 let line = format!("{}\n", "x".repeat(99));
                 for _ in 0..100 {
-                    batching
-                        .make_writer()
-                        .write_all(line.as_bytes())
-                        .expect("line");
+                    access().write_all(line.as_bytes()).expect("line");
                 }
                 flush_batch_into(&writer, None);
                 flush_batch_into(&writer, None);
             });
-            // A thread that does not batch: two lines, two hand-overs.
+            // A thread that does not batch: an access line goes over at once.
             scope.spawn(|| {
-                for _ in 0..2 {
-                    batching.make_writer().write_all(b"alone\n").expect("line");
-                }
+                access().write_all(b"alone\n").expect("line");
             });
         });
         drop(batching);
         drop(writer);
         drop(guard);
         let (writes, bytes) = got.0.lock().expect("collect").clone();
-        assert_eq!(writes, 1 + 2 + 2, "hand-overs");
+        assert_eq!(writes, 1 + 1 + 2 + 1, "hand-overs");
         let text = String::from_utf8(bytes).expect("utf-8");
         assert!(text.contains("line 0\nline 1\nline 2\n"), "{text}");
         assert_eq!(text.lines().filter(|l| l.starts_with('x')).count(), 100);

@@ -8,6 +8,9 @@
 
 use super::{Exchange, Observer};
 
+/// The target of the access log's events (the log's writer batches them on workers).
+pub const TARGET: &str = "tailgate::access";
+
 /// The most of a request's path an access log line carries; a longer one is cut there
 /// and ends in `…`.
 pub const PATH_BYTES: usize = 1024;
@@ -39,7 +42,7 @@ impl Observer for AccessLog {
             .and_then(|t| self.tenant_names.get(t))
             .map_or("-", String::as_str);
         tracing::event!(
-            target: "tailgate::access",
+            target: TARGET,
             tracing::Level::INFO,
             request.id = ex.request_id.to_str().unwrap_or("-"),
             client.ip = %ex.client,
