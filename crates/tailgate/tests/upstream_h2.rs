@@ -220,7 +220,7 @@ async fn goaway_moves_requests_to_a_new_connection() {
 }
 
 /// An h2 upstream (the h2 crate, for control over resets) that refuses the first attempt at
-/// any path starting with `/refuse` with REFUSED_STREAM (at once; `/laterefuse`, after 100
+/// any path starting with `/refuse` with REFUSED_STREAM (at once; `/laterefuse`, after 400
 /// ms), resets the first at any starting
 /// with `/reset` with INTERNAL_ERROR, and answers everything else. A first request to a path
 /// starting with `/dying` is reset with INTERNAL_ERROR too, and its connection then refuses
@@ -277,12 +277,12 @@ async fn refusing_upstream_with(max_streams: Option<u32>) -> (SocketAddr, Seen) 
                         });
                         continue;
                     }
-                    // Refused once, after 100 ms of thought (after a hedge went out).
+                    // Refused once, after 400 ms of thought (after a hedge went out).
                     if path.starts_with("/laterefuse")
                         && s.refused.lock().unwrap().insert(path.clone())
                     {
                         tokio::spawn(async move {
-                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            tokio::time::sleep(Duration::from_millis(400)).await;
                             respond.send_reset(h2::Reason::REFUSED_STREAM);
                         });
                         continue;
@@ -1458,7 +1458,7 @@ async fn a_hedged_request_refused_unprocessed_is_resent_not_answered_by_the_copy
     let (refusing, seen) = refusing_upstream().await;
     let failing = failing_h2c().await;
     let gw = TestGateway::start(&format!(
-        "[[cluster]]\nname = \"up\"\nendpoints = [\"{refusing}\", \"{failing}\"]\nprotocol = \"http2\"\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 1000\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"30ms\"\nresponse_timeout = \"5s\"\n"
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{refusing}\", \"{failing}\"]\nprotocol = \"http2\"\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 1000\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"200ms\"\nresponse_timeout = \"5s\"\n"
     ));
     // Round robin: the first copies alternate between the two endpoints; those sent to the
     // failing one are answered 503 before any hedge.
@@ -1495,7 +1495,7 @@ async fn a_hedged_first_copy_silent_to_the_deadline_retires_its_connection() {
     let (silent, seen, silence) = silencing_upstream().await;
     let failing = failing_h2c().await;
     let gw = TestGateway::start(&format!(
-        "[[cluster]]\nname = \"up\"\nendpoints = [\"{silent}\", \"{failing}\"]\nprotocol = \"http2\"\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 1000\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"50ms\"\nresponse_timeout = \"300ms\"\n"
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{silent}\", \"{failing}\"]\nprotocol = \"http2\"\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 1000\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"150ms\"\nresponse_timeout = \"600ms\"\n"
     ));
     // Both connections open, then where round robin stands: the request after one the
     // silencing endpoint answered goes to the failing one.
@@ -1632,12 +1632,12 @@ async fn streams_still_uploading_after_an_early_answer_keep_their_places() {
 async fn a_hedged_first_copy_refused_unprocessed_counts_no_failure() {
     let (refusing, seen) = refusing_upstream().await;
     let slow_ok = h2c_upstream_with(|_| async {
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        tokio::time::sleep(Duration::from_millis(600)).await;
         http::Response::new(full("ok"))
     })
     .await;
     let gw = TestGateway::start(&format!(
-        "[[cluster]]\nname = \"up\"\nendpoints = [\"{refusing}\", \"{slow_ok}\"]\nprotocol = \"http2\"\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 1\neject_duration = \"60s\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"30ms\"\nresponse_timeout = \"5s\"\n"
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{refusing}\", \"{slow_ok}\"]\nprotocol = \"http2\"\nbalance = \"round_robin\"\nhedge_budget_percent = 100\neject_after_failures = 1\neject_duration = \"60s\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nhedge_delay = \"200ms\"\nresponse_timeout = \"5s\"\n"
     ));
     let mut refused = 0;
     for i in 0..4 {
