@@ -175,8 +175,17 @@ impl EndpointLoad {
         self.failure_of(Instant::now())
     }
 
+    /// Does a success of a request sent at `started` change anything? Not when it was sent
+    /// before the last ejection ended. Recovered since that ejection, with no backoff left,
+    /// a success resets only the count of failures in a row: the clock is not looked at.
+    fn success_is_news(&self, started: Instant) -> bool {
+        (self.recovered.load(Ordering::Relaxed)
+            && self.ejections_in_row.load(Ordering::Relaxed) == 0)
+            || self.sent_after_ejection(started)
+    }
+
     /// Was a request sent at `started` sent after the last ejection ended (or with none
-    /// so far)? (The clock is looked at only once the endpoint was ejected.)
+    /// so far)?
     fn sent_after_ejection(&self, started: Instant) -> bool {
         let until = self.ejected_until_ns.load(Ordering::Relaxed);
         until == 0 || started.saturating_duration_since(self.epoch).as_nanos() as u64 >= until
@@ -274,7 +283,7 @@ impl InFlight<'_> {
             // during the ejection cancelled its backoff and the probe's re-ejection, and an
             // endpoint failing its new requests fast while old ones finished cycled at the
             // base period.
-            if self.load.sent_after_ejection(self.started) {
+            if self.load.success_is_news(self.started) {
                 self.load.success();
             }
         }
