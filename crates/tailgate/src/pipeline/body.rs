@@ -535,22 +535,20 @@ impl RespBody {
 
     /// Has the route's total deadline passed while the body is still streaming? Then the
     /// body is cut as it is when the deadline passes between pieces (`total_timeout`), and
-    /// polling it for a frame gives [`TotalTimeout`]. For a server whose write of what
-    /// came already is blocked by a slow client: the deadline bounds that too. (The same
-    /// timer as the pieces' wait: no registration of its own.)
+    /// every later poll of it for a frame gives [`TotalTimeout`]. For a server whose write
+    /// of what came already is blocked by a slow client: the deadline bounds that too.
+    /// (The same timer as the pieces' wait: no registration of its own.)
     pub fn poll_total_deadline(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        let RespBody::Upstream(up) = self else {
-            return Poll::Pending;
-        };
-        let Some(d) = up.deadline.as_mut() else {
-            return Poll::Pending;
-        };
-        if d.as_mut().poll(cx).is_pending() {
-            return Poll::Pending;
+        match self {
+            RespBody::Upstream(up) => {
+                if up.total_deadline_passed(cx) {
+                    Poll::Ready(())
+                } else {
+                    Poll::Pending
+                }
+            }
+            RespBody::Full(_) => Poll::Pending,
         }
-        up.deadline = None;
-        up.cut("total_timeout");
-        Poll::Ready(())
     }
 }
 
@@ -590,10 +588,7 @@ impl Body for RespBody {
                     a.piece_taken();
                     crate::server::stream_stall::taken();
                 }
-                if let Some(d) = up.deadline.as_mut()
-                    && d.as_mut().poll(cx).is_ready()
-                {
-                    up.cut("total_timeout");
+                if up.total_deadline_passed(cx) {
                     return Poll::Ready(Some(Err(Box::new(TotalTimeout))));
                 }
                 let polled: Poll<Option<Result<Frame<Bytes>, Self::Error>>> = match &mut up.inner {
@@ -701,6 +696,19 @@ impl UpstreamBody {
     /// the exchange recorded.
     #[cold]
     #[inline(never)]
+    /// Has the route's total deadline passed? Then the exchange is cut (`total_timeout`;
+    /// again at each later poll, which changes nothing once it is).
+    fn total_deadline_passed(&mut self, cx: &mut Context<'_>) -> bool {
+        let passed = self
+            .deadline
+            .as_mut()
+            .is_some_and(|d| d.as_mut().poll(cx).is_ready());
+        if passed {
+            self.cut("total_timeout");
+        }
+        passed
+    }
+
     fn cut(&mut self, code: &'static str) {
         self.conn = None;
         self.recorder.fail(code);
