@@ -1885,7 +1885,7 @@ async fn a_tunnel_cut_at_the_end_of_the_grace_keeps_its_bytes() {
         &format!("{ADMIN}[server]\nworkers = 1\nshutdown_grace = \"500ms\"\n"),
     );
     let admin = admin_addr(&gw);
-    let mut s = ws_through(gw.addr).await;
+    let mut s = ws_open(gw.addr).await.0;
     let data = vec![7u8; 64 * 1024];
     s.write_all(&data).await.unwrap();
     let mut buf = vec![0u8; 64 * 1024];
@@ -1901,8 +1901,15 @@ async fn a_tunnel_cut_at_the_end_of_the_grace_keeps_its_bytes() {
     gw.gw.as_ref().unwrap().shutdown();
     // The grace runs out; the worker stops (the admin plane answers until the gateway is
     // joined).
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let ex = scrape(admin).await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let ex = loop {
+        let ex = scrape(admin).await;
+        if errors_of(&ex, "shutdown") >= 1.0 {
+            break ex;
+        }
+        assert!(Instant::now() < deadline, "the tunnel was never cut");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     let sum = |name: &str| -> f64 { ex.find(name, &[]).iter().map(|s| s.value).sum() };
     assert_eq!(errors_of(&ex, "shutdown"), 1.0);
     assert_eq!(sum("tailgate_request_body_bytes_total"), data.len() as f64);
@@ -2320,27 +2327,6 @@ async fn an_upstream_silent_while_the_upload_moves_is_the_upstreams_timeout() {
     writer.abort();
 }
 
-/// Opens a WebSocket through `gw` (a `101` read) and returns its socket.
-async fn ws_through(gw: SocketAddr) -> tokio::net::TcpStream {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(gw).await.unwrap();
-    s.write_all(b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
-        .await
-        .unwrap();
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(n > 0, "closed before the 101");
-        head.extend_from_slice(&buf[..n]);
-    }
-    assert!(head.starts_with(b"HTTP/1.1 101"), "{head:?}");
-    s
-}
-
 /// How a tunnel ends is its exchange's outcome: one closed for silence is counted as
 /// `tunnel_idle_timeout`, one whose client reset it as `client_gone`, one whose upstream
 /// reset it as `upstream_reset`. Every tunnel was recorded as a clean `101` however it ended.
@@ -2357,7 +2343,7 @@ async fn a_tunnels_ending_is_counted_by_its_cause() {
     );
     let admin = admin_addr(&gw);
     // Silent: closed after the idle timeout.
-    let mut silent = ws_through(gw.addr).await;
+    let mut silent = ws_open(gw.addr).await.0;
     let mut buf = [0u8; 64];
     let n = tokio::time::timeout(Duration::from_secs(10), silent.read(&mut buf))
         .await
@@ -2367,7 +2353,7 @@ async fn a_tunnels_ending_is_counted_by_its_cause() {
     let ex = errors_once(admin, "tunnel_idle_timeout").await;
     assert_eq!(errors_of(&ex, "client_gone"), 0.0);
     // Reset by its client.
-    let reset = ws_through(gw.addr).await;
+    let reset = ws_open(gw.addr).await.0;
     socket2::SockRef::from(&reset)
         .set_linger(Some(Duration::ZERO))
         .unwrap();
@@ -2402,7 +2388,7 @@ async fn a_tunnels_ending_is_counted_by_its_cause() {
         &format!("{ADMIN}[server]\nworkers = 1\nidle_timeout = \"30s\"\n"),
     );
     let admin = admin_addr(&gw);
-    let mut s = ws_through(gw.addr).await;
+    let mut s = ws_open(gw.addr).await.0;
     s.write_all(&[0x81, 0x01, b'x']).await.unwrap();
     let ex = errors_once(admin, "upstream_reset").await;
     assert_eq!(errors_of(&ex, "client_gone"), 0.0);

@@ -718,26 +718,6 @@ async fn assert_frame_echoed(s: &mut TcpStream) {
     assert_eq!(echoed, frame);
 }
 
-/// Opens a WebSocket through the gateway at `addr` to an echoing upstream; returns the
-/// client's socket once the 101 is in, and the response head (and any bytes after it).
-async fn ws_open(addr: std::net::SocketAddr) -> (TcpStream, String) {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").await.unwrap();
-    let mut buf = vec![0u8; 4096];
-    let mut got = Vec::new();
-    while !String::from_utf8_lossy(&got).contains("\r\n\r\n") {
-        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(n > 0);
-        got.extend_from_slice(&buf[..n]);
-    }
-    let head = String::from_utf8_lossy(&got).into_owned();
-    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
-    (s, head)
-}
-
 /// An upstream that ends its side of a tunnel first (a half-close) still gets every byte
 /// the client sends after, in order. The end of stream passed on to the client used to
 /// start the connection's lingering close, which read out and dropped the client's bytes

@@ -464,3 +464,24 @@ pub async fn unanswering_listener() -> (socket2::Socket, SocketAddr, Vec<TcpStre
     assert!(fillers.len() < 8, "the listener's backlog never filled");
     (sock, addr, fillers)
 }
+
+/// Opens a WebSocket through the gateway at `addr` to an echoing upstream; returns the
+/// client's socket once the 101 is in, and the response head (and any bytes after it).
+pub async fn ws_open(addr: std::net::SocketAddr) -> (tokio::net::TcpStream, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&got).into_owned();
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    (s, head)
+}
