@@ -736,16 +736,7 @@ async fn a_client_resetting_fewer_than_500_streams_keeps_its_connection() {
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!conn.is_finished(), "the connection was dropped");
-    client = client.ready().await.expect("the connection is kept");
-    let req = http::Request::get("http://a/q").body(()).unwrap();
-    let (resp, _) = client
-        .send_request(req, true)
-        .expect("the connection is kept");
-    let resp = tokio::time::timeout(Duration::from_secs(5), resp)
-        .await
-        .expect("an answer in time")
-        .expect("an answer");
-    assert_eq!(resp.status(), 200);
+    still_answers(client).await;
 }
 
 /// A client whose deadline passes while a slow upstream works (a gRPC client with a short
@@ -777,16 +768,7 @@ async fn a_client_giving_up_on_slow_requests_is_not_taken_for_rapid_reset() {
         stream.send_reset(h2::Reason::CANCEL);
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
-    client = client.ready().await.expect("the connection is kept");
-    let req = http::Request::get("http://a/q").body(()).unwrap();
-    let (resp, _) = client
-        .send_request(req, true)
-        .expect("the connection is kept");
-    let resp = tokio::time::timeout(Duration::from_secs(5), resp)
-        .await
-        .expect("an answer in time")
-        .expect("an answer");
-    assert_eq!(resp.status(), 200);
+    still_answers(client).await;
 }
 
 /// `max_requests_per_connection` holds on a connection already closing for idleness: a
@@ -877,4 +859,18 @@ async fn read_all_until_close(s: &mut TcpStream, wait: Duration) -> (usize, bool
             Err(_) => return (n, false),
         }
     }
+}
+
+/// The connection of `client` is kept: a request on it is answered `200`.
+async fn still_answers(client: h2::client::SendRequest<bytes::Bytes>) {
+    let mut client = client.ready().await.expect("the connection is kept");
+    let req = http::Request::get("http://a/q").body(()).unwrap();
+    let (resp, _) = client
+        .send_request(req, true)
+        .expect("the connection is kept");
+    let resp = tokio::time::timeout(Duration::from_secs(5), resp)
+        .await
+        .expect("an answer in time")
+        .expect("an answer");
+    assert_eq!(resp.status(), 200);
 }

@@ -805,32 +805,16 @@ async fn a_connection_silent_for_a_whole_response_timeout_takes_no_new_streams()
 /// use: only silence for a whole response timeout does.
 #[tokio::test]
 async fn a_response_cut_by_the_total_deadline_keeps_its_connection() {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let up = l.local_addr().unwrap();
-    let conns = Arc::new(AtomicUsize::new(0));
-    let counted = conns.clone();
-    tokio::spawn(async move {
-        while let Ok((tcp, _)) = l.accept().await {
-            counted.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(async move {
-                let Ok(mut conn) = h2::server::handshake(tcp).await else {
-                    return;
-                };
-                while let Some(Ok((req, mut respond))) = conn.accept().await {
-                    tokio::spawn(async move {
-                        // `/slow` thinks for 300 ms; anything else answers at once.
-                        if req.uri().path() == "/slow" {
-                            tokio::time::sleep(Duration::from_millis(300)).await;
-                        }
-                        if let Ok(mut body) = respond.send_response(http::Response::new(()), false)
-                        {
-                            let _ = body.send_data(Bytes::from_static(b"ok"), true);
-                        }
-                    });
-                }
-            });
+    let (up, conns) = h2_server(None, |req, mut respond| async move {
+        // `/slow` thinks for 300 ms; anything else answers at once.
+        if req.uri().path() == "/slow" {
+            tokio::time::sleep(Duration::from_millis(300)).await;
         }
-    });
+        if let Ok(mut body) = respond.send_response(http::Response::new(()), false) {
+            let _ = body.send_data(Bytes::from_static(b"ok"), true);
+        }
+    })
+    .await;
     let gw = TestGateway::start(&format!(
         "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nprotocol = \"http2\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"5s\"\ntotal_timeout = \"100ms\"\n"
     ));
@@ -1539,6 +1523,29 @@ async fn a_hedged_first_copy_silent_to_the_deadline_retires_its_connection() {
 /// and reads each request's body to its end as it comes (no reset): a stream with an
 /// upload still coming stays open on its side. Allows `max_streams` at once.
 async fn early_answering_upstream(max_streams: u32) -> (SocketAddr, Arc<AtomicUsize>) {
+    h2_server(Some(max_streams), |req, mut respond| async move {
+        let mut r = http::Response::new(());
+        *r.status_mut() = http::StatusCode::ACCEPTED;
+        let _ = respond.send_response(r, true);
+        let mut body = req.into_body();
+        while let Some(Ok(d)) = body.data().await {
+            let _ = body.flow_control().release_capacity(d.len());
+        }
+    })
+    .await
+}
+
+/// An HTTP/2 server (the h2 crate, for control over each stream) that counts its
+/// connections and hands each stream to `stream` on a task of its own; `max_streams` is
+/// its SETTINGS_MAX_CONCURRENT_STREAMS.
+async fn h2_server<F, Fut>(max_streams: Option<u32>, stream: F) -> (SocketAddr, Arc<AtomicUsize>)
+where
+    F: Fn(http::Request<h2::RecvStream>, h2::server::SendResponse<Bytes>) -> Fut
+        + Clone
+        + Send
+        + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let conns = Arc::new(AtomicUsize::new(0));
@@ -1546,24 +1553,17 @@ async fn early_answering_upstream(max_streams: u32) -> (SocketAddr, Arc<AtomicUs
     tokio::spawn(async move {
         while let Ok((tcp, _)) = l.accept().await {
             counted.fetch_add(1, Ordering::SeqCst);
+            let stream = stream.clone();
             tokio::spawn(async move {
-                let Ok(mut conn) = h2::server::Builder::new()
-                    .max_concurrent_streams(max_streams)
-                    .handshake::<_, Bytes>(tcp)
-                    .await
-                else {
+                let mut builder = h2::server::Builder::new();
+                if let Some(max) = max_streams {
+                    builder.max_concurrent_streams(max);
+                }
+                let Ok(mut conn) = builder.handshake::<_, Bytes>(tcp).await else {
                     return;
                 };
-                while let Some(Ok((req, mut respond))) = conn.accept().await {
-                    tokio::spawn(async move {
-                        let mut r = http::Response::new(());
-                        *r.status_mut() = http::StatusCode::ACCEPTED;
-                        let _ = respond.send_response(r, true);
-                        let mut body = req.into_body();
-                        while let Some(Ok(d)) = body.data().await {
-                            let _ = body.flow_control().release_capacity(d.len());
-                        }
-                    });
+                while let Some(Ok((req, respond))) = conn.accept().await {
+                    tokio::spawn(stream(req, respond));
                 }
             });
         }
