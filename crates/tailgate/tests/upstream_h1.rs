@@ -258,6 +258,43 @@ async fn interim_responses_are_skipped_and_the_connection_reused() {
     );
 }
 
+/// An upstream that answers with nothing but empty lines, on and on, gets a `502` soon
+/// (past 1 KiB of them), not the response timeout: the empty lines were dropped as they
+/// came, so the head's 64 KiB limit never tripped, and the worker read them for the whole
+/// response timeout. The request is not sent again (the server had it).
+#[tokio::test]
+async fn an_endless_run_of_empty_lines_is_a_bad_response() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    let conns = Arc::new(AtomicUsize::new(0));
+    let c = conns.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            c.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                if read_request(&mut s, &mut buf, false).await.is_none() {
+                    return;
+                }
+                let blank = b"\r\n".repeat(64);
+                while s.write_all(&blank).await.is_ok() {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            });
+        }
+    });
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\nresponse_timeout = \"60s\"\n"
+    ));
+    let mut c = h1_client(gw.addr).await;
+    let r = tokio::time::timeout(Duration::from_secs(20), fetch(&mut c, "GET", "/"))
+        .await
+        .expect("answered before the response timeout")
+        .unwrap();
+    assert_eq!(r.status(), 502);
+    assert_eq!(conns.load(Ordering::SeqCst), 1, "sent again");
+}
+
 #[tokio::test]
 async fn chunked_responses_are_decoded_and_trailers_dropped() {
     let up = scripted(

@@ -66,6 +66,10 @@ const MAX_CHUNK_LINE: usize = 4 * 1024;
 /// (`100 Continue`, `103 Early Hints`); an endless stream of them is a broken server, which
 /// would otherwise hold the request until its response timeout.
 const MAX_INTERIM: u32 = 32;
+/// Bytes of empty lines let before a status line (RFC 9112 §2.2 asks a client to ignore
+/// at least one): an endless stream of them is a broken server too, which would hold the
+/// request, and the worker's reading, until its response timeout.
+const MAX_BLANK: usize = 1024;
 
 /// An upstream connection's socket, plain or TLS: what a connect returns, under either
 /// protocol's connection.
@@ -179,6 +183,8 @@ pub struct H1Conn {
     answered_early: bool,
     /// Interim responses skipped in this exchange.
     interim: u32,
+    /// Bytes of empty lines dropped before a status line in this exchange.
+    blank: usize,
     /// Bytes of `rbuf` already looked at for the response head's end; at most 1: the next
     /// look parses whatever is there (none yet in this exchange, or only empty lines).
     head_scanned: usize,
@@ -220,6 +226,7 @@ impl H1Conn {
             body_write_failed: false,
             answered_early: false,
             interim: 0,
+            blank: 0,
             head_scanned: 0,
             timer: None,
             due: None,
@@ -297,6 +304,7 @@ impl H1Conn {
             self.until_close = false;
             self.body_write_failed = false;
             self.interim = 0;
+            self.blank = 0;
             self.head_scanned = 0;
             self.progress = body.progress();
             self.due = deadline.map(Into::into);
@@ -558,6 +566,12 @@ impl H1Conn {
                 };
                 self.rbuf.advance(blank);
                 self.head_scanned = self.head_scanned.saturating_sub(blank);
+                self.blank += blank;
+                if self.blank > MAX_BLANK {
+                    return Poll::Ready(Err(H1Error::BadResponse(
+                        "more than 1 KiB of empty lines before the status line",
+                    )));
+                }
             }
             // Parsed while nothing (or a byte) was looked at before (a head read whole, the
             // usual case, is not scanned first), then only once a line of it has ended
