@@ -561,3 +561,31 @@ async fn a_slow_handshake_is_not_in_the_balancers_latency_sample() {
         "estimated at {estimate:?}"
     );
 }
+
+/// `protocol = "http2"` over TLS to a server that chooses no protocol by ALPN (an
+/// HTTP/1.1-only one): a `502` saying the TLS setup failed, counted as a failed handshake
+/// and a connect failure, and no HTTP/2 preface sent. It got the preface, and every request
+/// failed as an `upstream_reset`.
+#[tokio::test]
+async fn http2_over_tls_needs_the_server_to_choose_h2() {
+    let pki = Pki::new();
+    let (up, seen) = tls_ok_upstream(
+        &pki,
+        ServerOpts {
+            alpn: &[],
+            ..ServerOpts::default()
+        },
+    )
+    .await;
+    let gw = https_gateway(&pki, up, "protocol = \"http2\"");
+    let resp = get(gw.addr, "/").await;
+    assert_eq!(resp.status(), 502);
+    assert_eq!(json(&resp)["error"], "upstream_tls_failed");
+    assert_eq!(
+        stat(&gw, |s| s.tls_handshake_failures.load(Ordering::Relaxed)),
+        1
+    );
+    assert_eq!(stat(&gw, |s| s.connect_failures.load(Ordering::Relaxed)), 1);
+    assert_eq!(stat(&gw, |s| s.h2_connections.load(Ordering::Relaxed)), 0);
+    assert_eq!(seen.requests.load(Ordering::SeqCst), 0);
+}

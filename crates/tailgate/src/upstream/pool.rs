@@ -1075,7 +1075,21 @@ impl EndpointPool {
         let Some(tls) = &self.tls else {
             return Ok(Transport::Tcp(tcp));
         };
-        match tls.handshake(tcp).await {
+        // `protocol = "http2"` offers only `h2` by ALPN; a server that ignores ALPN (an
+        // HTTP/1.1-only one, TLS set up with no protocols) completes the handshake with
+        // none chosen, and the HTTP/2 preface it would get answers nothing it can read:
+        // every request failed as an `upstream_reset`, nothing saying why.
+        let handshake = tls.handshake(tcp).await.and_then(|(s, kind)| {
+            let h2_refused = self.protocol == Protocol::Http2
+                && s.get_ref().1.alpn_protocol() != Some(b"h2".as_slice());
+            if h2_refused {
+                return Err(std::io::Error::other(
+                    "the server chose no `h2` by ALPN (protocol = \"http2\" over TLS needs it; \"auto\" speaks what it chooses)",
+                ));
+            }
+            Ok((s, kind))
+        });
+        match handshake {
             Ok((s, kind)) => {
                 let counter = match kind {
                     Handshake::Full => &self.stats.tls_full_handshakes,
