@@ -78,20 +78,9 @@ fn flush_batch_into(sink: &NonBlocking, counter: Option<&ErrorCounter>) {
         let Ok(mut b) = b.try_borrow_mut() else {
             return;
         };
-        let Some(batch) = b.as_mut().filter(|batch| !batch.buf.is_empty()) else {
-            return;
-        };
-        let before = counter.map(ErrorCounter::dropped_lines);
-        let _ = sink.clone().write_all(&batch.buf);
-        // The queue counts a dropped batch as one line. (Another thread's line dropped at
-        // the same moment would be taken for this batch: the count stays about right.)
-        if let (Some(before), Some(c)) = (before, counter)
-            && c.dropped_lines() > before
-        {
-            BATCH_DROPPED.fetch_add(batch.lines.saturating_sub(1), Ordering::Relaxed);
+        if let Some(batch) = b.as_mut() {
+            batch.hand_over(sink, counter);
         }
-        batch.buf.clear();
-        batch.lines = 0;
     });
 }
 
@@ -151,14 +140,31 @@ impl Write for LineOut<'_> {
     }
 }
 
-impl Drop for Batch {
-    /// The thread ends: its waiting lines go over (a worker's last ones, at shutdown).
-    fn drop(&mut self) {
+impl Batch {
+    /// Hands the waiting lines over to `sink`, if any wait.
+    fn hand_over(&mut self, sink: &NonBlocking, counter: Option<&ErrorCounter>) {
         if self.buf.is_empty() {
             return;
         }
+        let before = counter.map(ErrorCounter::dropped_lines);
+        let _ = sink.clone().write_all(&self.buf);
+        // The queue counts a dropped batch as one line. (Another thread's line dropped at
+        // the same moment would be taken for this batch: the count stays about right.)
+        if let (Some(before), Some(c)) = (before, counter)
+            && c.dropped_lines() > before
+        {
+            BATCH_DROPPED.fetch_add(self.lines.saturating_sub(1), Ordering::Relaxed);
+        }
+        self.buf.clear();
+        self.lines = 0;
+    }
+}
+
+impl Drop for Batch {
+    /// The thread ends: its waiting lines go over (a worker's last ones, at shutdown).
+    fn drop(&mut self) {
         if let Some(sink) = SINK.get() {
-            let _ = sink.clone().write_all(&self.buf);
+            self.hand_over(sink, DROPPED.get());
         }
     }
 }
