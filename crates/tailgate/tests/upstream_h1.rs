@@ -1413,3 +1413,110 @@ async fn r_an_h2c_upgrade_is_not_passed_on() {
         "the connection closes after a refused upgrade: {text}"
     );
 }
+
+/// Connections the gateway closed because the exchange left them unusable.
+fn unusable(gw: &TestGateway) -> u64 {
+    stat(gw, |s| s.retired_unusable.load(Ordering::Relaxed))
+}
+
+/// The gateway's `/metrics` text (the gateway started with an admin listener).
+async fn metrics_text(gw: &TestGateway) -> String {
+    let admin = gw.gw.as_ref().unwrap().admin_addr().unwrap();
+    let mut c = h1_client(admin).await;
+    let req = http::Request::get("/metrics")
+        .header("host", "admin")
+        .body(full(""))
+        .unwrap();
+    let resp = c.send_request(req).await.unwrap();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8(body.to_vec()).unwrap()
+}
+
+/// Bytes past a response's end (a body longer than its `Content-Length`) end the
+/// connection, and are counted as the gateway's close (`reason="unusable"` in
+/// `tailgate_upstream_connections_retired_total`), not the server's: before, the
+/// connection went unseen under no reason at all.
+#[tokio::test]
+async fn bytes_past_a_response_are_counted_as_an_unusable_connection() {
+    let up = scripted(
+        |n| {
+            if n == 0 {
+                answer("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokSTRAY", false)
+            } else {
+                answer("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false)
+            }
+        },
+        false,
+    )
+    .await;
+    let gw = TestGateway::to(
+        up.addr,
+        "[server]\nworkers = 1\n[admin]\naddress = \"127.0.0.1:0\"",
+    );
+    let mut c = h1_client(gw.addr).await;
+    for _ in 0..3 {
+        let r = fetch(&mut c, "GET", "/").await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.body().as_ref(), b"ok");
+    }
+    assert_eq!(
+        up.conns.load(Ordering::SeqCst),
+        2,
+        "the stray bytes' connection reused"
+    );
+    assert_eq!(unusable(&gw), 1);
+    assert_eq!(stat(&gw, |s| s.closed_by_server.load(Ordering::Relaxed)), 0);
+    let text = metrics_text(&gw).await;
+    assert!(
+        text.lines().any(
+            |l| l.starts_with("tailgate_upstream_connections_retired_total{")
+                && l.contains("reason=\"unusable\"")
+                && l.ends_with(" 1")
+        ),
+        "{text}"
+    );
+}
+
+/// A server that writes to an idle connection (no request out) has it closed by the
+/// gateway at the next checkout, counted as `unusable`, not as closed by the server.
+#[tokio::test]
+async fn bytes_on_an_idle_connection_are_counted_as_an_unusable_connection() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let conns = Arc::new(AtomicUsize::new(0));
+    let c2 = conns.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let first = c2.fetch_add(1, Ordering::SeqCst) == 0;
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                while read_request(&mut s, &mut buf, false).await.is_some() {
+                    let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    if s.write_all(ok).await.is_err() {
+                        return;
+                    }
+                    if first {
+                        // Then, with no request out, more.
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        let _ = s.write_all(b"HTTP/1.1 200 OK\r\n").await;
+                    }
+                }
+            });
+        }
+    });
+    let gw = TestGateway::to(addr, "[server]\nworkers = 1");
+    let mut c = h1_client(gw.addr).await;
+    let r = fetch(&mut c, "GET", "/").await.unwrap();
+    assert_eq!(r.status(), 200);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = fetch(&mut c, "GET", "/").await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.body().as_ref(), b"ok");
+    assert_eq!(
+        conns.load(Ordering::SeqCst),
+        2,
+        "the written-to connection reused"
+    );
+    assert_eq!(unusable(&gw), 1);
+    assert_eq!(stat(&gw, |s| s.closed_by_server.load(Ordering::Relaxed)), 0);
+}

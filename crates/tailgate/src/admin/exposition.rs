@@ -419,7 +419,7 @@ struct EndpointSums {
     connects_on_request: u64,
     preconnects: u64,
     reuses: u64,
-    retired: [u64; 5],
+    retired: [u64; 6],
     retries: u64,
     refused_resends: u64,
     connect_failures: u64,
@@ -468,6 +468,7 @@ impl EndpointSums {
         self.retired[2] += l(&s.retired_idle);
         self.retired[3] += l(&s.closed_by_server);
         self.retired[4] += l(&s.retired_idle_cap);
+        self.retired[5] += l(&s.retired_unusable);
         self.retries += l(&s.retries);
         self.refused_resends += l(&s.refused_resends);
         self.connect_failures += l(&s.connect_failures);
@@ -670,6 +671,7 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
                 "idle",
                 "closed_by_server",
                 "idle_cap",
+                "unusable",
             ]
             .iter()
             .enumerate()

@@ -1063,6 +1063,7 @@ fn stats(state: &AdminState) -> serde_json::Value {
                             "retired_idle": l(&s.retired_idle),
                             "retired_idle_cap": l(&s.retired_idle_cap),
                             "closed_by_server": l(&s.closed_by_server),
+                            "retired_unusable": l(&s.retired_unusable),
                             "retries": l(&s.retries),
                             "refused_resends": l(&s.refused_resends),
                             "tls_full_handshakes": l(&s.tls_full_handshakes),

@@ -150,6 +150,16 @@ impl Sending {
     }
 }
 
+/// Why an idle connection can no longer be used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdleGone {
+    /// The server closed it (end of stream, a reset, an error).
+    Closed,
+    /// The server wrote to it while no request was out: a protocol violation (bytes past
+    /// the last response, or an answer to nothing), which the gateway ends it for.
+    Stray,
+}
+
 /// An HTTP/1.1 connection to an upstream, used by one exchange at a time.
 pub struct H1Conn {
     io: Transport,
@@ -258,25 +268,38 @@ impl H1Conn {
     /// Has the server closed (or written to) this idle connection? Costs no system call
     /// unless the socket was reported readable: the readiness the runtime already holds is
     /// checked first.
-    pub fn idle_closed(&mut self) -> bool {
+    pub fn idle_gone(&mut self) -> Option<IdleGone> {
         if !self.reusable() {
-            return true;
+            return Some(IdleGone::Closed);
         }
-        match &self.io {
+        let read = match &self.io {
             // `try_read` looks at the readiness first and returns at once when there is
             // none (no system call, no waker stored); anything read means the connection
             // is not usable: end of stream, an error, or bytes nobody asked for.
-            Transport::Tcp(s) => !matches!(
-                s.try_read(&mut [0u8; 1]),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock
-            ),
+            Transport::Tcp(s) => match s.try_read(&mut [0u8; 1]) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return None,
+                r => r,
+            },
             // Through TLS: records such as session tickets may be waiting, which the TLS
-            // layer must read itself.
+            // layer must read itself (and does not pass on as data).
             Transport::Tls(_) => {
                 let mut cx = Context::from_waker(Waker::noop());
-                self.poll_fill(&mut cx).is_ready()
+                match self.poll_fill(&mut cx) {
+                    Poll::Pending => return None,
+                    Poll::Ready(r) => r,
+                }
             }
-        }
+        };
+        Some(match read {
+            Ok(n) if n > 0 => IdleGone::Stray,
+            _ => IdleGone::Closed,
+        })
+    }
+
+    /// The response ended with bytes after it that no request asked for (a server that
+    /// framed its body wrong, or wrote something more): the connection is not reused.
+    pub fn stray_bytes(&self) -> bool {
+        matches!(self.framing, Framing::Done) && self.sending.is_none() && !self.rbuf.is_empty()
     }
 
     /// Writes the request and reads the response head (skipping 1xx interim responses),

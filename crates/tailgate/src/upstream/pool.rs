@@ -35,7 +35,7 @@ use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
 use super::conn::{Conn, Protocol, Sender, handshake_h2};
-use super::h1::{H1Conn, Transport};
+use super::h1::{H1Conn, IdleGone, Transport};
 use super::limit::{ConnLimit, ConnPermit, Handed, Turn, Waiting};
 use super::multiplex::H2Set;
 use super::tls::{EndpointTls, Handshake};
@@ -83,6 +83,10 @@ pub struct PoolStats {
     pub retired_idle_cap: AtomicU64,
     /// The server closed it (`Connection: close`, FIN, reset, or an HTTP/2 GOAWAY).
     pub closed_by_server: AtomicU64,
+    /// HTTP/1.1 connections the gateway closed because the exchange left them unusable: an
+    /// error, a response body not read to its end (the client left), an answer before the
+    /// upload ended, or bytes from the server that no request asked for.
+    pub retired_unusable: AtomicU64,
     /// Requests sent again on a fresh connection after a pooled one failed.
     pub retries: AtomicU64,
     /// Requests the server refused before processing them (HTTP/2 `REFUSED_STREAM`, or
@@ -129,6 +133,7 @@ impl PoolStats {
         add(&self.retired_idle, &other.retired_idle);
         add(&self.retired_idle_cap, &other.retired_idle_cap);
         add(&self.closed_by_server, &other.closed_by_server);
+        add(&self.retired_unusable, &other.retired_unusable);
         add(&self.retries, &other.retries);
         add(&self.refused_resends, &other.refused_resends);
         add(&self.connect_failures, &other.connect_failures);
@@ -283,6 +288,8 @@ pub struct EndpointPool {
     /// Its handshake failures' warning, at most every 10 s (per endpoint and worker: each
     /// worker has its own pool).
     tls_warned: crate::pace::Every,
+    /// Paces the warning for bytes from the server that no request asked for.
+    stray_warned: crate::pace::Every,
     /// Wakes the warm keeper; shared with each HTTP/2 connection's task, which wakes it
     /// when the connection ends (the server closed it: a warm one is missing).
     refill: Arc<Notify>,
@@ -353,6 +360,7 @@ impl EndpointPool {
             min_warm: cluster.min_warm_connections,
             tls: cluster.tls.as_ref().map(|t| EndpointTls::new(t, addr)),
             tls_warned: crate::pace::Every::new(Duration::from_secs(10)),
+            stray_warned: crate::pace::Every::new(Duration::from_secs(10)),
             refill: Arc::new(Notify::new()),
             ahead: Notify::new(),
             close_uses: AtomicU32::new(0),
@@ -510,6 +518,11 @@ impl EndpointPool {
                 self.stats.closed_by_server.fetch_add(1, Ordering::Relaxed);
                 if conn.response_ok && !h1.closed_to_end_a_body() {
                     self.learn_from_close(uses);
+                }
+            } else {
+                self.stats.retired_unusable.fetch_add(1, Ordering::Relaxed);
+                if h1.stray_bytes() {
+                    self.warn_stray("after a response's end");
                 }
             }
             self.owe_replacement();
@@ -719,8 +732,8 @@ impl EndpointPool {
             }
             // Closed by the server while idle (seen from the readiness the runtime holds,
             // without a system call).
-            if idle.conn.idle_closed() {
-                self.stats.closed_by_server.fetch_add(1, Ordering::Relaxed);
+            if let Some(gone) = idle.conn.idle_gone() {
+                self.count_idle_gone(gone);
                 self.note_died_young(&idle);
                 continue;
             }
@@ -751,10 +764,10 @@ impl EndpointPool {
                     // (while the rest of an early-answered upload went out, say). Then its
                     // place is taken for a new one.
                     Handed::Idle(mut idle) => {
-                        if !idle.conn.idle_closed() {
+                        let Some(gone) = idle.conn.idle_gone() else {
                             return Ok(self.reuse(idle));
-                        }
-                        self.stats.closed_by_server.fetch_add(1, Ordering::Relaxed);
+                        };
+                        self.count_idle_gone(gone);
                         idle.conn.take_permit()
                     }
                     // An endpoint that speaks HTTP/2 (`auto`) may have a stream free by
@@ -1314,18 +1327,45 @@ impl EndpointPool {
         }
     }
 
+    /// An idle HTTP/1.1 connection found unusable: closed by the server, or written to
+    /// with no request out (counted as closed by the gateway, with a warning).
+    fn count_idle_gone(&self, gone: IdleGone) {
+        match gone {
+            IdleGone::Closed => {
+                self.stats.closed_by_server.fetch_add(1, Ordering::Relaxed);
+            }
+            IdleGone::Stray => {
+                self.stats.retired_unusable.fetch_add(1, Ordering::Relaxed);
+                self.warn_stray("on an idle connection");
+            }
+        }
+    }
+
+    /// Bytes from the server that no request asked for: a protocol violation worth an
+    /// operator's look (at most one warning per endpoint every 10 s; the rest at debug).
+    fn warn_stray(&self, when: &'static str) {
+        if self.stray_warned.due() {
+            tracing::warn!(upstream.addr = %self.addr, when, "upstream sent bytes no request asked for; connection closed");
+        } else {
+            tracing::debug!(upstream.addr = %self.addr, when, "upstream sent bytes no request asked for; connection closed");
+        }
+    }
+
     /// Idle HTTP/1.1 connections held now (still open, and usable by a checkout).
-    /// Those the server closed count as `closed_by_server`, those past `idle_timeout` as
-    /// `retired_idle`, those past `max_connection_lifetime` as `retired_lifetime`, as at a
-    /// checkout.
+    /// Those the server closed count as `closed_by_server` (written to, as
+    /// `retired_unusable`), those past `idle_timeout` as `retired_idle`, those past
+    /// `max_connection_lifetime` as `retired_lifetime`, as at a checkout.
     pub fn idle_len(&self) -> usize {
         let mut list = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        let (mut closed, mut expired, mut aged) = (0u64, 0u64, 0u64);
+        let (mut closed, mut stray, mut expired, mut aged) = (0u64, 0u64, 0u64, 0u64);
         let now = Instant::now();
         let mut next: Option<Instant> = None;
         list.retain_mut(|i| {
-            if i.conn.idle_closed() {
-                closed += 1;
+            if let Some(gone) = i.conn.idle_gone() {
+                match gone {
+                    IdleGone::Closed => closed += 1,
+                    IdleGone::Stray => stray += 1,
+                }
                 self.note_died_young(i);
                 false
             } else if now.saturating_duration_since(i.since) >= self.idle_timeout {
@@ -1353,17 +1393,25 @@ impl EndpointPool {
                 .retired_lifetime
                 .fetch_add(aged, Ordering::Relaxed);
         }
-        if closed > 0 {
-            self.stats
-                .closed_by_server
-                .fetch_add(closed, Ordering::Relaxed);
-        }
         if expired > 0 {
             self.stats
                 .retired_idle
                 .fetch_add(expired, Ordering::Relaxed);
         }
-        list.len()
+        if closed > 0 {
+            self.stats
+                .closed_by_server
+                .fetch_add(closed, Ordering::Relaxed);
+        }
+        let len = list.len();
+        drop(list);
+        if stray > 0 {
+            self.stats
+                .retired_unusable
+                .fetch_add(stray, Ordering::Relaxed);
+            self.warn_stray("on an idle connection");
+        }
+        len
     }
 }
 
