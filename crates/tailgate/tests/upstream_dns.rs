@@ -971,3 +971,77 @@ async fn a_name_with_no_address_any_more_loses_its_endpoints() {
     assert_eq!(get(gw.addr, "/").await.status(), 200);
     assert_eq!(a_hits.load(Ordering::SeqCst), 2);
 }
+
+/// A name with no address (none yet: its name server was quiet at start and has been
+/// since, each failure doubling the wait for the next look) is looked up again as soon as
+/// a request finds its cluster empty, not at the end of its backoff: before, every request
+/// got `502` for up to `max_refresh` after the name server came back (here, the backoff
+/// is past 2.5 s when it does).
+#[tokio::test]
+async fn a_name_with_no_address_is_asked_again_at_once_when_requests_need_it() {
+    let (port, a_hits, _) = twin_upstreams().await;
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    dns.silent.store(true, Ordering::SeqCst);
+    let gw = TestGateway::start(&format!(
+        "[dns]\nnameservers = [\"{}\"]\nmin_refresh = \"10ms\"\nmax_refresh = \"60s\"\nquery_timeout = \"50ms\"\nstartup_timeout = \"100ms\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"svc.test:{port}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
+        dns.addr
+    ));
+    let g = gw.gw.as_ref().unwrap();
+    let at_start = g.dns_stats().failures.load(Ordering::Relaxed);
+    assert!(
+        at_start >= 1,
+        "the quiet name server failed no lookup at start"
+    );
+    // Eight failures in a row after the start: the next look is 2.56 s after the last.
+    wait_for("eight more failed lookups", || {
+        g.dns_stats().failures.load(Ordering::Relaxed) >= at_start + 8
+    })
+    .await;
+    dns.silent.store(false, Ordering::SeqCst);
+    let mut statuses = Vec::new();
+    for _ in 0..50 {
+        let status = get(gw.addr, "/").await.status().as_u16();
+        statuses.push(status);
+        if status == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        statuses.last(),
+        Some(&200),
+        "the name was not asked again while requests found no endpoint: {statuses:?}"
+    );
+    assert!(statuses[..statuses.len() - 1].iter().all(|&s| s == 502));
+    assert_eq!(a_hits.load(Ordering::SeqCst), 1);
+}
+
+/// A name whose first lookup fails at start (a name server that drops the first queries,
+/// as a local resolver still starting would) is asked again until `startup_timeout`, so
+/// the gateway starts with its address: before, one failed query at start left its
+/// cluster empty, and the first requests got `502 no_endpoints`.
+#[tokio::test]
+async fn a_lookup_failed_at_start_is_tried_again_within_the_startup_timeout() {
+    let (port, a_hits, _) = twin_upstreams().await;
+    let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
+    dns.silent.store(true, Ordering::SeqCst);
+    let silent = dns.silent.clone();
+    let ignored = dns.ignored.clone();
+    // Answers once the first query has been dropped (and 100 ms have passed).
+    let waker = std::thread::spawn(move || {
+        while ignored.load(Ordering::SeqCst) == 0 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        silent.store(false, Ordering::SeqCst);
+    });
+    let gw = TestGateway::start(&format!(
+        "[dns]\nnameservers = [\"{}\"]\nmin_refresh = \"10s\"\nmax_refresh = \"60s\"\nquery_timeout = \"100ms\"\nstartup_timeout = \"10s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"svc.test:{port}\"]\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
+        dns.addr
+    ));
+    waker.join().unwrap();
+    let g = gw.gw.as_ref().unwrap();
+    assert!(g.dns_stats().failures.load(Ordering::Relaxed) >= 1);
+    assert_eq!(get(gw.addr, "/").await.status(), 200);
+    assert_eq!(a_hits.load(Ordering::SeqCst), 1);
+}

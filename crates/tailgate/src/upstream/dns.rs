@@ -378,8 +378,42 @@ fn run(
                 });
             }
         }
-        let first_timeout = settings.query_timeout.min(settings.startup_timeout);
-        refresh_due(&resolver, &settings, &mut names, &stats, first_timeout).await;
+        // Start-up asks again for a name whose lookup failed (a local resolver not up yet,
+        // a lost packet) until `startup_timeout`, every `STARTUP_RETRY` at most: one
+        // failed query at start left its cluster empty, the gateway started, and each
+        // failure after that put the next look further off.
+        let deadline = Instant::now() + settings.startup_timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            refresh_due(
+                &resolver,
+                &settings,
+                &mut names,
+                &stats,
+                settings.query_timeout.min(left),
+            )
+            .await;
+            let now = Instant::now();
+            let mut next: Option<Instant> = None;
+            for n in names.values_mut().filter(|n| !n.resolved) {
+                // Start-up's failures count as one for the backoff afterwards.
+                n.failures_in_row = n.failures_in_row.min(1);
+                n.due = n.due.min(now + settings.min_refresh.min(STARTUP_RETRY));
+                next = Some(next.map_or(n.due, |t| t.min(n.due)));
+            }
+            match next {
+                Some(at) if at < deadline => {
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(at) => {}
+                        _ = shutdown.wait_for(|stop| *stop) => {
+                            let _ = ready.send(Ok(()));
+                            return;
+                        }
+                    }
+                }
+                _ => break,
+            }
+        }
         for (host, n) in &names {
             if !n.resolved || n.addrs.is_empty() {
                 tracing::warn!(dns.name = %host, "host name did not resolve at start; its cluster has no endpoints from it until it does");
@@ -418,8 +452,14 @@ fn run(
                                 }
                                 // While lookups fail (one family's or all), their backoff
                                 // holds: connect failures to the addresses kept meanwhile
-                                // (a dead family's) would undo it.
+                                // (a dead family's) would undo it. Not for a name with no
+                                // address to keep: its cluster answers `502` to every
+                                // request meanwhile, so the name is asked again at once
+                                // (requests ask at most once per `min_refresh`); held to
+                                // its backoff, it stayed unasked for up to `max_refresh`
+                                // after the name servers came back.
                                 let wait = match n.failures_in_row {
+                                    _ if n.addrs.is_empty() => settings.min_refresh,
                                     0 => settings.min_refresh,
                                     k => backoff(&settings, k - 1),
                                 };
@@ -519,6 +559,9 @@ async fn refresh_due(
                         }
                     }
                     None => {
+                        if n.failures_in_row > 0 {
+                            tracing::info!(dns.name = %host, failures = n.failures_in_row, "DNS lookups answer again");
+                        }
                         n.failures_in_row = 0;
                         ttl
                     }
@@ -540,7 +583,9 @@ async fn refresh_due(
                 let wait = backoff(s, n.failures_in_row);
                 n.failures_in_row += 1;
                 n.due = now + wait;
-                if n.failures_in_row == 1 {
+                if n.failures_in_row == 1 && n.addrs.is_empty() {
+                    tracing::warn!(dns.name = %host, error = %e, "DNS lookup failed; the name has no addresses to keep, so its cluster has no endpoints from it until a lookup answers");
+                } else if n.failures_in_row == 1 {
                     tracing::warn!(dns.name = %host, error = %e, stale = ?n.addrs, "DNS lookup failed; keeping the last addresses");
                 } else {
                     tracing::debug!(dns.name = %host, error = %e, "DNS lookup failed again");
@@ -549,6 +594,9 @@ async fn refresh_due(
         }
     }
 }
+
+/// The most start-up waits before asking again for a name whose lookup failed.
+const STARTUP_RETRY: Duration = Duration::from_millis(250);
 
 /// How long after the `failures_in_row + 1`th failure in a row a name is asked again:
 /// `min_refresh`, doubled at each failure, up to `max_refresh`.
