@@ -114,6 +114,10 @@ pub struct Row {
     /// in the same pass, so two targets' p99s can be compared round by round.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub p99_rounds_ms: Option<Vec<f64>>,
+    /// Each round's errors, in round order (beside `p99_rounds_ms`): a round with any, on
+    /// either side of a goal, does not count as meeting it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub errors_rounds: Option<Vec<u64>>,
     /// Open loop: the p99 without the generator's own lag (still corrected for coordinated
     /// omission); the median across rounds. How much of `p99` is the generator's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -192,17 +196,28 @@ impl Check {
         };
         // Each round's ratio is judged exactly as the medians' is (`check`); a round
         // whose ratio is the goal itself (both p99s the same microsecond) goes neither
-        // way, and is left out, as the sign test leaves out ties.
+        // way, and is left out, as the sign test leaves out ties. A round in which either
+        // side had errors (or answered nothing: a p99 of 0) counts, as not met: the
+        // latencies of its failed requests are not in its p99, which would flatter it.
         let goal = this.goal;
-        let ratios: Vec<f64> = n
+        let failed = |r: Option<&Row>, i: usize| {
+            r.and_then(|r| r.errors_rounds.as_ref())
+                .is_some_and(|e| e.get(i).is_some_and(|&e| e > 0))
+        };
+        let judged: Vec<Option<f64>> = n
             .iter()
             .zip(d)
-            .filter_map(|(&n, &d)| goal_ratio(n, d))
-            .filter(|&r| r != goal)
+            .enumerate()
+            .filter_map(|(i, (&n, &d))| {
+                if failed(num, i) || failed(den, i) || n <= 0.0 || d <= 0.0 {
+                    return Some(None);
+                }
+                goal_ratio(n, d).filter(|&r| r != goal).map(Some)
+            })
             .collect();
-        if !ratios.is_empty() {
-            let met = ratios.iter().filter(|&&r| this.holds(r)).count();
-            this.rounds_met = Some([met, ratios.len()]);
+        if !judged.is_empty() {
+            let met = judged.iter().flatten().filter(|&&r| this.holds(r)).count();
+            this.rounds_met = Some([met, judged.len()]);
         }
         this
     }
@@ -421,6 +436,7 @@ pub fn measure_with(
         latency_ms: LatencySummary::of(&report.recorder.corrected),
         p99_range_ms: None,
         p99_rounds_ms: None,
+        errors_rounds: None,
         p99_excl_lag_ms: rate.map(|_| ms_at(&report.recorder.excl_lag, 99.0)),
         cpu_us_per_request,
         upstream_cpu_us_per_request,
@@ -479,7 +495,8 @@ pub fn combine(rounds: Vec<Measured>) -> Option<Measured> {
     let upstream_cpu_us_per_request = med_opt(|r| r.upstream_cpu_us_per_request);
     // Each round's own ratio, then the median: both sides of a ratio from the same run.
     let cpu_per_upstream_cpu = med_opt(|r| r.cpu_per_upstream_cpu);
-    let errors = rounds.iter().map(|m| m.row.errors).sum();
+    let errors_rounds: Vec<u64> = rounds.iter().map(|m| m.row.errors).collect();
+    let errors = errors_rounds.iter().sum();
     let pick = rounds.into_iter().min_by(|a, b| {
         let d = |m: &Measured| (m.row.latency_ms.p99 - latency_ms.p99).abs();
         d(a).total_cmp(&d(b))
@@ -490,6 +507,7 @@ pub fn combine(rounds: Vec<Measured>) -> Option<Measured> {
         latency_ms,
         p99_range_ms: Some([lo, hi]),
         p99_rounds_ms: Some(p99s),
+        errors_rounds: Some(errors_rounds),
         p99_excl_lag_ms,
         cpu_us_per_request,
         upstream_cpu_us_per_request,
@@ -580,8 +598,8 @@ impl Outcome {
             "{} interleaved round(s) per row: medians across rounds (errors summed); p99 range = lowest–highest p99 of the rounds; \
              p99 excl. lag (open loop) = p99 without the generator's lag in sending, still corrected for coordinated omission; \
              CPU/req = CPU time (user + system) the target's processes used per request, and in brackets ÷ its upstream's in the same runs \
-             (the upstream does the same work for every target, so this ratio compares targets measured while the machine's speed drifted); \
-             rounds met (p99 goals) = in how many rounds the goal's two sides, measured in the same pass, met it on their own (rounds exactly at the goal left out); \
+             (a yardstick of the machine's speed in the same runs, so this ratio compares targets measured while it drifted; only roughly: the upstream's own work per request differs by up to about 15 % between targets, which send it different headers and batch their writes to it differently, so raw CPU/req of two targets in one run is the closer comparison); \
+             rounds met (p99 goals) = in how many rounds the goal's two sides, measured in the same pass, met it on their own (rounds exactly at the goal left out; a round with errors on either side counts as not met); \
              inconclusive = a count chance would give as often (two-sided sign test, p > 0.05): the verdict is the medians', and the rounds do not settle it.\n",
             self.rounds
         );
@@ -808,6 +826,7 @@ mod tests {
                 },
                 p99_range_ms: None,
                 p99_rounds_ms: None,
+                errors_rounds: None,
                 p99_excl_lag_ms: Some(p99 / 2.0),
                 cpu_us_per_request: Some(rps / 100.0),
                 upstream_cpu_us_per_request: Some(p99),
@@ -884,6 +903,39 @@ mod tests {
         let c = check("p99 ≤".into(), Some(2.0), Some(2.0), 1.0, true)
             .by_round(Some(&tailgate), Some(&single));
         assert_eq!(c.rounds_met, None);
+    }
+
+    /// A round in which either side had errors, or answered nothing (a p99 of 0 from an
+    /// empty histogram), counts as not met: before, a tailgate round that answered nothing
+    /// had a ratio of 0 and met a "p99 ≤" goal, and an nginx one was left out.
+    #[test]
+    fn a_round_with_errors_does_not_meet_a_goal() {
+        let rows = |p99s: &[f64], errors: &[u64]| {
+            let mut r = combine(
+                p99s.iter()
+                    .zip(errors)
+                    .map(|(&p, &e)| measured(1000.0, e, p))
+                    .collect(),
+            )
+            .unwrap()
+            .row;
+            r.target = "t".into();
+            r
+        };
+        // Round 1: tailgate answered nothing; round 2: nginx had errors; round 3: met.
+        let tailgate = rows(&[0.0, 1.0, 1.0], &[5, 0, 0]);
+        let nginx = rows(&[2.0, 2.0, 2.0], &[0, 3, 0]);
+        let c = check("p99 ≤".into(), Some(1.0), Some(2.0), 1.0, true)
+            .by_round(Some(&tailgate), Some(&nginx));
+        assert_eq!(c.rounds_met, Some([1, 3]));
+        assert_eq!(tailgate.errors_rounds, Some(vec![5, 0, 0]));
+        // A p99 of 0 without errors counted (a round nothing was measured in) is no win
+        // either.
+        let empty = rows(&[0.0, 1.0], &[0, 0]);
+        let nginx = rows(&[2.0, 2.0], &[0, 0]);
+        let c = check("p99 ≤".into(), Some(1.0), Some(2.0), 1.0, true)
+            .by_round(Some(&empty), Some(&nginx));
+        assert_eq!(c.rounds_met, Some([1, 2]));
     }
 
     /// A ratio is judged unrounded (1.0004 is not at most 1), and shown to three decimals
