@@ -416,6 +416,15 @@ pub fn measure_with(
     let cpu_before = cpu();
     let report = load::run(spec)?;
     let cpu_after = cpu();
+    // A target (or its upstream) that died mid-run: the rest of the scenario would measure
+    // a dead port, every goal a "no" for its errors, with nothing said of why.
+    if let Some(why) = [proxy_pid, upstream_pid]
+        .into_iter()
+        .flatten()
+        .find_map(procs::exited)
+    {
+        return Err(SetupError::Exited(why).into());
+    }
     let requests = report.rps() * (opts.duration + opts.warmup).as_secs_f64();
     let per_request = |used: Option<u64>| -> Option<f64> {
         let used = used?;

@@ -17,6 +17,8 @@ static LIVE: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 static LISTENING: Mutex<Vec<(SocketAddr, u32)>> = Mutex::new(Vec::new());
 /// Temp dirs to remove on a signal.
 static DIRS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+/// Each child's name and log file by pid, for [`exited`].
+static LOGS: Mutex<Vec<(u32, String, PathBuf)>> = Mutex::new(Vec::new());
 
 /// Why a scenario could not set something up.
 #[derive(Debug, thiserror::Error)]
@@ -31,6 +33,9 @@ pub enum SetupError {
     NotReady(String),
     #[error("{0}")]
     Stop(String),
+    /// A child exited while the scenario measured.
+    #[error("{0}")]
+    Exited(String),
 }
 
 pub fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SetupError {
@@ -218,6 +223,9 @@ impl Env {
         if let Ok(mut l) = LISTENING.lock() {
             l.push((ready_addr, child.id()));
         }
+        if let Ok(mut l) = LOGS.lock() {
+            l.push((child.id(), name.to_string(), log.clone()));
+        }
         self.procs.push(Proc {
             name: name.to_string(),
             child,
@@ -284,16 +292,7 @@ impl Env {
             if let Some(p) = self.procs.last_mut()
                 && let Ok(Some(status)) = p.child.try_wait()
             {
-                let log = std::fs::read_to_string(&p.log).unwrap_or_default();
-                let tail: String = log
-                    .lines()
-                    .rev()
-                    .take(5)
-                    .collect::<Vec<_>>()
-                    .into_iter()
-                    .rev()
-                    .collect::<Vec<_>>()
-                    .join("\n    ");
+                let tail = log_tail(&p.log);
                 return Err(SetupError::NotReady(format!(
                     "{} exited ({status}) before answering on {addr}:\n    {tail}",
                     p.name
@@ -353,6 +352,40 @@ impl Drop for Env {
             d.retain(|x| x != &self.dir);
         }
     }
+}
+
+/// The last five lines of a child's log, indented for an error message.
+fn log_tail(log: &Path) -> String {
+    let log = std::fs::read_to_string(log).unwrap_or_default();
+    log.lines()
+        .rev()
+        .take(5)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect::<Vec<_>>()
+        .join("\n    ")
+}
+
+/// Has the child with this pid (one this scenario started) exited? Its name and the tail
+/// of its log, then. A child not reaped yet is a zombie (state `Z`), one reaped has no
+/// `/proc` entry.
+pub fn exited(pid: u32) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
+    // The state follows the command's closing parenthesis.
+    let state = stat
+        .as_deref()
+        .and_then(|s| s.rsplit_once(')'))
+        .and_then(|(_, rest)| rest.split_whitespace().next());
+    if !matches!(state, None | Some("Z" | "X")) {
+        return None;
+    }
+    let logs = LOGS.lock().ok()?;
+    let (_, name, log) = logs.iter().rev().find(|(p, _, _)| *p == pid)?;
+    Some(format!(
+        "{name} (pid {pid}) exited while measured; the last lines of its log:\n    {}",
+        log_tail(log)
+    ))
 }
 
 /// The pid of the child this scenario started listening on `addr` (started through
@@ -457,6 +490,43 @@ mod tests {
         assert!(err.to_string().contains("quitter exited"), "{err}");
         assert!(env.procs.is_empty());
         assert_eq!(pid_listening_on(addr), None);
+    }
+
+    /// A child that exited is seen (a zombie not reaped yet, or reaped), with its log's
+    /// tail; a live one is not.
+    #[test]
+    fn a_child_that_exited_is_named_with_its_log() {
+        let dir =
+            std::env::temp_dir().join(format!("tailgate-bench-exited-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let log = dir.join("peer.log");
+        let out = std::fs::File::create(&log).expect("log file");
+        let mut child = Command::new("sh")
+            .args(["-c", "read line; echo \"bad config on line 3\"; exit 3"])
+            .stdin(Stdio::piped())
+            .stdout(out)
+            .spawn()
+            .expect("start sh");
+        let pid = child.id();
+        LOGS.lock()
+            .expect("logs")
+            .push((pid, "peer".into(), log.clone()));
+        assert_eq!(exited(pid), None, "running");
+        drop(child.stdin.take());
+        let mut why = None;
+        for _ in 0..500 {
+            why = exited(pid);
+            if why.is_some() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let why = why.expect("the exit is seen before the child is reaped");
+        assert!(why.starts_with("peer (pid "), "{why}");
+        assert!(why.contains("bad config on line 3"), "{why}");
+        let _ = child.wait();
+        assert!(exited(pid).is_some(), "reaped, still exited");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A descendant's CPU counts toward its ancestor's: a shell whose grandchild spins
