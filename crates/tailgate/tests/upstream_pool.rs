@@ -1410,3 +1410,61 @@ async fn a_replayed_requests_connect_is_in_its_connect_stage() {
         "the replay's connect was not counted: {sum1} then {sum2}"
     );
 }
+
+/// `GET path` with `host` on a new connection to `addr`; the status.
+async fn get_as(addr: std::net::SocketAddr, host: &'static str, path: String) -> u16 {
+    let mut c = h1_client(addr).await;
+    let req = http::Request::get(path)
+        .header("host", host)
+        .body(full(""))
+        .unwrap();
+    c.send_request(req).await.unwrap().status().as_u16()
+}
+
+/// Under `max_connections_per_endpoint`, each tenant queues in a lane of its own and the
+/// lanes take turns: a request of tenant `b` queued behind ten of tenant `a` is the next
+/// but one to reach the upstream, not the eleventh (one queue for all, first come first
+/// served, put it behind the whole flood, to time out with it).
+#[tokio::test]
+async fn tenants_queued_for_one_endpoint_take_turns() {
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let order = Arc::new(Mutex::new(Vec::<String>::new()));
+    let seen = order.clone();
+    let up = upstream(move |req: http::Request<hyper::body::Incoming>| {
+        let (seen, mut gate) = (seen.clone(), gate.clone());
+        async move {
+            seen.lock().unwrap().push(req.uri().path().to_owned());
+            let _ = gate.wait_for(|open| *open).await;
+            http::Response::new(full("ok"))
+        }
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[server]\nworkers = 1\n[[tenant]]\nname = \"a\"\nhosts = [\"a.test\"]\n[[tenant]]\nname = \"b\"\nhosts = [\"b.test\"]\n[[cluster]]\nname = \"up\"\nendpoints = [\"{up}\"]\nmax_connections_per_endpoint = 1\nconnect_timeout = \"20s\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n"
+    ));
+    let addr = gw.addr;
+    let mut requests = vec![tokio::spawn(get_as(addr, "a.test", "/a0".into()))];
+    wait_for("a's first request at the upstream", || {
+        order.lock().unwrap().len() == 1
+    })
+    .await;
+    for i in 1..=10 {
+        requests.push(tokio::spawn(get_as(addr, "a.test", format!("/a{i}"))));
+        wait_for("a's request queued", || {
+            stat(&gw, |s| s.queued.load(Ordering::SeqCst)) == i
+        })
+        .await;
+    }
+    requests.push(tokio::spawn(get_as(addr, "b.test", "/b".into())));
+    wait_for("b's request queued", || {
+        stat(&gw, |s| s.queued.load(Ordering::SeqCst)) == 11
+    })
+    .await;
+    open.send(true).unwrap();
+    for r in requests {
+        assert_eq!(r.await.unwrap(), 200);
+    }
+    let order = order.lock().unwrap().clone();
+    assert_eq!(order.len(), 12);
+    assert_eq!(&order[..3], ["/a0", "/a1", "/b"], "{order:?}");
+}

@@ -654,8 +654,11 @@ fn forward(
         // One clock read ends the route stage and starts the upstream one (the endpoint's
         // pick included); the retry budget's window and the pool's checkout take it too.
         let t_connect = Instant::now();
+        // The tenant the request serves: its lane in an endpoint's connection queue.
+        let mut tenant = None;
         if let Some(ex) = rec.exchange_mut() {
             ex.timings.route = Some(t_connect - started);
+            tenant = ex.tenant;
         }
         let cluster = &worker.upstreams.clusters[route.cluster];
         // Held until the response ends (with its body, or its tunnel): past the cluster's
@@ -675,8 +678,8 @@ fn forward(
         // Without a total deadline (most routes) the checkout is awaited as it is: wrapped,
         // it would be moved once more, and the request's future grow by a timer.
         let first = match total_deadline {
-            None => cluster.checkout_at(&pool, t_connect).await,
-            Some(d) => within(d, cluster.checkout_at(&pool, t_connect)).await,
+            None => cluster.checkout_at(&pool, t_connect, tenant).await,
+            Some(d) => within(d, cluster.checkout_at(&pool, t_connect, tenant)).await,
         };
         let mut up = match first {
             Ok(up) => up,
@@ -696,8 +699,8 @@ fn forward(
                 pool = cluster.pick(Some(pool.addr))?;
                 in_flight = pool.load.start();
                 let second = match total_deadline {
-                    None => cluster.checkout(&pool).await,
-                    Some(d) => within(d, cluster.checkout(&pool)).await,
+                    None => cluster.checkout(&pool, tenant).await,
+                    Some(d) => within(d, cluster.checkout(&pool, tenant)).await,
                 };
                 match second {
                     Ok(up) => up,
@@ -759,7 +762,8 @@ fn forward(
             &parts,
             &added,
             !upgrade && bodiless && (route.idempotent || is_idempotent(&parts.method)),
-        );
+        )
+        .map(|h| h.for_tenant(tenant));
         // The body is changed in place: a bodiless request (most) is not moved at all.
         let replay_copy = if keep_copy {
             let (kept, copy) = body.keep_copy(REPLAY_COPY_BYTES);
@@ -1233,7 +1237,9 @@ async fn replace_or_move(
     }
     tracing::debug!(upstream.addr = %from, error = %e, to = %to.addr, "no connection to this endpoint for a resend; sending it to another");
     up.pool.count_retry();
-    let conn = cluster.checkout(&to).await;
+    // (In the lane of no tenant, under `max_connections_per_endpoint`: a rare path, after
+    // a send that failed, which does not carry the request's tenant.)
+    let conn = cluster.checkout(&to, None).await;
     *moved = Some((e, to));
     conn
 }

@@ -134,6 +134,8 @@ pub struct Hedge<'a> {
     /// The request's head, borrowed: the hedge sends the same one.
     parts: &'a http::request::Parts,
     added: &'a Added<'a>,
+    /// The request's tenant: the copy's lane in an endpoint's connection queue.
+    tenant: Option<usize>,
 }
 
 /// Which copy answered first.
@@ -189,7 +191,15 @@ impl<'a> Hedge<'a> {
             delay,
             parts,
             added,
+            tenant: None,
         })
+    }
+
+    /// The copy waits in `tenant`'s lane of an endpoint's connection queue, as the request
+    /// did (see [`super::limit`]).
+    pub fn for_tenant(mut self, tenant: Option<usize>) -> Hedge<'a> {
+        self.tenant = tenant;
+        self
     }
 
     /// Sends the copy to `pool`; records the outcome on that endpoint's load. A copy with no
@@ -201,7 +211,7 @@ impl<'a> Hedge<'a> {
         deadline: tokio::time::Instant,
     ) -> Result<(http::Response<UpBody>, Conn), ProxyError> {
         let in_flight = pool.load.start();
-        let mut conn = match self.cluster.checkout(&pool).await {
+        let mut conn = match self.cluster.checkout(&pool, self.tenant).await {
             Ok(c) => c,
             Err(e) => {
                 // A wait in a full endpoint's queue is no failure of it.

@@ -4,15 +4,22 @@
 //! request to a server for which each one is dear (seed 004: MySQL pays 30–60 ms and
 //! megabytes of memory per connection, which is why pooling proxies exist).
 //!
-//! A request that finds no idle connection and no room for a new one queues, first come
-//! first served, for the next connection given back (handed to it directly, so a request
-//! that comes later cannot take it first) or the next place a closed one frees, for up to
-//! the cluster's `connect_timeout` (HAProxy's `timeout queue` defaults to its
-//! `timeout connect`). The queue is a list of one-shot channels: written by hand because a
-//! semaphore (tokio's) hands out places but not the connection given back with one, and a
-//! waiter woken to look for it in the idle list would race the requests that come meanwhile.
+//! A request that finds no idle connection and no room for a new one queues for the next
+//! connection given back (handed to it directly, so a request that comes later cannot take
+//! it first) or the next place a closed one frees, for up to the cluster's
+//! `connect_timeout` (HAProxy's `timeout queue` defaults to its `timeout connect`). The
+//! queue is a list of one-shot channels: written by hand because a semaphore (tokio's)
+//! hands out places but not the connection given back with one, and a waiter woken to look
+//! for it in the idle list would race the requests that come meanwhile.
 //!
-//! The queue holds at most [`QUEUE_MAX`] requests (as Envoy's `max_pending_requests`
+//! Each tenant queues in a lane of its own (requests of no tenant in one more), first come
+//! first served within it, and the lanes take turns at what is handed out: a tenant that
+//! floods a shared cluster's endpoint waits behind itself, and another tenant's request is
+//! handed one of the next connections whatever the flood's length. One queue for all
+//! (nginx's, HAProxy's, Envoy's) put it behind every request of the flood, to time out
+//! with them.
+//!
+//! A lane holds at most [`QUEUE_MAX`] requests (as Envoy's `max_pending_requests`
 //! defaults to 1024): past that a request is refused at once (`503 upstream_queue_full`,
 //! counted), not queued behind thousands that will time out before it.
 
@@ -24,8 +31,58 @@ use tokio::sync::oneshot;
 
 use super::pool::Idle;
 
-/// The most requests queued for one endpoint's connections on one worker.
+/// The most requests one tenant queues for one endpoint's connections on one worker.
 pub(super) const QUEUE_MAX: usize = 1024;
+
+/// The requests queued, a lane per tenant; the lanes take turns.
+#[derive(Default)]
+struct Queue {
+    /// The lanes with requests queued (an emptied lane is removed).
+    lanes: Vec<Lane>,
+    /// The lane the next hand-out goes to (taken modulo the lanes' count).
+    turn: usize,
+}
+
+/// One tenant's requests queued.
+struct Lane {
+    tenant: Option<usize>,
+    waiters: VecDeque<oneshot::Sender<Handed>>,
+    /// The lane was found full of requests still waiting, and none has left its front
+    /// since: refused at once, not looked through again.
+    full_of_live: bool,
+}
+
+impl Queue {
+    fn is_empty(&self) -> bool {
+        self.lanes.is_empty()
+    }
+
+    fn remove_lane(&mut self, i: usize) {
+        self.lanes.remove(i);
+        if self.turn > i {
+            self.turn -= 1;
+        }
+    }
+
+    /// The first request of the lane whose turn it is; the turn passes to the next lane.
+    fn pop_front(&mut self) -> Option<oneshot::Sender<Handed>> {
+        if self.lanes.is_empty() {
+            return None;
+        }
+        let i = self.turn % self.lanes.len();
+        let lane = &mut self.lanes[i];
+        let w = lane.waiters.pop_front();
+        lane.full_of_live = false;
+        if lane.waiters.is_empty() {
+            // The next lane slides into its place, and has the turn.
+            self.lanes.remove(i);
+            self.turn = i;
+        } else {
+            self.turn = i + 1;
+        }
+        w
+    }
+}
 
 /// The open connections of one endpoint on one worker, their cap, and the requests queued
 /// for one.
@@ -36,10 +93,7 @@ pub(super) struct ConnLimit {
     /// queued were let go (see [`Self::close`]).
     closed: AtomicBool,
     // Held only for a push, a pop or a send, never across an await; one worker uses it.
-    waiters: Mutex<VecDeque<oneshot::Sender<Handed>>>,
-    /// The queue was found full of requests still waiting, and none has left its front
-    /// since: refused at once, not looked through again (only written under `waiters`).
-    full_of_live: AtomicBool,
+    waiters: Mutex<Queue>,
 }
 
 /// What a queued request is handed.
@@ -68,7 +122,7 @@ impl Drop for ConnPermit {
 pub(super) enum Turn {
     Now(ConnPermit),
     Queued(oneshot::Receiver<Handed>),
-    /// [`QUEUE_MAX`] requests are queued already.
+    /// [`QUEUE_MAX`] requests of the tenant are queued already.
     Full,
     /// The endpoint is out of its cluster (its pool parked or drained): nothing will be
     /// handed here.
@@ -81,8 +135,7 @@ impl ConnLimit {
             open: AtomicUsize::new(0),
             max,
             closed: AtomicBool::new(false),
-            waiters: Mutex::new(VecDeque::new()),
-            full_of_live: AtomicBool::new(false),
+            waiters: Mutex::new(Queue::default()),
         })
     }
 
@@ -107,39 +160,58 @@ impl ConnLimit {
             .map(|_| ConnPermit(Some(self.clone())))
     }
 
-    /// A place now, or a place in the queue. Behind requests already queued, a request
-    /// queues even if a place has just freed (that place is on its way to the first of them).
-    pub(super) fn take_or_queue(self: &Arc<Self>) -> Turn {
-        let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+    /// A place now, or a place in `tenant`'s lane of the queue. Behind requests already
+    /// queued (any tenant's), a request queues even if a place has just freed (that place
+    /// is on its way to one of them).
+    pub(super) fn take_or_queue(self: &Arc<Self>, tenant: Option<usize>) -> Turn {
+        let mut queue = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
         if self.closed.load(Ordering::Relaxed) {
             return Turn::Closed;
         }
-        // Requests gone from the queue's front (timed out first: they all wait the same
-        // time) are let go here; one gone from its middle is passed over when a connection
-        // is handed out. The whole queue is looked through only when it seems full, and not
-        // again until its front moves: a look per request cost a pass over thousands of
-        // waiters at each request while an endpoint stalled.
-        while waiters.front().is_some_and(oneshot::Sender::is_closed) {
-            waiters.pop_front();
-            self.full_of_live.store(false, Ordering::Relaxed);
-        }
-        if waiters.len() >= QUEUE_MAX {
-            if self.full_of_live.load(Ordering::Relaxed) {
-                return Turn::Full;
+        // Requests gone from a lane's front (timed out first: they all wait the same time)
+        // are let go here, and a lane left empty; one gone from its middle is passed over
+        // when a connection is handed out.
+        let mut i = 0;
+        while let Some(lane) = queue.lanes.get_mut(i) {
+            while lane.waiters.front().is_some_and(oneshot::Sender::is_closed) {
+                lane.waiters.pop_front();
+                lane.full_of_live = false;
             }
-            waiters.retain(|w| !w.is_closed());
-            if waiters.len() >= QUEUE_MAX {
-                self.full_of_live.store(true, Ordering::Relaxed);
-                return Turn::Full;
+            if lane.waiters.is_empty() {
+                queue.remove_lane(i);
+            } else {
+                i += 1;
             }
         }
-        if waiters.is_empty()
+        // The whole lane is looked through only when it seems full, and not again until
+        // its front moves: a look per request cost a pass over thousands of waiters at
+        // each request while an endpoint stalled.
+        if let Some(lane) = queue.lanes.iter_mut().find(|l| l.tenant == tenant)
+            && lane.waiters.len() >= QUEUE_MAX
+        {
+            if lane.full_of_live {
+                return Turn::Full;
+            }
+            lane.waiters.retain(|w| !w.is_closed());
+            if lane.waiters.len() >= QUEUE_MAX {
+                lane.full_of_live = true;
+                return Turn::Full;
+            }
+        }
+        if queue.is_empty()
             && let Some(p) = self.try_take()
         {
             return Turn::Now(p);
         }
         let (tx, rx) = oneshot::channel();
-        waiters.push_back(tx);
+        match queue.lanes.iter_mut().find(|l| l.tenant == tenant) {
+            Some(lane) => lane.waiters.push_back(tx),
+            None => queue.lanes.push(Lane {
+                tenant,
+                waiters: VecDeque::from([tx]),
+                full_of_live: false,
+            }),
+        }
         Turn::Queued(rx)
     }
 
@@ -151,7 +223,6 @@ impl ConnLimit {
     pub(super) fn close(&self) {
         let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
         self.closed.store(true, Ordering::Relaxed);
-        self.full_of_live.store(false, Ordering::Relaxed);
         let gone = std::mem::take(&mut *waiters);
         // Dropped once the lock is let go, as everything handed here is.
         drop(waiters);
@@ -165,11 +236,11 @@ impl ConnLimit {
         self.closed.store(false, Ordering::Relaxed);
     }
 
-    /// Hands `idle` to the first request still queued; gives it back when none is.
+    /// Hands `idle` to the first request still queued in the lane whose turn it is; gives
+    /// it back when none is queued.
     pub(super) fn hand_idle(&self, mut idle: Idle) -> Option<Idle> {
         let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
         while let Some(w) = waiters.pop_front() {
-            self.full_of_live.store(false, Ordering::Relaxed);
             match w.send(Handed::Idle(idle)) {
                 Ok(()) => return None,
                 Err(Handed::Idle(back)) => idle = back,
@@ -184,12 +255,11 @@ impl ConnLimit {
         Some(idle)
     }
 
-    /// A connection closed: its place goes to the first request still queued, or back to
-    /// the count.
+    /// A connection closed: its place goes to the first request still queued in the lane
+    /// whose turn it is, or back to the count.
     fn release(self: &Arc<Self>) {
         let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
         while let Some(w) = waiters.pop_front() {
-            self.full_of_live.store(false, Ordering::Relaxed);
             match w.send(Handed::Room(ConnPermit(Some(self.clone())))) {
                 Ok(()) => return,
                 // That request is gone: the place is not freed twice.
@@ -234,34 +304,97 @@ mod tests {
     #[test]
     fn the_queue_is_bounded_and_frees_the_places_of_requests_gone() {
         let limit = ConnLimit::new(1);
-        let Turn::Now(_permit) = limit.take_or_queue() else {
+        let Turn::Now(_permit) = limit.take_or_queue(None) else {
             panic!("the first request takes the only place");
         };
         let mut queued = Vec::new();
         for _ in 0..QUEUE_MAX {
-            match limit.take_or_queue() {
+            match limit.take_or_queue(None) {
                 Turn::Queued(rx) => queued.push(rx),
                 _ => panic!("queued while there is room in the queue"),
             }
         }
-        assert!(matches!(limit.take_or_queue(), Turn::Full));
+        assert!(matches!(limit.take_or_queue(None), Turn::Full));
         // Found full of live ones: refused without a look, until the front moves.
         drop(queued.remove(QUEUE_MAX / 2));
-        assert!(matches!(limit.take_or_queue(), Turn::Full));
+        assert!(matches!(limit.take_or_queue(None), Turn::Full));
         // The front moves (its request timed out): both places are found again.
         drop(queued.remove(0));
         for _ in 0..2 {
-            match limit.take_or_queue() {
+            match limit.take_or_queue(None) {
                 Turn::Queued(rx) => queued.push(rx),
                 _ => panic!("a place left by a request gone is taken again"),
             }
         }
-        assert!(matches!(limit.take_or_queue(), Turn::Full));
+        assert!(matches!(limit.take_or_queue(None), Turn::Full));
         // The connection closes: its place goes to the first one still queued.
         drop(_permit);
         assert!(matches!(
             queued[0].try_recv(),
             Ok(Handed::Room(ConnPermit(Some(_))))
         ));
+    }
+
+    /// The tenants' lanes take turns: a request of tenant 1 queued behind a hundred of
+    /// tenant 0 is handed the second place freed, not the hundred-and-first; a lane is
+    /// bounded on its own, so a tenant whose lane is full does not keep another out.
+    #[test]
+    fn the_lanes_take_turns_and_are_bounded_apart() {
+        let limit = ConnLimit::new(1);
+        let Turn::Now(permit) = limit.take_or_queue(Some(0)) else {
+            panic!("the first request takes the only place");
+        };
+        let mut flood: Vec<_> = (0..QUEUE_MAX)
+            .map(|_| match limit.take_or_queue(Some(0)) {
+                Turn::Queued(rx) => rx,
+                _ => panic!("queued while there is room in the lane"),
+            })
+            .collect();
+        assert!(matches!(limit.take_or_queue(Some(0)), Turn::Full));
+        let Turn::Queued(mut other) = limit.take_or_queue(Some(1)) else {
+            panic!("another tenant's lane has room");
+        };
+        let Turn::Queued(mut none) = limit.take_or_queue(None) else {
+            panic!("the lane of no tenant has room");
+        };
+        // Three places freed: one per lane, in the order the lanes came (the flood's
+        // requests all still waiting).
+        drop(permit);
+        let Ok(Handed::Room(p)) = flood[0].try_recv() else {
+            panic!("the flood's first is handed the first place");
+        };
+        assert!(other.try_recv().is_err(), "not yet");
+        drop(p);
+        let Ok(Handed::Room(p)) = other.try_recv() else {
+            panic!("the other tenant is handed the second place");
+        };
+        drop(p);
+        assert!(matches!(none.try_recv(), Ok(Handed::Room(_))));
+        assert!(
+            flood[1].try_recv().is_err(),
+            "the flood's second waits its turn"
+        );
+    }
+
+    /// A place freed while the request at the lane's front has gone (its receiver
+    /// dropped) goes to the next one, or back to the count: not freed twice (a place freed
+    /// twice would let one connection more than the cap open), nor lost.
+    #[test]
+    fn a_place_freed_for_a_request_gone_goes_to_the_next_or_back() {
+        let limit = ConnLimit::new(1);
+        let Turn::Now(permit) = limit.take_or_queue(None) else {
+            panic!("the first request takes the only place");
+        };
+        let Turn::Queued(gone) = limit.take_or_queue(None) else {
+            panic!("queued");
+        };
+        drop(gone);
+        drop(permit);
+        assert_eq!(limit.open(), 0, "the place is back, once");
+        let Turn::Now(_p) = limit.take_or_queue(None) else {
+            panic!("the place is taken again");
+        };
+        assert_eq!(limit.open(), 1);
+        assert!(limit.try_take().is_none(), "no second place");
     }
 }

@@ -332,8 +332,13 @@ impl ClusterPools {
 
     /// A connection to `pool`; a failed connect to a resolved address asks for an early
     /// re-resolution of the cluster's names (the name may have moved: failover).
-    pub async fn checkout(&self, pool: &Arc<EndpointPool>) -> Result<Conn, ProxyError> {
-        self.checkout_at(pool, Instant::now()).await
+    /// A wait under `max_connections_per_endpoint` is in `tenant`'s lane of the queue.
+    pub async fn checkout(
+        &self,
+        pool: &Arc<EndpointPool>,
+        tenant: Option<usize>,
+    ) -> Result<Conn, ProxyError> {
+        self.checkout_at(pool, Instant::now(), tenant).await
     }
 
     /// [`Self::checkout`] at `now`, a clock reading the caller already took.
@@ -341,8 +346,9 @@ impl ClusterPools {
         &self,
         pool: &Arc<EndpointPool>,
         now: Instant,
+        tenant: Option<usize>,
     ) -> Result<Conn, ProxyError> {
-        let r = pool.checkout_at(now).await;
+        let r = pool.checkout_at(now, tenant).await;
         if let Err(e) = &r {
             self.connect_failed(pool.addr, e);
         }

@@ -711,13 +711,19 @@ impl EndpointPool {
 
     /// A ready connection: a stream on a shared HTTP/2 connection, or the most recently used
     /// idle HTTP/1.1 one that is still open, else a new one.
+    /// (Queued under `max_connections_per_endpoint`, in the lane of no tenant.)
     pub async fn checkout(self: &Arc<Self>) -> Result<Conn, ProxyError> {
-        self.checkout_at(Instant::now()).await
+        self.checkout_at(Instant::now(), None).await
     }
 
     /// [`Self::checkout`] at `now`, a clock reading the caller already took (the request
-    /// path's stage timing), so a request reads the clock once fewer.
-    pub async fn checkout_at(self: &Arc<Self>, mut now: Instant) -> Result<Conn, ProxyError> {
+    /// path's stage timing), so a request reads the clock once fewer; a wait under
+    /// `max_connections_per_endpoint` is in `tenant`'s lane of the queue.
+    pub async fn checkout_at(
+        self: &Arc<Self>,
+        mut now: Instant,
+        tenant: Option<usize>,
+    ) -> Result<Conn, ProxyError> {
         if self.h2_possible() {
             if let Some(conn) = self.checkout_h2().await? {
                 return Ok(conn);
@@ -751,7 +757,7 @@ impl EndpointPool {
         }
         let permit = match &self.limit {
             None => None,
-            Some(limit) => match limit.take_or_queue() {
+            Some(limit) => match limit.take_or_queue(tenant) {
                 Turn::Now(p) => Some(p),
                 Turn::Closed => return Err(ProxyError::EndpointRemoved),
                 Turn::Full => {
