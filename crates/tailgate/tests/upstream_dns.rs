@@ -1045,3 +1045,34 @@ async fn a_lookup_failed_at_start_is_tried_again_within_the_startup_timeout() {
     assert_eq!(get(gw.addr, "/").await.status(), 200);
     assert_eq!(a_hits.load(Ordering::SeqCst), 1);
 }
+
+/// A TLS handshake that fails on a resolved address (its certificate is not the name's:
+/// the address may be another service's by now) asks for an early re-resolution, as a
+/// refused connect does; before, the address was kept until its TTL ran out.
+#[tokio::test]
+async fn a_failed_tls_handshake_re_resolves_early() {
+    let pki = tls::Pki::new();
+    let (up, _seen) = tls::tls_ok_upstream(
+        &pki,
+        tls::ServerOpts {
+            cert: "dns-only.pem",
+            key: "dns-only.key",
+            ..Default::default()
+        },
+    )
+    .await;
+    let dns = DnsServer::start(Ipv4Addr::LOCALHOST).await;
+    dns.ttl.store(3600, Ordering::SeqCst);
+    let gw = TestGateway::start(&format!(
+        "[dns]\nnameservers = [\"{}\"]\nmin_refresh = \"50ms\"\nmax_refresh = \"1h\"\nquery_timeout = \"2s\"\nstartup_timeout = \"3s\"\n[[cluster]]\nname = \"up\"\nendpoints = [\"https://svc.test:{}\"]\ntls_ca = \"{}\"\n[[route]]\npath_prefix = \"/\"\ncluster = \"up\"\n",
+        dns.addr,
+        up.port(),
+        pki.path("ca.pem")
+    ));
+    let g = gw.gw.as_ref().unwrap();
+    assert_eq!(get(gw.addr, "/").await.status(), 502);
+    wait_for("an early re-resolution", || {
+        g.dns_stats().early_refreshes.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+}

@@ -357,12 +357,18 @@ impl ClusterPools {
 
     /// A connect to `addr`, one of the cluster's endpoints, ended in `e`: a refused or
     /// timed-out one asks for an early re-resolution of the cluster's names (the name may
-    /// have moved: failover). Not for an endpoint written as an address (a cluster may have
-    /// both kinds): no name's answer would move it, and a dead one asked the name servers
-    /// again at every `min_refresh` for as long as it stayed down.
+    /// have moved: failover), and so does a failed TLS handshake (the address may be
+    /// another service's by now, whose certificate is not the name's). Not for an endpoint
+    /// written as an address (a cluster may have both kinds): no name's answer would move
+    /// it, and a dead one asked the name servers again at every `min_refresh` for as long
+    /// as it stayed down.
     pub fn connect_failed(&self, addr: SocketAddr, e: &ProxyError) {
-        if let (ProxyError::UpstreamConnect(_) | ProxyError::ConnectTimeout, Some(feed)) =
-            (e, &self.feed)
+        if let (
+            ProxyError::UpstreamConnect(_)
+            | ProxyError::ConnectTimeout
+            | ProxyError::UpstreamTls(_),
+            Some(feed),
+        ) = (e, &self.feed)
             && !self.config.endpoints.contains(&addr)
         {
             feed.request_refresh();
