@@ -107,7 +107,7 @@ pub fn serve(path: &Path, watchdog: bool) -> Result<(), CliError> {
         tracing::info!(delay = ?delay, "stopping: /readyz says draining; still accepting for shutdown_delay before the drain");
         // Nothing ends this wait but the delay or a SIGINT: the sender is kept meanwhile.
         let (_keep, never) = tokio::sync::oneshot::channel();
-        if let Drained::Interrupted = signals.wait_for(never, delay) {
+        if let Drained::Interrupted = signals.wait_for(never, delay, false) {
             tracing::info!("SIGINT during shutdown_delay: draining now");
         }
     }
@@ -122,7 +122,7 @@ pub fn serve(path: &Path, watchdog: bool) -> Result<(), CliError> {
         })?;
     // Each worker ends its own drain when the grace period is over; one that is stuck (the
     // watchdog's case) never does, so the wait has an end of its own.
-    match signals.wait_for(done, grace + DRAIN_MARGIN) {
+    match signals.wait_for(done, grace + DRAIN_MARGIN, true) {
         Drained::Done => {}
         Drained::Failed => {
             tracing::error!("the drain's thread panicked; stopping without it");
@@ -270,7 +270,16 @@ struct Signals {
     hup: tokio::signal::unix::Signal,
     usr1: tokio::signal::unix::Signal,
     usr2: tokio::signal::unix::Signal,
+    /// When [`Self::wait`] saw the stop asked.
+    asked_at: Option<std::time::Instant>,
 }
+
+/// A SIGINT this soon after the signal that asked the stop came with it (a terminal's
+/// SIGINT and a wrapper's SIGTERM, sent together): it does not stop the drain. What
+/// [`Signals::wait`] takes without waiting is not enough: the second of two signals sent
+/// microseconds apart may reach the process after the first was taken, and cut every
+/// request in flight.
+const SIGNALS_TOGETHER: std::time::Duration = std::time::Duration::from_millis(250);
 
 impl Signals {
     fn new() -> std::io::Result<Signals> {
@@ -297,6 +306,7 @@ impl Signals {
             hup,
             usr1,
             usr2,
+            asked_at: None,
         })
     }
 
@@ -312,8 +322,9 @@ impl Signals {
             hup,
             usr1,
             usr2,
+            asked_at,
         } = self;
-        rt.block_on(async {
+        let stop = rt.block_on(async {
             let mut stop = loop {
                 tokio::select! {
                     _ = term.recv() => break Stop::Term,
@@ -340,30 +351,43 @@ impl Signals {
             })
             .await;
             stop
-        })
+        });
+        *asked_at = Some(std::time::Instant::now());
+        stop
     }
 
     /// Until `done`, a SIGINT, or `limit`, whichever comes first; SIGTERMs and SIGQUITs
-    /// meanwhile are taken and ignored.
+    /// meanwhile are taken and ignored, and so, with `drain`, is a SIGINT that came with the
+    /// signal that asked the stop ([`SIGNALS_TOGETHER`]).
     fn wait_for(
         &mut self,
         done: tokio::sync::oneshot::Receiver<()>,
         limit: std::time::Duration,
+        drain: bool,
     ) -> Drained {
         let Signals {
             rt,
             term,
             quit,
             int,
+            asked_at,
             ..
         } = self;
+        let together = |at: &Option<std::time::Instant>| {
+            drain && at.is_some_and(|at| at.elapsed() < SIGNALS_TOGETHER)
+        };
         rt.block_on(async {
             let mut done = std::pin::pin!(done);
             let mut limit = std::pin::pin!(tokio::time::sleep(limit));
             loop {
                 tokio::select! {
                     r = &mut done => return if r.is_ok() { Drained::Done } else { Drained::Failed },
-                    _ = int.recv() => return Drained::Interrupted,
+                    _ = int.recv() => {
+                        if !together(asked_at) {
+                            return Drained::Interrupted;
+                        }
+                        tracing::debug!("SIGINT with the signal that asked the stop: the drain goes on");
+                    }
                     _ = &mut limit => return Drained::TimedOut,
                     _ = term.recv() => {}
                     _ = quit.recv() => {}
