@@ -30,6 +30,8 @@ pub enum CliError {
     DrainStuck(std::time::Duration),
     #[error("error: the drain failed (its thread panicked); stopped without it")]
     DrainFailed,
+    #[error("error: the demo upstream's thread panicked")]
+    DemoFailed,
 }
 
 impl CliError {
@@ -40,7 +42,8 @@ impl CliError {
             | CliError::Io(_)
             | CliError::Interrupted
             | CliError::DrainStuck(_)
-            | CliError::DrainFailed => 1,
+            | CliError::DrainFailed
+            | CliError::DemoFailed => 1,
         }
     }
 }
@@ -173,13 +176,25 @@ pub fn demo_upstream(listen: &str) -> Result<(), CliError> {
         source,
     })?;
     socket.set_nonblocking(true)?;
-    eprintln!("demo upstream listening on {}", socket.local_addr()?);
+    let local = socket.local_addr()?;
+    // Its runtime and listener are made before it says it listens: one that cannot be
+    // made (out of descriptors) is an error and exit 1, not a line saying it listens and
+    // a process that answers nothing.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let listener = {
+        let _in = rt.enter();
+        tokio::net::TcpListener::from_std(socket)?
+    };
+    eprintln!("demo upstream listening on {local}");
     let (tx, rx) = watch::channel(false);
-    let thread = std::thread::spawn(move || crate::demo::run_blocking(socket, rx));
+    let thread = std::thread::Builder::new()
+        .name("demo-upstream".into())
+        .spawn(move || rt.block_on(crate::demo::serve(listener, rx)))?;
     signals.wait();
     let _ = tx.send(true);
-    let _ = thread.join();
-    Ok(())
+    thread.join().map_err(|_| CliError::DemoFailed)
 }
 
 /// Raises the soft limit on open files to the hard one, as nginx's `worker_rlimit_nofile`
