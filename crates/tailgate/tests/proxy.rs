@@ -171,6 +171,60 @@ async fn a_clients_forwarded_and_forwarded_port_never_reach_the_upstream() {
     }
 }
 
+/// The same claims spelled with `_` for `-` (`X_Real_IP`, `X-Forwarded_Ssl`): a CGI-style
+/// upstream (Rack, uWSGI, PHP) reads them as the `HTTP_X_REAL_IP` and `HTTP_X_FORWARDED_SSL`
+/// the hyphenated ones make, so they never reach it either, over either upstream protocol;
+/// nor does a second request id so spelled. Before, they went on as the client wrote them.
+#[tokio::test]
+async fn a_clients_claims_spelled_with_underscores_never_reach_the_upstream() {
+    let h1 = echo_upstream().await;
+    let h2 = h2c_upstream_with(|req: http::Request<hyper::body::Incoming>| async move {
+        let seen: Vec<String> = req
+            .headers()
+            .iter()
+            .map(|(k, v)| format!("{k}={}", String::from_utf8_lossy(v.as_bytes())))
+            .collect();
+        http::Response::new(full(seen.join("\n")))
+    })
+    .await;
+    let gw = TestGateway::start(&format!(
+        "[[cluster]]\nname = \"h1\"\nendpoints = [\"{h1}\"]\n\
+         [[cluster]]\nname = \"h2\"\nendpoints = [\"{h2}\"]\nprotocol = \"http2\"\n\
+         [[route]]\npath_prefix = \"/two\"\ncluster = \"h2\"\n\
+         [[route]]\npath_prefix = \"/\"\ncluster = \"h1\"\n"
+    ));
+    for path in ["/one", "/two"] {
+        let req = format!(
+            "GET {path} HTTP/1.1\r\nHost: api.test\r\nX_Real_IP: 6.6.6.7\r\n\
+             True_Client_IP: 6.6.6.8\r\nX-Forwarded_Ssl: on\r\nX_Forwarded_Port: 6666\r\n\
+             X-Forwarded_Host: evil.test\r\nX_FORWARDED_FOR: 6.6.6.9\r\n\
+             X_Request_Id: spoofed-id\r\nX_Forwarded_Prefix: /kept\r\nConnection: close\r\n\r\n"
+        );
+        let (resp, _) = raw(gw.addr, req.as_bytes(), Duration::from_secs(5)).await;
+        let lower = resp.to_ascii_lowercase();
+        assert!(lower.starts_with("http/1.1 200"), "{resp}");
+        assert!(
+            lower.contains("x-forwarded-host") && lower.contains("api.test"),
+            "{resp}"
+        );
+        assert!(lower.contains("/kept"), "{resp}");
+        for gone in [
+            "evil.test",
+            "6.6.6.",
+            "spoofed-id",
+            "real_ip",
+            "client_ip",
+            "forwarded_ssl",
+            "forwarded_port",
+        ] {
+            assert!(
+                !lower.contains(gone),
+                "{path}: {gone:?} reached the upstream: {resp}"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn keeps_the_clients_request_id() {
     let up = echo_upstream().await;

@@ -289,11 +289,21 @@ impl<'a> Added<'a> {
     /// `True-Client-IP`) are left out, and none is written:
     /// frameworks read them before, or beside, the `X-Forwarded-*` the gateway writes, so
     /// a client's would pass for the gateway's word.
+    ///
+    /// A name spelled with `_` for `-` (`X_Real_IP`, `X-Forwarded_Host`) is the same name
+    /// here: CGI-style upstreams (Rack, uWSGI, PHP) read both as one `HTTP_*` variable
+    /// (RFC 3875 §4.1.18), so the client's would stand in for the one the gateway removed
+    /// or wrote (nginx drops every name with `_` by default).
     pub fn replaces(&self, name: &HeaderName) -> bool {
         *name == header::EXPECT
             || *name == header::FORWARDED
-            || name == self.request_id.0
+            || self.is_request_id(name)
             || proxys_word(name)
+    }
+
+    /// The request id's header, in either spelling (see [`Self::replaces`]).
+    fn is_request_id(&self, name: &HeaderName) -> bool {
+        name == self.request_id.0 || same_name(name.as_str(), self.request_id.0.as_str())
     }
 
     /// The headers to add, in order.
@@ -312,7 +322,7 @@ impl<'a> Added<'a> {
     pub fn apply(&self, headers: &mut HeaderMap) {
         headers.remove(header::EXPECT);
         headers.remove(header::FORWARDED);
-        remove_where(headers, proxys_word);
+        remove_where(headers, |n| proxys_word(n) || self.is_request_id(n));
         for (name, value) in self.iter() {
             if *name == VIA {
                 headers.append(name, value.clone());
@@ -370,12 +380,28 @@ pub fn strip_trailers(trailers: &mut HeaderMap) {
 /// client address headers `X-Real-IP` and `True-Client-IP` (chi's and Gin's client IP).
 /// A client's `X-Forwarded-Prefix` goes on, as nginx and Envoy pass it (a rewrite route
 /// writes its own in its place).
+///
+/// Spelled with `_` for `-` too (see [`Added::replaces`]).
 fn proxys_word(name: &HeaderName) -> bool {
     let n = name.as_str();
-    match n.strip_prefix("x-forwarded-") {
-        Some(rest) => rest != "prefix",
-        None => n == "x-real-ip" || n == "true-client-ip",
+    // Most names start otherwise: one look.
+    if !n.starts_with(['x', 't']) {
+        return false;
     }
+    match n.split_at_checked("x-forwarded-".len()) {
+        Some((head, rest)) if same_name(head, "x-forwarded-") => !same_name(rest, "prefix"),
+        _ => same_name(n, "x-real-ip") || same_name(n, "true-client-ip"),
+    }
+}
+
+/// Is `name` (lower case, as header names are kept) `canonical`, or `canonical` with `_`
+/// for some of its `-`?
+fn same_name(name: &str, canonical: &str) -> bool {
+    name.len() == canonical.len()
+        && name
+            .bytes()
+            .zip(canonical.bytes())
+            .all(|(a, b)| a == b || (a == b'_' && b == b'-'))
 }
 
 /// Does this request ask for a protocol upgrade (WebSocket) the gateway passes on?
