@@ -1264,10 +1264,20 @@ fn remaining(timeout: Duration, total_deadline: Option<Instant>) -> Duration {
     }
 }
 
+/// The most fields an HTTP/2 request's head may have (HTTP/1.1's parser takes 100 lines;
+/// Envoy's `max_headers_count` is 100 for both). Past some 24,000 distinct names the
+/// header map is full, and the gateway's own `Host` put into it panicked: a head of many
+/// empty fields fits in a large `max_header_bytes`.
+const H2_MAX_FIELDS: usize = 10_000;
+
 /// Is an HTTP/2 request's head larger than `limit`, counted as the same head would be over
 /// HTTP/1.1: its request line, then `name: value` and a line end for each field, the
-/// cookie crumbs joined into one line (as they are sent upstream)?
+/// cookie crumbs joined into one line (as they are sent upstream)? Or has it more than
+/// [`H2_MAX_FIELDS`] fields?
 fn h2_head_too_large(parts: &Parts, limit: usize) -> bool {
+    if parts.headers.len() > H2_MAX_FIELDS {
+        return true;
+    }
     let target = parts.uri.path_and_query().map_or(1, |p| p.as_str().len());
     let mut len = parts.method.as_str().len() + 1 + target + " HTTP/1.1\r\n".len();
     // `:authority`, which HTTP/1.1 sends as `Host`.
