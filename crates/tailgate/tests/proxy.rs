@@ -959,3 +959,21 @@ async fn an_h2_answer_at_the_request_cap_is_not_cut_by_what_the_client_sends_aft
     }
     assert_eq!(got, LEN);
 }
+
+/// A client's `Connection` naming `Host` removes the hop-by-hop headers it names, but the
+/// Host is put back: the upstream gets the client's Host, not its own address.
+#[tokio::test]
+async fn a_connection_header_naming_host_keeps_the_host() {
+    let up = echo_upstream().await;
+    let gw = TestGateway::to(up, "");
+    let (resp, _) = raw(
+        gw.addr,
+        b"GET / HTTP/1.1\r\nHost: api.test\r\nConnection: host, x-drop, close\r\nX-Drop: 1\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    let lower = resp.to_ascii_lowercase();
+    assert!(lower.starts_with("http/1.1 200"), "{resp}");
+    assert!(lower.contains("x-echo-host: api.test\r\n"), "{resp}");
+    assert!(!lower.contains("x-echo-x-drop"), "{resp}");
+}
