@@ -952,8 +952,19 @@ async fn the_address_family_setting_leaves_the_other_out() {
 async fn a_name_with_no_address_any_more_loses_its_endpoints() {
     let (port, a_hits, _) = twin_upstreams().await;
     let dns = DnsServer::start(Ipv4Addr::new(127, 0, 0, 2)).await;
-    let gw = gateway(dns.addr, port, "");
+    let gw = gateway(dns.addr, port, "[admin]\naddress = \"127.0.0.1:0\"");
     let g = gw.gw.as_ref().unwrap();
+    let admin = g.admin_addr().unwrap();
+    // `tailgate_upstream_endpoints` says what the cluster has now.
+    let endpoints = async || {
+        let resp = get(admin, "/metrics").await;
+        let text = std::str::from_utf8(resp.body()).unwrap().to_owned();
+        let ex = prom::parse(&text, false).unwrap();
+        ex.find("tailgate_upstream_endpoints", &[("cluster", "up")])
+            .first()
+            .map(|s| s.value)
+    };
+    assert_eq!(endpoints().await, Some(1.0));
     assert_eq!(get(gw.addr, "/").await.status(), 200);
     dns.answering.store(false, Ordering::SeqCst);
     wait_for("the endpoint to go", || {
@@ -961,6 +972,7 @@ async fn a_name_with_no_address_any_more_loses_its_endpoints() {
     })
     .await;
     assert!(g.endpoint_pools().is_empty());
+    assert_eq!(endpoints().await, Some(0.0));
     assert_no_endpoints(get(gw.addr, "/").await);
     assert_eq!(a_hits.load(Ordering::SeqCst), 1);
     dns.answering.store(true, Ordering::SeqCst);

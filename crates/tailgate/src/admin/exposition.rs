@@ -800,11 +800,33 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
             w.counter(name, &[&format!("cluster=\"{c}\"")], n);
         }
     }
+    // What the cluster has now: a host name with no address (none yet, or none any more)
+    // shows as 0 before any request gets its `502 no_endpoints`. (Every worker follows
+    // the same DNS answers; the fewest any worker has, so a worker still behind shows.)
+    w.family(
+        "tailgate_upstream_endpoints",
+        Kind::Gauge,
+        "Endpoints the cluster has now (its addresses, and those its host names resolve to).",
+    );
+    for (ci, (c, _, _)) in clusters.iter().enumerate() {
+        let n = state
+            .workers
+            .iter()
+            .filter_map(|wk| wk.upstreams.clusters.get(ci))
+            .map(|p| p.endpoint_count())
+            .min()
+            .unwrap_or(0);
+        w.gauge(
+            "tailgate_upstream_endpoints",
+            &[&format!("cluster=\"{c}\"")],
+            n as u64,
+        );
+    }
     let d = &state.dns;
     let dns: [(&str, &str, u64); 5] = [
         (
             "tailgate_dns_lookups",
-            "Host-name lookups that returned addresses.",
+            "Host-name lookups answered (with addresses, or that the name has none).",
             d.lookups.load(Ordering::Relaxed),
         ),
         (
@@ -819,7 +841,7 @@ async fn upstreams(state: &AdminState, w: &mut TextWriter) -> Result<(), Closed>
         ),
         (
             "tailgate_dns_early_refreshes",
-            "Re-resolutions asked for by connect failures.",
+            "Re-resolutions asked for early: by connect or TLS failures to a resolved address, or by requests that found the cluster without endpoints.",
             d.early_refreshes.load(Ordering::Relaxed),
         ),
         (
