@@ -390,6 +390,56 @@ mod tests {
         }
     }
 
+    /// A batch the full queue drops counts each of its lines: the queue counts it as one
+    /// line, and the rest are added.
+    #[test]
+    fn a_dropped_batch_counts_each_of_its_lines() {
+        /// Waits in each write until the sender is dropped: the log thread holds the
+        /// first line, and the queue fills behind it.
+        struct Held(std::sync::Mutex<std::sync::mpsc::Receiver<()>>);
+        impl Write for Held {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                let _ = self.0.lock().expect("held").recv();
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let (writer, guard) = NonBlockingBuilder::default()
+            .buffered_lines_limit(1)
+            .lossy(true)
+            .finish(Held(std::sync::Mutex::new(held)));
+        let counter = writer.error_counter();
+        let batch = |lines: u64| Batch {
+            buf: b"x\n".repeat(lines as usize),
+            lines,
+        };
+        // Single lines until one is dropped: the log thread holds one, the queue is full.
+        for _ in 0..1000 {
+            if counter.dropped_lines() > 0 {
+                break;
+            }
+            batch(1).hand_over(&writer, Some(&counter));
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert!(counter.dropped_lines() > 0, "the queue never filled");
+        let before = (
+            counter.dropped_lines(),
+            BATCH_DROPPED.load(Ordering::Relaxed),
+        );
+        batch(5).hand_over(&writer, Some(&counter));
+        assert_eq!(
+            counter.dropped_lines() - before.0,
+            1,
+            "the queue counts one"
+        );
+        assert_eq!(BATCH_DROPPED.load(Ordering::Relaxed) - before.1, 4);
+        drop(release);
+        drop(guard);
+    }
+
     /// A panic on any thread is counted once the hook is in.
     #[test]
     fn panics_are_counted() {
