@@ -322,7 +322,12 @@ impl<'a> Added<'a> {
     pub fn apply(&self, headers: &mut HeaderMap) {
         headers.remove(header::EXPECT);
         headers.remove(header::FORWARDED);
-        remove_where(headers, |n| proxys_word(n) || self.is_request_id(n));
+        // (The request id's own spelling is replaced by the insert below: matched here, a
+        // client's id, which most requests carry, cost a pass and a copy of the names.)
+        let id = self.request_id.0;
+        remove_where(headers, |n| {
+            proxys_word(n) || (n != id && same_name(n.as_str(), id.as_str()))
+        });
         for (name, value) in self.iter() {
             if *name == VIA {
                 headers.append(name, value.clone());
@@ -392,6 +397,14 @@ fn proxys_word(name: &HeaderName) -> bool {
         Some((head, rest)) if same_name(head, "x-forwarded-") => !same_name(rest, "prefix"),
         _ => same_name(n, "x-real-ip") || same_name(n, "true-client-ip"),
     }
+}
+
+/// Removes the headers named `name` spelled with `_` for some of its `-` (not `name`
+/// itself; see [`Added::replaces`]).
+pub(super) fn remove_underscore_spellings(headers: &mut HeaderMap, name: &HeaderName) {
+    remove_where(headers, |n| {
+        n != name && same_name(n.as_str(), name.as_str())
+    });
 }
 
 /// Is `name` (lower case, as header names are kept) `canonical`, or `canonical` with `_`

@@ -445,12 +445,9 @@ pub fn handle(
         };
 
         if parts.version == http::Version::HTTP_2
-            && h2_head_too_large(&parts, settings.max_header_bytes)
+            && let Some(why) = h2_head_too_large(&parts, settings.max_header_bytes)
         {
-            return fail(
-                &mut rec,
-                ProxyError::HeadTooLarge("larger than max_header_bytes"),
-            );
+            return fail(&mut rec, ProxyError::HeadTooLarge(why));
         }
 
         // 2. Route: the host decides the tenant, the path and method the route.
@@ -1273,11 +1270,12 @@ const H2_MAX_FIELDS: usize = 10_000;
 /// Is an HTTP/2 request's head larger than `limit`, counted as the same head would be over
 /// HTTP/1.1: its request line, then `name: value` and a line end for each field, the
 /// cookie crumbs joined into one line (as they are sent upstream)? Or has it more than
-/// [`H2_MAX_FIELDS`] fields?
-fn h2_head_too_large(parts: &Parts, limit: usize) -> bool {
+/// [`H2_MAX_FIELDS`] fields? Why, if so.
+fn h2_head_too_large(parts: &Parts, limit: usize) -> Option<&'static str> {
     if parts.headers.len() > H2_MAX_FIELDS {
-        return true;
+        return Some("more than 10000 header fields");
     }
+    let larger = Some("larger than max_header_bytes");
     let target = parts.uri.path_and_query().map_or(1, |p| p.as_str().len());
     let mut len = parts.method.as_str().len() + 1 + target + " HTTP/1.1\r\n".len();
     // `:authority`, which HTTP/1.1 sends as `Host`.
@@ -1294,10 +1292,10 @@ fn h2_head_too_large(parts: &Parts, limit: usize) -> bool {
             name.as_str().len() + 2 + value.len() + 2
         };
         if len > limit {
-            return true;
+            return larger;
         }
     }
-    len + 2 > limit
+    if len + 2 > limit { larger } else { None }
 }
 
 /// An error from sending upstream: a body too large or a client that went away is the

@@ -57,13 +57,18 @@ impl Rewrite {
         if let Some(to) = &self.to {
             parts.uri = rewrite_target(&parts.uri, prefix, to)?;
             let name = &super::headers::X_FORWARDED_PREFIX;
-            super::spare::shrinking(&mut parts.headers, |h| match &self.forwarded_prefix {
-                Some(p) => {
-                    h.insert(name, p.clone());
+            super::spare::shrinking(&mut parts.headers, |h| {
+                match &self.forwarded_prefix {
+                    Some(p) => {
+                        h.insert(name, p.clone());
+                    }
+                    None => {
+                        h.remove(name);
+                    }
                 }
-                None => {
-                    h.remove(name);
-                }
+                // The client's spelled with `_` too, which CGI-style upstreams read as
+                // the same variable.
+                super::headers::remove_underscore_spellings(h, name);
             });
         }
         if let Some(h) = &self.host {
@@ -867,6 +872,8 @@ mod tests {
         let request = || {
             http::Request::get("/billing/a?q=1")
                 .header("x-forwarded-prefix", "/evil")
+                .header("x_forwarded_prefix", "/evil")
+                .header("x-forwarded_prefix", "/evil")
                 .body(())
                 .expect("request")
                 .into_parts()
@@ -882,6 +889,7 @@ mod tests {
         assert_eq!(parts.uri, "/a?q=1");
         let sent: Vec<_> = parts.headers.get_all("x-forwarded-prefix").iter().collect();
         assert_eq!(sent, ["/billing"]);
+        assert_eq!(parts.headers.len(), 1, "{:?}", parts.headers);
         let root = Rewrite {
             to: Some("/app/".to_owned()),
             ..Rewrite::default()
@@ -889,7 +897,7 @@ mod tests {
         let mut parts = request();
         root.apply(&mut parts, "/").expect("rewritten");
         assert_eq!(parts.uri, "/app/billing/a?q=1");
-        assert!(!parts.headers.contains_key("x-forwarded-prefix"));
+        assert!(parts.headers.is_empty(), "{:?}", parts.headers);
     }
 
     /// A `host_rewrite` alone sets the Host and leaves the target and the client's

@@ -20,8 +20,9 @@
 //! with them.
 //!
 //! A lane holds at most [`QUEUE_MAX`] requests (as Envoy's `max_pending_requests`
-//! defaults to 1024): past that a request is refused at once (`503 upstream_queue_full`,
-//! counted), not queued behind thousands that will time out before it.
+//! defaults to 1024), and all lanes together four times that: past that a request is
+//! refused at once (`503 upstream_queue_full`, counted), not queued behind thousands that
+//! will time out before it.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -34,12 +35,16 @@ use super::pool::Idle;
 /// The most requests one tenant queues for one endpoint's connections on one worker.
 pub(super) const QUEUE_MAX: usize = 1024;
 
+/// The most requests every tenant together queues there.
+const QUEUE_MAX_ALL: usize = 4 * QUEUE_MAX;
+
 /// The requests queued, a lane per tenant; the lanes take turns.
 #[derive(Default)]
 struct Queue {
     /// The lanes with requests queued (an emptied lane is removed).
     lanes: Vec<Lane>,
-    /// The lane the next hand-out goes to (taken modulo the lanes' count).
+    /// The lane the next hand-out goes to: below the lanes' count (0 when there are
+    /// none), so a lane added at the end waits for its turn after those before it.
     turn: usize,
 }
 
@@ -62,23 +67,31 @@ impl Queue {
         if self.turn > i {
             self.turn -= 1;
         }
+        if self.turn >= self.lanes.len() {
+            self.turn = 0;
+        }
+    }
+
+    /// Requests queued in every lane.
+    fn len(&self) -> usize {
+        self.lanes.iter().map(|l| l.waiters.len()).sum()
     }
 
     /// The first request of the lane whose turn it is; the turn passes to the next lane.
     fn pop_front(&mut self) -> Option<oneshot::Sender<Handed>> {
-        if self.lanes.is_empty() {
-            return None;
-        }
-        let i = self.turn % self.lanes.len();
-        let lane = &mut self.lanes[i];
+        let i = self.turn;
+        let lane = self.lanes.get_mut(i)?;
         let w = lane.waiters.pop_front();
         lane.full_of_live = false;
         if lane.waiters.is_empty() {
-            // The next lane slides into its place, and has the turn.
+            // The next lane slides into its place, and has the turn (the first, when it
+            // was the last).
             self.lanes.remove(i);
-            self.turn = i;
+            if self.turn >= self.lanes.len() {
+                self.turn = 0;
+            }
         } else {
-            self.turn = i + 1;
+            self.turn = (i + 1) % self.lanes.len();
         }
         w
     }
@@ -195,6 +208,20 @@ impl ConnLimit {
             lane.waiters.retain(|w| !w.is_closed());
             if lane.waiters.len() >= QUEUE_MAX {
                 lane.full_of_live = true;
+                return Turn::Full;
+            }
+        }
+        // However many tenants, the queue is bounded (its requests still waiting counted
+        // only when it seems full).
+        if queue.len() >= QUEUE_MAX_ALL {
+            for lane in &mut queue.lanes {
+                lane.waiters.retain(|w| !w.is_closed());
+            }
+            queue.lanes.retain(|l| !l.waiters.is_empty());
+            if queue.turn >= queue.lanes.len() {
+                queue.turn = 0;
+            }
+            if queue.len() >= QUEUE_MAX_ALL {
                 return Turn::Full;
             }
         }
@@ -369,11 +396,72 @@ mod tests {
             panic!("the other tenant is handed the second place");
         };
         drop(p);
-        assert!(matches!(none.try_recv(), Ok(Handed::Room(_))));
+        let Ok(Handed::Room(_held)) = none.try_recv() else {
+            panic!("the lane of no tenant is handed the third place");
+        };
         assert!(
             flood[1].try_recv().is_err(),
             "the flood's second waits its turn"
         );
+    }
+
+    /// A lane that comes after the turn went round to the first lane waits for its own
+    /// turn: it is not handed the first lane's.
+    #[test]
+    fn a_lane_added_after_the_turn_went_round_waits_its_turn() {
+        let limit = ConnLimit::new(1);
+        let Turn::Now(permit) = limit.take_or_queue(Some(0)) else {
+            panic!("the first request takes the only place");
+        };
+        let queue = |t| match limit.take_or_queue(Some(t)) {
+            Turn::Queued(rx) => rx,
+            _ => panic!("queued"),
+        };
+        let mut a = [queue(0), queue(0)];
+        let mut b = [queue(1), queue(1)];
+        // a, then b: the turn is back at a.
+        drop(permit);
+        let Ok(Handed::Room(p)) = a[0].try_recv() else {
+            panic!("a first");
+        };
+        drop(p);
+        let Ok(Handed::Room(p)) = b[0].try_recv() else {
+            panic!("then b");
+        };
+        let mut c = queue(2);
+        drop(p);
+        assert!(c.try_recv().is_err(), "c came last: a's turn, not c's");
+        let Ok(Handed::Room(p)) = a[1].try_recv() else {
+            panic!("a's turn");
+        };
+        drop(p);
+        let Ok(Handed::Room(p)) = b[1].try_recv() else {
+            panic!("b's turn");
+        };
+        drop(p);
+        assert!(matches!(c.try_recv(), Ok(Handed::Room(_))));
+    }
+
+    /// However many tenants queue, the queue is bounded.
+    #[test]
+    fn all_lanes_together_are_bounded() {
+        let limit = ConnLimit::new(1);
+        let Turn::Now(_permit) = limit.take_or_queue(None) else {
+            panic!("the first request takes the only place");
+        };
+        let mut queued = Vec::new();
+        for t in 0..4 {
+            for _ in 0..QUEUE_MAX {
+                match limit.take_or_queue(Some(t)) {
+                    Turn::Queued(rx) => queued.push(rx),
+                    _ => panic!("queued while there is room"),
+                }
+            }
+        }
+        assert!(matches!(limit.take_or_queue(Some(9)), Turn::Full));
+        // Room again once requests leave.
+        queued.truncate(QUEUE_MAX);
+        assert!(matches!(limit.take_or_queue(Some(9)), Turn::Queued(_)));
     }
 
     /// A place freed while the request at the lane's front has gone (its receiver

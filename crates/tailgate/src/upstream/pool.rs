@@ -83,9 +83,10 @@ pub struct PoolStats {
     pub retired_idle_cap: AtomicU64,
     /// The server closed it (`Connection: close`, FIN, reset, or an HTTP/2 GOAWAY).
     pub closed_by_server: AtomicU64,
-    /// HTTP/1.1 connections the gateway closed because the exchange left them unusable: an
-    /// error, a response body not read to its end (the client left), an answer before the
-    /// upload ended, or bytes from the server that no request asked for.
+    /// HTTP/1.1 connections the gateway closed on their return because the exchange left
+    /// them unusable (an answer before the upload ended, a failure once the answer was
+    /// read), or because the server wrote bytes no request asked for. (Not one dropped
+    /// with its exchange mid-response, its client gone: that one is never given back.)
     pub retired_unusable: AtomicU64,
     /// Requests sent again on a fresh connection after a pooled one failed.
     pub retries: AtomicU64,
