@@ -112,13 +112,9 @@ async fn a_clients_forwarded_host_never_reaches_the_upstream() {
     assert!(!lower.contains("evil"), "{resp}");
 }
 
-/// A client's `Forwarded`, `X-Forwarded-Port` and other claims only a proxy may make
-/// (`X-Forwarded-Ssl`, `X-Forwarded-Scheme`, `X-Real-IP`, `True-Client-IP`) never reach the
-/// upstream, over either upstream protocol: frameworks take a host, scheme, port or client
-/// address from them before (or beside) the `X-Forwarded-*` the gateway writes, so a
-/// client's would pass for the gateway's word. Its `X-Forwarded-Prefix` goes on.
-#[tokio::test]
-async fn a_clients_forwarded_and_forwarded_port_never_reach_the_upstream() {
+/// A gateway whose `/one` goes to an HTTP/1.1 upstream that echoes the request's headers
+/// as `x-echo-*` response headers, and `/two` to an HTTP/2 one that lists them in its body.
+async fn echo_gateway_both_protocols() -> TestGateway {
     let h1 = echo_upstream().await;
     let h2 = h2c_upstream_with(|req: http::Request<hyper::body::Incoming>| async move {
         let seen: Vec<String> = req
@@ -135,6 +131,17 @@ async fn a_clients_forwarded_and_forwarded_port_never_reach_the_upstream() {
          [[route]]\npath_prefix = \"/two\"\ncluster = \"h2\"\n\
          [[route]]\npath_prefix = \"/\"\ncluster = \"h1\"\n"
     ));
+    gw
+}
+
+/// A client's `Forwarded`, `X-Forwarded-Port` and other claims only a proxy may make
+/// (`X-Forwarded-Ssl`, `X-Forwarded-Scheme`, `X-Real-IP`, `True-Client-IP`) never reach the
+/// upstream, over either upstream protocol: frameworks take a host, scheme, port or client
+/// address from them before (or beside) the `X-Forwarded-*` the gateway writes, so a
+/// client's would pass for the gateway's word. Its `X-Forwarded-Prefix` goes on.
+#[tokio::test]
+async fn a_clients_forwarded_and_forwarded_port_never_reach_the_upstream() {
+    let gw = echo_gateway_both_protocols().await;
     for path in ["/one", "/two"] {
         let req = format!(
             "GET {path} HTTP/1.1\r\nHost: api.test\r\nForwarded: for=6.6.6.6;host=evil.test;proto=https\r\n\
@@ -177,22 +184,7 @@ async fn a_clients_forwarded_and_forwarded_port_never_reach_the_upstream() {
 /// nor does a second request id so spelled. Before, they went on as the client wrote them.
 #[tokio::test]
 async fn a_clients_claims_spelled_with_underscores_never_reach_the_upstream() {
-    let h1 = echo_upstream().await;
-    let h2 = h2c_upstream_with(|req: http::Request<hyper::body::Incoming>| async move {
-        let seen: Vec<String> = req
-            .headers()
-            .iter()
-            .map(|(k, v)| format!("{k}={}", String::from_utf8_lossy(v.as_bytes())))
-            .collect();
-        http::Response::new(full(seen.join("\n")))
-    })
-    .await;
-    let gw = TestGateway::start(&format!(
-        "[[cluster]]\nname = \"h1\"\nendpoints = [\"{h1}\"]\n\
-         [[cluster]]\nname = \"h2\"\nendpoints = [\"{h2}\"]\nprotocol = \"http2\"\n\
-         [[route]]\npath_prefix = \"/two\"\ncluster = \"h2\"\n\
-         [[route]]\npath_prefix = \"/\"\ncluster = \"h1\"\n"
-    ));
+    let gw = echo_gateway_both_protocols().await;
     for path in ["/one", "/two"] {
         let req = format!(
             "GET {path} HTTP/1.1\r\nHost: api.test\r\nX_Real_IP: 6.6.6.7\r\n\
