@@ -125,13 +125,12 @@ async fn echo_gateway_both_protocols() -> TestGateway {
         http::Response::new(full(seen.join("\n")))
     })
     .await;
-    let gw = TestGateway::start(&format!(
+    TestGateway::start(&format!(
         "[[cluster]]\nname = \"h1\"\nendpoints = [\"{h1}\"]\n\
          [[cluster]]\nname = \"h2\"\nendpoints = [\"{h2}\"]\nprotocol = \"http2\"\n\
          [[route]]\npath_prefix = \"/two\"\ncluster = \"h2\"\n\
          [[route]]\npath_prefix = \"/\"\ncluster = \"h1\"\n"
-    ));
-    gw
+    ))
 }
 
 /// A client's `Forwarded`, `X-Forwarded-Port` and other claims only a proxy may make
