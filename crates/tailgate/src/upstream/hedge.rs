@@ -196,7 +196,7 @@ impl<'a> Hedge<'a> {
     }
 
     /// The copy waits in `tenant`'s lane of an endpoint's connection queue, as the request
-    /// did (see [`super::limit`]).
+    /// did (see `upstream::limit`).
     pub fn for_tenant(mut self, tenant: Option<usize>) -> Hedge<'a> {
         self.tenant = tenant;
         self
