@@ -941,3 +941,72 @@ async fn a_small_body_cut_short_by_the_end_of_stream_is_400_and_never_sent_up() 
     assert_eq!(checkouts(&gw), 0, "never forwarded");
     assert_eq!(hits.load(Ordering::SeqCst), 0, "never sent up");
 }
+
+/// Requests whose framing two parsers could read apart (RFC 9112 §5.1, §5.2, §6.1,
+/// §7.1.1) get `400` and a close on both HTTP/1.1 paths: the inline server's (a
+/// connection's first request) and hyper's behind the guard (a request after a chunked
+/// one), and never reach the upstream whole. (A head is refused before anything is sent;
+/// a chunked body's bad size line is found as it streams, so the upstream may have had
+/// the head, and then its connection is cut.) Unit tests held these rules for each
+/// parser; none went over real sockets.
+#[tokio::test]
+async fn framing_ambiguities_are_refused_on_both_http1_paths() {
+    let cases: [&[u8]; 5] = [
+        // obs-fold: a line continued by whitespace.
+        b"GET / HTTP/1.1\r\nHost: a\r\nX-Long: a\r\n b\r\n\r\n",
+        // Whitespace between a name and its colon.
+        b"GET / HTTP/1.1\r\nHost : a\r\n\r\n",
+        // A bare CR in a value.
+        b"GET / HTTP/1.1\r\nHost: a\r\nX-Cr: a\rb\r\n\r\n",
+        // Chunked not the last coding: the length is the connection's end, which a
+        // server that reads the chunks would not take.
+        b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, identity\r\n\r\n0\r\n\r\n",
+        // A chunk extension ended by a bare LF.
+        b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3;x\nabc\r\n0\r\n\r\n",
+    ];
+    let chunked_first: &[u8] =
+        b"POST /first HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
+    // Counts the requests whose body came whole.
+    let whole = Arc::new(AtomicUsize::new(0));
+    let w = whole.clone();
+    let up = upstream(move |req: http::Request<hyper::body::Incoming>| {
+        let w = w.clone();
+        async move {
+            if http_body_util::BodyExt::collect(req.into_body())
+                .await
+                .is_ok()
+            {
+                w.fetch_add(1, Ordering::SeqCst);
+            }
+            http::Response::new(full("ok"))
+        }
+    })
+    .await;
+    for case in cases {
+        let shown = String::from_utf8_lossy(case).into_owned();
+        whole.store(0, Ordering::SeqCst);
+        let hits = &whole;
+        // The inline server's path: the connection's first request.
+        let gw = TestGateway::to(up, "[server]\nworkers = 1\n");
+        let (text, closed) = raw(gw.addr, case, Duration::from_secs(5)).await;
+        assert!(text.starts_with("HTTP/1.1 400"), "{shown:?}: {text:?}");
+        assert!(closed, "{shown:?}: not closed");
+        assert_eq!(
+            hits.load(Ordering::SeqCst),
+            0,
+            "{shown:?} reached the upstream"
+        );
+        // Behind the guard: after a chunked request on the same connection.
+        let bytes = [chunked_first, case].concat();
+        let (text, closed) = raw(gw.addr, &bytes, Duration::from_secs(5)).await;
+        assert!(text.starts_with("HTTP/1.1 200"), "{shown:?}: {text:?}");
+        let second = text.get(12..).unwrap_or("");
+        assert!(second.contains("HTTP/1.1 400"), "{shown:?}: {text:?}");
+        assert!(closed, "{shown:?}: not closed after the chunked one");
+        assert_eq!(
+            hits.load(Ordering::SeqCst),
+            1,
+            "{shown:?} reached the upstream"
+        );
+    }
+}
