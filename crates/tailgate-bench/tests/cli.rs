@@ -298,7 +298,7 @@ fn scenario_json_has_the_documented_shape() {
         let direct = r["target"] == "direct";
         // Open-loop rows also carry the p99 without the generator's lag; every row the
         // upstream's CPU per request, proxies their own and its ratio to the upstream's.
-        let fields = 7 + usize::from(open) + if direct { 1 } else { 3 };
+        let fields = 8 + usize::from(open) + if direct { 1 } else { 3 };
         assert_eq!(r.as_object().unwrap().len(), fields, "{r}");
         let up_cpu = r["upstream_cpu_us_per_request"].as_f64().unwrap();
         assert!(up_cpu > 0.0, "{r}");
@@ -320,6 +320,19 @@ fn scenario_json_has_the_documented_shape() {
             .collect();
         assert_eq!(rounds.len(), 2, "{r}");
         assert!(rounds.contains(&lo) && rounds.contains(&hi), "{r}");
+        // And each round's errors beside them, summing to the row's.
+        let errors: Vec<u64> = r["errors_rounds"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        assert_eq!(errors.len(), 2, "{r}");
+        assert_eq!(
+            errors.iter().sum::<u64>(),
+            r["errors"].as_u64().unwrap(),
+            "{r}"
+        );
         if open {
             // Round by round it is at most the p99 with the lag, so their medians are too.
             let excl = r["p99_excl_lag_ms"].as_f64().unwrap();
