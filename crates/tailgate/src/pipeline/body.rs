@@ -692,10 +692,6 @@ impl UpstreamBody {
         }
     }
 
-    /// The body is cut short (`code` says why): the upstream connection is closed, and
-    /// the exchange recorded.
-    #[cold]
-    #[inline(never)]
     /// Has the route's total deadline passed? Then the exchange is cut (`total_timeout`;
     /// again at each later poll, which changes nothing once it is).
     fn total_deadline_passed(&mut self, cx: &mut Context<'_>) -> bool {
@@ -709,6 +705,10 @@ impl UpstreamBody {
         passed
     }
 
+    /// The body is cut short (`code` says why): the upstream connection is closed, and
+    /// the exchange recorded.
+    #[cold]
+    #[inline(never)]
     fn cut(&mut self, code: &'static str) {
         self.conn = None;
         self.recorder.fail(code);
