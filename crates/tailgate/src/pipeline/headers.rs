@@ -303,7 +303,7 @@ impl<'a> Added<'a> {
 
     /// The request id's header, in either spelling (see [`Self::replaces`]).
     fn is_request_id(&self, name: &HeaderName) -> bool {
-        name == self.request_id.0 || same_name(name.as_str(), self.request_id.0.as_str())
+        same_name(name.as_str(), self.request_id.0.as_str())
     }
 
     /// The headers to add, in order.
@@ -324,9 +324,8 @@ impl<'a> Added<'a> {
         headers.remove(header::FORWARDED);
         // (The request id's own spelling is replaced by the insert below: matched here, a
         // client's id, which most requests carry, cost a pass and a copy of the names.)
-        let id = self.request_id.0;
         remove_where(headers, |n| {
-            proxys_word(n) || (n != id && same_name(n.as_str(), id.as_str()))
+            proxys_word(n) || other_spelling(n, self.request_id.0)
         });
         for (name, value) in self.iter() {
             if *name == VIA {
@@ -402,9 +401,12 @@ fn proxys_word(name: &HeaderName) -> bool {
 /// Removes the headers named `name` spelled with `_` for some of its `-` (not `name`
 /// itself; see [`Added::replaces`]).
 pub(super) fn remove_underscore_spellings(headers: &mut HeaderMap, name: &HeaderName) {
-    remove_where(headers, |n| {
-        n != name && same_name(n.as_str(), name.as_str())
-    });
+    remove_where(headers, |n| other_spelling(n, name));
+}
+
+/// Is `n` `name` spelled with `_` for some of its `-`, and not `name` itself?
+fn other_spelling(n: &HeaderName, name: &HeaderName) -> bool {
+    n != name && same_name(n.as_str(), name.as_str())
 }
 
 /// Is `name` (lower case, as header names are kept) `canonical`, or `canonical` with `_`

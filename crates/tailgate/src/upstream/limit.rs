@@ -72,6 +72,30 @@ impl Queue {
         }
     }
 
+    /// Lets go of requests gone (their receivers dropped): those at each lane's front, or
+    /// with `all`, wherever they are; a lane left empty is removed.
+    fn prune(&mut self, all: bool) {
+        let mut i = 0;
+        while let Some(lane) = self.lanes.get_mut(i) {
+            let before = lane.waiters.len();
+            if all {
+                lane.waiters.retain(|w| !w.is_closed());
+            } else {
+                while lane.waiters.front().is_some_and(oneshot::Sender::is_closed) {
+                    lane.waiters.pop_front();
+                }
+            }
+            if lane.waiters.len() < before {
+                lane.full_of_live = false;
+            }
+            if lane.waiters.is_empty() {
+                self.remove_lane(i);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
     /// Requests queued in every lane.
     fn len(&self) -> usize {
         self.lanes.iter().map(|l| l.waiters.len()).sum()
@@ -86,10 +110,7 @@ impl Queue {
         if lane.waiters.is_empty() {
             // The next lane slides into its place, and has the turn (the first, when it
             // was the last).
-            self.lanes.remove(i);
-            if self.turn >= self.lanes.len() {
-                self.turn = 0;
-            }
+            self.remove_lane(i);
         } else {
             self.turn = (i + 1) % self.lanes.len();
         }
@@ -184,18 +205,7 @@ impl ConnLimit {
         // Requests gone from a lane's front (timed out first: they all wait the same time)
         // are let go here, and a lane left empty; one gone from its middle is passed over
         // when a connection is handed out.
-        let mut i = 0;
-        while let Some(lane) = queue.lanes.get_mut(i) {
-            while lane.waiters.front().is_some_and(oneshot::Sender::is_closed) {
-                lane.waiters.pop_front();
-                lane.full_of_live = false;
-            }
-            if lane.waiters.is_empty() {
-                queue.remove_lane(i);
-            } else {
-                i += 1;
-            }
-        }
+        queue.prune(false);
         // The whole lane is looked through only when it seems full, and not again until
         // its front moves: a look per request cost a pass over thousands of waiters at
         // each request while an endpoint stalled.
@@ -214,13 +224,7 @@ impl ConnLimit {
         // However many tenants, the queue is bounded (its requests still waiting counted
         // only when it seems full).
         if queue.len() >= QUEUE_MAX_ALL {
-            for lane in &mut queue.lanes {
-                lane.waiters.retain(|w| !w.is_closed());
-            }
-            queue.lanes.retain(|l| !l.waiters.is_empty());
-            if queue.turn >= queue.lanes.len() {
-                queue.turn = 0;
-            }
+            queue.prune(true);
             if queue.len() >= QUEUE_MAX_ALL {
                 return Turn::Full;
             }
