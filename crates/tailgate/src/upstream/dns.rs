@@ -459,9 +459,8 @@ fn run(
                                 // its backoff, it stayed unasked for up to `max_refresh`
                                 // after the name servers came back.
                                 let wait = match n.failures_in_row {
-                                    _ if n.addrs.is_empty() => settings.min_refresh,
-                                    0 => settings.min_refresh,
-                                    k => backoff(&settings, k - 1),
+                                    k if k > 0 && !n.addrs.is_empty() => backoff(&settings, k - 1),
+                                    _ => settings.min_refresh,
                                 };
                                 let earliest = n.last.map_or(now, |l| l + wait);
                                 n.due = n.due.min(earliest.max(now));
