@@ -204,19 +204,22 @@ impl Check {
             r.and_then(|r| r.errors_rounds.as_ref())
                 .is_some_and(|e| e.get(i).is_some_and(|&e| e > 0))
         };
-        let judged: Vec<Option<f64>> = n
+        // Each round judged: met or not (ties left out).
+        let judged: Vec<bool> = n
             .iter()
             .zip(d)
             .enumerate()
             .filter_map(|(i, (&n, &d))| {
                 if failed(num, i) || failed(den, i) || n <= 0.0 || d <= 0.0 {
-                    return Some(None);
+                    return Some(false);
                 }
-                goal_ratio(n, d).filter(|&r| r != goal).map(Some)
+                goal_ratio(n, d)
+                    .filter(|&r| r != goal)
+                    .map(|r| this.holds(r))
             })
             .collect();
         if !judged.is_empty() {
-            let met = judged.iter().flatten().filter(|&&r| this.holds(r)).count();
+            let met = judged.iter().filter(|&&met| met).count();
             this.rounds_met = Some([met, judged.len()]);
         }
         this
