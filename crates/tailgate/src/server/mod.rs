@@ -565,6 +565,7 @@ where
         c.as_mut().graceful_shutdown()
     });
     driven.leaving = Some(&ctx.worker.shared.leaving);
+    driven.stall_margin = H2_CONN_STALL_MARGIN;
     let ended = driven.await;
     log_failed_end(&info, ended);
 }
@@ -636,6 +637,7 @@ where
             .and_then(|s| s.reclaim_signal())
             .map(reclaim_wait),
         idle_timer: Box::pin(tokio::time::sleep(idle)),
+        stall_margin: Duration::ZERO,
     }
 }
 
@@ -682,7 +684,20 @@ struct Drive<'a, C, G> {
     /// for connections doing nothing to close (see [`spawner`]). `None` without a cap.
     reclaim: Option<Reclaim>,
     idle_timer: Pin<Box<tokio::time::Sleep>>,
+    /// Added to `idle` before a client that took no response data is cut off
+    /// ([`Drive::client_stalled`]): [`H2_CONN_STALL_MARGIN`] over HTTP/2, nothing over
+    /// HTTP/1.1.
+    stall_margin: Duration,
 }
+
+/// How much later than a stalled HTTP/2 stream (reset on its own after `idle_timeout`,
+/// [`stream_stall`]) its connection is cut off for taking no response data. Both clocks
+/// start at the same piece: cut at the same moment, the connection's check could run
+/// first and end the connection, and with it the client's other streams (one waiting on
+/// a slow upstream, a long poll) that took nothing only because nothing was sent to them.
+/// Later, the stream's reset has run and taken its piece off the count; what still cuts
+/// the connection then is a client whose window is shut on the connection itself.
+const H2_CONN_STALL_MARGIN: Duration = Duration::from_secs(1);
 
 /// A wait for the next call for idle connections to close: the signal's receiver back
 /// when it comes (`None`: the signal is gone, and no call will come).
@@ -923,7 +938,11 @@ where
     /// would hold its upstream connection for as long as the client liked: the connection is
     /// dropped, and its streams with it. If not, the timer is set to when it would be.
     fn client_stalled(&mut self) -> bool {
-        match self.info.activity.stalled_deadline(self.idle) {
+        match self
+            .info
+            .activity
+            .stalled_deadline(self.idle + self.stall_margin)
+        {
             Some(at) if at <= std::time::Instant::now() => {
                 tracing::debug!(client.addr = %self.info.client, "client took no response data for the idle timeout; connection dropped");
                 self.info.activity.set_send_timed_out();
