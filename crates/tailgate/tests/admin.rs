@@ -1609,6 +1609,90 @@ async fn a_client_cut_off_for_not_reading_is_a_send_timeout_not_client_gone() {
     drop(s);
 }
 
+/// An answer whose end still waits in hyper's write buffer when the gateway is asked to
+/// stop reaches its client whole. hyper's HTTP/1.1 server ends an exchange once it holds
+/// the whole body, and its connection is idle to it from then on: its graceful close, asked
+/// for at once, must write out what its buffer holds (up to some hundreds of KiB) before it
+/// shuts the socket, and the drain must not drop the connection meanwhile (its write is
+/// blocked on the client).
+#[tokio::test]
+async fn an_answer_still_in_hypers_write_buffer_is_not_cut_by_a_shutdown() {
+    const BODY: usize = 4 << 20;
+    let up = upstream(|req| async {
+        let _ = req.into_body().collect().await;
+        http::Response::new(full(vec![b'x'; BODY]))
+    })
+    .await;
+    let mut gw = TestGateway::to(
+        up,
+        &format!("{ADMIN}[server]\nworkers = 1\nshutdown_grace = \"20s\"\n"),
+    );
+    let admin = admin_addr(&gw);
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(64 * 1024).unwrap();
+    let mut s = socket.connect(gw.addr).await.unwrap();
+    // A chunked body: served by hyper's server, not the inline one.
+    tokio::io::AsyncWriteExt::write_all(
+        &mut s,
+        b"POST /big HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    // Read slowly until the exchange has ended (hyper has taken the whole body), then stop
+    // reading: its last part is in hyper's buffer, its write blocked.
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 16 * 1024];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let ex = scrape(admin).await;
+        if ex.value("tailgate_requests_in_flight", &[]) == 0.0
+            && ex
+                .find("tailgate_requests_total", &[])
+                .iter()
+                .map(|s| s.value)
+                .sum::<f64>()
+                >= 1.0
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the exchange did not end");
+        let n = tokio::io::AsyncReadExt::read(&mut s, &mut buf)
+            .await
+            .unwrap();
+        got.extend_from_slice(&buf[..n]);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let read_before = got.len();
+    let gw = gw.gw.take().unwrap();
+    let stopping = std::thread::spawn(move || {
+        gw.shutdown();
+        gw.join();
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (rest, ended) = loop {
+        match tokio::time::timeout(Duration::from_secs(10), async {
+            tokio::io::AsyncReadExt::read(&mut s, &mut buf).await
+        })
+        .await
+        {
+            Ok(Ok(0)) => break (got.len() - read_before, "end of stream".to_owned()),
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+            Ok(Err(e)) => break (got.len() - read_before, format!("{e}")),
+            Err(_) => break (got.len() - read_before, "no end of stream".to_owned()),
+        }
+    };
+    stopping.join().unwrap();
+    let head_end = got
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(0, |p| p + 4);
+    assert_eq!(
+        (got.len() - head_end, ended.as_str()),
+        (BODY, "end of stream"),
+        "{read_before} bytes read before the shutdown, {rest} after"
+    );
+}
+
 /// The same over HTTP/2, where the client's shut flow-control window, not a blocked write,
 /// shows the stall: the stream (or the connection) is ended as a `send_timeout`.
 #[tokio::test]
@@ -1622,6 +1706,59 @@ async fn an_h2_client_cut_off_for_not_reading_is_a_send_timeout() {
     let _unread = h2_big_unread(gw.addr).await;
     let ex = errors_once(admin, "send_timeout").await;
     assert_eq!(errors_of(&ex, "client_gone"), 0.0);
+}
+
+/// An HTTP/2 stream whose client keeps its window shut is reset on its own after the idle
+/// timeout; another stream of the same connection, waiting on a slow upstream meanwhile
+/// (nothing was sent to it, so it took nothing), is answered. The connection's own check
+/// for a client that takes nothing fell due at the same moment as the stream's (both
+/// counted from the same piece), and when it ran first it dropped the connection and the
+/// waiting stream with it (in 1 of 6 runs here); it now falls due a second later, by
+/// when the stream's reset has taken its piece off the count.
+#[tokio::test]
+async fn an_h2_stream_left_unread_does_not_take_the_other_streams_down() {
+    let up = upstream(|req| async move {
+        if req.uri().path() == "/slow" {
+            tokio::time::sleep(Duration::from_millis(900)).await;
+            http::Response::new(full("slow answer"))
+        } else {
+            http::Response::new(full(vec![b'x'; 4 << 20]))
+        }
+    })
+    .await;
+    let gw = TestGateway::to(
+        up,
+        &format!("{ADMIN}[server]\nworkers = 1\nidle_timeout = \"400ms\"\n"),
+    );
+    let admin = admin_addr(&gw);
+    let (mut c, _conn) = h2c_client(gw.addr).await;
+    // Its body is never read: the stream's window (2 MiB) shuts, the connection's (5 MiB)
+    // stays open.
+    let _unread = c
+        .send_request(http::Request::get("http://a/big").body(full("")).unwrap())
+        .await
+        .unwrap();
+    let slow = tokio::time::timeout(Duration::from_secs(10), async {
+        let resp = c
+            .send_request(http::Request::get("http://a/slow").body(full("")).unwrap())
+            .await?;
+        let status = resp.status();
+        let body = resp.into_body().collect().await?.to_bytes();
+        Ok::<_, hyper::Error>((status, body))
+    })
+    .await
+    .expect("the slow stream was answered in time");
+    let (status, body) = slow.expect("the slow stream was answered, not cut with its connection");
+    assert_eq!(
+        (status, &body[..]),
+        (http::StatusCode::OK, &b"slow answer"[..])
+    );
+    let ex = errors_once(admin, "send_timeout").await;
+    assert_eq!(
+        errors_of(&ex, "send_timeout"),
+        1.0,
+        "the unread stream was reset"
+    );
 }
 
 /// An HTTP/2 stream whose client keeps its window shut past the route's `total_timeout`

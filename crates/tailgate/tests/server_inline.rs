@@ -1974,3 +1974,83 @@ async fn ri_an_inline_head_across_twice_the_idle_timeout_is_served() {
     s.write_all(get_req("/c").as_bytes()).await.unwrap();
     assert_eq!(read_responses(&mut s, 1).await[0].body(), "GET /c");
 }
+
+/// Reads `s` to its end, `chunk` bytes at a time with `pause` between reads (a slow client
+/// that keeps reading), for at most `limit`; the bytes, and how it ended.
+async fn read_slowly(
+    s: &mut TcpStream,
+    chunk: usize,
+    pause: Duration,
+    limit: Duration,
+) -> (Vec<u8>, String) {
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; chunk];
+    let until = tokio::time::Instant::now() + limit;
+    let ended = loop {
+        match tokio::time::timeout_at(until, s.read(&mut buf)).await {
+            Ok(Ok(0)) => break "end of stream".to_owned(),
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+            Ok(Err(e)) => break format!("{e}"),
+            Err(_) => break "time limit".to_owned(),
+        }
+        if got.ends_with(b"\r\n0\r\n\r\n") || got.len() > BIG_ONE_PIECE + 4096 {
+            break "answer in".to_owned();
+        }
+        tokio::time::sleep(pause).await;
+    };
+    (got, ended)
+}
+
+/// An answer larger than the sockets' buffers hold, in one piece from the upstream.
+const BIG_ONE_PIECE: usize = 8 << 20;
+
+/// A client that reads a large answer slowly but steadily (a read every 15 ms, the whole
+/// answer about twice `idle_timeout`) gets all of it, on both HTTP/1.1
+/// servers (the inline one; hyper's, after a request with a chunked body). The stall
+/// check counted from when the upstream's piece was handed to the connection, not from
+/// the client's last taken bytes: the 8 MiB piece took longer than `idle_timeout` to go
+/// out, and the connection was cut (and the exchange counted as `send_timeout`) while the
+/// client kept reading, where nginx's `send_timeout` restarts at each write.
+#[tokio::test]
+async fn ri_a_slow_reader_that_keeps_reading_gets_the_whole_answer() {
+    // (The request's body is read first: a server that answers without reading it closes
+    // its connection with the body's last bytes unread, and that close is a reset, which
+    // can throw away the end of its answer.)
+    let up = upstream(|req| async {
+        let _ = req.into_body().collect().await;
+        http::Response::new(full(vec![b'x'; BIG_ONE_PIECE]))
+    })
+    .await;
+    let gw = TestGateway::to(up, "[server]\nworkers = 1\nidle_timeout = \"1s\"\n");
+    for (path, req) in [
+        ("inline", get_req("/big")),
+        (
+            "hyper's",
+            "POST /big HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+                .to_owned(),
+        ),
+    ] {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        // A window the reads below keep up with, far smaller than the answer (the
+        // gateway's send buffer, once the kernel has grown it, signals room at a third
+        // free: with a small one those signals come well within the idle timeout).
+        sock.set_recv_buffer_size(64 * 1024).unwrap();
+        let mut s = sock.connect(gw.addr).await.unwrap();
+        s.write_all(req.as_bytes()).await.unwrap();
+        // At most 64 KiB per 15 ms, about 4 MiB/s: the answer takes some 2 s.
+        let started = std::time::Instant::now();
+        let (got, ended) =
+            read_slowly(&mut s, 64 * 1024, Duration::from_millis(15), WAIT * 2).await;
+        let head_end = got
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .map_or(0, |p| p + 4);
+        let body = got.len().saturating_sub(head_end);
+        eprintln!("{path} server: {body} bytes in {:?}", started.elapsed());
+        assert!(
+            body >= BIG_ONE_PIECE,
+            "{path} server: {body} bytes of the body, then {ended}, after {:?}",
+            started.elapsed()
+        );
+    }
+}

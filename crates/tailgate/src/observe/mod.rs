@@ -188,6 +188,20 @@ impl ConnActivity {
         self.waiting_on_client.fetch_sub(1, Ordering::Relaxed);
     }
 
+    /// A write to the client that had been blocked went through: the client took bytes.
+    /// A piece handed whole (a large one, or one behind hyper's write buffer) may take
+    /// many such writes to go out to a slow reader that keeps reading; each moves the
+    /// stall check's clock, as each would restart nginx's `send_timeout`, and the idle
+    /// timeout's, which counts from when an answer has gone out (hyper's server ends an
+    /// exchange once it holds the whole body, however much of it is still to be written),
+    /// as nginx's `keepalive_timeout` does. (Only after a blocked write, so a client that
+    /// keeps up costs no clock read per write.)
+    pub fn took_bytes(&self) {
+        let now = self.ms_now();
+        self.last_taken_ms.store(now, Ordering::Relaxed);
+        self.last_active_ms.store(now, Ordering::Relaxed);
+    }
+
     /// A body that was waiting for the client to take its piece ended.
     pub fn piece_dropped(&self) {
         self.waiting_on_client.fetch_sub(1, Ordering::Relaxed);

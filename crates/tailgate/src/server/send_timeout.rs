@@ -40,6 +40,7 @@ impl<T: ResetOnClose> SendTimeout<T> {
         if r.is_ready() {
             if self.deadline.take().is_some() {
                 self.activity.set_write_blocked(false);
+                self.activity.took_bytes();
             }
             return r;
         }
@@ -173,6 +174,49 @@ mod tests {
         far.read_exact(&mut got).await.expect("read");
         let _io = writing.await.expect("writer");
         assert!(!activity.still_sending());
+    }
+
+    /// A blocked write that goes through later is the client taking bytes: the stall check's
+    /// clock (counted from when a piece was handed) and the idle clock move to it. A piece
+    /// that takes many writes to go out to a slow reader that keeps reading (a large one,
+    /// or one behind hyper's write buffer) was cut off `idle` after it was handed, however
+    /// steadily the client read.
+    #[tokio::test]
+    async fn a_blocked_write_that_goes_through_moves_the_stall_clock() {
+        let (near, mut far) = tokio::io::duplex(64);
+        let activity = Arc::new(ConnActivity::default());
+        let idle = Duration::from_secs(60);
+        activity.piece_handed();
+        let handed_due = activity.stalled_deadline(idle).expect("a piece waits");
+        let mut io = SendTimeout::new(near, Duration::from_secs(30), activity.clone());
+        io.write_all(&[1; 64]).await.expect("first write");
+        let writing = tokio::spawn(async move {
+            io.write_all(&[2; 64]).await.expect("second write");
+            io
+        });
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while !activity.still_sending() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the write did not block");
+        // Some milliseconds on (the clocks count whole milliseconds), the client reads.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let mut got = [0u8; 128];
+        far.read_exact(&mut got).await.expect("read");
+        let _io = writing.await.expect("writer");
+        let due = activity
+            .stalled_deadline(idle)
+            .expect("the piece still waits");
+        assert!(
+            due >= handed_due + Duration::from_millis(15),
+            "the stall deadline did not move: {:?} after the piece's",
+            due.saturating_duration_since(handed_due)
+        );
+        // (No exchange in flight here: the idle clock runs.)
+        let idle_due = activity.idle_deadline(idle).expect("nothing in flight");
+        assert!(idle_due >= handed_due + Duration::from_millis(15));
     }
 
     /// A client that takes nothing for the timeout fails the write, and the connection is
