@@ -871,6 +871,73 @@ async fn the_watchdog_is_fed_only_while_workers_respond() {
     );
 }
 
+/// A stall that the watchdog's check happens to find costs one ping, not a whole interval:
+/// the pings resume as soon as the worker is back. After a check that found a stall, the
+/// next came a whole interval later, so that the next ping reached systemd about a whole
+/// `WatchdogSec` after the last one (two intervals, each half of it): at its deadline, and
+/// a stall of a second restarted the gateway or not by when the check fell.
+#[tokio::test]
+async fn the_watchdog_pings_again_as_soon_as_a_stall_ends() {
+    use std::os::unix::net::UnixDatagram;
+    let dir = tempfile::Builder::new()
+        .prefix("tailgate-wd-")
+        .tempdir()
+        .unwrap();
+    let path = dir.path().join("notify.sock");
+    let sock = UnixDatagram::bind(&path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_millis(50)))
+        .unwrap();
+    let up = ok_upstream().await;
+    let mut gw = TestGateway::to(up, ADMIN);
+    const EVERY: Duration = Duration::from_secs(4);
+    gw.gw
+        .as_mut()
+        .unwrap()
+        .start_watchdog(
+            tailgate::admin::watchdog::NotifySocket::Path(path.clone()),
+            Some(EVERY),
+        )
+        .unwrap();
+    // The first ping after READY=1: when the next check falls.
+    let mut buf = [0u8; 256];
+    let (mut ready, deadline) = (false, Instant::now() + Duration::from_secs(10));
+    let pinged_at = loop {
+        assert!(Instant::now() < deadline, "no ping after READY=1");
+        if let Ok(n) = sock.recv(&mut buf) {
+            match &buf[..n] {
+                b"READY=1" => ready = true,
+                b"WATCHDOG=1" if ready => break Instant::now(),
+                _ => {}
+            }
+        }
+    };
+    // Stalled from 0.7 s before the next check to 0.5 s after it (past the 300 ms
+    // threshold when the check runs).
+    let stall_from = pinged_at + EVERY - Duration::from_millis(700);
+    std::thread::sleep(stall_from.saturating_duration_since(Instant::now()));
+    let t0 = stall_worker(&gw, 0, Duration::from_millis(1200));
+    let stall_end = t0 + Duration::from_millis(1200);
+    // The next ping: soon after the stall ends, not a whole interval after the check
+    // that found it (at `pinged_at + 2 * EVERY`); two seconds of margin either side.
+    let until = stall_end + Duration::from_secs(2);
+    let mut next = None;
+    while Instant::now() < until {
+        if let Ok(n) = sock.recv(&mut buf)
+            && &buf[..n] == b"WATCHDOG=1"
+        {
+            next = Some(Instant::now());
+            break;
+        }
+    }
+    let next = next.unwrap_or_else(|| {
+        panic!("no ping within 2 s of the stall's end (the check found it stalled)")
+    });
+    assert!(
+        next >= stall_end - Duration::from_millis(100),
+        "a ping came during the stall"
+    );
+}
+
 #[tokio::test]
 async fn two_workers_are_summed_and_their_consumers_merged() {
     let up = ok_upstream().await;

@@ -146,8 +146,16 @@ impl Watchdog {
                         if interval.is_some() {
                             notify("WATCHDOG=1");
                         }
-                    } else if !was_stalled && ready {
-                        tracing::error!(workers = ?stalled, "workers stalled; not feeding the systemd watchdog");
+                    } else {
+                        if !was_stalled && ready {
+                            tracing::error!(workers = ?stalled, "workers stalled; not feeding the systemd watchdog");
+                        }
+                        // Looked at again each step, and fed as soon as the workers are
+                        // back: a whole interval on, the next ping would reach systemd a
+                        // whole `WatchdogSec` after the last (two halves), at its deadline,
+                        // and a short stall would restart the gateway or not by when this
+                        // check fell.
+                        next_ping = now + STEP.min(every);
                     }
                     was_stalled = ready && !stalled.is_empty();
                 }
