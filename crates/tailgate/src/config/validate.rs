@@ -41,6 +41,11 @@ const RESERVED_ID_HEADERS: &[&str] = &[
     "set-cookie",
     "authorization",
     "www-authenticate",
+    "x-api-key",
+    // Kept as sent when printable: a client's user agent (spaces and all, so nearly
+    // always replaced by a new id, and the upstream never sees it).
+    "user-agent",
+    "server",
     // Headers with a meaning of their own in a request or an answer, which the id would
     // overwrite on every message: a redirect's target, a range, a cache's validators and
     // rules, a WebSocket handshake's key (with `sec-` and `if-` below).
@@ -397,6 +402,17 @@ pub(super) fn unzoned_link_local(a: SocketAddr, written: &str) -> Option<(String
 struct Bound {
     addr: SocketAddr,
     dual: bool,
+}
+
+/// Would a connection to `endpoint` reach a socket listening on `listener`: the same
+/// address, or a wildcard listener of the same family and a loopback endpoint? (Another
+/// local address on a wildcard listener is not seen: that takes the host's interfaces.)
+fn reaches(endpoint: SocketAddr, listener: SocketAddr) -> bool {
+    if listener.port() != endpoint.port() {
+        return false;
+    }
+    let (e, l) = (endpoint.ip(), listener.ip());
+    e == l || (l.is_unspecified() && e.is_ipv4() == l.is_ipv4() && e.is_loopback())
 }
 
 /// Would the second of two exclusive binds fail (`EADDRINUSE`)?
@@ -1058,7 +1074,20 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
         for (j, e) in cl.endpoints.get_ref().iter().enumerate() {
             let (https, e) = upstream_tls::strip_scheme(e);
             match c.endpoint(&e, format!("cluster[{i}].endpoints[{j}]")) {
-                Some(dns::Endpoint::Addr(a)) => endpoints.push(a),
+                Some(dns::Endpoint::Addr(a)) => {
+                    if let Some(l) = bound.iter().find(|b| !b.dual && reaches(a, b.addr)) {
+                        c.err(
+                            Some(e.span()),
+                            format!("cluster[{i}].endpoints[{j}]"),
+                            format!(
+                                "`{a}` is this gateway's own listener ({}): each request sent there would come back to the gateway, be routed there again, and loop until a limit cut it",
+                                l.addr
+                            ),
+                            Some("write the address of the upstream server the cluster stands for, e.g. \"127.0.0.1:9000\""),
+                        );
+                    }
+                    endpoints.push(a)
+                }
                 Some(dns::Endpoint::Name(n)) => hostnames.push(n),
                 None => continue,
             }
@@ -1344,6 +1373,39 @@ fn check(c: &mut Checker<'_>, raw: RawConfig) -> Config {
                 ),
                 Some("give the cluster a second endpoint, or remove hedge_delay"),
             );
+        }
+        // Two more ways a hedge written would never be sent: a cluster with no budget for
+        // any, and a route whose every method may not be sent twice (without
+        // `idempotent = true`).
+        if let (Some(_), Some(v)) = (&hedge_delay, &r.hedge_delay) {
+            if let Some(cl) = cluster.and_then(|ci| clusters.get(ci))
+                && cl.hedge_budget_percent == 0
+            {
+                c.err(
+                    Some(v.span()),
+                    format!("route[{i}].hedge_delay"),
+                    format!(
+                        "cluster `{}` has hedge_budget_percent = 0: no hedge would ever be within its budget",
+                        cl.name
+                    ),
+                    Some("raise the cluster's hedge_budget_percent (10 hedges at most one request in ten), or remove hedge_delay"),
+                );
+            }
+            if !r.idempotent.unwrap_or(false)
+                && !methods.is_empty()
+                && !methods.iter().any(crate::pipeline::is_idempotent)
+            {
+                let list: Vec<&str> = methods.iter().map(http::Method::as_str).collect();
+                c.err(
+                    Some(v.span()),
+                    format!("route[{i}].hedge_delay"),
+                    format!(
+                        "the route takes only {}, which may not be sent twice: none of its requests would be hedged",
+                        list.join(", ")
+                    ),
+                    Some("set idempotent = true if its requests may be sent twice, or remove hedge_delay"),
+                );
+            }
         }
         let rewrite_prefix = c.rewrite_prefix(r, i, &path_prefix);
         let host_rewrite = c.host_rewrite(r, i);
@@ -2056,6 +2118,15 @@ mod tests {
                 format!("[server]\nrequest_id_header = \"sec-websocket-accept\"\n{TAIL}"),
                 "server.request_id_header: `sec-websocket-accept` frames",
             ),
+            // A client's key would be kept as its id, and written in every access log line.
+            (
+                format!("[server]\nrequest_id_header = \"X-Api-Key\"\n{TAIL}"),
+                "server.request_id_header: `X-Api-Key` frames",
+            ),
+            (
+                format!("[server]\nrequest_id_header = \"user-agent\"\n{TAIL}"),
+                "server.request_id_header: `user-agent` frames",
+            ),
             (
                 "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"999.1.1.1:80\"]\n".to_owned(),
                 "cluster[0].endpoints[0]: `999.1.1.1:80` is not an address",
@@ -2268,6 +2339,57 @@ mod tests {
         }
     }
 
+    /// A hedge that could never be sent is refused: the cluster allows no hedges
+    /// (`hedge_budget_percent = 0`), or the route takes only methods that may not be sent
+    /// twice and is not `idempotent`. Either alone, with the other mended, is taken.
+    #[test]
+    fn a_hedge_that_would_never_be_sent_is_refused() {
+        let cluster = |extra: &str| {
+            format!(
+                "[[listener]]\naddress = \"127.0.0.1:0\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:1\", \"127.0.0.1:2\"]\n{extra}"
+            )
+        };
+        let route = |extra: &str| {
+            format!(
+                "[[route]]\npath_prefix = \"/\"\ncluster = \"c\"\nhedge_delay = \"50ms\"\n{extra}"
+            )
+        };
+        let errs = errors_of(&format!(
+            "{}{}",
+            cluster("hedge_budget_percent = 0\n"),
+            route("")
+        ));
+        assert!(
+            errs.contains("t.toml:10:15: route[0].hedge_delay: cluster `c` has hedge_budget_percent = 0: no hedge would ever be within its budget"),
+            "{errs}"
+        );
+        let errs = errors_of(&format!(
+            "{}{}",
+            cluster(""),
+            route("methods = [\"POST\", \"PATCH\"]\n")
+        ));
+        assert!(
+            errs.contains("t.toml:9:15: route[0].hedge_delay: the route takes only POST, PATCH, which may not be sent twice"),
+            "{errs}"
+        );
+        assert!(errs.contains("set idempotent = true"), "{errs}");
+        for ok in [
+            format!("{}{}", cluster("hedge_budget_percent = 1\n"), route("")),
+            format!(
+                "{}{}",
+                cluster(""),
+                route("methods = [\"POST\"]\nidempotent = true\n")
+            ),
+            format!(
+                "{}{}",
+                cluster(""),
+                route("methods = [\"POST\", \"GET\"]\n")
+            ),
+        ] {
+            assert_eq!(errors_of(&ok), "", "{ok}");
+        }
+    }
+
     /// `max_idle_per_endpoint` bounds idle HTTP/1.1 connections only: warm HTTP/2
     /// connections with it at 0 are fine.
     #[test]
@@ -2295,6 +2417,47 @@ mod tests {
             "{h2}"
         );
         assert!(!h2.contains("min_warm_connections"), "{h2}");
+    }
+
+    /// An endpoint that is the gateway's own listener would send each request back to the
+    /// gateway, to be routed there again: refused, where the listener is (on its address,
+    /// or a wildcard one on its port reached over loopback). A demo's address is an
+    /// endpoint as intended, and another port or another family is no loop.
+    #[test]
+    fn an_endpoint_that_is_the_gateways_own_listener_is_refused() {
+        for (listener, endpoint) in [
+            ("127.0.0.1:8080", "127.0.0.1:8080"),
+            ("0.0.0.0:8080", "127.0.0.1:8080"),
+            ("0.0.0.0:8080", "127.0.0.2:8080"),
+            ("[::]:8080", "[::1]:8080"),
+        ] {
+            let text = format!(
+                "[[listener]]\naddress = \"{listener}\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:9000\", \"{endpoint}\"]\n"
+            );
+            let errs = errors_of(&text);
+            assert!(
+                errs.contains(&format!("t.toml:5:32: cluster[0].endpoints[1]: `{endpoint}` is this gateway's own listener ({listener})")),
+                "{listener} {endpoint}: {errs}"
+            );
+            assert!(
+                errs.contains("write the address of the upstream server"),
+                "{errs}"
+            );
+        }
+        for (listener, endpoint) in [
+            ("127.0.0.1:8080", "127.0.0.1:8081"),
+            ("127.0.0.1:8080", "127.0.0.2:8080"),
+            ("[::]:8080", "127.0.0.1:8080"),
+            ("127.0.0.1:0", "127.0.0.1:8080"),
+        ] {
+            let text = format!(
+                "[[listener]]\naddress = \"{listener}\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:9000\", \"{endpoint}\"]\n"
+            );
+            parse_and_validate(Path::new("t.toml"), &text)
+                .unwrap_or_else(|e| panic!("{listener} {endpoint}: {e}"));
+        }
+        let demo = "[[demo]]\naddress = \"127.0.0.1:8081\"\n[[listener]]\naddress = \"127.0.0.1:8080\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:8081\"]\n";
+        parse_and_validate(Path::new("t.toml"), demo).expect("a demo is an upstream");
     }
 
     #[test]

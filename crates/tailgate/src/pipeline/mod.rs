@@ -1098,7 +1098,7 @@ fn forward(
 const REPLAY_COPY_BYTES: usize = 64 * 1024;
 
 /// Methods that may be sent twice without changing the outcome (RFC 9110 §9.2.2).
-fn is_idempotent(m: &http::Method) -> bool {
+pub(crate) fn is_idempotent(m: &http::Method) -> bool {
     matches!(
         *m,
         http::Method::GET
