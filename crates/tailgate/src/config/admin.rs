@@ -106,6 +106,17 @@ pub(super) fn check(
             );
             DEFAULT_MAX_CONSUMERS
         }
+        // Consumers are tracked only by `consumer_header`: a cap without it caps nothing,
+        // and the file would say consumers are counted.
+        Some(m) if metrics.consumer_header.is_none() => {
+            c.err(
+                Some(m.span()),
+                "metrics.max_consumers".into(),
+                "has no effect without metrics.consumer_header, which names the header consumers are counted by".into(),
+                Some("set consumer_header = \"x-consumer-id\" (the header your clients' key or name is in), or remove max_consumers"),
+            );
+            DEFAULT_MAX_CONSUMERS
+        }
         Some(m) => *m.get_ref(),
         None => DEFAULT_MAX_CONSUMERS,
     };
@@ -125,6 +136,28 @@ mod tests {
     use crate::Config;
 
     const BASE: &str = "[[listener]]\naddress = \"127.0.0.1:0\"\n";
+
+    /// `max_consumers` caps the consumers `consumer_header` tracks: without that header it
+    /// would cap nothing, and is refused as a setting with no effect.
+    #[test]
+    fn max_consumers_without_a_consumer_header_is_refused() {
+        let errs = Config::parse(
+            Path::new("t.toml"),
+            &format!("{BASE}[metrics]\nmax_consumers = 500\n"),
+        )
+        .expect_err("no effect")
+        .to_string();
+        assert!(
+            errs.contains(
+                "t.toml:4:17: metrics.max_consumers: has no effect without metrics.consumer_header"
+            ),
+            "{errs}"
+        );
+        let with =
+            format!("{BASE}[metrics]\nconsumer_header = \"x-consumer\"\nmax_consumers = 500\n");
+        let cfg = Config::parse(Path::new("t.toml"), &with).expect("with a header");
+        assert_eq!(cfg.metrics.max_consumers, 500);
+    }
 
     #[test]
     fn admin_and_metrics_errors_point_at_the_field() {

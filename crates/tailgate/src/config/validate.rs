@@ -216,7 +216,11 @@ impl Checker<'_> {
         if path.is_file() {
             return Some(path);
         }
-        let problem = if path.is_dir() {
+        let problem = if v.get_ref().trim().is_empty() {
+            // (Resolved, it would name the config's own directory, which the user never
+            // wrote.)
+            "the path is empty".to_owned()
+        } else if path.is_dir() {
             format!("{} is a directory, not a file", path.display())
         } else {
             format!("no such file: {}", path.display())
@@ -516,11 +520,18 @@ fn toml_hint(message: &str, field: &str) -> &'static str {
         && let Some(range) = ranged_hint(field)
     {
         range
-    } else if message.contains("invalid value: integer") && !message.contains("integer `-")
-        || message.contains(" as i128, expected u")
+    } else if message.contains("invalid value: integer `-")
+        || message.contains(" integer `-") && message.contains(" as i128, expected u")
     {
-        // Past the type's largest (a u32 or usize field given more, or any past u64).
-        "write a smaller number; the README's config reference gives this field's range"
+        // Below 0 (past i64 too, read as i128).
+        "write a number of 0 or more"
+    } else if message.contains("invalid value: integer") && message.contains("expected u32") {
+        // Past a u32 field's largest (the README gives a range only for some).
+        "write a number of at most 4294967295"
+    } else if message.contains("invalid value: integer") || message.contains(" as i128, expected u")
+    {
+        // Past the type's largest (a usize field given more, or any past u64).
+        "write a number of at most 18446744073709551615"
     } else if message.contains("unknown field") {
         "remove it, or use one of the expected fields listed above"
     } else if message.contains("missing field") {
@@ -540,8 +551,6 @@ fn toml_hint(message: &str, field: &str) -> &'static str {
         "write this table's header with single brackets, as there is one of it: [server], [admin], [log], [dns], [metrics]"
     } else if message.contains("expected struct") {
         "write a table here: a header such as [admin] with one `key = value` per line below it; see the README's config reference"
-    } else if message.contains("invalid value: integer `-") {
-        "write a number of 0 or more"
     } else if message.contains("invalid type: string") && field.ends_with("_bytes") {
         // (`"10m"`, as nginx writes sizes: unquoted it would be no TOML at all.)
         "write a number of bytes without quotes and without a unit, e.g. 10485760 for 10 MiB"
@@ -1970,7 +1979,17 @@ mod tests {
             ),
             (
                 format!("[server]\nmax_body_bytes = 18446744073709551616\n{TAIL}"),
-                "help: write a smaller number",
+                "help: write a number of at most 18446744073709551615",
+            ),
+            // A u32 field the README gives no range for: the type's own; a number below
+            // 0, however large, is told so.
+            (
+                format!("[[cluster]]\nname = \"d\"\nendpoints = [\"127.0.0.1:1\"]\neject_after_failures = 5000000000\n{TAIL}"),
+                "eject_after_failures: invalid value: integer `5000000000`, expected u32\n  help: write a number of at most 4294967295",
+            ),
+            (
+                format!("[server]\nmax_body_bytes = -99999999999999999999\n{TAIL}"),
+                "help: write a number of 0 or more",
             ),
             (
                 "[[listener]]\naddress = \"127.0.0.1:0\"\ntls = { cert = \"a.pem\", key = 5 }\n".to_owned(),
@@ -2306,6 +2325,11 @@ mod tests {
             (
                 format!("[[listener]]\naddress = \"127.0.0.1:1\"\ntls = {{ cert = \".\", key = \".\" }}\n{TAIL}"),
                 "is a directory, not a file",
+            ),
+            // Not "no such file: " with no name, nor the config's directory.
+            (
+                format!("[[listener]]\naddress = \"127.0.0.1:1\"\ntls = {{ cert = \"\", key = \" \" }}\n{TAIL}"),
+                "t.toml:3:16: listener[0].tls.cert: the path is empty",
             ),
             (
                 format!("[server]\nworkers = \"2\"\n{TAIL}"),

@@ -18,15 +18,27 @@ impl Checker<'_> {
         let to = raw.get_ref();
         let field = format!("route[{i}].rewrite_prefix");
         let normal = |p: &str| crate::pipeline::route::normal_path(p).map(|n| n.into_owned());
+        // A value suggested for another problem ends with `/` too where it must (below):
+        // a hint that is refused in turn once written is no hint.
+        let slashed = |p: String| {
+            if path_prefix.ends_with('/') && !p.ends_with('/') {
+                format!("{p}/")
+            } else {
+                p
+            }
+        };
         let problem = if !to.starts_with('/') {
             Some((
                 format!("`{to}` does not start with `/`"),
-                format!("write \"/{to}\""),
+                format!("write \"{}\"", slashed(format!("/{to}"))),
             ))
         } else if to.contains(['?', '#']) {
             Some((
                 format!("`{to}` has a query or fragment; the client's query is kept as it is"),
-                format!("write \"{}\"", to.split(['?', '#']).next().unwrap_or("/")),
+                format!(
+                    "write \"{}\"",
+                    slashed(to.split(['?', '#']).next().unwrap_or("/").to_owned())
+                ),
             ))
         } else if !is_path(to.as_bytes()) {
             Some((
@@ -40,7 +52,7 @@ impl Checker<'_> {
                     format!(
                         "`{to}` is not in normal form (`;` parameters, `%XX` that is decoded, `.` and `..` segments or `//`)"
                     ),
-                    format!("write \"{a}\""),
+                    format!("write \"{}\"", slashed(a)),
                 )),
                 (Err(e), _) => Some((
                     format!("`{to}` cannot be sent upstream: {}", e.message()),
@@ -173,6 +185,12 @@ mod tests {
             ),
             ("/api/", "/a;%2F/", "encoded slash", "or `;` parameters"),
             ("/api/", "/v2", "ends with `/`", "write \"/v2/\""),
+            // The value suggested for the first problem ends with `/` too, where the
+            // prefix does: it would be refused next once written.
+            ("/api/", "v2", "does not start with `/`", "write \"/v2/\""),
+            ("/api/", "/v2?x=1", "query or fragment", "write \"/v2/\""),
+            ("/api/", "/a//b", "not in normal form", "write \"/a/b/\""),
+            ("/api", "v2", "does not start with `/`", "write \"/v2\""),
         ] {
             let e = parse(prefix, to).expect_err(to);
             assert!(
