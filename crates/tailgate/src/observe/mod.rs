@@ -195,16 +195,22 @@ impl ConnActivity {
     /// timeout's, which counts from when an answer has gone out (hyper's server ends an
     /// exchange once it holds the whole body, however much of it is still to be written),
     /// as nginx's `keepalive_timeout` does. (Only after a blocked write, so a client that
-    /// keeps up costs no clock read per write.)
+    /// keeps up costs no clock read per write.) Not after a write that failed.
     pub fn took_bytes(&self) {
         let now = self.ms_now();
         self.last_taken_ms.store(now, Ordering::Relaxed);
         self.last_active_ms.store(now, Ordering::Relaxed);
     }
 
-    /// A body that was waiting for the client to take its piece ended.
+    /// A body that was waiting for the client to take its piece ended. When others still
+    /// wait (HTTP/2 streams), the stall clock starts again from now: it counted from the
+    /// first of them, and a stream stalled a while after the one just ended (reset for
+    /// its stall, say) would otherwise see its connection cut before its own reset came,
+    /// and with it the client's other streams.
     pub fn piece_dropped(&self) {
-        self.waiting_on_client.fetch_sub(1, Ordering::Relaxed);
+        if self.waiting_on_client.fetch_sub(1, Ordering::Relaxed) > 1 {
+            self.last_taken_ms.store(self.ms_now(), Ordering::Relaxed);
+        }
     }
 
     /// A write to the client became blocked (`true`) or went through again (`false`).
@@ -465,6 +471,29 @@ impl Drop for ExchangeRecorder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two HTTP/2 streams stalled a while apart: when the first one's piece is dropped (its
+    /// reset), the connection's stall clock starts again for the one still waiting, so
+    /// that stream's own reset comes before its connection is cut. It counted from the
+    /// first stream's piece, and the connection was dropped with every other stream.
+    #[test]
+    fn a_dropped_piece_restarts_the_stall_clock_for_those_still_waiting() {
+        let a = ConnActivity::default();
+        let idle = Duration::from_secs(60);
+        a.piece_handed();
+        let first = a.stalled_deadline(idle).expect("a piece waits");
+        a.piece_handed();
+        std::thread::sleep(Duration::from_millis(20));
+        a.piece_dropped();
+        let after = a.stalled_deadline(idle).expect("one still waits");
+        assert!(
+            after >= first + Duration::from_millis(15),
+            "the clock did not move: {:?}",
+            after.saturating_duration_since(first)
+        );
+        a.piece_dropped();
+        assert_eq!(a.stalled_deadline(idle), None);
+    }
 
     /// A connection's activity, read and written on every request, stays with its `Arc`'s
     /// two counts in one 64-byte line (and one allocation size class).

@@ -695,8 +695,10 @@ struct Drive<'a, C, G> {
 /// start at the same piece: cut at the same moment, the connection's check could run
 /// first and end the connection, and with it the client's other streams (one waiting on
 /// a slow upstream, a long poll) that took nothing only because nothing was sent to them.
-/// Later, the stream's reset has run and taken its piece off the count; what still cuts
-/// the connection then is a client whose window is shut on the connection itself.
+/// Later, the stream's reset has run and taken its piece off the count (and a piece still
+/// waiting on another stream started the clock again: `ConnActivity::piece_dropped`);
+/// what still cuts the connection then is a client that takes nothing on any stream, its
+/// streams' own resets having come first where they could.
 const H2_CONN_STALL_MARGIN: Duration = Duration::from_secs(1);
 
 /// A wait for the next call for idle connections to close: the signal's receiver back

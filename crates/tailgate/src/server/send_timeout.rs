@@ -40,7 +40,9 @@ impl<T: ResetOnClose> SendTimeout<T> {
         if r.is_ready() {
             if self.deadline.take().is_some() {
                 self.activity.set_write_blocked(false);
-                self.activity.took_bytes();
+                if matches!(r, Poll::Ready(Ok(_))) {
+                    self.activity.took_bytes();
+                }
             }
             return r;
         }
