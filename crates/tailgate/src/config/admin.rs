@@ -113,7 +113,7 @@ pub(super) fn check(
                 Some(m.span()),
                 "metrics.max_consumers".into(),
                 "has no effect without metrics.consumer_header, which names the header consumers are counted by".into(),
-                Some("set consumer_header = \"x-consumer-id\" (the header your clients' key or name is in), or remove max_consumers"),
+                Some("set consumer_header = \"x-consumer-id\" (a header naming the consumer, not a secret: its values are published as labels), or remove max_consumers"),
             );
             DEFAULT_MAX_CONSUMERS
         }

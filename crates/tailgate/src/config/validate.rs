@@ -41,9 +41,12 @@ const RESERVED_ID_HEADERS: &[&str] = &[
     "set-cookie",
     "authorization",
     "www-authenticate",
+    // A client's key, printable, would be kept as its id, and written in every access
+    // log line.
     "x-api-key",
-    // Kept as sent when printable: a client's user agent (spaces and all, so nearly
-    // always replaced by a new id, and the upstream never sees it).
+    // Headers of their own in each direction: a client's user agent (with spaces, so
+    // nearly always replaced by a new id, and the upstream would never see it), and the
+    // upstream's server name.
     "user-agent",
     "server",
     // Headers with a meaning of their own in a request or an answer, which the id would
@@ -415,7 +418,8 @@ fn reaches(endpoint: SocketAddr, listener: SocketAddr) -> bool {
     if listener.port() != endpoint.port() {
         return false;
     }
-    let (e, l) = (endpoint.ip(), listener.ip());
+    // (`[::ffff:127.0.0.1]` is 127.0.0.1 to a dual-stack connect.)
+    let (e, l) = (endpoint.ip().to_canonical(), listener.ip());
     e == l || (l.is_unspecified() && e.is_ipv4() == l.is_ipv4() && e.is_loopback())
 }
 
@@ -516,21 +520,19 @@ fn without_type_names(message: &str) -> String {
 
 /// What to write instead, for an error the TOML reader found (before any field is checked).
 fn toml_hint(message: &str, field: &str) -> &'static str {
-    if message.contains("invalid value: integer")
-        && let Some(range) = ranged_hint(field)
-    {
+    // An integer out of the field's type: "invalid value" within i64, "invalid type ...
+    // as i128" past it.
+    let integer =
+        message.contains("invalid value: integer") || message.contains(" as i128, expected u");
+    if integer && let Some(range) = ranged_hint(field) {
         range
-    } else if message.contains("invalid value: integer `-")
-        || message.contains(" integer `-") && message.contains(" as i128, expected u")
-    {
-        // Below 0 (past i64 too, read as i128).
+    } else if integer && message.contains("integer `-") {
         "write a number of 0 or more"
-    } else if message.contains("invalid value: integer") && message.contains("expected u32") {
+    } else if integer && message.contains("expected u32") {
         // Past a u32 field's largest (the README gives a range only for some).
         "write a number of at most 4294967295"
-    } else if message.contains("invalid value: integer") || message.contains(" as i128, expected u")
-    {
-        // Past the type's largest (a usize field given more, or any past u64).
+    } else if integer {
+        // Past the type's largest (a usize or u64 field).
         "write a number of at most 18446744073709551615"
     } else if message.contains("unknown field") {
         "remove it, or use one of the expected fields listed above"
@@ -1991,6 +1993,15 @@ mod tests {
                 format!("[server]\nmax_body_bytes = -99999999999999999999\n{TAIL}"),
                 "help: write a number of 0 or more",
             ),
+            // Past u64 (read as i128): the field's own range, or its type's largest.
+            (
+                format!("[[cluster]]\nname = \"d\"\nendpoints = [\"127.0.0.1:1\"]\neject_after_failures = 99999999999999999999\n{TAIL}"),
+                "help: write a number of at most 4294967295",
+            ),
+            (
+                format!("[[cluster]]\nname = \"d\"\nendpoints = [\"127.0.0.1:1\"]\nretry_budget_percent = 99999999999999999999\n{TAIL}"),
+                "help: write a number between 0 and 100",
+            ),
             (
                 "[[listener]]\naddress = \"127.0.0.1:0\"\ntls = { cert = \"a.pem\", key = 5 }\n".to_owned(),
                 "t.toml:3:31: tls.key: invalid type: integer `5`, expected a string",
@@ -2454,6 +2465,7 @@ mod tests {
             ("0.0.0.0:8080", "127.0.0.1:8080"),
             ("0.0.0.0:8080", "127.0.0.2:8080"),
             ("[::]:8080", "[::1]:8080"),
+            ("127.0.0.1:8080", "[::ffff:127.0.0.1]:8080"),
         ] {
             let text = format!(
                 "[[listener]]\naddress = \"{listener}\"\n[[cluster]]\nname = \"c\"\nendpoints = [\"127.0.0.1:9000\", \"{endpoint}\"]\n"

@@ -18,9 +18,17 @@ impl Checker<'_> {
         let to = raw.get_ref();
         let field = format!("route[{i}].rewrite_prefix");
         let normal = |p: &str| crate::pipeline::route::normal_path(p).map(|n| n.into_owned());
-        // A value suggested for another problem ends with `/` too where it must (below):
-        // a hint that is refused in turn once written is no hint.
-        let slashed = |p: String| {
+        // The value suggested, whatever the first problem: with a leading `/`, without a
+        // query, in normal form, and ending with `/` where the prefix does (below). A hint
+        // mending one problem only would be refused in turn once written.
+        let mended = {
+            let p = to.split(['?', '#']).next().unwrap_or("");
+            let p = if p.starts_with('/') {
+                p.to_owned()
+            } else {
+                format!("/{p}")
+            };
+            let p = normal(&p).unwrap_or(p);
             if path_prefix.ends_with('/') && !p.ends_with('/') {
                 format!("{p}/")
             } else {
@@ -30,15 +38,12 @@ impl Checker<'_> {
         let problem = if !to.starts_with('/') {
             Some((
                 format!("`{to}` does not start with `/`"),
-                format!("write \"{}\"", slashed(format!("/{to}"))),
+                format!("write \"{mended}\""),
             ))
         } else if to.contains(['?', '#']) {
             Some((
                 format!("`{to}` has a query or fragment; the client's query is kept as it is"),
-                format!(
-                    "write \"{}\"",
-                    slashed(to.split(['?', '#']).next().unwrap_or("/").to_owned())
-                ),
+                format!("write \"{mended}\""),
             ))
         } else if !is_path(to.as_bytes()) {
             Some((
@@ -48,11 +53,11 @@ impl Checker<'_> {
         } else {
             match (normal(to), normal(&format!("{to}x"))) {
                 (Ok(a), Ok(b)) if a == *to && b == format!("{to}x") => None,
-                (Ok(a), _) => Some((
+                (Ok(_), _) => Some((
                     format!(
                         "`{to}` is not in normal form (`;` parameters, `%XX` that is decoded, `.` and `..` segments or `//`)"
                     ),
-                    format!("write \"{}\"", slashed(a)),
+                    format!("write \"{mended}\""),
                 )),
                 (Err(e), _) => Some((
                     format!("`{to}` cannot be sent upstream: {}", e.message()),
@@ -191,6 +196,19 @@ mod tests {
             ("/api/", "/v2?x=1", "query or fragment", "write \"/v2/\""),
             ("/api/", "/a//b", "not in normal form", "write \"/a/b/\""),
             ("/api", "v2", "does not start with `/`", "write \"/v2\""),
+            (
+                "/api/",
+                "v2?x=1",
+                "does not start with `/`",
+                "write \"/v2/\"",
+            ),
+            (
+                "/api/",
+                "a//b",
+                "does not start with `/`",
+                "write \"/a/b/\"",
+            ),
+            ("/api/", "/a//b?x", "query or fragment", "write \"/a/b/\""),
         ] {
             let e = parse(prefix, to).expect_err(to);
             assert!(
