@@ -1676,6 +1676,21 @@ async fn a_client_cut_off_for_not_reading_is_a_send_timeout_not_client_gone() {
     drop(s);
 }
 
+/// The same over HTTP/2, where the client's shut flow-control window, not a blocked write,
+/// shows the stall: the stream (or the connection) is ended as a `send_timeout`.
+#[tokio::test]
+async fn an_h2_client_cut_off_for_not_reading_is_a_send_timeout() {
+    let up = big_upstream().await;
+    let gw = TestGateway::to(
+        up,
+        &format!("{ADMIN}[server]\nworkers = 1\nidle_timeout = \"400ms\"\n"),
+    );
+    let admin = admin_addr(&gw);
+    let _unread = h2_big_unread(gw.addr).await;
+    let ex = errors_once(admin, "send_timeout").await;
+    assert_eq!(errors_of(&ex, "client_gone"), 0.0);
+}
+
 /// An answer whose end still waits in hyper's write buffer when the gateway is asked to
 /// stop reaches its client whole. hyper's HTTP/1.1 server ends an exchange once it holds
 /// the whole body, and its connection is idle to it from then on: its graceful close, asked
@@ -1758,21 +1773,6 @@ async fn an_answer_still_in_hypers_write_buffer_is_not_cut_by_a_shutdown() {
         (BODY, "end of stream"),
         "{read_before} bytes read before the shutdown, {rest} after"
     );
-}
-
-/// The same over HTTP/2, where the client's shut flow-control window, not a blocked write,
-/// shows the stall: the stream (or the connection) is ended as a `send_timeout`.
-#[tokio::test]
-async fn an_h2_client_cut_off_for_not_reading_is_a_send_timeout() {
-    let up = big_upstream().await;
-    let gw = TestGateway::to(
-        up,
-        &format!("{ADMIN}[server]\nworkers = 1\nidle_timeout = \"400ms\"\n"),
-    );
-    let admin = admin_addr(&gw);
-    let _unread = h2_big_unread(gw.addr).await;
-    let ex = errors_once(admin, "send_timeout").await;
-    assert_eq!(errors_of(&ex, "client_gone"), 0.0);
 }
 
 /// An HTTP/2 stream whose client keeps its window shut is reset on its own after the idle
